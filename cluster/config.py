@@ -1,0 +1,458 @@
+"""The one typed config.
+
+Dataclasses are the schema; YAML files are sparse overrides; the CLI takes ``key=value``.
+Load order: ``OmegaConf.structured(Config)`` <- each YAML in order <- CLI dotlist, then
+``OmegaConf.to_object`` and :func:`validate`. Unknown keys and wrong types fail in OmegaConf
+(re-raised as :class:`ConfigError` naming the key); cross-field checks raise ``ValueError``
+naming both fields and their values. After loading, frozen dataclasses travel and each
+component receives only its own slice (``cfg.learner``, ``cfg.retrieval``...).
+
+Pure module: imports only the standard library and omegaconf.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be loaded: unknown key, wrong type or impossible combination."""
+
+
+@dataclass(frozen=True)
+class WorldConfig:
+    """The embedded synthetic world: entities, one passage each, 1- and 2-hop questions."""
+
+    seed: int = 0
+    """World seed; the corpus, questions and the train/held-out split are a function of it."""
+    num_entities: int = 520
+    """Entities (persons, companies, cities, countries) with made-up names."""
+    heldout_fraction: float = 0.15
+    """Fraction of *entities* whose questions are held out (split by entity, so no fact leaks)."""
+    num_heldout_eval: int = 200
+    """Held-out questions used by the before/after evaluation (0 = all)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy. ``path`` set: a local Hugging Face directory; unset: a tiny random model."""
+
+    path: Optional[str] = None
+    """Local HF model directory (weights + tokenizer). None builds the tiny model below."""
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 384
+    max_position_embeddings: int = 1024
+    tie_word_embeddings: bool = True
+    seed: int = 0
+    """Init seed of the random model (identical on every process that builds it)."""
+
+
+@dataclass(frozen=True)
+class ProtocolConfig:
+    """Tool protocol: which tags delimit queries, documents and the answer."""
+
+    name: str = "rag_r1_multi"
+    """r1_searcher | search_r1 | rag_r1_multi"""
+    template: str = "base"
+    """base (plain text prompt) | chat (the tokenizer's chat template)"""
+    max_turns: int = 4
+    """Search steps allowed before the answer (R1-Searcher allows 8)."""
+    max_queries_per_step: int = 3
+    """Per-step query budget (RAG-R1 multi-query); extra queries are dropped and counted."""
+    docs_per_query: int = 1
+    """Documents injected per query (R1-Searcher's default is 3)."""
+    max_new_tokens_per_turn: int = 48
+    max_total_tokens: int = 512
+    """Budget for the whole trajectory, prompt and documents included."""
+    max_doc_tokens: int = 96
+    """Each injected document is truncated to this many tokens."""
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """Connection to an Elasticsearch cluster. Credentials come from the environment only."""
+
+    hosts: List[str] = field(default_factory=lambda: ["http://127.0.0.1:9200"])
+    index: str = "sonar"
+    api_key_env: str = "SONAR_ES_API_KEY"
+    """Name of the env var holding the API key (the key itself never enters the config)."""
+    username_env: str = "SONAR_ES_USERNAME"
+    password_env: str = "SONAR_ES_PASSWORD"
+    ca_certs: Optional[str] = None
+    verify_certs: bool = True
+    request_timeout_s: float = 10.0
+    bm25_k1: float = 1.2
+    bm25_b: float = 0.75
+    title_boost: float = 2.0
+    store_vectors: bool = False
+    """Index MiniLM passage vectors as dense_vector so reranking can run server-side."""
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """Search backend, reranker, cache and the shared service."""
+
+    backend: str = "tantivy"
+    """tantivy | elasticsearch"""
+    corpus: Optional[str] = None
+    """JSONL corpus {id, title, text}; None uses the synthetic world's corpus."""
+    index_dir: Optional[str] = None
+    """Where the tantivy index (and passage vectors) live; None: <run.root>/index/<corpus hash>."""
+    k: int = 1
+    rerank: str = "none"
+    """none | dense | cross"""
+    rerank_candidates: int = 20
+    """First-stage depth N for reranking (top-N BM25, then top-k dense)."""
+    rerank_model: Optional[str] = None
+    """Encoder directory for dense/cross rerank; None uses the packaged MiniLM."""
+    cache_size: int = 4096
+    """LRU entries; 0 disables the cache."""
+    max_query_chars: int = 512
+    """Longer queries are truncated (counted in retrieval/truncated)."""
+    timeout_s: float = 10.0
+    max_retries: int = 2
+    backoff_s: float = 0.1
+    breaker_failures: int = 5
+    """Consecutive failures that open the circuit breaker."""
+    breaker_reset_s: float = 5.0
+    replicas: int = 1
+    """Ray retrieval-service actors shared by all rollout workers (0: in-process per worker)."""
+    batch_window_ms: float = 2.0
+    max_batch: int = 64
+    max_concurrency: int = 16
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Rollout workers and sampling."""
+
+    num_workers: int = 2
+    group_size: int = 8
+    """Samples per prompt (a GRPO group)."""
+    groups_per_request: int = 2
+    """Groups a worker generates together in one batched pass."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    engine: str = "hf"
+    """hf (transformers, CPU/GPU) | vllm (GPU)"""
+    num_cpus_per_worker: float = 1.0
+    num_gpus_per_worker: float = 0.0
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    """Policy-gradient algorithm and off-policy correction."""
+
+    name: str = "grpo"
+    """grpo | dr_grpo | reinforce_pp | ppo"""
+    std_normalize: bool = False
+    """GRPO: divide group-centred rewards by the group std (Dr.GRPO: never)."""
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    """Asymmetric PPO clip: ratio in [1-clip_low, 1+clip_high] (clip-higher)."""
+    loss_agg: str = "token_mean"
+    """token_mean | seq_mean_token_mean | seq_sum_norm (sum / loss_norm_const)."""
+    loss_norm_const: float = 512.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    """k1 | k2 | k3"""
+    kl_mode: str = "loss"
+    """loss | reward"""
+    off_policy: str = "tis"
+    """none | tis | decoupled | vtrace"""
+    tis_cap: float = 2.0
+    vtrace_rho_bar: float = 1.0
+    vtrace_c_bar: float = 1.0
+    dynamic_sampling: bool = True
+    """Drop groups whose rewards are all equal (no signal); counted in learner/groups_zero_signal."""
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """The DeepSpeed learner."""
+
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.99])
+    warmup_steps: int = 5
+    lr_decay: str = "constant"
+    """constant | cosine | linear (after warmup, over the stage length)"""
+    grad_clip: float = 1.0
+    zero_stage: int = 0
+    precision: str = "auto"
+    """auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16"""
+    groups_per_step: int = 8
+    """Whole groups per optimizer step."""
+    micro_batch_tokens: int = 8192
+    """Micro-batches are packed by token budget (padded length x rows)."""
+    gradient_checkpointing: bool = False
+    broadcast_every: int = 1
+    """Push weights to the rollout workers every k learner steps."""
+    dist_backend: str = "auto"
+    """auto (nccl on GPU, gloo on CPU) | gloo | nccl"""
+    num_gpus: float = 0.0
+    num_cpus: float = 1.0
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """The replay queue between rollout workers and the learner."""
+
+    capacity_groups: int = 16
+    """Backpressure: workers wait when this many groups are queued."""
+    max_policy_lag: int = 2
+    """Staleness bound in learner versions (0 = fully on-policy)."""
+    stale_policy: str = "drop"
+    """drop (and count) | downweight (keep, weight gamma**(lag - bound))"""
+    stale_downweight: float = 0.5
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Outcome reward. Each part is logged separately."""
+
+    name: str = "answer_em"
+    """answer_em | answer_f1 | cover_em | r1_stage1 | r1_stage2 | rag_r1"""
+    format_weight: float = 0.1
+    """Weight of the format term added to the answer reward."""
+    format_penalty: float = -1.0
+    """R1-Searcher stage 2: reward when the format is broken."""
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """One stage of a run; the next stage starts from this one's weights."""
+
+    name: str = "rl"
+    kind: str = "rl"
+    """sft | rl"""
+    steps: int = 60
+    """Learner steps in this stage."""
+    lr: Optional[float] = None
+    """Overrides learner.lr for this stage."""
+    batch_size: int = 64
+    """SFT only: demonstrations per step."""
+    data: str = "world"
+    """world (synthetic questions) or a dataset file for the loaders."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    before: bool = True
+    """Evaluate held-out EM before RL (after SFT) as well as after."""
+    no_search: bool = True
+    """Also evaluate with search disabled (every search returns no documents)."""
+    batch_size: int = 64
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    uri: Optional[str] = None
+    """MLflow tracking URI; None: sqlite in the run directory. Tokens come from MLFLOW_TRACKING_TOKEN."""
+    experiment: str = "sonar"
+    enabled: bool = True
+    log_model: bool = True
+    """Save the final policy in Hugging Face format as a run artifact."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    address: Optional[str] = None
+    """Ray address to join; None: RAY_ADDRESS if set, else a local cluster on 127.0.0.1."""
+    num_cpus: Optional[int] = None
+    """CPUs of the local cluster (None: detect)."""
+    max_worker_restarts: int = 0
+    """Restarts allowed per rollout worker before the run fails."""
+    health_timeout_s: float = 60.0
+    """A worker silent for this long is reported dead."""
+    step_timeout_s: float = 600.0
+    """A learner step that takes longer fails the run loudly (no silent hang)."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "tiny"
+    seed: int = 0
+    root: str = "runs"
+    """Run directories are created under this folder."""
+    run_dir: Optional[str] = None
+    """Explicit run directory (default: <root>/<name>-<timestamp>)."""
+    resume: Optional[str] = None
+    """Checkpoint path or 'latest'."""
+    checkpoint_every: int = 0
+    """Learner steps between checkpoints (0: only at the end of each stage)."""
+    log_every: int = 1
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    world: WorldConfig = field(default_factory=WorldConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    stages: List[StageConfig] = field(default_factory=lambda: [StageConfig()])
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+_CHOICES = {
+    "protocol.name": ("r1_searcher", "search_r1", "rag_r1_multi"),
+    "protocol.template": ("base", "chat"),
+    "retrieval.backend": ("tantivy", "elasticsearch"),
+    "retrieval.rerank": ("none", "dense", "cross"),
+    "rollout.engine": ("hf", "vllm"),
+    "learner.lr_decay": ("constant", "cosine", "linear"),
+    "learner.precision": ("auto", "fp32", "bf16"),
+    "learner.dist_backend": ("auto", "gloo", "nccl"),
+    "replay.stale_policy": ("drop", "downweight"),
+}
+_STAGE_CHOICES = {
+    "kind": ("sft", "rl"),
+    "algo.name": ("grpo", "dr_grpo", "reinforce_pp", "ppo"),
+    "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_sum_norm"),
+    "algo.kl_estimator": ("k1", "k2", "k3"),
+    "algo.kl_mode": ("loss", "reward"),
+    "algo.off_policy": ("none", "tis", "decoupled", "vtrace"),
+    "reward.name": ("answer_em", "answer_f1", "cover_em", "r1_stage1", "r1_stage2", "rag_r1"),
+}
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-field checks. Raises ValueError naming the fields and values."""
+    for key, allowed in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ValueError(f"{key}={value!r} is not one of {list(allowed)}")
+    if not cfg.stages:
+        raise ValueError("stages=[] : a run needs at least one stage")
+    for i, stage in enumerate(cfg.stages):
+        for key, allowed in _STAGE_CHOICES.items():
+            value = _get(stage, key)
+            if value not in allowed:
+                raise ValueError(f"stages[{i}].{key}={value!r} is not one of {list(allowed)}")
+        if stage.steps < 0:
+            raise ValueError(f"stages[{i}].steps={stage.steps} must be >= 0")
+        a = stage.algo
+        if a.clip_low < 0 or a.clip_low >= 1 or a.clip_high < 0:
+            raise ValueError(
+                f"stages[{i}].algo.clip_low={a.clip_low} / clip_high={a.clip_high}: need 0<=clip_low<1, clip_high>=0")
+        if a.name == "dr_grpo" and a.std_normalize:
+            raise ValueError(f"stages[{i}].algo.name='dr_grpo' with stages[{i}].algo.std_normalize=True: Dr.GRPO has no std normalisation")
+        if stage.kind == "rl" and stage.algo.name in ("grpo", "dr_grpo") and cfg.rollout.group_size < 2:
+            raise ValueError(f"stages[{i}].algo.name={a.name!r} needs rollout.group_size >= 2, got {cfg.rollout.group_size}")
+    r = cfg.rollout
+    if r.num_workers < 1:
+        raise ValueError(f"rollout.num_workers={r.num_workers} must be >= 1")
+    if r.group_size < 1 or r.groups_per_request < 1:
+        raise ValueError(f"rollout.group_size={r.group_size} and rollout.groups_per_request={r.groups_per_request} must be >= 1")
+    if not (0.0 <= r.temperature):
+        raise ValueError(f"rollout.temperature={r.temperature} must be >= 0")
+    L = cfg.learner
+    if L.groups_per_step < 1:
+        raise ValueError(f"learner.groups_per_step={L.groups_per_step} must be >= 1")
+    if cfg.replay.capacity_groups < L.groups_per_step:
+        raise ValueError(
+            f"replay.capacity_groups={cfg.replay.capacity_groups} < learner.groups_per_step={L.groups_per_step}: "
+            "the learner could never fill a batch")
+    if L.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"learner.zero_stage={L.zero_stage} must be 0, 1, 2 or 3")
+    if L.broadcast_every < 1:
+        raise ValueError(f"learner.broadcast_every={L.broadcast_every} must be >= 1")
+    if cfg.replay.max_policy_lag < 0:
+        raise ValueError(f"replay.max_policy_lag={cfg.replay.max_policy_lag} must be >= 0")
+    if L.broadcast_every > cfg.replay.max_policy_lag + 1:
+        raise ValueError(
+            f"learner.broadcast_every={L.broadcast_every} > replay.max_policy_lag+1={cfg.replay.max_policy_lag + 1}: "
+            "every trajectory would be stale before the workers saw new weights")
+    p = cfg.protocol
+    if p.max_queries_per_step < 1 or p.max_turns < 0:
+        raise ValueError(f"protocol.max_queries_per_step={p.max_queries_per_step} / protocol.max_turns={p.max_turns} out of range")
+    if p.max_total_tokens > cfg.model.max_position_embeddings and cfg.model.path is None:
+        raise ValueError(
+            f"protocol.max_total_tokens={p.max_total_tokens} > model.max_position_embeddings={cfg.model.max_position_embeddings}")
+    if p.name == "r1_searcher" or p.name == "search_r1":
+        pass
+    if cfg.retrieval.rerank != "none" and cfg.retrieval.rerank_candidates < cfg.retrieval.k:
+        raise ValueError(
+            f"retrieval.rerank_candidates={cfg.retrieval.rerank_candidates} < retrieval.k={cfg.retrieval.k}")
+    if cfg.retrieval.k < p.docs_per_query:
+        raise ValueError(f"retrieval.k={cfg.retrieval.k} < protocol.docs_per_query={p.docs_per_query}")
+    if cfg.world.heldout_fraction <= 0 or cfg.world.heldout_fraction >= 1:
+        raise ValueError(f"world.heldout_fraction={cfg.world.heldout_fraction} must be in (0, 1)")
+    return cfg
+
+
+def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ()) -> Config:
+    """Schema <- YAML files (in order) <- CLI dotlist -> validated frozen Config."""
+    merged = OmegaConf.structured(Config)
+    for p in paths:
+        p = Path(p)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.load(p))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"{p}: {_explain(e)}") from None
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r} is not of the form key=value")
+    try:
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"command line: {_explain(e)}") from None
+    return validate(obj)
+
+
+def _explain(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    msg = str(e).splitlines()[0]
+    return f"key {key!r}: {msg}" if key else msg
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, str]:
+    """Flattened params for MLflow (lists become JSON strings)."""
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        elif isinstance(v, list) and v and isinstance(v[0], dict):
+            for i, item in enumerate(v):
+                out.update(flatten(item, f"{key}.{i}."))
+        else:
+            out[key] = json.dumps(v) if isinstance(v, (list, tuple)) else str(v)
+    return out
