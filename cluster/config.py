@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -418,15 +419,43 @@ def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ())
             merged = OmegaConf.merge(merged, OmegaConf.load(p))
         except OmegaConfBaseException as e:
             raise ConfigError(f"{p}: {_explain(e)}") from None
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise ConfigError(f"override {bad[0]!r} is not of the form key=value")
+    # Overrides are applied to a plain copy and merged back into the schema, which re-checks every
+    # key and type. (A dotlist merge cannot index into lists: ``stages.1.steps=40``.)
+    plain = OmegaConf.to_container(merged)
+    for o in overrides:
+        key, eq, raw = o.partition("=")
+        if not eq:
+            raise ConfigError(f"override {o!r} is not of the form key=value")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {o!r}: value is not valid YAML: {e}") from None
+        _set_path(plain, key.strip(), value, o)
     try:
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
-        obj = OmegaConf.to_object(merged)
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), plain))
     except OmegaConfBaseException as e:
         raise ConfigError(f"command line: {_explain(e)}") from None
     return validate(obj)
+
+
+def _set_path(node: Any, key: str, value: Any, override: str) -> None:
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"override {override!r}: {'.'.join(parts[:i])} has {len(node)} entries, "
+                                  f"no index {part!r}")
+            part = int(part)
+            if last:
+                node[part] = value
+            else:
+                node = node[part]
+        else:
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
 
 
 def _explain(e: OmegaConfBaseException) -> str:

@@ -1,0 +1,256 @@
+"""The rollout worker: a thin Ray actor around an engine and ``rollout_groups``.
+
+It owns one generation engine and runs the rollout loop in a background thread:
+claim prompts -> ``rollout_groups`` (generate/search/inject) -> put each finished group into the
+replay queue (blocking while it is full: backpressure). Weights arrive on the broadcast group through
+``receive_weights`` (an actor method, so it runs while the loop thread generates) into a staging copy;
+``SwappingEngine`` installs the staged copy at the start of the next ``generate`` call, so weights
+never change inside a forward pass and every MODEL segment carries the version that sampled it.
+
+Create with ``ray.remote(RolloutWorker)``; the class itself does not import Ray at module level so it
+can be unit-tested in-process.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from actors.engine import Engine, Generation, SamplingParams
+from cluster.config import Config, StageConfig
+from cluster.protocol import Trajectory, encode_group
+
+
+class SwappingEngine:
+    """Engine proxy that installs staged weights between generate calls (never during one)."""
+
+    def __init__(self, inner: Engine):
+        self.inner = inner
+        self._staged: tuple[int, dict] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    def stage(self, version: int, tensors: dict) -> None:
+        with self._lock:
+            self._staged = (version, tensors)
+
+    def apply_staged(self) -> None:
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is not None:
+            version, tensors = staged
+            self.inner.load_weights(tensors.items(), version)
+
+    def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams) -> list[Generation]:
+        self.apply_staged()
+        return self.inner.generate(prompts, params)
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        self.inner.load_weights(named_tensors, version)
+
+    def parameter_specs(self):
+        return self.inner.parameter_specs()
+
+    def state_checksum(self) -> float:
+        return self.inner.state_checksum()
+
+
+def _set_threads(n: int = 1) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    import torch
+
+    torch.set_num_threads(n)
+
+
+@dataclass
+class EvalResult:
+    metrics: dict[str, float]
+    records: list[dict]
+
+
+class RolloutWorker:
+    def __init__(self, worker_id: int, cfg: Config, retrieval_handles: list | None = None):
+        _set_threads(1)
+        from actors.engine import HFEngine
+        from actors.model import policy_and_tokenizer
+        from actors.prompts import get_protocol
+        from actors.world import build_world
+
+        self.worker_id = worker_id
+        self.cfg = cfg
+        self.world = build_world(cfg.world)
+        model, self.tokenizer = policy_and_tokenizer(cfg.model, self.world)
+        self.engine = SwappingEngine(HFEngine(model, eos_token_id=self.tokenizer.eos_token_id))
+        self.tags = get_protocol(cfg.protocol.name)
+        self.retriever = self._make_retriever(retrieval_handles)
+        self._group = None
+        self._buckets = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._error: str | None = None
+        self._last_progress = time.monotonic()
+        self._stats = {"groups": 0, "trajectories": 0, "model_tokens": 0, "searches": 0, "gen_s": 0.0,
+                       "retrieve_s": 0.0, "requeued": 0}
+        self._recent: list[dict] = []
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ wiring
+    def _make_retriever(self, handles):
+        from retrieval.service import RetrievalClient
+
+        if handles:
+            return RetrievalClient(handles, timeout_s=self.cfg.retrieval.timeout_s)
+        raise ValueError("RolloutWorker needs retrieval service handles (retrieval.replicas >= 1)")
+
+    def ready(self) -> dict:
+        return {"worker_id": self.worker_id, "pid": os.getpid(), "version": self.engine.version,
+                "num_params": sum(int(np.prod(s.shape)) for s in self.engine.parameter_specs())}
+
+    def setup_broadcast(self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str,
+                        prefix: str) -> bool:
+        from cluster.weights import BroadcastGroup, TensorSpec, plan_buckets
+
+        self._group = BroadcastGroup(master_addr, master_port, rank, world_size, backend, prefix=prefix)
+        specs = [TensorSpec(p.name, tuple(p.shape), p.dtype) for p in self.engine.parameter_specs()]
+        self._buckets = plan_buckets(specs)
+        return True
+
+    def receive_weights(self, version: int) -> dict:
+        """Collective: runs concurrently with the loop thread's generation. Staged, swapped later."""
+        t0 = time.perf_counter()
+        tensors = self._group.recv_weights(self._buckets)
+        self.engine.stage(version, tensors)
+        return {"worker_id": self.worker_id, "version": version, "recv_s": time.perf_counter() - t0}
+
+    def apply_staged_weights(self) -> int:
+        self.engine.apply_staged()
+        return self.engine.version
+
+    def checksum(self) -> dict:
+        return {"version": self.engine.version, "checksum": self.engine.state_checksum()}
+
+    # ------------------------------------------------------------------ rollout loop
+    def start(self, replay, stage_index: int, stage: StageConfig) -> bool:
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError(f"worker {self.worker_id}: rollout loop already running")
+        self._stop.clear()
+        self._error = None
+        self._thread = threading.Thread(target=self._loop, args=(replay, stage_index, stage), daemon=True,
+                                        name=f"rollout-{self.worker_id}")
+        self._thread.start()
+        return True
+
+    def stop(self, timeout_s: float = 120.0) -> dict:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise RuntimeError(f"worker {self.worker_id}: rollout loop did not stop within {timeout_s}s")
+        return self.health()
+
+    def health(self) -> dict:
+        with self._lock:
+            recent, self._recent = self._recent, []
+            stats = dict(self._stats)
+        alive = self._thread is not None and self._thread.is_alive()
+        return {"worker_id": self.worker_id, "alive": alive, "error": self._error,
+                "idle_s": time.monotonic() - self._last_progress, "version": self.engine.version,
+                "stats": stats, "recent": recent}
+
+    def _rollout(self, items, stage_index: int, stage: StageConfig, temperature: float,
+                 search_enabled: bool = True, seed: int | None = None):
+        from actors.rewards import trajectory_reward
+        from actors.rollout import rollout_groups
+
+        return asyncio.run(rollout_groups(
+            items, engine=self.engine, retriever=self.retriever, tokenizer=self.tokenizer, tags=self.tags,
+            proto=self.cfg.protocol, temperature=temperature,
+            group_size=self.cfg.rollout.group_size if temperature > 0 else 1,
+            k=self.cfg.retrieval.k, reward_fn=lambda t: trajectory_reward(stage.reward, t),
+            actor_id=self.worker_id, stage=stage_index, search_enabled=search_enabled, seed=seed))
+
+    def _loop(self, replay, stage_index: int, stage: StageConfig) -> None:
+        import ray
+
+        from actors.rollout import PromptItem
+
+        try:
+            n = self.cfg.rollout.groups_per_request
+            seed_base = self.cfg.run.seed * 1_000_003 + self.worker_id * 7919
+            batch_no = 0
+            while not self._stop.is_set():
+                idx = ray.get(replay.claim.remote(self.worker_id, n))
+                items = [self._prompt_item(i) for i in idx]
+                groups, rstats = self._rollout(items, stage_index, stage, self.cfg.rollout.temperature,
+                                               seed=seed_base + batch_no)
+                batch_no += 1
+                for i, group in zip(idx, groups):
+                    ok = ray.get(replay.put.remote(encode_group(group), min(t.min_version() for t in group),
+                                                   len(group), i, self.worker_id))
+                    self._record(group, ok)
+                with self._lock:
+                    self._stats["gen_s"] += getattr(rstats, "generate_s", 0.0)
+                    self._stats["retrieve_s"] += getattr(rstats, "retrieve_s", 0.0)
+                self._last_progress = time.monotonic()
+        except Exception:  # reported through health(); the driver restarts or fails the run
+            self._error = traceback.format_exc(limit=20)
+
+    def _prompt_item(self, index: int):
+        from actors.rollout import PromptItem
+
+        q = self.world.train[index]
+        return PromptItem(prompt_id=q.qid, question=q.question, golds=list(q.golds))
+
+    def _record(self, group: list[Trajectory], ok: bool) -> None:
+        with self._lock:
+            if not ok:
+                self._stats["requeued"] += 1
+                return
+            self._stats["groups"] += 1
+            self._stats["trajectories"] += len(group)
+            for t in group:
+                self._stats["model_tokens"] += t.num_model_tokens()
+                self._stats["searches"] += len(t.searches)
+                self._recent.append({"reward": t.reward, "parts": dict(t.reward_parts),
+                                     "finish": t.finish_reason, "searches": len(t.searches),
+                                     "failed_searches": sum(1 for s in t.searches if s.error),
+                                     "latency_ms": [s.latency_ms for s in t.searches],
+                                     "model_tokens": t.num_model_tokens()})
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, questions: list[dict], search_enabled: bool, stage: StageConfig) -> list[dict]:
+        """Greedy rollouts over the given questions; returns one record per question with the trace."""
+        from actors.rollout import PromptItem
+
+        self.engine.apply_staged()
+        items = [PromptItem(prompt_id=q["qid"], question=q["question"], golds=list(q["golds"])) for q in questions]
+        out: list[dict] = []
+        bs = max(1, self.cfg.eval.batch_size)
+        for s in range(0, len(items), bs):
+            t0 = time.perf_counter()
+            groups, _ = self._rollout(items[s:s + bs], -1, stage, temperature=0.0, search_enabled=search_enabled)
+            dt = (time.perf_counter() - t0) / max(1, len(groups))
+            for g in groups:
+                t = g[0]
+                out.append(trajectory_record(t, self.tokenizer, latency_s=dt))
+        return out
+
+
+def trajectory_record(t: Trajectory, tokenizer: Any, latency_s: float) -> dict:
+    """One predictions-JSONL record: question, golds, prediction, parts and the full decoded trace."""
+    return {"id": t.prompt_id, "question": t.question, "golden_answers": t.golds, "prediction": t.prediction,
+            "finish_reason": t.finish_reason, "reward": t.reward, "reward_parts": t.reward_parts,
+            "searches": [{"queries": s.queries, "doc_ids": s.doc_ids, "latency_ms": s.latency_ms, "error": s.error}
+                         for s in t.searches],
+            "num_searches": len(t.searches), "model_tokens": t.num_model_tokens(), "tokens": t.num_tokens(),
+            "latency_s": latency_s,
+            "trace": tokenizer.decode(t.token_ids().tolist(), skip_special_tokens=False)}

@@ -1,0 +1,75 @@
+"""``sonar`` command line: train, eval, score, bench.
+
+    sonar train [--config FILE ...] [key=value ...]     # default: configs/tiny.yaml
+    sonar eval --config C --checkpoint DIR --data FILE [--data FILE2 ...] [key=value ...]
+    sonar score PREDICTIONS.jsonl [...] [--pred-field F --gold-field G]
+    sonar bench NAME [--quick] [...]
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from cluster.config import DEFAULT_CONFIG, ConfigError, load_config
+
+
+def _env_defaults() -> None:
+    # Before torch/ray are imported: one thread per process, Ray on loopback, no hub access.
+    for k, v in {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                 "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+                 "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_ALLOW_FILE_STORE": "true"}.items():
+        os.environ.setdefault(k, v)
+
+
+def _load(args) -> "Config":
+    try:
+        return load_config(args.config or [DEFAULT_CONFIG], args.overrides)
+    except (ConfigError, ValueError) as e:
+        print(f"sonar: config error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _env_defaults()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "score":
+        from actors.scoring import main as score_main
+
+        return score_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from bench.run import main as bench_main
+
+        return bench_main(argv[1:])
+    p = argparse.ArgumentParser(prog="sonar")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train (default: configs/tiny.yaml)")
+    t.add_argument("--config", action="append", help="YAML override file(s), merged in order")
+    t.add_argument("overrides", nargs="*", help="key=value overrides")
+    e = sub.add_parser("eval", help="greedy evaluation of a checkpoint over dataset files")
+    e.add_argument("--config", action="append")
+    e.add_argument("--checkpoint", required=True, help="Sonar checkpoint or Hugging Face model directory")
+    e.add_argument("--data", action="append", required=True, help="dataset file (repeatable)")
+    e.add_argument("--out", default=None, help="output directory")
+    e.add_argument("overrides", nargs="*")
+    sub.add_parser("score", help="score predictions JSONL files")
+    sub.add_parser("bench", help="run a benchmark from bench/")
+    args = p.parse_args(argv)
+    cfg = _load(args)
+    if args.cmd == "train":
+        from cluster.launch import train
+
+        train(cfg)
+        return 0
+    if args.cmd == "eval":
+        from cluster.evaluate import run_eval
+
+        run_eval(cfg, args.checkpoint, args.data, args.out)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,279 @@
+"""The replay queue between rollout workers and the learner, and the prompt cursor.
+
+``ReplayCore`` is pure (no Ray) and holds the invariants; ``ReplayQueue`` is the thin async Ray
+actor around it that adds waiting (backpressure for producers, batching for the consumer).
+
+Units: the queue holds whole GRPO *groups* (one msgpack message each); accounting counts
+*trajectories*. The invariant, checked by ``balance()`` and by the end-to-end test:
+
+    produced == consumed + dropped_stale + requeued + queued
+
+(requeued: trajectories of groups still queued when a stage ends; their prompts go back to the cursor.)
+
+Policy lag of a group = learner version when it is handed out - the oldest policy version that
+sampled any of its tokens. Groups with lag > max_policy_lag are dropped (and counted) under the
+``drop`` policy; under ``downweight`` they are handed out and the learner weights them.
+
+Prompts: workers claim prompt indices from a seeded epoch permutation. A claim is released when its
+group is put; the claims of a dead worker are requeued at the front, so no prompt is lost.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class QueuedGroup:
+    payload: bytes
+    min_version: int
+    num_trajs: int
+    prompt_index: int
+    worker_id: int
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+
+class PromptCursor:
+    """Seeded epoch permutations over ``num_prompts`` indices, with a front requeue list."""
+
+    def __init__(self, num_prompts: int, seed: int):
+        if num_prompts <= 0:
+            raise ValueError(f"num_prompts={num_prompts}: the training set is empty")
+        self.num_prompts, self.seed = num_prompts, seed
+        self.epoch, self.pos = 0, 0
+        self.requeued: deque[int] = deque()
+        self._perm = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_prompts)
+
+    def take(self, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n and self.requeued:
+            out.append(self.requeued.popleft())
+        while len(out) < n:
+            if self.pos >= self.num_prompts:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._perm = self._permutation(self.epoch)
+            out.append(int(self._perm[self.pos]))
+            self.pos += 1
+        return out
+
+    def requeue(self, indices: list[int]) -> None:
+        self.requeued.extendleft(reversed(indices))
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "requeued": list(self.requeued),
+                "num_prompts": self.num_prompts, "seed": self.seed}
+
+    def load_state_dict(self, s: dict) -> None:
+        if s["num_prompts"] != self.num_prompts or s["seed"] != self.seed:
+            raise ValueError(f"prompt cursor state is for num_prompts={s['num_prompts']}, seed={s['seed']}; "
+                             f"this run has num_prompts={self.num_prompts}, seed={self.seed}")
+        self.epoch, self.pos = s["epoch"], s["pos"]
+        self.requeued = deque(s["requeued"])
+        self._perm = self._permutation(self.epoch)
+
+
+class ReplayCore:
+    def __init__(self, capacity_groups: int, max_policy_lag: int, stale_policy: str,
+                 num_prompts: int, seed: int):
+        if stale_policy not in ("drop", "downweight"):
+            raise ValueError(f"replay.stale_policy={stale_policy!r} is not 'drop' or 'downweight'")
+        self.capacity = capacity_groups
+        self.max_lag = max_policy_lag
+        self.stale_policy = stale_policy
+        self.groups: deque[QueuedGroup] = deque()
+        self.cursor = PromptCursor(num_prompts, seed)
+        self.claims: dict[int, list[int]] = {}
+        self.learner_version = 0
+        self.counts = {"produced": 0, "consumed": 0, "dropped_stale": 0, "requeued": 0, "requeued_prompts": 0,
+                       "produced_groups": 0, "consumed_groups": 0, "dropped_groups": 0}
+        self.lags: list[int] = []
+
+    # -- prompts
+    def claim(self, worker_id: int, n: int) -> list[int]:
+        idx = self.cursor.take(n)
+        self.claims.setdefault(worker_id, []).extend(idx)
+        return idx
+
+    def release_worker(self, worker_id: int) -> int:
+        """Requeue every outstanding claim of a dead worker; returns how many."""
+        lost = self.claims.pop(worker_id, [])
+        self.cursor.requeue(lost)
+        self.counts["requeued_prompts"] += len(lost)
+        return len(lost)
+
+    def requeue_claim(self, worker_id: int, prompt_index: int) -> None:
+        claims = self.claims.get(worker_id, [])
+        if prompt_index in claims:
+            claims.remove(prompt_index)
+        self.cursor.requeue([prompt_index])
+        self.counts["requeued_prompts"] += 1
+
+    # -- groups
+    def full(self) -> bool:
+        return len(self.groups) >= self.capacity
+
+    def add(self, g: QueuedGroup) -> None:
+        claims = self.claims.get(g.worker_id, [])
+        if g.prompt_index in claims:
+            claims.remove(g.prompt_index)
+        self.groups.append(g)
+        self.counts["produced"] += g.num_trajs
+        self.counts["produced_groups"] += 1
+
+    def lag(self, g: QueuedGroup) -> int:
+        return max(0, self.learner_version - g.min_version)
+
+    def take(self, n_groups: int, learner_version: int) -> tuple[list[tuple[bytes, int]], int]:
+        """Pop up to n fresh groups; stale ones are dropped and counted. Returns ([(payload, lag)], dropped)."""
+        self.learner_version = max(self.learner_version, learner_version)
+        out: list[tuple[bytes, int]] = []
+        dropped = 0
+        while self.groups and len(out) < n_groups:
+            g = self.groups.popleft()
+            lag = self.lag(g)
+            if lag > self.max_lag and self.stale_policy == "drop":
+                self.counts["dropped_stale"] += g.num_trajs
+                self.counts["dropped_groups"] += 1
+                dropped += g.num_trajs
+                continue
+            self.counts["consumed"] += g.num_trajs
+            self.counts["consumed_groups"] += 1
+            self.lags.append(lag)
+            out.append((g.payload, lag))
+        return out, dropped
+
+    def drain(self) -> int:
+        """Stage end: queued groups are not trained; their prompts go back to the cursor (requeued)."""
+        n = 0
+        while self.groups:
+            g = self.groups.popleft()
+            self.cursor.requeue([g.prompt_index])
+            self.counts["requeued"] += g.num_trajs
+            self.counts["requeued_prompts"] += 1
+            n += g.num_trajs
+        return n
+
+    def queued_trajs(self) -> int:
+        return sum(g.num_trajs for g in self.groups)
+
+    def balance(self) -> dict:
+        c = dict(self.counts)
+        c["queued"] = self.queued_trajs()
+        c["balanced"] = c["produced"] == c["consumed"] + c["dropped_stale"] + c["requeued"] + c["queued"]
+        return c
+
+    def stats(self) -> dict:
+        s = self.balance()
+        s["depth_groups"] = len(self.groups)
+        s["learner_version"] = self.learner_version
+        s["outstanding_claims"] = sum(len(v) for v in self.claims.values())
+        return s
+
+    def state_dict(self) -> dict:
+        """Checkpointed state. Queued groups are not saved: on resume their prompts are requeued,
+        so nothing is lost and nothing is trained twice (they were never consumed)."""
+        pending = [g.prompt_index for g in self.groups] + [i for v in self.claims.values() for i in v]
+        cursor = self.cursor.state_dict()
+        cursor["requeued"] = pending + cursor["requeued"]
+        counts = dict(self.counts)
+        return {"cursor": cursor, "counts": counts, "learner_version": self.learner_version,
+                "queued_trajs": self.queued_trajs(), "requeued_on_save": pending}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.cursor.load_state_dict(s["cursor"])
+        self.counts = dict(s["counts"])
+        # Groups queued at save time were produced but never consumed: their prompts were put back on
+        # the cursor, so their trajectories count as requeued.
+        self.counts["requeued"] += s["queued_trajs"]
+        self.learner_version = s["learner_version"]
+
+
+class ReplayQueue:
+    """Async Ray actor around ReplayCore. Create with ``ray.remote(ReplayQueue)``."""
+
+    def __init__(self, capacity_groups: int, max_policy_lag: int, stale_policy: str, num_prompts: int, seed: int):
+        self.core = ReplayCore(capacity_groups, max_policy_lag, stale_policy, num_prompts, seed)
+        self._cond: asyncio.Condition | None = None
+        self._closed = False
+
+    def _c(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def claim(self, worker_id: int, n: int) -> list[int]:
+        return self.core.claim(worker_id, n)
+
+    async def release_worker(self, worker_id: int) -> int:
+        return self.core.release_worker(worker_id)
+
+    async def put(self, payload: bytes, min_version: int, num_trajs: int, prompt_index: int, worker_id: int) -> bool:
+        """Waits while the queue is full (backpressure). Returns False if the queue was closed."""
+        cond = self._c()
+        async with cond:
+            while self.core.full() and not self._closed:
+                await cond.wait()
+            if self._closed:
+                self.core.requeue_claim(worker_id, prompt_index)  # never silently lost
+                return False
+            self.core.add(QueuedGroup(payload, min_version, num_trajs, prompt_index, worker_id))
+            cond.notify_all()
+            return True
+
+    async def get(self, n_groups: int, learner_version: int, timeout_s: float) -> dict:
+        """Wait for n fresh groups (stale ones are dropped on the way). On timeout returns what it has
+        (possibly nothing), so the caller can check worker health instead of hanging."""
+        cond = self._c()
+        deadline = time.monotonic() + timeout_s
+        got: list[tuple[bytes, int]] = []
+        dropped = 0
+        async with cond:
+            while len(got) < n_groups:
+                items, d = self.core.take(n_groups - len(got), learner_version)
+                got.extend(items)
+                dropped += d
+                cond.notify_all()
+                if len(got) >= n_groups:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    break
+                try:
+                    await asyncio.wait_for(cond.wait(), timeout=remaining)
+                except asyncio.TimeoutError:
+                    pass
+        return {"groups": [p for p, _ in got], "lags": [lag for _, lag in got], "dropped": dropped,
+                "timed_out": len(got) < n_groups}
+
+    async def set_learner_version(self, version: int) -> None:
+        self.core.learner_version = max(self.core.learner_version, version)
+
+    async def stats(self) -> dict:
+        return self.core.stats()
+
+    async def state_dict(self) -> dict:
+        return self.core.state_dict()
+
+    async def load_state_dict(self, s: dict) -> None:
+        self.core.load_state_dict(s)
+
+    async def drain(self) -> int:
+        return self.core.drain()
+
+    async def reopen(self) -> None:
+        self._closed = False
+
+    async def close(self) -> dict:
+        """Stop accepting: waiting producers return (their prompts are requeued). Returns final stats."""
+        self._closed = True
+        cond = self._c()
+        async with cond:
+            cond.notify_all()
+        return self.core.stats()

@@ -1,0 +1,140 @@
+"""Experiment tracking: metric key constants, an MLflow sink and a null sink.
+
+Only the driver writes metrics; actors return small dicts. Keys are slash-namespaced constants
+defined here and nowhere else. The default store is sqlite inside the run directory (no server);
+``tracking.uri`` points at a server, whose token MLflow reads from ``MLFLOW_TRACKING_TOKEN`` in the
+environment (never from the config, never logged).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Mapping, Protocol
+
+log = logging.getLogger(__name__)
+
+# rollout
+ROLLOUT_REWARD_MEAN = "rollout/reward/mean"
+ROLLOUT_REWARD_PART = "rollout/reward/{part}"
+ROLLOUT_SEARCH_CALLS_MEAN = "rollout/search_calls/mean"
+ROLLOUT_FINISH = "rollout/finish/{reason}"
+ROLLOUT_TOKENS_MEAN = "rollout/model_tokens/mean"
+ROLLOUT_TRAJ_PER_S = "rollout/trajectories_per_s"
+ROLLOUT_TOKENS_PER_S = "rollout/tokens_per_s"
+# retrieval
+RETRIEVAL_LATENCY_P50 = "retrieval/latency_ms/p50"
+RETRIEVAL_LATENCY_P99 = "retrieval/latency_ms/p99"
+RETRIEVAL_ERRORS = "retrieval/errors"
+RETRIEVAL_CACHE_HIT_RATE = "retrieval/cache/hit_rate"
+# learner
+LEARNER_LOSS = "learner/loss"
+LEARNER_GRAD_NORM = "learner/grad_norm"
+LEARNER_LR = "learner/lr"
+LEARNER_TOKENS_PER_S = "learner/tokens_per_s"
+LEARNER_POLICY_LAG_MAX = "learner/policy_lag/max"
+LEARNER_POLICY_LAG_MEAN = "learner/policy_lag/mean"
+LEARNER_VERSION = "learner/version"
+LEARNER_STEP_TIME = "learner/step_time_s"
+# replay
+REPLAY_DEPTH = "replay/depth"
+REPLAY_PRODUCED = "replay/produced"
+REPLAY_CONSUMED = "replay/consumed"
+REPLAY_DROPPED_STALE = "replay/dropped_stale"
+REPLAY_REQUEUED = "replay/requeued"
+# weights
+WEIGHTS_SYNC_S = "weights/sync_s"
+WEIGHTS_GBPS = "weights/gb_per_s"
+# eval
+EVAL_EM = "eval/{split}/em"
+EVAL_F1 = "eval/{split}/f1"
+EVAL_SEARCHES = "eval/{split}/searches_per_question"
+
+
+class Sink(Protocol):
+    run_id: str | None
+
+    def log_params(self, params: Mapping[str, str]) -> None: ...
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None: ...
+
+    def log_artifacts(self, path: str, artifact_path: str | None = None) -> None: ...
+
+    def finish(self, status: str = "FINISHED") -> None: ...
+
+
+class NullSink:
+    run_id = None
+
+    def log_params(self, params): pass
+
+    def log_metrics(self, metrics, step): pass
+
+    def log_artifact(self, path, artifact_path=None): pass
+
+    def log_artifacts(self, path, artifact_path=None): pass
+
+    def finish(self, status="FINISHED"): pass
+
+
+def _clean(metrics: Mapping[str, float]) -> dict[str, float]:
+    out = {}
+    for k, v in metrics.items():
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            continue
+        if f == f and abs(f) != float("inf"):
+            out[k] = f
+    return out
+
+
+class MLflowSink:
+    """One MLflow run. Metrics are batched into one ``log_metrics`` call per step (a synchronous
+    call costs ~50 ms; one per key would dominate a tiny run)."""
+
+    def __init__(self, run_dir: str | Path, uri: str | None, experiment: str, run_name: str):
+        import mlflow
+
+        self._mlflow = mlflow
+        run_dir = Path(run_dir).resolve()
+        self.uri = uri or f"sqlite:///{run_dir / 'mlflow.db'}"
+        mlflow.set_tracking_uri(self.uri)
+        exp = mlflow.get_experiment_by_name(experiment)
+        if exp is None:
+            artifact_location = None if uri else (run_dir / "mlartifacts").as_uri()
+            exp_id = mlflow.create_experiment(experiment, artifact_location=artifact_location)
+        else:
+            exp_id = exp.experiment_id
+        self._run = mlflow.start_run(experiment_id=exp_id, run_name=run_name)
+        self.run_id = self._run.info.run_id
+
+    def log_params(self, params: Mapping[str, str]) -> None:
+        items = {k: str(v)[:6000] for k, v in params.items()}
+        keys = list(items)
+        for i in range(0, len(keys), 100):  # MLflow caps a batch at 100 params
+            self._mlflow.log_params({k: items[k] for k in keys[i:i + 100]})
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        m = _clean(metrics)
+        if m:
+            self._mlflow.log_metrics(m, step=step)
+
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
+        self._mlflow.log_artifact(path, artifact_path)
+
+    def log_artifacts(self, path: str, artifact_path: str | None = None) -> None:
+        self._mlflow.log_artifacts(path, artifact_path)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if self._mlflow.active_run() is not None:
+            self._mlflow.end_run(status=status)
+
+
+def make_sink(enabled: bool, run_dir: str | Path, uri: str | None, experiment: str, run_name: str) -> Sink:
+    if not enabled:
+        return NullSink()
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return MLflowSink(run_dir, uri, experiment, run_name)

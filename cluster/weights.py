@@ -1,0 +1,155 @@
+"""The weight-broadcast group and the bucketed weight push.
+
+One torch.distributed process group spans the learner (rank 0, the source) and every rollout worker
+(ranks 1..N). It is *stateless*: built directly on a TCPStore + PrefixStore instead of the global
+default group, so it coexists with DeepSpeed's own group inside the learner process and can be
+rebuilt (new prefix) when a worker is restarted. NCCL on GPU, gloo on CPU.
+
+Tensors travel in flat buckets of ``bucket_bytes`` (one dtype per bucket): one collective per bucket
+instead of one per parameter, which is what makes the push cheap. Only a small "version v ready"
+message travels through Ray. Every rank must call ``GroupMember.create`` concurrently: group creation
+blocks until all ranks have joined.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_BYTES = 128 << 20
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class Bucket:
+    dtype: torch.dtype
+    specs: tuple[TensorSpec, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.specs)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+    """Group tensors, in order, into single-dtype buckets of at most ``bucket_bytes``.
+
+    The plan is a pure function of the specs, so the learner and every worker compute the same
+    layout independently and only the version number needs to be exchanged. A tensor larger than
+    the budget gets a bucket of its own.
+    """
+    buckets: list[Bucket] = []
+    cur: list[TensorSpec] = []
+    cur_bytes = 0
+    cur_dtype: torch.dtype | None = None
+    for spec in specs:
+        size = spec.numel * torch.empty((), dtype=spec.dtype).element_size()
+        if cur and (spec.dtype != cur_dtype or cur_bytes + size > bucket_bytes):
+            buckets.append(Bucket(cur_dtype, tuple(cur)))
+            cur, cur_bytes = [], 0
+        cur.append(spec)
+        cur_dtype = spec.dtype
+        cur_bytes += size
+    if cur:
+        buckets.append(Bucket(cur_dtype, tuple(cur)))
+    return buckets
+
+
+def layout_digest(specs: Sequence[TensorSpec]) -> str:
+    """A short digest of names/shapes/dtypes: sender and receivers must agree before any bytes move."""
+    h = hashlib.sha256()
+    for s in specs:
+        h.update(f"{s.name}:{s.shape}:{s.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def flatten_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
+    flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
+    off = 0
+    for spec in bucket.specs:
+        t = tensors[spec.name]
+        flat[off:off + spec.numel].copy_(t.detach().reshape(-1))
+        off += spec.numel
+    return flat
+
+
+def unflatten_bucket(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views into ``flat`` (no copies): the caller copies them into the model."""
+    off = 0
+    for spec in bucket.specs:
+        yield spec.name, flat[off:off + spec.numel].view(spec.shape)
+        off += spec.numel
+
+
+def checksum(named: Iterable[tuple[str, torch.Tensor]]) -> float:
+    """Order-independent float64 checksum: equal on every rank that holds the same weights."""
+    total = 0.0
+    for name, t in named:
+        w = (int(hashlib.md5(name.encode()).hexdigest()[:6], 16) % 997) + 1
+        total += w * float(t.detach().double().abs().sum())
+    return total
+
+
+class BroadcastGroup:
+    """A stateless process group for the weight push. Rank 0 is the learner."""
+
+    def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str = "gloo",
+                 prefix: str = "sonar-weights", timeout_s: float = 300.0):
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"broadcast backend={backend!r} is not 'gloo' or 'nccl'")
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self._store = dist.TCPStore(master_addr, master_port, world_size, is_master=(rank == 0),
+                                    timeout=timeout, wait_for_workers=True)
+        store = dist.PrefixStore(prefix, self._store)
+        if backend == "gloo":
+            self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            self.device = torch.device("cpu")
+        else:  # pragma: no cover - needs CUDA
+            self._pg = dist.ProcessGroupNCCL(store, rank, world_size)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self._pg.broadcast(tensor, src).wait()
+
+    def send_weights(self, buckets: Sequence[Bucket], tensors: dict[str, torch.Tensor]) -> int:
+        """Learner side: push every bucket. Returns bytes sent per receiver."""
+        sent = 0
+        for b in buckets:
+            flat = flatten_bucket(b, tensors, self.device)
+            self.broadcast(flat, 0)
+            sent += b.nbytes
+        return sent
+
+    def recv_weights(self, buckets: Sequence[Bucket]) -> dict[str, torch.Tensor]:
+        """Worker side: receive every bucket into fresh buffers (a staging copy, not the live model)."""
+        out: dict[str, torch.Tensor] = {}
+        for b in buckets:
+            flat = torch.empty(b.numel, dtype=b.dtype, device=self.device)
+            self.broadcast(flat, 0)
+            out.update(unflatten_bucket(b, flat))
+        return out
+
+    def close(self) -> None:
+        self._pg = None
+        self._store = None

@@ -1,0 +1,109 @@
+"""Atomic checkpoints that resume exactly.
+
+Layout of a checkpoint directory ``<run>/checkpoints/<tag>/``::
+
+    ds/            DeepSpeed engine state (model, optimizer, ZeRO partitions)
+    state.json     Sonar state: policy version, stage index and step, data cursor, replay accounting
+    rng.pt         torch / numpy / python RNG states
+    COMPLETE       written last; a directory without it is partial and refused
+
+A checkpoint is written to ``<tag>.tmp-<pid>`` and renamed into place, so a crash mid-save never
+leaves something that looks complete. ``<run>/checkpoints/latest`` names the newest tag.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+COMPLETE = "COMPLETE"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def save_checkpoint(engine, path: str | Path, state: dict) -> str:
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    engine.save_checkpoint(str(tmp / "ds"), tag="engine")
+    (tmp / "state.json").write_text(json.dumps(state, default=_json_default, indent=1))
+    torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+               tmp / "rng.pt")
+    (tmp / COMPLETE).write_text("ok\n")
+    if path.exists():
+        shutil.rmtree(path)
+    tmp.rename(path)
+    latest = path.parent / "latest"
+    latest_tmp = path.parent / f"latest.tmp-{os.getpid()}"
+    latest_tmp.write_text(path.name + "\n")
+    latest_tmp.replace(latest)
+    return str(path)
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def validate_checkpoint(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist or is not a directory")
+    for name in (COMPLETE, "state.json", "rng.pt", "ds"):
+        if not (path / name).exists():
+            raise CheckpointError(f"checkpoint {str(path)!r} is partial or corrupt: {name} is missing")
+    try:
+        json.loads((path / "state.json").read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"checkpoint file {str(path / 'state.json')!r} is corrupt: {e}") from None
+    return path
+
+
+def load_checkpoint(engine, path: str | Path) -> dict:
+    path = validate_checkpoint(path)
+    state = json.loads((path / "state.json").read_text())
+    try:
+        load_path, _ = engine.load_checkpoint(str(path / "ds"), tag="engine", load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {str(path / 'ds')!r} could not be loaded: {e}") from e
+    if load_path is None:
+        raise CheckpointError(f"checkpoint {str(path / 'ds')!r} holds no DeepSpeed engine state")
+    try:
+        rng = torch.load(path / "rng.pt", weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint file {str(path / 'rng.pt')!r} is corrupt: {e}") from None
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    return state
+
+
+def resolve_checkpoint(resume: str, runs_root: str) -> str:
+    """``resume`` is a checkpoint directory, a run directory, or 'latest' (newest run under runs_root)."""
+    p = Path(resume)
+    if resume == "latest":
+        runs = sorted(Path(runs_root).glob("*/checkpoints/latest"), key=lambda x: x.stat().st_mtime)
+        if not runs:
+            raise CheckpointError(f"resume='latest': no checkpoint under {runs_root!r}")
+        latest = runs[-1]
+        return str(latest.parent / latest.read_text().strip())
+    if (p / "checkpoints" / "latest").exists():
+        return str(p / "checkpoints" / (p / "checkpoints" / "latest").read_text().strip())
+    if (p / "latest").exists() and not (p / COMPLETE).exists():
+        return str(p / (p / "latest").read_text().strip())
+    return str(validate_checkpoint(p))

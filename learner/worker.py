@@ -1,0 +1,241 @@
+"""The learner: a thin Ray actor around a DeepSpeed engine.
+
+It pulls whole groups from the replay queue, runs one optimizer step (``learner.train_step``), bumps
+the policy version, and pushes weights to the rollout workers over the broadcast group (rank 0).
+On CPU DeepSpeed runs fp32 with gloo; its shared-memory comm op (a ~90 s JIT build on a fresh
+machine, useless for one CPU rank) is skipped.
+
+Create with ``ray.remote(Learner)``; nothing here imports Ray at module level.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+
+from cluster.config import Config, StageConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _import_deepspeed_without_shm_jit():
+    """Import DeepSpeed with the shm comm op disabled (it JIT-compiles for ~90 s on first use)."""
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401  (binds the module into sys.modules)
+
+    mod = sys.modules["deepspeed.comm.torch"]
+    if hasattr(mod, "build_shm_op"):
+        mod.build_shm_op = lambda: None
+    return deepspeed
+
+
+class Learner:
+    def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1, master_port: int | None = None):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
+        from actors.model import policy_and_tokenizer
+        from actors.prompts import get_protocol
+        from actors.world import build_world
+        from learner.deepspeed_config import deepspeed_config, resolve_backend
+
+        self.cfg = cfg
+        self.on_gpu = torch.cuda.is_available() and cfg.learner.num_gpus > 0
+        os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port or free_port()))
+        deepspeed = _import_deepspeed_without_shm_jit()
+        torch.manual_seed(cfg.run.seed)
+        self.world = build_world(cfg.world)
+        model, self.tokenizer = policy_and_tokenizer(cfg.model, self.world)
+        if cfg.learner.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.tags = get_protocol(cfg.protocol.name)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.learner.lr, betas=tuple(cfg.learner.betas),
+                                weight_decay=cfg.learner.weight_decay)
+        backend = resolve_backend(cfg.learner, self.on_gpu)
+        if not torch.distributed.is_initialized():
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=opt, config=deepspeed_config(cfg.learner, self.on_gpu))
+        self.device = self.engine.device
+        self.version = 0
+        self.global_step = 0
+        self.stage_step = 0
+        self.stage_index = 0
+        self._group = None
+        self._buckets = None
+        self._demos: list = []
+        self._demo_cursor = 0
+        self._sft_rng = np.random.default_rng(cfg.run.seed)
+
+    # ------------------------------------------------------------------ weights
+    def named_tensors(self) -> dict:
+        """Full (gathered) parameters by name, in the model's parameter order."""
+        import deepspeed
+
+        module = self.engine.module
+        params = list(module.named_parameters())
+        ctx = (deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None)
+               if self.cfg.learner.zero_stage == 3 else nullcontext())
+        with ctx:
+            return {n: p.detach().to("cpu" if not self.on_gpu else p.device).clone() for n, p in params}
+
+    def param_specs(self) -> list:
+        from cluster.weights import TensorSpec
+
+        return [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in self.named_tensors().items()]
+
+    def setup_broadcast(self, master_addr: str, master_port: int, world_size: int, backend: str, prefix: str) -> str:
+        from cluster.weights import BroadcastGroup, layout_digest, plan_buckets
+
+        specs = self.param_specs()
+        self._buckets = plan_buckets(specs)
+        self._group = BroadcastGroup(master_addr, master_port, 0, world_size, backend, prefix=prefix)
+        return layout_digest(specs)
+
+    def layout_digest(self) -> str:
+        from cluster.weights import layout_digest
+
+        return layout_digest(self.param_specs())
+
+    def broadcast(self) -> dict:
+        t0 = time.perf_counter()
+        nbytes = self._group.send_weights(self._buckets, self.named_tensors())
+        dt = time.perf_counter() - t0
+        return {"version": self.version, "bytes": nbytes, "seconds": dt, "buckets": len(self._buckets)}
+
+    def checksum(self) -> dict:
+        from cluster.weights import checksum
+
+        return {"version": self.version, "checksum": checksum(self.named_tensors().items())}
+
+    # ------------------------------------------------------------------ stages
+    def begin_stage(self, stage_index: int, stage: StageConfig, retrieval_handles: list | None = None) -> dict:
+        self.stage_index = stage_index
+        self.stage_step = 0
+        info = {"stage": stage_index, "kind": stage.kind}
+        if stage.kind == "sft":
+            info["demonstrations"] = self._prepare_demos(retrieval_handles)
+        return info
+
+    def _prepare_demos(self, retrieval_handles) -> int:
+        from actors.demos import make_demonstrations
+        from retrieval.service import RetrievalClient
+
+        client = RetrievalClient(retrieval_handles, timeout_s=self.cfg.retrieval.timeout_s)
+        retriever = client.sync()
+        self._demos = make_demonstrations(self.world.train, self.tags, self.tokenizer, retriever,
+                                          self.cfg.protocol, self.cfg.retrieval.k)
+        self._demo_order = self._sft_rng.permutation(len(self._demos))
+        self._demo_cursor = 0
+        return len(self._demos)
+
+    def _next_demos(self, n: int) -> list:
+        out = []
+        while len(out) < n:
+            if self._demo_cursor >= len(self._demo_order):
+                self._demo_order = self._sft_rng.permutation(len(self._demos))
+                self._demo_cursor = 0
+            out.append(self._demos[self._demo_order[self._demo_cursor]])
+            self._demo_cursor += 1
+        return out
+
+    def _set_lr(self, stage: StageConfig) -> float:
+        from learner.deepspeed_config import lr_at
+
+        base = stage.lr if stage.lr is not None else self.cfg.learner.lr
+        lr = lr_at(self.stage_step, base, self.cfg.learner.warmup_steps, self.cfg.learner.lr_decay, stage.steps)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def sft_step(self, stage: StageConfig) -> dict:
+        from learner.train_step import sft_step
+
+        lr = self._set_lr(stage)
+        metrics = sft_step(self.engine, self._next_demos(stage.batch_size), self.cfg.learner,
+                           pad_id=self.tokenizer.pad_token_id, device=self.device)
+        return self._finish_step(metrics, lr)
+
+    def rl_step(self, replay, stage: StageConfig, timeout_s: float) -> dict:
+        """Pull a batch of whole groups and step. Returns {"waiting": True} if the queue had nothing
+        within ``timeout_s``, so the driver can check the workers' health instead of hanging."""
+        import ray
+
+        from cluster.protocol import decode_group
+        from learner.train_step import rl_step
+
+        t_wait = time.perf_counter()
+        res = ray.get(replay.get.remote(self.cfg.learner.groups_per_step, self.version, timeout_s))
+        wait_s = time.perf_counter() - t_wait
+        if not res["groups"]:
+            return {"waiting": True, "dropped": res["dropped"], "wait_s": wait_s}
+        groups = [decode_group(p) for p in res["groups"]]
+        lr = self._set_lr(stage)
+        metrics = rl_step(self.engine, groups, res["lags"], stage.algo, self.cfg.learner, self.cfg.replay,
+                          temperature=self.cfg.rollout.temperature, pad_id=self.tokenizer.pad_token_id,
+                          device=self.device)
+        metrics["learner/wait_s"] = wait_s
+        metrics["replay/dropped_in_get"] = res["dropped"]
+        out = self._finish_step(metrics, lr)
+        ray.get(replay.set_learner_version.remote(self.version))
+        return out
+
+    def _finish_step(self, metrics: dict, lr: float) -> dict:
+        self.version += 1
+        self.global_step += 1
+        self.stage_step += 1
+        metrics["learner/lr"] = lr
+        metrics["learner/version"] = self.version
+        return metrics
+
+    # ------------------------------------------------------------------ export / checkpoint
+    def export_hf(self, path: str) -> str:
+        from actors.model import save_policy
+
+        import copy
+
+        model = copy.deepcopy(self.engine.module).to("cpu") if self.cfg.learner.zero_stage != 3 else None
+        if model is None:
+            from actors.model import policy_and_tokenizer
+
+            model, _ = policy_and_tokenizer(self.cfg.model, self.world)
+            model.load_state_dict(self.named_tensors(), strict=False)
+        save_policy(model, self.tokenizer, path)
+        return path
+
+    def save_checkpoint(self, path: str, client_state: dict) -> str:
+        from learner.checkpoint import save_checkpoint
+
+        state = dict(client_state)
+        state.update(version=self.version, global_step=self.global_step, stage_step=self.stage_step,
+                     stage_index=self.stage_index, demo_cursor=self._demo_cursor,
+                     sft_rng=self._sft_rng.bit_generator.state)
+        return save_checkpoint(self.engine, path, state)
+
+    def load_checkpoint(self, path: str) -> dict:
+        from learner.checkpoint import load_checkpoint
+
+        state = load_checkpoint(self.engine, path)
+        self.version = state["version"]
+        self.global_step = state["global_step"]
+        self.stage_step = state["stage_step"]
+        self.stage_index = state["stage_index"]
+        self._demo_cursor = state.get("demo_cursor", 0)
+        if "sft_rng" in state:
+            self._sft_rng.bit_generator.state = state["sft_rng"]
+        return state
+
+    def ping(self) -> dict:
+        return {"version": self.version, "pid": os.getpid(), "step": self.global_step}

@@ -1,0 +1,68 @@
+import pytest
+
+from cluster.config import DEFAULT_CONFIG, CONFIG_DIR, Config, ConfigError, flatten, load_config, to_dict
+
+
+def test_default_config_loads_and_is_frozen():
+    cfg = load_config([DEFAULT_CONFIG])
+    assert isinstance(cfg, Config)
+    with pytest.raises(Exception):
+        cfg.learner.lr = 1.0  # frozen dataclasses travel, never a mutable DictConfig
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    load_config([path])
+
+
+def test_dotlist_overrides_apply():
+    cfg = load_config([], ["learner.lr=0.001", "rollout.num_workers=3", "stages.0.steps=7"])
+    assert cfg.learner.lr == 0.001 and cfg.rollout.num_workers == 3 and cfg.stages[0].steps == 7
+
+
+def test_unknown_key_names_the_key():
+    with pytest.raises(ConfigError, match="lernr"):
+        load_config([], ["lernr.lr=1"])
+
+
+def test_wrong_type_names_the_key_and_value():
+    with pytest.raises(ConfigError, match="learner.lr"):
+        load_config([], ["learner.lr=fast"])
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_config([tmp_path / "nope.yaml"])
+
+
+def test_unknown_key_in_yaml_names_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("learner:\n  lrr: 3\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml.*lrr"):
+        load_config([p])
+
+
+def test_override_without_equals_sign():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config([], ["learner.lr"])
+
+
+@pytest.mark.parametrize("overrides, fields", [
+    (["replay.capacity_groups=2", "learner.groups_per_step=4"], ["replay.capacity_groups=2", "learner.groups_per_step=4"]),
+    (["protocol.name=bogus"], ["protocol.name='bogus'"]),
+    (["stages.0.algo.name=dr_grpo", "stages.0.algo.std_normalize=true"], ["dr_grpo", "std_normalize=True"]),
+    (["rollout.group_size=1"], ["rollout.group_size", "1"]),
+    (["learner.broadcast_every=5", "replay.max_policy_lag=1"], ["learner.broadcast_every=5", "replay.max_policy_lag+1=2"]),
+    (["retrieval.rerank=dense", "retrieval.k=5", "retrieval.rerank_candidates=3"], ["rerank_candidates=3", "retrieval.k=5"]),
+])
+def test_impossible_combinations_name_both_fields(overrides, fields):
+    with pytest.raises(ValueError) as e:
+        load_config([], overrides)
+    for f in fields:
+        assert f in str(e.value)
+
+
+def test_flatten_for_mlflow_params():
+    flat = flatten(to_dict(load_config([])))
+    assert flat["learner.lr"] == str(load_config([]).learner.lr)
+    assert "stages.0.algo.name" in flat
