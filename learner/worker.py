@@ -69,6 +69,10 @@ class Learner:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=opt, config=deepspeed_config(cfg.learner, self.on_gpu))
         self.device = self.engine.device
+        from learner.train_step import DeepSpeedStepper
+
+        self.stepper = DeepSpeedStepper(self.engine, cfg.learner.zero_stage)
+        self.ref_module = None
         self.version = 0
         self.global_step = 0
         self.stage_step = 0
@@ -125,6 +129,12 @@ class Learner:
         self.stage_index = stage_index
         self.stage_step = 0
         info = {"stage": stage_index, "kind": stage.kind}
+        # KL reference = the policy at the start of the stage (frozen); skipped when the coefficient is 0.
+        self.ref_module = None
+        if stage.kind == "rl" and stage.algo.kl_coef > 0:
+            import copy
+
+            self.ref_module = copy.deepcopy(self.engine.module).eval().requires_grad_(False)
         if stage.kind == "sft":
             info["demonstrations"] = self._prepare_demos(retrieval_handles)
         return info
@@ -164,7 +174,7 @@ class Learner:
         from learner.train_step import sft_step
 
         lr = self._set_lr(stage)
-        metrics = sft_step(self.engine, self._next_demos(stage.batch_size), self.cfg.learner,
+        metrics = sft_step(self.stepper, self._next_demos(stage.batch_size), self.cfg.learner,
                            pad_id=self.tokenizer.pad_token_id, device=self.device)
         return self._finish_step(metrics, lr)
 
@@ -183,9 +193,9 @@ class Learner:
             return {"waiting": True, "dropped": res["dropped"], "wait_s": wait_s}
         groups = [decode_group(p) for p in res["groups"]]
         lr = self._set_lr(stage)
-        metrics = rl_step(self.engine, groups, res["lags"], stage.algo, self.cfg.learner, self.cfg.replay,
+        metrics = rl_step(self.stepper, groups, res["lags"], stage.algo, self.cfg.learner, self.cfg.replay,
                           temperature=self.cfg.rollout.temperature, pad_id=self.tokenizer.pad_token_id,
-                          device=self.device)
+                          device=self.device, ref_module=self.ref_module)
         metrics["learner/wait_s"] = wait_s
         metrics["replay/dropped_in_get"] = res["dropped"]
         out = self._finish_step(metrics, lr)

@@ -1,0 +1,194 @@
+"""One optimizer step over a batch of trajectories; no Ray.
+
+The step talks to a ``Stepper``: an object with ``module``, ``backward(loss, boundary)`` and
+``step() -> grad_norm``. ``DeepSpeedStepper`` wraps a DeepSpeed engine (the learner actor);
+``TorchStepper`` wraps a plain model + optimizer and is the reference the DeepSpeed path is tested
+against. Micro-batches are packed by token budget and every micro-batch loss is normalised by the
+*global* batch counts (``AggDenominators``), so the micro-batch gradients sum to the full-batch
+gradient whatever the packing.
+
+Notation: B sequences, T tokens; token tensors are [B, T-1], aligned to predicted tokens.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from cluster.config import AlgoConfig, LearnerConfig, ReplayConfig
+from cluster.protocol import Trajectory
+from learner.algo.advantages import compute_advantages, dynamic_sampling_mask
+from learner.algo.losses import AggDenominators, LossInputs, entropy_from_logits, policy_loss, sft_loss, token_logprobs
+from learner.algo.staleness import lag_histogram, staleness_decision
+from learner.batching import Batch, collate, pack_micro_batches
+
+
+class Stepper(Protocol):
+    module: torch.nn.Module
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None: ...
+
+    def step(self) -> float: ...
+
+
+class TorchStepper:
+    """Plain PyTorch: gradients add up over micro-batches; clip; optimizer step; zero grads."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float):
+        self.module, self.optimizer, self.grad_clip = module, optimizer, grad_clip
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if self.grad_clip > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+
+class DeepSpeedStepper:
+    """DeepSpeed runs with gradient_accumulation_steps=1; Sonar marks the accumulation boundary
+    itself because the number of token-packed micro-batches varies from step to step."""
+
+    def __init__(self, engine, zero_stage: int):
+        self.engine, self.zero_stage = engine, zero_stage
+        self.module = engine.module
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        self.engine.backward(loss)
+
+    def step(self) -> float:
+        norm = None
+        if self.zero_stage == 0:  # DeepSpeed reports no global norm without ZeRO; measure it first
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
+        self.engine.step()
+        if norm is None:
+            g = self.engine.get_global_grad_norm()
+            norm = float(g) if g is not None else float("nan")
+        return norm
+
+
+def forward_logprobs(module: torch.nn.Module, mb: Batch, temperature: float,
+                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[b, t-1] logprobs of the realised next tokens at the sampling temperature (and entropy)."""
+    logits = module(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits.float()
+    lp = token_logprobs(logits, mb.input_ids, temperature)
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            ent = entropy_from_logits(logits, temperature)
+    return lp, ent
+
+
+def _micro_batches(batch: Batch, token_budget: int, device) -> list[Batch]:
+    return [batch.select(idx).to(device) for idx in pack_micro_batches(batch.lengths.tolist(), token_budget)]
+
+
+def _weighted(metrics: list[tuple[dict, float]]) -> dict[str, float]:
+    total = sum(w for _, w in metrics) or 1.0
+    keys = {k for m, _ in metrics for k in m}
+    return {k: sum(m.get(k, 0.0) * w for m, w in metrics) / total for k in keys}
+
+
+def sft_step(stepper: Stepper, trajs: list[Trajectory], lcfg: LearnerConfig, pad_id: int,
+             device="cpu") -> dict[str, float]:
+    """Token-mean NLL over MODEL tokens only (prompt and retrieved tokens carry no loss)."""
+    t0 = time.perf_counter()
+    batch = collate(trajs, None, pad_id)
+    denom = batch.denominators()
+    mbs = _micro_batches(batch, lcfg.micro_batch_tokens, device)
+    stepper.module.train()
+    loss_total = 0.0
+    for i, mb in enumerate(mbs):
+        lp, _ = forward_logprobs(stepper.module, mb, 1.0)
+        out = sft_loss(lp, mb.loss_mask, denom)
+        stepper.backward(out.loss, boundary=i == len(mbs) - 1)
+        loss_total += float(out.loss.detach())
+    gn = stepper.step()
+    dt = time.perf_counter() - t0
+    tokens = int(batch.lengths.sum())
+    return {"learner/loss": loss_total, "learner/grad_norm": gn, "learner/tokens_per_s": tokens / dt,
+            "learner/step_time_s": dt, "learner/micro_batches": len(mbs), "learner/trained_tokens": denom.tokens}
+
+
+def apply_staleness(groups: list[list[Trajectory]], lags: list[int], rcfg: ReplayConfig) -> list[list[Trajectory]]:
+    """Set each trajectory's sample weight from its group's lag; drop groups past the bound."""
+    kept = []
+    for g, lag in zip(groups, lags):
+        keep, w = staleness_decision(lag, rcfg.max_policy_lag, rcfg.stale_policy, rcfg.stale_downweight)
+        if keep:
+            kept.append([replace(t, weight=w) for t in g])
+    return kept
+
+
+def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], algo: AlgoConfig,
+            lcfg: LearnerConfig, rcfg: ReplayConfig, temperature: float, pad_id: int, device="cpu",
+            ref_module: torch.nn.Module | None = None) -> dict[str, float]:
+    """One policy-gradient step on whole groups. Groups with all-equal rewards are dropped (counted)
+    when ``algo.dynamic_sampling``; if nothing carries signal the optimizer does not step."""
+    t0 = time.perf_counter()
+    n_groups = len(groups)
+    groups = apply_staleness(groups, lags, rcfg)
+    trajs = [t for g in groups for t in g]
+    m: dict[str, float] = {"learner/groups": n_groups, "learner/groups_stale_dropped": n_groups - len(groups)}
+    if lags:
+        m["learner/policy_lag/max"] = float(max(lags))
+        m["learner/policy_lag/mean"] = float(np.mean(lags))
+        for k, v in lag_histogram(lags, rcfg.max_policy_lag + 2).items():
+            m[f"learner/policy_lag/hist/{k}"] = float(v)
+    if trajs:
+        rewards = torch.tensor([t.reward for t in trajs])
+        m["learner/reward/mean"] = float(rewards.mean())
+    if trajs and algo.dynamic_sampling:
+        gidx = torch.tensor(_group_index(trajs))
+        keep = dynamic_sampling_mask(rewards, gidx)
+        m["learner/groups_zero_signal"] = float(len(set(gidx.tolist())) - len(set(gidx[keep].tolist())))
+        trajs = [t for t, k in zip(trajs, keep.tolist()) if k]
+    if not trajs:
+        m.update({"learner/skipped_step": 1.0, "learner/step_time_s": time.perf_counter() - t0})
+        return m
+    batch = collate(trajs, None, pad_id)
+    kl_in_reward = algo.kl_coef > 0 and algo.kl_mode == "reward"
+    batch.advantages = compute_advantages(algo.name, batch.rewards, batch.group_index, batch.loss_mask,
+                                          algo.std_normalize,
+                                          kl=None, kl_coef=algo.kl_coef if kl_in_reward else 0.0).float()
+    denom = batch.denominators()
+    mbs = _micro_batches(batch, lcfg.micro_batch_tokens, device)
+    use_ref = ref_module is not None and algo.kl_coef > 0 and algo.kl_mode == "loss"
+    stepper.module.train()
+    parts: list[tuple[dict, float]] = []
+    loss_total = 0.0
+    for i, mb in enumerate(mbs):
+        lp, ent = forward_logprobs(stepper.module, mb, temperature, with_entropy=True)
+        ref = None
+        if use_ref:
+            with torch.no_grad():
+                ref, _ = forward_logprobs(ref_module, mb, temperature)
+        out = policy_loss(LossInputs(logprobs=lp, behaviour_logprobs=mb.behaviour_logprobs,
+                                     advantages=mb.advantages, mask=mb.loss_mask, ref_logprobs=ref,
+                                     sample_weight=mb.sample_weight, entropy=ent, denominators=denom), algo)
+        stepper.backward(out.loss, boundary=i == len(mbs) - 1)
+        loss_total += float(out.loss.detach())
+        parts.append((out.metrics, float(mb.loss_mask.sum())))
+    gn = stepper.step()
+    dt = time.perf_counter() - t0
+    m.update({f"learner/{k}": v for k, v in _weighted(parts).items()})
+    m.update({"learner/loss": loss_total, "learner/grad_norm": gn, "learner/step_time_s": dt,
+              "learner/tokens_per_s": float(batch.lengths.sum()) / dt, "learner/micro_batches": len(mbs),
+              "learner/trajectories": float(len(trajs)), "learner/trained_tokens": denom.tokens})
+    return m
+
+
+def _group_index(trajs: list[Trajectory]) -> list[int]:
+    seen: dict[str, int] = {}
+    return [seen.setdefault(t.group_id, len(seen)) for t in trajs]
