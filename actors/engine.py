@@ -1,19 +1,27 @@
 """Generation engines behind one interface: token ids in, token ids and sampling logprobs out.
 
-The interface fits both the transformers engine (CPU and GPU, defined here) and vLLM
-(``engine_vllm.py``, GPU only):
+The interface fits both the transformers engine (CPU and GPU, :class:`HFEngine`, defined here) and
+vLLM (``engine_vllm.py``, GPU only):
 
 - ``generate(prompts, params)``: one ``Generation`` per prompt, in order. Stops on any id in
   ``params.stop_token_ids`` (the stop token is included in the output) or after ``max_new_tokens``.
+  An optional per-prompt cap (``max_new_tokens_per_prompt``) lets the rollout loop respect each
+  trajectory's remaining token budget inside one batched call.
 - Logprobs are those of the *sampling* distribution: raw logits / temperature, full vocabulary
   (no top-k), so the learner recomputes the same numbers. Greedy (temperature 0) reports the
   logprob of the argmax under the temperature-1 distribution.
-- ``load_weights(named_tensors)`` swaps weights by name; ``parameter_specs()`` gives the order,
-  shapes and dtypes the weight-broadcast buckets follow.
+- ``load_weights(named_tensors, version)`` swaps weights by name; ``parameter_specs()`` gives the
+  order, shapes and dtypes the weight-broadcast buckets follow; ``state_checksum()`` lets tests and
+  the driver check that every worker holds the learner's weights.
+
+Why not ``model.generate``: its ``scores`` are *processed* logits (top-k 50 by default, warpers),
+so behaviour logprobs computed from them disagree with the learner by up to 3 nats. The loop here
+samples from, and reports, exactly ``softmax(raw_logits / T)`` over the full vocabulary.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
 import numpy as np
@@ -23,10 +31,24 @@ import torch
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int
+    """Tokens generated per prompt at most (the stop token counts)."""
     temperature: float = 1.0
+    """0 = greedy; > 0 samples from softmax(logits / temperature) over the full vocabulary."""
     top_p: float = 1.0
+    """Nucleus truncation of the *sampler* only; reported logprobs stay those of the full
+    temperature-scaled distribution (what the learner recomputes). Keep 1.0 for RL: with top_p < 1
+    the reported logprob is not the true behaviour probability of the truncated sampler."""
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    """Seeds the sampler's torch.Generator for this call; None draws a fresh random seed."""
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens} must be >= 0")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature} must be >= 0")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p={self.top_p} must be in (0, 1]")
 
 
 @dataclass
@@ -52,10 +74,226 @@ class ParamSpec:
 class Engine(Protocol):
     version: int
 
-    def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams) -> list[Generation]: ...
+    def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams,
+                 max_new_tokens_per_prompt: Sequence[int] | None = None) -> list[Generation]:
+        """One Generation per prompt, in order. ``max_new_tokens_per_prompt[i]`` (optional) caps
+        prompt i below ``params.max_new_tokens``; callers pass it only when the caps differ."""
+        ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
 
     def parameter_specs(self) -> list[ParamSpec]: ...
 
     def state_checksum(self) -> float: ...
+
+
+# ---------------------------------------------------------------- transformers engine
+
+class HFEngine:
+    """Batched sampling for a Hugging Face causal LM with a KV cache, written as its own loop.
+
+    Notation: B prompts in a chunk (<= ``max_batch``), L the longest prompt of the chunk, V vocab.
+
+    Per chunk: prompts are left-padded to ``[B, L]`` with an attention mask and explicit
+    ``position_ids = cumsum(mask) - 1`` (so a padded row's first real token sits at position 0,
+    exactly as in the learner's unpadded forward); one prefill fills a ``DynamicCache``; then every
+    step feeds one token per row. At each step the last logits ``[B, V]`` (float32) give
+    ``logp = log_softmax(logits / T)``; the token is sampled from ``exp(logp)`` (full vocabulary, no
+    top-k) with a ``torch.Generator`` seeded from ``params.seed``; its ``logp`` is the reported
+    logprob. T == 0 is greedy and reports ``log_softmax(logits)`` (T = 1). A row stops after a stop
+    token (kept in the output) or its token cap; finished rows are dropped from the batch and the
+    cache (``batch_select_indices``) so the long tail does not pay for them.
+
+    Prompts are sorted by length before chunking (less padding) and returned in input order.
+
+    Thread safety: ``generate``, ``load_weights`` and ``state_checksum`` hold one lock, so weights
+    never change in the middle of a generate call: every token of a Generation comes from the
+    version stamped on it, which is what the learner's staleness accounting assumes.
+    """
+
+    def __init__(self, model, eos_token_id: int | None, device: str | torch.device = "cpu",
+                 max_batch: int = 64):
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch} must be >= 1")
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
+        # Generation only: dropout off. The engine owns its model (a copy of the learner's).
+        self.model.eval()
+        self.eos_token_id = eos_token_id
+        self.max_batch = max_batch
+        self.version = 0
+        self._lock = threading.Lock()
+        cfg = getattr(model, "config", None)
+        pad = getattr(cfg, "pad_token_id", None) if cfg is not None else None
+        # Padding positions are masked out, so any valid id works as filler.
+        self._pad_id = int(pad) if isinstance(pad, int) and pad >= 0 else (int(eos_token_id) if eos_token_id is not None else 0)
+
+    # ------------------------------------------------------------ generation
+    def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams,
+                 max_new_tokens_per_prompt: Sequence[int] | None = None) -> list[Generation]:
+        """Sample continuations. ``prompts[i]``: int [n_i >= 1]. Returns one Generation per prompt.
+
+        Stops on ``params.stop_token_ids`` and on the engine's EOS id. The per-prompt caps
+        (optional) are clipped to ``params.max_new_tokens``.
+        """
+        params.validate()
+        n = len(prompts)
+        if max_new_tokens_per_prompt is None:
+            caps = [params.max_new_tokens] * n
+        else:
+            if len(max_new_tokens_per_prompt) != n:
+                raise ValueError(f"max_new_tokens_per_prompt has {len(max_new_tokens_per_prompt)} entries "
+                                 f"for {n} prompts")
+            caps = [max(0, min(int(c), params.max_new_tokens)) for c in max_new_tokens_per_prompt]
+        seqs = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+        for i, s in enumerate(seqs):
+            if s.size == 0:
+                raise ValueError(f"prompt {i} is empty: generation needs at least one context token")
+        stop = set(int(t) for t in params.stop_token_ids)
+        if self.eos_token_id is not None:
+            stop.add(int(self.eos_token_id))
+
+        gen = torch.Generator(device=self.device)
+        if params.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(int(params.seed))
+
+        out: list[Generation | None] = [None] * n
+        order = sorted(range(n), key=lambda i: len(seqs[i]))
+        with self._lock, torch.inference_mode():
+            version = self.version
+            for c0 in range(0, n, self.max_batch):
+                idx = order[c0:c0 + self.max_batch]
+                res = self._generate_chunk([seqs[i] for i in idx], [caps[i] for i in idx], params, stop, gen)
+                for i, (ids, lps, finish, stop_id) in zip(idx, res):
+                    out[i] = Generation(np.asarray(ids, dtype=np.int32), np.asarray(lps, dtype=np.float32),
+                                        finish, version, stop_id)
+        return out  # type: ignore[return-value]
+
+    def _generate_chunk(self, seqs: list[np.ndarray], caps: list[int], params: SamplingParams,
+                        stop: set[int], gen: torch.Generator):
+        from transformers import DynamicCache
+
+        B = len(seqs)
+        ids_out: list[list[int]] = [[] for _ in range(B)]
+        lps_out: list[list[float]] = [[] for _ in range(B)]
+        finish = ["length"] * B
+        stop_ids: list[int | None] = [None] * B
+        live = [b for b in range(B) if caps[b] > 0]
+        if not live:
+            return [(ids_out[b], lps_out[b], finish[b], stop_ids[b]) for b in range(B)]
+
+        dev = self.device
+        L = max(len(seqs[b]) for b in live)
+        input_ids = torch.full((len(live), L), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(live), L), dtype=torch.long)
+        for r, b in enumerate(live):
+            s = torch.from_numpy(seqs[b])
+            input_ids[r, L - len(s):] = s
+            mask[r, L - len(s):] = 1
+        input_ids, mask = input_ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        cache = DynamicCache(config=self.model.config)  # per-layer types (sliding window etc.)
+        rows = torch.tensor(live, dtype=torch.long)          # chunk row of each batch row
+        cap_t = torch.tensor([caps[b] for b in live], dtype=torch.long)
+        stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=dev) if stop else None
+        T = float(params.temperature)
+
+        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=pos,
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+        last_pos = pos[:, -1]
+        step = 0
+        while True:
+            tok, lp = self._sample(logits.float(), T, params.top_p, gen)   # [b], [b]
+            step += 1
+            tok_l, lp_l = tok.tolist(), lp.tolist()
+            is_stop = torch.isin(tok, stop_t) if stop_t is not None else torch.zeros_like(tok, dtype=torch.bool)
+            done = (is_stop.cpu() | (cap_t <= step))
+            for r, b in enumerate(rows.tolist()):
+                ids_out[b].append(tok_l[r])
+                lps_out[b].append(lp_l[r])
+            if bool(is_stop.any()):
+                for r in torch.nonzero(is_stop.cpu()).flatten().tolist():
+                    b = int(rows[r])
+                    finish[b], stop_ids[b] = "stop", tok_l[r]
+            if bool(done.all()):
+                break
+            if bool(done.any()):
+                keep = torch.nonzero(~done).flatten()
+                keep_d = keep.to(dev)
+                cache.batch_select_indices(keep_d)
+                rows, cap_t = rows[keep], cap_t[keep]
+                tok, mask, last_pos = tok[keep_d], mask[keep_d], last_pos[keep_d]
+            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=dev)], dim=1)
+            last_pos = last_pos + 1
+            logits = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=last_pos[:, None],
+                                past_key_values=cache, use_cache=True).logits[:, -1, :]
+        return [(ids_out[b], lps_out[b], finish[b], stop_ids[b]) for b in range(B)]
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, T: float, top_p: float, gen: torch.Generator):
+        """logits float32 [b, V] -> (token [b] long, logprob [b] float32) under log_softmax(logits / T).
+
+        T == 0: greedy argmax, logprob under T = 1. top_p < 1 truncates only the sampler.
+        """
+        if T == 0.0:
+            logp = torch.log_softmax(logits, dim=-1)
+            tok = logits.argmax(dim=-1)
+        else:
+            logp = torch.log_softmax(logits / T, dim=-1)
+            probs = logp.exp()
+            if top_p < 1.0:
+                sp, si = probs.sort(dim=-1, descending=True)
+                drop = (sp.cumsum(-1) - sp) >= top_p      # keep the token that crosses top_p
+                sp = sp.masked_fill(drop, 0.0)
+                probs = torch.zeros_like(probs).scatter_(-1, si, sp)
+            # Exponential race (== multinomial draw, ~10x cheaper than torch.multinomial here):
+            # argmax_j p_j / E_j with E_j ~ Exp(1) picks j with probability p_j.
+            e = torch.empty_like(probs).exponential_(generator=gen)
+            tok = (probs / e).argmax(dim=-1)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+    # ------------------------------------------------------------ weights
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy tensors into the model by parameter name and set ``self.version = version``.
+
+        All-or-nothing: every name and shape is checked before anything is copied, so a bad bucket
+        never leaves a mix of two versions. (The iterable is materialised, so producers must not
+        reuse one buffer across items.) Names may be any alias ``named_parameters(remove_duplicate=False)``
+        knows (e.g. ``lm_head.weight`` of a tied model). Partial updates are allowed.
+        Raises ValueError naming the parameter for an unknown name or a shape mismatch.
+        """
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        items = list(named_tensors)
+        for name, t in items:
+            p = params.get(name)
+            if p is None:
+                raise ValueError(f"load_weights: unknown parameter {name!r}")
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"load_weights: parameter {name!r} has shape {tuple(p.shape)}, "
+                                 f"got {tuple(t.shape)}")
+        with self._lock, torch.no_grad():
+            for name, t in items:
+                p = params[name]
+                p.copy_(t.to(device=p.device, dtype=p.dtype))
+            self.version = int(version)
+
+    def parameter_specs(self) -> list[ParamSpec]:
+        """Every trainable parameter, in ``named_parameters()`` order (tied weights once)."""
+        return [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def state_checksum(self) -> float:
+        """float64 checksum of all parameters (named_parameters order, tied weights once).
+
+        ``sum_i (i + 1) * (sum|p_i| + 1e-3 * sum_j p_ij * w_j)`` with w_j = (j mod 13) + 1, so it
+        changes with values, signs, positions inside a tensor and the assignment to tensors.
+        Equal weights give equal checksums up to float64 summation order (compare with rel 1e-9).
+        """
+        total = 0.0
+        with self._lock, torch.no_grad():
+            for i, (_, p) in enumerate(self.model.named_parameters()):
+                x = p.detach().to("cpu", torch.float64).reshape(-1)
+                w = (torch.arange(x.numel(), dtype=torch.float64) % 13) + 1.0
+                total += (i + 1) * (float(x.abs().sum()) + 1e-3 * float((x * w).sum()))
+        return total

@@ -50,9 +50,10 @@ class SwappingEngine:
             version, tensors = staged
             self.inner.load_weights(tensors.items(), version)
 
-    def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams,
+                 max_new_tokens_per_prompt: Sequence[int] | None = None) -> list[Generation]:
         self.apply_staged()
-        return self.inner.generate(prompts, params)
+        return self.inner.generate(prompts, params, max_new_tokens_per_prompt)
 
     def load_weights(self, named_tensors, version: int) -> None:
         self.inner.load_weights(named_tensors, version)

@@ -1,0 +1,352 @@
+"""The multi-turn generate -> search -> inject loop. Async, no Ray: it takes an engine and a retriever.
+
+Shape of one call (``rollout_groups``): every item becomes ``group_size`` trajectories, and all
+trajectories of the call advance *in lockstep, turn by turn*:
+
+1. one batched ``engine.generate`` over every active trajectory (run in a thread via
+   ``asyncio.to_thread`` so the event loop stays free), stopping on the ids of ``tags.query_close``,
+   ``tags.answer_close`` and EOS; each row is capped at ``min(max_new_tokens_per_turn, budget left)``;
+2. each row's new ids become a MODEL segment (ids, sampling logprobs, engine version); ONLY those ids
+   are decoded (special tokens kept) and parsed with ``actors.parsing.parse_turn``;
+3. every query of every trajectory that searched this turn goes out in ONE ``retriever.batch_search``
+   call (identical query strings are sent once), then per trajectory the documents are de-duplicated
+   across its queries of this step, ``docs_per_query`` kept per query, and the block
+   ``render_documents(...)`` is appended as a RETRIEVAL segment (neutralised there, so a document can
+   never produce a tag id).
+
+Token in, token out: the next turn's context is the concatenation of the segments' ids; text is
+decoded only to parse an action and is never re-tokenised.
+
+Finish rules (``cluster.protocol.FinishReason``), decided per trajectory:
+
+- ``Answer`` -> ANSWERED, ``prediction`` = the answer text.
+- ``Search`` when ``proto.max_turns`` searches were already made -> MAX_TURNS (not executed).
+- ``Malformed`` -> MALFORMED, unless the context has reached ``proto.max_total_tokens``, then
+  MAX_TOKENS (the turn was cut by the trajectory budget, not by the policy's own format).
+- The prompt alone, or an injected documents block, would leave no room within
+  ``proto.max_total_tokens`` -> MAX_TOKENS (the block is then not appended; its SearchCall is kept).
+  The context never exceeds the budget: each turn's cap is the budget left.
+- RETRIEVAL_ERROR: retrieval failures are data, not crashes -- a failed search records
+  ``SearchCall(error=kind)``, injects the "no results" block and the trajectory continues. A
+  trajectory is relabelled RETRIEVAL_ERROR only when it ended *without an answer* (MALFORMED,
+  MAX_TURNS or MAX_TOKENS) and made at least one search and *every* one of its searches failed:
+  then the infrastructure, not the policy, is the likely cause, and consumers can tell them apart.
+
+The reward is always computed (``reward_fn(traj)``, its ``.total`` and ``.parts``), whatever the
+finish reason. ``search_enabled=False`` is the no-search evaluation: every search "returns" no
+documents without calling the retriever.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from actors.engine import Engine, Generation, SamplingParams
+from actors.prompts import TagSet, render_documents, render_prompt
+from cluster.config import ProtocolConfig
+from cluster.protocol import FinishReason, SearchCall, Segment, SegmentKind, Trajectory
+from retrieval.base import Hit, RetrievalError
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    prompt_id: str
+    question: str
+    golds: list[str]
+
+
+class AsyncRetriever(Protocol):
+    async def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        """One hit list per query, in input order (``retrieval.base`` contract)."""
+        ...
+
+
+class ThreadedRetriever:
+    """Adapts a synchronous ``retrieval.base.Retriever`` to ``AsyncRetriever`` (``asyncio.to_thread``).
+
+    A timeout (``asyncio.wait_for`` in the rollout) abandons the await, not the thread: the blocking
+    call runs to completion in the background and its result is discarded.
+    """
+
+    def __init__(self, retriever: Any):
+        self.retriever = retriever
+        self.name = getattr(retriever, "name", type(retriever).__name__)
+
+    async def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        return await asyncio.to_thread(self.retriever.batch_search, list(queries), k)
+
+
+@dataclass
+class RolloutStats:
+    """Accounting for one ``rollout_groups`` call. Times in seconds, latencies in milliseconds."""
+
+    trajectories: int = 0
+    generated_tokens: int = 0
+    """MODEL tokens kept in trajectories (summed over trajectories)."""
+    turns: int = 0
+    """Model turns summed over trajectories (one MODEL segment each)."""
+    engine_calls: int = 0
+    """Batched ``engine.generate`` calls (one per lockstep turn)."""
+    searches: int = 0
+    """Search steps (SearchCalls) summed over trajectories, failed ones included."""
+    queries: int = 0
+    """Queries in those steps (after the per-step budget)."""
+    retriever_calls: int = 0
+    """Batched ``retriever.batch_search`` calls (at most one per turn)."""
+    failed_searches: int = 0
+    retrieval_latency_ms: list[float] = field(default_factory=list)
+    """Wall latency of each batched retriever call."""
+    generate_s: float = 0.0
+    retrieve_s: float = 0.0
+    wall_s: float = 0.0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.generate_s if self.generate_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat numbers for metric sinks (the latency list is summarised)."""
+        lat = np.asarray(self.retrieval_latency_ms, dtype=np.float64)
+        d: dict[str, float] = {
+            "trajectories": self.trajectories, "generated_tokens": self.generated_tokens, "turns": self.turns,
+            "engine_calls": self.engine_calls, "searches": self.searches, "queries": self.queries,
+            "retriever_calls": self.retriever_calls, "failed_searches": self.failed_searches,
+            "generate_s": self.generate_s, "retrieve_s": self.retrieve_s, "wall_s": self.wall_s,
+            "tokens_per_s": self.tokens_per_s,
+            "retrieval_latency_ms_mean": float(lat.mean()) if lat.size else 0.0,
+            "retrieval_latency_ms_p99": float(np.percentile(lat, 99)) if lat.size else 0.0,
+        }
+        for k, v in self.finish_reasons.items():
+            d[f"finish/{k}"] = v
+        return d
+
+
+@dataclass
+class _State:
+    """Mutable per-trajectory bookkeeping; ``ctx`` mirrors the concatenated segment ids."""
+
+    traj: Trajectory
+    ctx: list[int]
+    searches_done: int = 0
+    done: bool = False
+
+    def finish(self, reason: str) -> None:
+        self.traj.finish_reason = reason
+        self.done = True
+
+
+def _token_id(tokenizer, token: str) -> int:
+    tid = tokenizer.convert_tokens_to_ids(token)
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if tid is None or (unk is not None and tid == unk and token != getattr(tokenizer, "unk_token", None)):
+        raise ValueError(f"tokenizer has no token for tag {token!r}: tags must be special tokens")
+    return int(tid)
+
+
+def _accepts_caps(engine: Engine) -> bool:
+    try:
+        ps = inspect.signature(engine.generate).parameters
+    except (TypeError, ValueError):
+        return False
+    return "max_new_tokens_per_prompt" in ps or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps.values())
+
+
+def _is_sync_retriever(retriever: Any) -> bool:
+    return not inspect.iscoroutinefunction(getattr(retriever, "batch_search", None))
+
+
+async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: AsyncRetriever | None,
+                         tokenizer, tags: TagSet, proto: ProtocolConfig, temperature: float, group_size: int,
+                         k: int, reward_fn: Callable[[Trajectory], Any], actor_id: int = 0, stage: int = 0,
+                         search_enabled: bool = True, seed: int | None = None,
+                         parse_fn: Callable[[str, TagSet, int], Any] | None = None,
+                         retrieval_timeout_s: float | None = None,
+                         top_p: float = 1.0) -> tuple[list[list[Trajectory]], RolloutStats]:
+    """Roll out ``group_size`` trajectories per item; returns (groups in item order, stats).
+
+    ``retriever``: an ``AsyncRetriever``; a synchronous ``retrieval.base.Retriever`` is wrapped in
+    :class:`ThreadedRetriever`. It may be None only with ``search_enabled=False``.
+    ``k``: hits requested per query (>= ``proto.docs_per_query``; extra hits backfill de-duplication).
+    ``seed``: turn t samples with seed ``seed + t`` (None: unseeded).
+    ``parse_fn``: defaults to ``actors.parsing.parse_turn(text, tags, max_queries)``; actions are
+    dispatched by type name (``Search`` / ``Answer`` / ``Malformed``).
+    ``retrieval_timeout_s``: bound on one batched retriever call; a timeout fails that turn's searches
+    (error ``"timeout"``), like any exception from the retriever.
+    ``reward_fn(traj)`` returns an object with ``.total`` (float) and ``.parts`` (dict[str, float]).
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size={group_size} must be >= 1")
+    if search_enabled and retriever is None:
+        raise ValueError("retriever=None with search_enabled=True: pass a retriever or disable search")
+    if search_enabled and k < proto.docs_per_query:
+        raise ValueError(f"k={k} < protocol.docs_per_query={proto.docs_per_query}")
+    if proto.max_total_tokens < 1 or proto.max_new_tokens_per_turn < 1:
+        raise ValueError(f"protocol.max_total_tokens={proto.max_total_tokens} and "
+                         f"protocol.max_new_tokens_per_turn={proto.max_new_tokens_per_turn} must be >= 1")
+    if parse_fn is None:
+        from actors.parsing import parse_turn as parse_fn  # noqa: N813
+    if retriever is not None and _is_sync_retriever(retriever):
+        retriever = ThreadedRetriever(retriever)
+
+    t_start = time.perf_counter()
+    stats = RolloutStats()
+    stop_ids = [_token_id(tokenizer, tags.query_close), _token_id(tokenizer, tags.answer_close)]
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None:
+        stop_ids.append(int(eos))
+    stop_ids = tuple(dict.fromkeys(stop_ids))
+    caps_ok = _accepts_caps(engine)
+
+    call_uid = uuid.uuid4().hex[:10]
+    groups: list[list[Trajectory]] = []
+    states: list[_State] = []
+    for gi, item in enumerate(items):
+        prompt = [int(t) for t in render_prompt(tags, item.question, tokenizer, template=proto.template)]
+        group_id = f"a{actor_id}-{call_uid}-g{gi}"
+        group = []
+        for j in range(group_size):
+            traj = Trajectory(traj_id=f"{group_id}-{j}", group_id=group_id, prompt_id=item.prompt_id,
+                              actor_id=actor_id, segments=[Segment(SegmentKind.PROMPT, np.asarray(prompt, np.int32))],
+                              question=item.question, golds=list(item.golds), stage=stage)
+            st = _State(traj, list(prompt))
+            if len(prompt) >= proto.max_total_tokens:
+                st.finish(FinishReason.MAX_TOKENS)
+            group.append(traj)
+            states.append(st)
+        groups.append(group)
+
+    turn = 0
+    while True:
+        active = [s for s in states if not s.done]
+        if not active:
+            break
+        # ---- 1. one batched generate; each row capped at the budget it has left (>= 1 here)
+        caps = [min(proto.max_new_tokens_per_turn, proto.max_total_tokens - len(s.ctx)) for s in active]
+        params = SamplingParams(max_new_tokens=max(caps), temperature=temperature, top_p=top_p,
+                                stop_token_ids=stop_ids, seed=None if seed is None else seed + turn)
+        prompts = [np.asarray(s.ctx, dtype=np.int32) for s in active]
+        kwargs = {"max_new_tokens_per_prompt": caps} if caps_ok and min(caps) < max(caps) else {}
+        t0 = time.perf_counter()
+        gens: list[Generation] = await asyncio.to_thread(engine.generate, prompts, params, **kwargs)
+        stats.generate_s += time.perf_counter() - t0
+        stats.engine_calls += 1
+        if len(gens) != len(active):
+            raise RuntimeError(f"engine returned {len(gens)} generations for {len(active)} prompts")
+
+        # ---- 2. MODEL segments, decode this turn only, parse
+        searching: list[tuple[_State, list[str], int]] = []
+        for s, g, cap in zip(active, gens, caps):
+            # Defensive truncation (an engine without per-prompt caps generated up to max(caps)): a
+            # prefix of an autoregressive sample is itself a valid sample, logprobs unchanged.
+            ids = np.asarray(g.token_ids, dtype=np.int32)[:cap]
+            lps = np.asarray(g.logprobs, dtype=np.float32)[:cap]
+            if len(ids):
+                s.traj.segments.append(Segment(SegmentKind.MODEL, ids, lps, int(g.version)))
+                s.ctx.extend(int(t) for t in ids)
+                stats.turns += 1
+                stats.generated_tokens += len(ids)
+            text = tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+            action = parse_fn(text, tags, proto.max_queries_per_step)
+            kind = type(action).__name__
+            if kind == "Answer":
+                s.traj.prediction = action.text
+                s.finish(FinishReason.ANSWERED)
+            elif kind == "Search":
+                if s.searches_done >= proto.max_turns:
+                    s.finish(FinishReason.MAX_TURNS)
+                else:
+                    searching.append((s, list(action.queries), int(getattr(action, "dropped", 0))))
+            elif kind == "Malformed":
+                s.finish(FinishReason.MAX_TOKENS if len(s.ctx) >= proto.max_total_tokens else FinishReason.MALFORMED)
+            else:
+                raise TypeError(f"parse_fn returned {action!r}; expected Search, Answer or Malformed")
+
+        # ---- 3. one batched retrieval for the whole turn, then per-trajectory injection
+        if searching:
+            await _search_and_inject(searching, turn, retriever if search_enabled else None, k, tokenizer,
+                                     tags, proto, retrieval_timeout_s, stats)
+        turn += 1
+
+    for s in states:
+        t = s.traj
+        if (t.finish_reason != FinishReason.ANSWERED and t.searches
+                and all(c.error is not None for c in t.searches)):
+            t.finish_reason = FinishReason.RETRIEVAL_ERROR
+        rb = reward_fn(t)
+        t.reward = float(rb.total)
+        t.reward_parts = {str(n): float(v) for n, v in dict(rb.parts).items()}
+        stats.finish_reasons[t.finish_reason] = stats.finish_reasons.get(t.finish_reason, 0) + 1
+    stats.trajectories = len(states)
+    stats.wall_s = time.perf_counter() - t_start
+    return groups, stats
+
+
+async def _search_and_inject(searching: list[tuple[_State, list[str], int]], turn: int,
+                             retriever: AsyncRetriever | None, k: int, tokenizer, tags: TagSet,
+                             proto: ProtocolConfig, timeout_s: float | None, stats: RolloutStats) -> None:
+    """One ``batch_search`` over the unique queries of every searching trajectory, then inject.
+
+    ``retriever=None`` means search disabled: no call, every query gets no documents (no error).
+    A failure of the batched call fails every search of this turn (they shared the call).
+    """
+    uniq = list(dict.fromkeys(q for _, qs, _ in searching for q in qs))
+    results: dict[str, list[Hit]] = {}
+    error: str | None = None
+    latency_ms = 0.0
+    if retriever is not None and uniq:
+        t0 = time.perf_counter()
+        try:
+            coro = retriever.batch_search(uniq, k)
+            hits = await (asyncio.wait_for(coro, timeout_s) if timeout_s is not None else coro)
+            if len(hits) != len(uniq):
+                raise RetrievalError("internal", f"retriever returned {len(hits)} result lists for {len(uniq)} queries")
+            results = dict(zip(uniq, hits))
+        except asyncio.TimeoutError:
+            error = "timeout"
+        except RetrievalError as e:
+            error = e.kind
+        except Exception:  # any backend bug is still data for the rollout, counted as internal
+            error = "internal"
+        latency_ms = (time.perf_counter() - t0) * 1000.0
+        stats.retrieve_s += latency_ms / 1000.0
+        stats.retrieval_latency_ms.append(latency_ms)
+        stats.retriever_calls += 1
+
+    for s, queries, dropped in searching:
+        seen: set[str] = set()
+        per_query_docs: list[list[tuple[str, str]]] = []
+        doc_ids: list[list[str]] = []
+        for q in queries:
+            chosen: list[Hit] = []
+            if error is None:
+                for h in results.get(q, []):
+                    if h.doc_id in seen:
+                        continue
+                    seen.add(h.doc_id)
+                    chosen.append(h)
+                    if len(chosen) >= proto.docs_per_query:
+                        break
+            per_query_docs.append([(h.title, h.text) for h in chosen])
+            doc_ids.append([h.doc_id for h in chosen])
+        s.traj.searches.append(SearchCall(turn=turn, queries=list(queries), doc_ids=doc_ids, latency_ms=latency_ms,
+                                          error=error, dropped_queries=dropped))
+        s.searches_done += 1
+        stats.searches += 1
+        stats.queries += len(queries)
+        if error is not None:
+            stats.failed_searches += 1
+        block = render_documents(tags, per_query_docs, tokenizer, proto.max_doc_tokens, error=error)
+        if len(s.ctx) + len(block) > proto.max_total_tokens:
+            s.finish(FinishReason.MAX_TOKENS)
+            continue
+        s.traj.segments.append(Segment(SegmentKind.RETRIEVAL, np.asarray(block, np.int32)))
+        s.ctx.extend(int(t) for t in block)
+        if len(s.ctx) >= proto.max_total_tokens:
+            s.finish(FinishReason.MAX_TOKENS)
