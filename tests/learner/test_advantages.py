@@ -1,0 +1,186 @@
+"""Advantages: closed forms, python-loop references, no NaN on constant groups."""
+import statistics
+
+import pytest
+import torch
+
+from learner.algo.advantages import (compute_advantages, dr_grpo_advantages, dynamic_sampling_mask,
+                                     group_advantages, reinforce_pp_advantages, zero_signal_groups)
+
+torch.set_num_threads(1)
+
+
+# ------------------------------------------------------------------ references (plain python)
+
+def ref_group_adv(rewards, groups, std_normalize, eps=1e-6):
+    out = []
+    for r, g in zip(rewards, groups):
+        members = [x for x, h in zip(rewards, groups) if h == g]
+        mean = sum(members) / len(members)
+        a = r - mean
+        if std_normalize:
+            a = a / (statistics.pstdev(members) + eps)
+        if max(members) == min(members):
+            a = 0.0
+        out.append(a)
+    return out
+
+
+def ref_reinforce_pp(rewards, mask, kl, kl_coef, eps=1e-8, groups=None):
+    B, L = len(mask), len(mask[0])
+    rew = list(rewards)
+    if groups is not None:
+        rew = [r - sum(x for x, h in zip(rewards, groups) if h == g) / groups.count(g)
+               for r, g in zip(rewards, groups)]
+    returns = [[0.0] * L for _ in range(B)]
+    for b in range(B):
+        trained = [t for t in range(L) if mask[b][t] > 0]
+        if not trained:
+            continue
+        last = trained[-1]
+        g = 0.0
+        for t in reversed(range(L)):
+            if mask[b][t] > 0:
+                r_t = -kl_coef * (kl[b][t] if kl is not None else 0.0)
+                if t == last:
+                    r_t += rew[b]
+                g += r_t
+                returns[b][t] = g
+    vals = [returns[b][t] for b in range(B) for t in range(L) if mask[b][t] > 0]
+    if not vals or max(vals) == min(vals):
+        return [[0.0] * L for _ in range(B)]
+    mean = sum(vals) / len(vals)
+    std = statistics.pstdev(vals)
+    return [[(returns[b][t] - mean) / (std + eps) if mask[b][t] > 0 else 0.0 for t in range(L)] for b in range(B)]
+
+
+def random_mask(gen, B, L, p=0.6):
+    m = (torch.rand(B, L, generator=gen) < p).float()
+    m[0] = 0.0  # an empty row
+    if B > 1:
+        m[1, :] = 0.0
+        m[1, 1:3] = 1.0
+        m[1, 5:L] = 1.0  # two model turns with a retrieval gap
+    return m
+
+
+# ------------------------------------------------------------------ group advantages
+
+def test_closed_form_1001():
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.zeros(4, dtype=torch.long))
+    assert adv.tolist() == [0.5, -0.5, -0.5, 0.5]
+    adv_std = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.zeros(4, dtype=torch.long), True)
+    # population std of [1,0,0,1] is 0.5
+    torch.testing.assert_close(adv_std, torch.tensor([1.0, -1.0, -1.0, 1.0]) * 0.5 / (0.5 + 1e-6))
+
+
+def test_all_equal_group_exact_zeros_not_nan():
+    rewards = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 1.0, 0.0, 5.0])
+    groups = torch.tensor([3, 3, 3, 9, 9, 1, 1, 42])  # constant, constant, mixed, singleton
+    for std in (False, True):
+        adv = group_advantages(rewards, groups, std_normalize=std)
+        assert not torch.isnan(adv).any()
+        assert adv[:5].tolist() == [0.0] * 5 and adv[7].item() == 0.0
+        assert adv[5].item() > 0 > adv[6].item()
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("std", [False, True])
+def test_group_advantages_vs_loop(seed, std):
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 40, (1,), generator=gen))
+    labels = torch.randint(0, 7, (n,), generator=gen) * 13 - 20  # non-contiguous, negative, unsorted
+    rewards = torch.randint(0, 3, (n,), generator=gen).float() * 0.5 + torch.rand(n, generator=gen) * (seed % 2)
+    adv = group_advantages(rewards, labels, std_normalize=std)
+    ref = ref_group_adv(rewards.double().tolist(), labels.tolist(), std)
+    torch.testing.assert_close(adv, torch.tensor(ref, dtype=torch.float32), rtol=1e-5, atol=1e-6)
+
+
+def test_dr_grpo_is_centring_only():
+    r = torch.tensor([3.0, 1.0, 0.0, 2.0, 2.0])
+    g = torch.tensor([0, 0, 0, 1, 1])
+    torch.testing.assert_close(dr_grpo_advantages(r, g), torch.tensor([5 / 3, -1 / 3, -4 / 3, 0.0, 0.0]))
+
+
+def test_dynamic_sampling_mask_and_count():
+    r = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 2.0])
+    g = torch.tensor([0, 0, 1, 1, 2, 2, 3])
+    assert dynamic_sampling_mask(r, g).tolist() == [False, False, True, True, False, False, False]
+    assert zero_signal_groups(r, g) == 3
+    assert dynamic_sampling_mask(torch.zeros(0), torch.zeros(0, dtype=torch.long)).numel() == 0
+
+
+# ------------------------------------------------------------------ REINFORCE++
+
+def test_reinforce_pp_closed_form_no_kl():
+    # two rows, outcome 1 and 0, the first with a retrieval gap: returns are the outcome on every
+    # trained token; global normalisation over 5 tokens (3 ones, 2 zeros).
+    mask = torch.tensor([[0, 1, 0, 0, 1, 1], [1, 1, 0, 0, 0, 0]], dtype=torch.float32)
+    adv = reinforce_pp_advantages(torch.tensor([1.0, 0.0]), mask)
+    mean, std = 0.6, statistics.pstdev([1, 1, 1, 0, 0])
+    hi, lo = (1 - mean) / (std + 1e-8), (0 - mean) / (std + 1e-8)
+    expect = torch.tensor([[0, hi, 0, 0, hi, hi], [lo, lo, 0, 0, 0, 0]], dtype=torch.float32)
+    torch.testing.assert_close(adv, expect)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kl_coef", [0.0, 0.05])
+@pytest.mark.parametrize("baseline", [False, True])
+def test_reinforce_pp_vs_loop(seed, kl_coef, baseline):
+    gen = torch.Generator().manual_seed(100 + seed)
+    B, L = 2 + seed, 7 + 3 * seed
+    mask = random_mask(gen, B, L)
+    rewards = torch.randint(0, 2, (B,), generator=gen).float()
+    kl = torch.rand(B, L, generator=gen)
+    groups = torch.arange(B) // 2
+    adv = reinforce_pp_advantages(rewards, mask, kl, kl_coef, group_index=groups if baseline else None)
+    ref = ref_reinforce_pp(rewards.tolist(), mask.tolist(), kl.double().tolist(), kl_coef,
+                           groups=groups.tolist() if baseline else None)
+    torch.testing.assert_close(adv, torch.tensor(ref, dtype=torch.float32), rtol=1e-4, atol=1e-5)
+    assert (adv[mask == 0] == 0).all()
+
+
+def test_reinforce_pp_constant_returns_zero_not_nan():
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1.0]])
+    adv = reinforce_pp_advantages(torch.tensor([1.0, 1.0]), mask)
+    assert adv.tolist() == [[0.0] * 3] * 2
+    empty = reinforce_pp_advantages(torch.tensor([1.0, 0.0]), torch.zeros(2, 4))
+    assert empty.tolist() == [[0.0] * 4] * 2
+
+
+# ------------------------------------------------------------------ dispatcher
+
+def test_compute_advantages_broadcasts_over_mask():
+    mask = torch.tensor([[0, 1, 1, 0, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 1, 1, 1.0]])
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    groups = torch.zeros(4, dtype=torch.long)
+    for name in ("grpo", "dr_grpo", "ppo"):
+        adv = compute_advantages(name, rewards, groups, mask)
+        expect = torch.tensor([0.5, -0.5, -0.5, 0.5])[:, None] * mask
+        assert torch.equal(adv, expect), name
+    assert torch.equal(compute_advantages("grpo", rewards, groups, mask, True),
+                       group_advantages(rewards, groups, True)[:, None] * mask)
+    rpp = compute_advantages("reinforce_pp", rewards, groups, mask)
+    torch.testing.assert_close(rpp, reinforce_pp_advantages(rewards, mask))
+
+
+def test_compute_advantages_kl_in_reward_mode():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0.0]])
+    kl = torch.tensor([[0.5, 0.5, 100.0], [1.0, 100.0, 100.0]])  # 100s sit on untrained tokens
+    adv = compute_advantages("dr_grpo", torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), mask, kl=kl, kl_coef=0.1)
+    # effective rewards 1 - 0.1 = 0.9 and 1 - 0.1 = 0.9 -> equal -> zero
+    assert adv.abs().max().item() < 1e-6
+    adv = compute_advantages("grpo", torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), mask,
+                             kl=kl * torch.tensor([[1.0], [3.0]]), kl_coef=0.1)
+    torch.testing.assert_close(adv, torch.tensor([[0.1, 0.1, 0.0], [-0.1, 0.0, 0.0]]))
+
+
+def test_compute_advantages_errors():
+    m = torch.ones(2, 3)
+    r, g = torch.tensor([1.0, 0.0]), torch.tensor([0, 0])
+    with pytest.raises(ValueError, match="dr_grpo"):
+        compute_advantages("dr_grpo", r, g, m, std_normalize=True)
+    with pytest.raises(ValueError, match="algo.name"):
+        compute_advantages("a2c", r, g, m)
+    with pytest.raises(ValueError):
+        compute_advantages("grpo", torch.tensor([1.0]), g, m)
