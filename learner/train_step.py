@@ -21,7 +21,7 @@ import torch
 from cluster.config import AlgoConfig, LearnerConfig, ReplayConfig
 from cluster.protocol import Trajectory
 from learner.algo.advantages import compute_advantages, dynamic_sampling_mask
-from learner.algo.losses import AggDenominators, LossInputs, entropy_from_logits, policy_loss, sft_loss, token_logprobs
+from learner.algo.losses import LossInputs, entropy_from_logits, kl_estimate, policy_loss, sft_loss, token_logprobs
 from learner.algo.staleness import lag_histogram, staleness_decision
 from learner.batching import Batch, collate, pack_micro_batches
 
@@ -95,9 +95,19 @@ def _micro_batches(batch: Batch, token_budget: int, device) -> list[Batch]:
 
 
 def _weighted(metrics: list[tuple[dict, float]]) -> dict[str, float]:
+    """Token-weighted means over micro-batches; ``*_max`` keys take the max, ``num_tokens`` the sum."""
     total = sum(w for _, w in metrics) or 1.0
     keys = {k for m, _ in metrics for k in m}
-    return {k: sum(m.get(k, 0.0) * w for m, w in metrics) / total for k in keys}
+    out = {}
+    for k in keys:
+        vals = [m[k] for m, _ in metrics if k in m]
+        if k.endswith("_max"):
+            out[k] = max(vals)
+        elif k == "num_tokens":
+            out[k] = sum(vals)
+        else:
+            out[k] = sum(m.get(k, 0.0) * w for m, w in metrics) / total
+    return out
 
 
 def sft_step(stepper: Stepper, trajs: list[Trajectory], lcfg: LearnerConfig, pad_id: int,
@@ -158,10 +168,18 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
         m.update({"learner/skipped_step": 1.0, "learner/step_time_s": time.perf_counter() - t0})
         return m
     batch = collate(trajs, None, pad_id)
-    kl_in_reward = algo.kl_coef > 0 and algo.kl_mode == "reward"
+    kl = None
+    if ref_module is not None and algo.kl_coef > 0 and algo.kl_mode == "reward":
+        # KL as a reward penalty: per-token KL(current || ref) of the batch, before the step.
+        with torch.no_grad():
+            full = batch.to(device)
+            cur, _ = forward_logprobs(stepper.module, full, temperature)
+            ref, _ = forward_logprobs(ref_module, full, temperature)
+            kl = (kl_estimate(cur, ref, algo.kl_estimator) * full.loss_mask).cpu()
+            m["learner/kl_reward_penalty"] = float(algo.kl_coef * kl.sum() / max(1.0, float(full.loss_mask.sum())))
     batch.advantages = compute_advantages(algo.name, batch.rewards, batch.group_index, batch.loss_mask,
-                                          algo.std_normalize,
-                                          kl=None, kl_coef=algo.kl_coef if kl_in_reward else 0.0).float()
+                                          algo.std_normalize, kl=kl,
+                                          kl_coef=algo.kl_coef if kl is not None else 0.0).float()
     denom = batch.denominators()
     mbs = _micro_batches(batch, lcfg.micro_batch_tokens, device)
     use_ref = ref_module is not None and algo.kl_coef > 0 and algo.kl_mode == "loss"
