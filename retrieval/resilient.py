@@ -1,0 +1,270 @@
+"""Retries with bounded exponential backoff, and a circuit breaker, around any Retriever.
+
+``ResilientRetriever(inner)`` is itself a Retriever. A call to ``batch_search``:
+
+1. **Breaker check.** *closed*: go on. *open*: if fewer than ``breaker_reset_s`` have passed since it
+   opened, fail at once with ``RetrievalError('breaker_open')`` without touching the inner retriever
+   (so a dead server is not hammered). Otherwise the call becomes the single *half-open probe*;
+   concurrent callers keep failing fast while the probe is in flight.
+2. **Attempts.** Up to ``1 + max_retries`` calls of ``inner.batch_search`` (the probe gets exactly one).
+   A *retryable* ``RetrievalError`` (timeout, http_5xx, http_429, connection) is retried after
+   ``min(max_backoff_s, backoff_s * 2**i)`` seconds scaled by a jitter factor in ``[1 - jitter, 1]``,
+   so each sleep is bounded by ``max_backoff_s`` and the total by ``max_retries * max_backoff_s``.
+   A non-retryable error (bad_request, internal) is raised at once, with no retry.
+3. **Outcome.** Success closes the breaker and resets the failure streak. A call whose attempts all
+   failed with retryable errors counts one failure; ``breaker_failures`` consecutive failed calls open
+   the breaker, and a failed probe re-opens it for another ``breaker_reset_s``. The error raised has
+   the kind of the last attempt. A non-retryable error proves that the server answered, so for the
+   breaker it counts as a success (a malformed query must not cut off a healthy server).
+
+Any other exception from the inner retriever is wrapped as ``RetrievalError('internal')``: the
+contract above us is "a failed search is data", so nothing else escapes.
+
+``stats()`` returns plain counters (errors by kind, retries, breaker state...), plus the inner
+retriever's ``stats()`` under ``"inner"`` when it has one. Thread-safe: the Ray service runs several
+inner calls at once from a thread pool. Time comes from the injected ``clock`` and ``sleep`` so the
+unit tests drive the breaker with a fake clock.
+
+Pure module: standard library only.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import random
+import threading
+import time
+from collections import Counter
+from typing import Any, Awaitable, Callable, Sequence
+
+from retrieval.base import Hit, RetrievalError, Retriever
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+
+class ResilientRetriever:
+    """Retry + circuit breaker around ``inner``. See the module docstring for the exact semantics."""
+
+    def __init__(
+        self,
+        inner: Retriever,
+        max_retries: int = 2,
+        backoff_s: float = 0.1,
+        breaker_failures: int = 5,
+        breaker_reset_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        *,
+        max_backoff_s: float = 2.0,
+        jitter: float = 0.5,
+        rng: random.Random | None = None,
+        asleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ):
+        if max_retries < 0:
+            raise ValueError(f"max_retries={max_retries} must be >= 0")
+        if backoff_s < 0 or max_backoff_s < 0:
+            raise ValueError(f"backoff_s={backoff_s} / max_backoff_s={max_backoff_s} must be >= 0")
+        if breaker_failures < 1:
+            raise ValueError(f"breaker_failures={breaker_failures} must be >= 1")
+        if breaker_reset_s < 0:
+            raise ValueError(f"breaker_reset_s={breaker_reset_s} must be >= 0")
+        if not 0.0 <= jitter <= 1.0:
+            raise ValueError(f"jitter={jitter} must be in [0, 1]")
+        self.inner = inner
+        self.name = getattr(inner, "name", type(inner).__name__)
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.jitter = jitter
+        self.breaker_failures = breaker_failures
+        self.breaker_reset_s = breaker_reset_s
+        self._clock = clock
+        self._sleep = sleep
+        self._asleep = asleep
+        self._rng = rng or random.Random()
+        self._lock = threading.Lock()
+        self._state = CLOSED
+        self._opened_at = 0.0
+        self._probe_in_flight = False
+        self._streak = 0
+        self._c: Counter[str] = Counter()
+        self._errors: Counter[str] = Counter()
+        self._attempt_errors: Counter[str] = Counter()
+
+    def __repr__(self) -> str:
+        return (f"ResilientRetriever({self.inner!r}, max_retries={self.max_retries}, backoff_s={self.backoff_s}, "
+                f"breaker_failures={self.breaker_failures}, breaker_reset_s={self.breaker_reset_s})")
+
+    # ----------------------------------------------------------------------------------- breaker
+    @property
+    def state(self) -> str:
+        """closed | open | half_open (as of now: an open breaker past its reset time reads half_open)."""
+        with self._lock:
+            if self._state == OPEN and self._clock() - self._opened_at >= self.breaker_reset_s:
+                return HALF_OPEN
+            return self._state
+
+    def backoff_delay(self, attempt: int) -> float:
+        """Sleep before retry number ``attempt + 1`` (0-based): capped exponential with jitter."""
+        base = min(self.max_backoff_s, self.backoff_s * (2.0 ** attempt))
+        return base * (1.0 - self.jitter * self._rng.random())
+
+    def _admit(self) -> bool:
+        """Returns True when this call is the half-open probe; raises breaker_open to fail fast."""
+        with self._lock:
+            self._c["calls"] += 1
+            if self._state == CLOSED:
+                return False
+            waited = self._clock() - self._opened_at
+            if self._state == OPEN and waited >= self.breaker_reset_s and not self._probe_in_flight:
+                self._state = HALF_OPEN
+                self._probe_in_flight = True
+                self._c["probes"] += 1
+                return True
+            self._c["fast_failed"] += 1
+            self._errors["breaker_open"] += 1
+            left = max(0.0, self.breaker_reset_s - waited)
+        raise RetrievalError(
+            "breaker_open",
+            f"circuit breaker open for {self.name} after {self.breaker_failures} consecutive failures; "
+            f"next probe in {left:.2f}s", retryable=False)
+
+    def _on_success(self, probe: bool) -> None:
+        with self._lock:
+            self._c["successes"] += 1
+            self._streak = 0
+            if probe or self._state != CLOSED:
+                self._c["breaker_closes"] += 1
+            self._state = CLOSED
+            if probe:
+                self._probe_in_flight = False
+
+    def _on_failure(self, probe: bool, err: RetrievalError) -> None:
+        with self._lock:
+            self._c["failures"] += 1
+            self._errors[err.kind] += 1
+            self._streak += 1
+            if probe:
+                self._probe_in_flight = False
+                self._state = OPEN
+                self._opened_at = self._clock()
+                self._c["breaker_reopens"] += 1
+            elif self._state == CLOSED and self._streak >= self.breaker_failures:
+                self._state = OPEN
+                self._opened_at = self._clock()
+                self._c["breaker_opens"] += 1
+
+    def _on_attempt_error(self, err: RetrievalError) -> None:
+        with self._lock:
+            self._attempt_errors[err.kind] += 1
+
+    @staticmethod
+    def _as_retrieval_error(e: BaseException) -> RetrievalError:
+        if isinstance(e, RetrievalError):
+            return e
+        return RetrievalError("internal", f"{type(e).__name__}: {e}", retryable=False)
+
+    def _final(self, err: RetrievalError, attempts: int) -> RetrievalError:
+        out = RetrievalError(err.kind, f"{self.name}: gave up after {attempts} attempt(s): {err}",
+                             retryable=err.retryable)
+        out.__cause__ = err
+        return out
+
+    # ----------------------------------------------------------------------------------- search
+    def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        probe = self._admit()
+        attempts = 1 if probe else 1 + self.max_retries
+        last: RetrievalError | None = None
+        for i in range(attempts):
+            if i:
+                with self._lock:
+                    self._c["retries"] += 1
+                self._sleep(self.backoff_delay(i - 1))
+            with self._lock:
+                self._c["attempts"] += 1
+            try:
+                out = self.inner.batch_search(queries, k)
+            except Exception as e:  # noqa: BLE001 - every failure becomes a RetrievalError
+                err = self._as_retrieval_error(e)
+                self._on_attempt_error(err)
+                if not err.retryable:
+                    self._on_success(probe)  # the server answered; only the query was bad
+                    with self._lock:
+                        self._errors[err.kind] += 1
+                    raise err
+                last = err
+                continue
+            self._on_success(probe)
+            return out
+        assert last is not None
+        self._on_failure(probe, last)
+        raise self._final(last, attempts)
+
+    async def abatch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        """Async twin of :meth:`batch_search`: awaits ``inner.abatch_search`` when the inner retriever
+        has one (else runs ``inner.batch_search`` in a thread) and backs off with ``asleep``."""
+        probe = self._admit()
+        attempts = 1 if probe else 1 + self.max_retries
+        inner_async = getattr(self.inner, "abatch_search", None)
+        if inner_async is not None and not inspect.iscoroutinefunction(inner_async):
+            inner_async = None
+        last: RetrievalError | None = None
+        for i in range(attempts):
+            if i:
+                with self._lock:
+                    self._c["retries"] += 1
+                await self._asleep(self.backoff_delay(i - 1))
+            with self._lock:
+                self._c["attempts"] += 1
+            try:
+                if inner_async is not None:
+                    out = await inner_async(queries, k)
+                else:
+                    out = await asyncio.to_thread(self.inner.batch_search, queries, k)
+            except asyncio.CancelledError:
+                if probe:
+                    with self._lock:
+                        self._probe_in_flight = False
+                raise
+            except Exception as e:  # noqa: BLE001
+                err = self._as_retrieval_error(e)
+                self._on_attempt_error(err)
+                if not err.retryable:
+                    self._on_success(probe)
+                    with self._lock:
+                        self._errors[err.kind] += 1
+                    raise err
+                last = err
+                continue
+            self._on_success(probe)
+            return out
+        assert last is not None
+        self._on_failure(probe, last)
+        raise self._final(last, attempts)
+
+    # ----------------------------------------------------------------------------------- stats
+    def stats(self) -> dict[str, Any]:
+        """Counters since construction. ``errors``: calls that raised, by final kind (breaker_open
+        included); ``attempt_errors``: every failed inner attempt, by kind."""
+        state = self.state
+        with self._lock:
+            out: dict[str, Any] = {
+                "calls": self._c["calls"],
+                "successes": self._c["successes"],
+                "failures": self._c["failures"],
+                "attempts": self._c["attempts"],
+                "retries": self._c["retries"],
+                "fast_failed": self._c["fast_failed"],
+                "probes": self._c["probes"],
+                "breaker_opens": self._c["breaker_opens"],
+                "breaker_reopens": self._c["breaker_reopens"],
+                "breaker_closes": self._c["breaker_closes"],
+                "breaker_state": state,
+                "consecutive_failures": self._streak,
+                "errors": dict(self._errors),
+                "attempt_errors": dict(self._attempt_errors),
+            }
+        inner_stats = getattr(self.inner, "stats", None)
+        if callable(inner_stats):
+            out["inner"] = inner_stats()
+        return out
