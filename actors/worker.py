@@ -137,7 +137,10 @@ class RolloutWorker:
         return self.engine.version
 
     def checksum(self) -> dict:
-        return {"version": self.engine.version, "checksum": self.engine.state_checksum()}
+        """Same function as the learner's (cluster.weights.checksum), so the two can be compared."""
+        from cluster.weights import checksum
+
+        return {"version": self.engine.version, "checksum": checksum(self.engine.inner.model.named_parameters())}
 
     # ------------------------------------------------------------------ rollout loop
     def start(self, replay, stage_index: int, stage: StageConfig) -> bool:

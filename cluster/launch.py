@@ -36,6 +36,7 @@ def train(cfg: Config) -> dict:
             else:
                 run_rl_stage(cfg, roles, run, index, stage)
             save_checkpoint(roles, run, index + 1, tag=f"stage{index}")
+        run.results["weights"] = verify_weights(roles)
         run.results["final"] = evaluate(cfg, roles, run, split="after")
         export_model(cfg, roles, run)
         summary = print_summary(cfg, roles, run)
@@ -372,6 +373,22 @@ def evaluate(cfg: Config, roles: Roles, run: Run, split: str) -> dict:
     return out
 
 
+def verify_weights(roles: Roles) -> dict:
+    """After a final push, every worker must hold exactly the learner's weights (checksums equal)."""
+    import ray
+
+    push_weights(roles)
+    ray.get([w.apply_staged_weights.remote() for w in roles.workers])
+    learner = ray.get(roles.learner.checksum.remote())
+    workers = ray.get([w.checksum.remote() for w in roles.workers])
+    produced = [ray.get(w.health.remote())["stats"]["trajectories"] for w in roles.workers]
+    ok = all(w["version"] == learner["version"] and abs(w["checksum"] - learner["checksum"]) <= 1e-9 * abs(learner["checksum"])
+             for w in workers)
+    if not ok:
+        raise RuntimeError(f"weights diverged after the final push: learner {learner}, workers {workers}")
+    return {"learner": learner, "workers": workers, "worker_trajectories": produced}
+
+
 def maybe_checkpoint(cfg: Config, roles: Roles, run: Run, stage_index: int, steps: int) -> None:
     if cfg.run.checkpoint_every and steps % cfg.run.checkpoint_every == 0:
         save_checkpoint(roles, run, stage_index, tag=f"step{run.step}")
@@ -428,7 +445,8 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
         "searches_per_question": after.get("search", {}).get("searches"),
         "trajectories_per_s": stats["consumed"] / max(1e-9, sum(v["seconds"] for v in run.results.get("rl", {}).values()) or wall),
         "tokens_per_s": float(np.mean([h.get(K.LEARNER_TOKENS_PER_S, 0) for h in rl_hist])) if rl_hist else None,
-        "policy_lag_max": max(lags) if lags else 0, "replay": stats,
+        "policy_lag_max": max(lags) if lags else 0, "replay": stats, "weights": run.results.get("weights"),
+        "learner_steps": sum(1 for h in run.history if "learner/loss" in h),
     }
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     rows = [("held-out EM (search) before RL", summary["em_before_search"]),

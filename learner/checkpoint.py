@@ -3,6 +3,7 @@
 Layout of a checkpoint directory ``<run>/checkpoints/<tag>/``::
 
     ds/            DeepSpeed engine state (model, optimizer, ZeRO partitions)
+    hf/            the policy as a Hugging Face directory (transformers/vLLM load it; `sonar eval` too)
     state.json     Sonar state: policy version, stage index and step, data cursor, replay accounting
     rng.pt         torch / numpy / python RNG states
     COMPLETE       written last; a directory without it is partial and refused
@@ -28,7 +29,8 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def save_checkpoint(engine, path: str | Path, state: dict) -> str:
+def save_checkpoint(engine, path: str | Path, state: dict, write_extra=None) -> str:
+    """``write_extra(tmp_dir)`` adds files (the Hugging Face export under ``hf/``) before the rename."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     if tmp.exists():
@@ -38,6 +40,8 @@ def save_checkpoint(engine, path: str | Path, state: dict) -> str:
     (tmp / "state.json").write_text(json.dumps(state, default=_json_default, indent=1))
     torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
                tmp / "rng.pt")
+    if write_extra is not None:
+        write_extra(tmp)
     (tmp / COMPLETE).write_text("ok\n")
     if path.exists():
         shutil.rmtree(path)

@@ -38,6 +38,16 @@ def _import_deepspeed_without_shm_jit():
     return deepspeed
 
 
+class _SyncRetriever:
+    """The service client seen through the synchronous Retriever protocol (for demonstrations)."""
+
+    def __init__(self, client):
+        self.client, self.name = client, getattr(client, "name", "service")
+
+    def batch_search(self, queries, k):
+        return self.client.batch_search_sync(queries, k)
+
+
 class Learner:
     def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1, master_port: int | None = None):
         os.environ["OMP_NUM_THREADS"] = "1"
@@ -144,7 +154,7 @@ class Learner:
         from retrieval.service import RetrievalClient
 
         client = RetrievalClient(retrieval_handles, timeout_s=self.cfg.retrieval.timeout_s)
-        retriever = client.sync()
+        retriever = _SyncRetriever(client)
         self._demos = make_demonstrations(self.world.train, self.tags, self.tokenizer, retriever,
                                           self.cfg.protocol, self.cfg.retrieval.k)
         self._demo_order = self._sft_rng.permutation(len(self._demos))
@@ -232,7 +242,7 @@ class Learner:
         state.update(version=self.version, global_step=self.global_step, stage_step=self.stage_step,
                      stage_index=self.stage_index, demo_cursor=self._demo_cursor,
                      sft_rng=self._sft_rng.bit_generator.state)
-        return save_checkpoint(self.engine, path, state)
+        return save_checkpoint(self.engine, path, state, write_extra=lambda tmp: self.export_hf(str(tmp / "hf")))
 
     def load_checkpoint(self, path: str) -> dict:
         from learner.checkpoint import load_checkpoint
