@@ -446,7 +446,7 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
         "trajectories_per_s": stats["consumed"] / max(1e-9, sum(v["seconds"] for v in run.results.get("rl", {}).values()) or wall),
         "tokens_per_s": float(np.mean([h.get(K.LEARNER_TOKENS_PER_S, 0) for h in rl_hist])) if rl_hist else None,
         "policy_lag_max": max(lags) if lags else 0, "replay": stats, "weights": run.results.get("weights"),
-        "learner_steps": sum(1 for h in run.history if "learner/loss" in h),
+        "learner_steps": sum(1 for h in run.history if "learner/version" in h),
     }
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     rows = [("held-out EM (search) before RL", summary["em_before_search"]),
