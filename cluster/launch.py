@@ -302,9 +302,11 @@ def restart_worker(cfg: Config, roles: Roles, i: int, err: str, stage_index: int
         pass
     roles.workers[i] = start_worker(cfg, i, roles.retrieval)
     ray.get(roles.workers[i].ready.remote())
-    for j, w in enumerate(roles.workers):  # the group includes every rank: rebuild it
-        if j != i:
-            ray.get(w.stop.remote())
+    # The broadcast group includes every rank, so it is rebuilt: pause the others first (closing the
+    # queue releases a producer blocked on backpressure; its prompt is requeued), then resume all.
+    ray.get(roles.replay.close.remote())
+    ray.get([w.stop.remote() for j, w in enumerate(roles.workers) if j != i])
+    ray.get(roles.replay.reopen.remote())
     connect_broadcast(cfg, roles)
     ray.get([w.start.remote(roles.replay, stage_index, stage) for w in roles.workers])
 

@@ -1,0 +1,70 @@
+"""A rollout worker that dies is restarted (cluster.max_worker_restarts) or fails the run loudly,
+naming the worker; its claimed prompts are requeued, never lost."""
+import pytest
+import ray
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+
+@pytest.fixture()
+def roles_for(tmp_path):
+    made = []
+
+    def make(restarts: int):
+        from cluster.config import CONFIG_DIR, load_config
+        from cluster.launch import start_roles, start_run
+
+        cfg = load_config([CONFIG_DIR / "smoke.yaml"],
+                          [f"run.root={tmp_path}", f"cluster.max_worker_restarts={restarts}", "tracking.enabled=false",
+                           "cluster.health_timeout_s=30"])
+        run = start_run(cfg)
+        roles = start_roles(cfg, run)
+        made.append(roles)
+        return cfg, run, roles
+
+    yield make
+    from cluster.launch import stop_roles
+
+    for r in made:
+        stop_roles(r)
+
+
+def _start_rl(cfg, roles):
+    stage = cfg.stages[1]
+    ray.get(roles.learner.begin_stage.remote(1, stage, roles.retrieval))
+    ray.get([w.start.remote(roles.replay, 1, stage) for w in roles.workers])
+    return stage
+
+
+def test_dead_worker_without_restarts_fails_the_run_naming_it(roles_for):
+    from cluster.launch import WorkerFailed, check_workers
+
+    cfg, run, roles = roles_for(0)
+    stage = _start_rl(cfg, roles)
+    ray.kill(roles.workers[1], no_restart=True)
+    with pytest.raises(WorkerFailed, match=r"rollout worker 1 failed .*max_worker_restarts=0"):
+        check_workers(cfg, roles, 1, stage)
+    from cluster.launch import stop_rollouts
+
+    roles.workers.pop(1)
+    stop_rollouts(roles)
+
+
+def test_dead_worker_is_restarted_and_rejoins_the_broadcast(roles_for):
+    from cluster.launch import check_workers, push_weights
+
+    cfg, run, roles = roles_for(1)
+    stage = _start_rl(cfg, roles)
+    old = roles.workers[0]
+    ray.kill(old, no_restart=True)
+    check_workers(cfg, roles, 1, stage)
+    assert roles.workers[0] is not old and roles.restarts[0] == 1
+    push_weights(roles)  # the rebuilt group includes the new worker
+    ray.get([w.apply_staged_weights.remote() for w in roles.workers])
+    learner = ray.get(roles.learner.checksum.remote())["checksum"]
+    for w in roles.workers:
+        assert ray.get(w.checksum.remote())["checksum"] == pytest.approx(learner, rel=1e-12)
+    from cluster.launch import stop_rollouts
+
+    stop_rollouts(roles)
+    assert ray.get(roles.replay.stats.remote())["balanced"]
