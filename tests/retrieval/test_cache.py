@@ -1,0 +1,236 @@
+"""CachedRetriever (LRU, in-batch and in-flight coalescing, counters, thread safety) and the pure
+multi-query step helpers (retrieval.multiquery), which run in front of the cache in a RAG-R1 step."""
+import threading
+import time
+
+import pytest
+
+from retrieval.base import Hit, RetrievalError, Retriever
+from retrieval.cache import CachedRetriever
+from retrieval.multiquery import dedupe_step, plan_step, step_depth
+
+
+class CountingInner:
+    """A fake backend: hit ids derived from the query; records every call."""
+
+    def __init__(self, name="fake:idx", delay=0.0, fail=None):
+        self.name = name
+        self.calls: list[tuple[list[str], int]] = []
+        self.delay = delay
+        self.fail = fail
+        self._lock = threading.Lock()
+
+    def batch_search(self, queries, k):
+        with self._lock:
+            self.calls.append((list(queries), k))
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail is not None:
+            raise self.fail
+        return [[Hit(f"{q}#{i}", q, f"text {i}", float(k - i)) for i in range(k)] for q in queries]
+
+    @property
+    def queries_seen(self):
+        return [q for qs, _ in self.calls for q in qs]
+
+
+def test_is_a_retriever_and_group_duplicates_sent_once():
+    inner = CountingInner()
+    c = CachedRetriever(inner, max_entries=100, rerank_tag="none")
+    assert isinstance(c, Retriever) and c.name == inner.name
+    group = ["who founded x"] * 8 + ["where is y"] * 4  # the samples of a GRPO group
+    res = c.batch_search(group, k=2)
+    assert inner.calls == [(["who founded x", "where is y"], 2)]
+    assert [r[0].doc_id for r in res] == ["who founded x#0"] * 8 + ["where is y#0"] * 4
+    s = c.stats()
+    assert (s["misses"], s["coalesced"], s["hits"]) == (2, 10, 0)
+    assert s["hit_rate"] == pytest.approx(10 / 12)
+
+
+def test_cached_entries_answer_without_inner_call():
+    inner = CountingInner()
+    c = CachedRetriever(inner, 100, "none")
+    first = c.batch_search(["a", "b"], 3)
+    again = c.batch_search(["b", "  a\n", "c"], 3)  # " a\n" normalises to "a"
+    assert inner.calls == [(["a", "b"], 3), (["c"], 3)]
+    assert again[0] == first[1] and again[1] == first[0]
+    s = c.stats()
+    assert (s["hits"], s["misses"], s["coalesced"], s["lookups"]) == (2, 3, 0, 5)
+    assert s["hit_rate"] == pytest.approx(2 / 5)
+
+
+def test_key_includes_k_inner_name_and_rerank_tag():
+    inner = CountingInner()
+    c = CachedRetriever(inner, 100, "none")
+    c.batch_search(["q"], 1)
+    c.batch_search(["q"], 2)
+    assert len(inner.calls) == 2
+    assert c.key("q", 1) == ("fake:idx", "q", 1, "none")
+    other = CachedRetriever(inner, 100, "dense:minilm@20")
+    assert other.key("q", 1) != c.key("q", 1)
+    assert CachedRetriever(CountingInner(name="fake:other"), 10).key("q", 1)[0] == "fake:other"
+
+
+def test_lru_eviction_order_and_counter():
+    inner = CountingInner()
+    c = CachedRetriever(inner, max_entries=2, rerank_tag="none")
+    c.batch_search(["a"], 1)
+    c.batch_search(["b"], 1)
+    c.batch_search(["a"], 1)  # a is now most recent
+    c.batch_search(["c"], 1)  # evicts b
+    assert c.stats()["evictions"] == 1 and c.stats()["entries"] == 2
+    n = len(inner.calls)
+    c.batch_search(["a", "c"], 1)
+    assert len(inner.calls) == n  # both still cached
+    c.batch_search(["b"], 1)
+    assert inner.calls[-1] == (["b"], 1)
+
+
+def test_zero_entries_only_coalesces():
+    inner = CountingInner()
+    c = CachedRetriever(inner, max_entries=0)
+    c.batch_search(["a", "a"], 1)
+    c.batch_search(["a"], 1)
+    assert inner.calls == [(["a"], 1), (["a"], 1)]
+    assert c.stats()["entries"] == 0
+
+
+def test_empty_queries_answered_without_call_and_truncation_in_key():
+    inner = CountingInner()
+    c = CachedRetriever(inner, 10, max_query_chars=10)
+    res = c.batch_search(["", " \t\n", "\x00"], 2)
+    assert res == [[], [], []] and inner.calls == []
+    c.batch_search(["0123456789 tail one", "0123456789 tail two"], 1)  # same after truncation
+    assert inner.calls == [(["0123456789"], 1)]
+    s = c.stats()
+    assert s["empty_queries"] == 3 and s["truncated"] == 2
+
+
+def test_results_are_fresh_lists():
+    c = CachedRetriever(CountingInner(), 10)
+    r1 = c.batch_search(["a", "a"], 2)
+    r1[0].clear()
+    assert len(r1[1]) == 2
+    assert len(c.batch_search(["a"], 2)[0]) == 2
+
+
+def test_errors_are_not_cached():
+    inner = CountingInner(fail=RetrievalError("timeout", "slow"))
+    c = CachedRetriever(inner, 10)
+    with pytest.raises(RetrievalError):
+        c.batch_search(["a", "a"], 1)
+    inner.fail = None
+    assert c.batch_search(["a"], 1)[0][0].doc_id == "a#0"
+    assert len(inner.calls) == 2 and c.stats()["entries"] == 1
+
+
+def test_concurrent_identical_queries_fetch_once():
+    inner = CountingInner(delay=0.2)
+    c = CachedRetriever(inner, 100)
+    results = []
+    start = threading.Barrier(6)
+
+    def worker():
+        start.wait()
+        results.append(c.batch_search(["same query"], 3))
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(inner.calls) == 1
+    assert all(r == results[0] for r in results)
+    s = c.stats()
+    assert s["misses"] == 1 and s["coalesced"] + s["hits"] == 5
+
+
+def test_concurrent_failure_reaches_waiters():
+    inner = CountingInner(delay=0.2, fail=RetrievalError("connection", "down"))
+    c = CachedRetriever(inner, 100)
+    errors = []
+    start = threading.Barrier(4)
+
+    def worker():
+        start.wait()
+        try:
+            c.batch_search(["q"], 1)
+        except RetrievalError as e:
+            errors.append(e.kind)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == ["connection"] * 4 and len(inner.calls) == 1
+
+
+def test_thread_safety_under_load():
+    inner = CountingInner()
+    c = CachedRetriever(inner, max_entries=50)
+    vocab = [f"q{i}" for i in range(80)]
+
+    def worker(seed):
+        for j in range(200):
+            qs = [vocab[(seed * 7 + j * 3 + m) % 80] for m in range(4)]
+            res = c.batch_search(qs, 2)
+            assert [r[0].title for r in res] == qs
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    s = c.stats()
+    assert s["lookups"] == 4 * 200 * 4
+    assert s["misses"] == len(inner.queries_seen)
+    assert s["entries"] <= 50 and s["evictions"] == s["misses"] - s["entries"]
+
+
+# ----------------------------------------------------------------------- multi-query step helpers
+
+def H(doc_id):
+    return Hit(doc_id, doc_id, "", 1.0)
+
+
+def test_plan_step_budget_duplicates_empty():
+    kept, dropped = plan_step(["a b", "A  b", "", "c", "d", "e"], budget=2)
+    assert kept == ["a b", "c"]
+    assert dropped == ["A  b", "", "d", "e"]
+    assert plan_step([], 3) == ([], [])
+    with pytest.raises(ValueError):
+        plan_step(["x"], 0)
+
+
+def test_dedupe_step_skips_documents_shown_earlier():
+    results = [
+        [H("d1"), H("d2"), H("d3")],
+        [H("d1"), H("d4"), H("d2"), H("d5")],  # d1 shown for query 0: takes d4, then d5 (d2 shown)
+        [H("d2"), H("d2"), H("d4")],  # nothing new left
+    ]
+    out = dedupe_step(results, per_query=2)
+    assert [[h.doc_id for h in r] for r in out] == [["d1", "d2"], ["d4", "d5"], []]
+    assert dedupe_step([[H("x"), H("x"), H("y")]], 2)[0] == [H("x"), H("y")]
+    with pytest.raises(ValueError):
+        dedupe_step(results, 0)
+
+
+def test_step_depth_guarantees_fill():
+    assert step_depth(1, 3) == 3 and step_depth(2, 0) == 2
+    # worst case: every query's list starts with the docs earlier queries took
+    n, per = 3, 2
+    k = step_depth(per, n)
+    results = [[H(f"d{i}") for i in range(k)] for _ in range(n)]
+    out = dedupe_step(results, per)
+    assert all(len(r) == per for r in out)
+    assert len({h.doc_id for r in out for h in r}) == n * per
+
+
+def test_multiquery_step_through_cache():
+    inner = CountingInner()
+    c = CachedRetriever(inner, 100)
+    kept, dropped = plan_step(["alpha", "beta", "alpha", "gamma"], budget=2)
+    res = dedupe_step(c.batch_search(kept, step_depth(1, len(kept))), per_query=1)
+    assert [r[0].doc_id for r in res] == ["alpha#0", "beta#0"] and dropped == ["alpha", "gamma"]
+    assert inner.calls == [(["alpha", "beta"], 2)]
