@@ -90,7 +90,18 @@ class RolloutWorker:
         self.cfg = cfg
         self.world = build_world(cfg.world)
         model, self.tokenizer = policy_and_tokenizer(cfg.model, self.world)
-        self.engine = SwappingEngine(HFEngine(model, eos_token_id=self.tokenizer.eos_token_id))
+        if cfg.rollout.engine == "bench":
+            from actors.bench_engine import BenchEngine  # benchmarks only: sleeps instead of computing
+
+            inner = BenchEngine(model, self.tokenizer, self.tags, token_ms=cfg.rollout.bench_token_ms,
+                                seed=cfg.run.seed * 101 + worker_id)
+        elif cfg.rollout.engine == "vllm":
+            from actors.engine_vllm import VLLMEngine
+
+            inner = VLLMEngine.from_model(model, self.tokenizer, cfg)
+        else:
+            inner = HFEngine(model, eos_token_id=self.tokenizer.eos_token_id)
+        self.engine = SwappingEngine(inner)
         self.tags = get_protocol(cfg.protocol.name)
         self.retriever = self._make_retriever(retrieval_handles)
         self._group = None
@@ -183,30 +194,41 @@ class RolloutWorker:
             actor_id=self.worker_id, stage=stage_index, search_enabled=search_enabled, seed=seed))
 
     def _loop(self, replay, stage_index: int, stage: StageConfig) -> None:
-        import ray
-
-        from actors.rollout import PromptItem
-
         try:
-            n = self.cfg.rollout.groups_per_request
-            seed_base = self.cfg.run.seed * 1_000_003 + self.worker_id * 7919
             batch_no = 0
             while not self._stop.is_set():
-                idx = ray.get(replay.claim.remote(self.worker_id, n))
-                items = [self._prompt_item(i) for i in idx]
-                groups, rstats = self._rollout(items, stage_index, stage, self.cfg.rollout.temperature,
-                                               seed=seed_base + batch_no)
+                self._produce(replay, stage_index, stage, self.cfg.rollout.groups_per_request, batch_no)
                 batch_no += 1
-                for i, group in zip(idx, groups):
-                    ok = ray.get(replay.put.remote(encode_group(group), min(t.min_version() for t in group),
-                                                   len(group), i, self.worker_id))
-                    self._record(group, ok)
-                with self._lock:
-                    self._stats["gen_s"] += getattr(rstats, "generate_s", 0.0)
-                    self._stats["retrieve_s"] += getattr(rstats, "retrieve_s", 0.0)
-                self._last_progress = time.monotonic()
         except Exception:  # reported through health(); the driver restarts or fails the run
             self._error = traceback.format_exc(limit=20)
+
+    def generate_groups(self, replay, stage_index: int, stage: StageConfig, n_groups: int, batch_no: int) -> dict:
+        """Synchronous mode: produce exactly ``n_groups`` groups with the current weights, then return."""
+        self.engine.apply_staged()
+        t0 = time.perf_counter()
+        done = 0
+        while done < n_groups:
+            n = min(self.cfg.rollout.groups_per_request, n_groups - done)
+            self._produce(replay, stage_index, stage, n, batch_no * 1000 + done)
+            done += n
+        return {"worker_id": self.worker_id, "groups": done, "seconds": time.perf_counter() - t0}
+
+    def _produce(self, replay, stage_index: int, stage: StageConfig, n: int, batch_no: int) -> None:
+        """Claim n prompts, roll out one group each, put every group into the replay queue."""
+        import ray
+
+        seed = self.cfg.run.seed * 1_000_003 + self.worker_id * 7919 + batch_no
+        idx = ray.get(replay.claim.remote(self.worker_id, n))
+        items = [self._prompt_item(i) for i in idx]
+        groups, rstats = self._rollout(items, stage_index, stage, self.cfg.rollout.temperature, seed=seed)
+        for i, group in zip(idx, groups):
+            ok = ray.get(replay.put.remote(encode_group(group), min(t.min_version() for t in group),
+                                           len(group), i, self.worker_id))
+            self._record(group, ok)
+        with self._lock:
+            self._stats["gen_s"] += rstats.generate_s
+            self._stats["retrieve_s"] += rstats.retrieve_s
+        self._last_progress = time.monotonic()
 
     def _prompt_item(self, index: int):
         from actors.rollout import PromptItem

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from cluster.config import DEFAULT_CONFIG, ConfigError, load_config
@@ -31,8 +32,17 @@ def _load(args) -> "Config":
         raise SystemExit(2)
 
 
+def _sigterm_as_interrupt() -> None:
+    """`ray job stop` and schedulers send SIGTERM: treat it like Ctrl-C (MLflow run KILLED, Ray shut down)."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     _env_defaults()
+    _sigterm_as_interrupt()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "score":
@@ -61,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "train":
         from cluster.launch import train
 
-        train(cfg)
+        try:
+            train(cfg)
+        except KeyboardInterrupt:
+            print("sonar: interrupted; MLflow run marked KILLED, Ray shut down", file=sys.stderr)
+            return 130
         return 0
     if args.cmd == "eval":
         from cluster.evaluate import run_eval

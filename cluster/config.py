@@ -132,6 +132,11 @@ class RetrievalConfig:
     batch_window_ms: float = 2.0
     max_batch: int = 64
     max_concurrency: int = 16
+    inject_latency_ms: float = 0.0
+    """Benchmarks only: median extra latency per backend call (lognormal), to model a remote search
+    cluster. 0 disables. Applied below the cache, so cache hits stay fast."""
+    inject_latency_sigma: float = 0.0
+    """Lognormal sigma of the injected latency (0: constant)."""
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
 
@@ -147,7 +152,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     engine: str = "hf"
-    """hf (transformers, CPU/GPU) | vllm (GPU)"""
+    """hf (transformers, CPU/GPU) | vllm (GPU) | bench (sleeps per token: measures Sonar's own overhead)"""
+    bench_token_ms: float = 2.0
+    """bench engine: simulated time per generated token (per row, batched rows overlap)."""
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float = 0.0
 
@@ -282,6 +289,9 @@ class ClusterConfig:
     """A worker silent for this long is reported dead."""
     step_timeout_s: float = 600.0
     """A learner step that takes longer fails the run loudly (no silent hang)."""
+    mode: str = "async"
+    """async: workers generate while the learner trains (bounded by replay.max_policy_lag);
+    sync: generate a batch, then train, then broadcast, in lockstep (the baseline async is measured against)."""
 
 
 @dataclass(frozen=True)
@@ -320,7 +330,8 @@ _CHOICES = {
     "protocol.template": ("base", "chat"),
     "retrieval.backend": ("tantivy", "elasticsearch"),
     "retrieval.rerank": ("none", "dense", "cross"),
-    "rollout.engine": ("hf", "vllm"),
+    "rollout.engine": ("hf", "vllm", "bench"),
+    "cluster.mode": ("async", "sync"),
     "learner.lr_decay": ("constant", "cosine", "linear"),
     "learner.precision": ("auto", "fp32", "bf16"),
     "learner.dist_backend": ("auto", "gloo", "nccl"),

@@ -27,15 +27,16 @@ def train(cfg: Config) -> dict:
     roles = None
     try:
         roles = start_roles(cfg, run)
-        start_stage = maybe_resume(cfg, roles, run)
+        start_stage, start_step = maybe_resume(cfg, roles, run)
         for index, stage in enumerate(cfg.stages):
             if index < start_stage:
                 continue
+            first = start_step if index == start_stage else 0
             if stage.kind == "sft":
-                run_sft_stage(cfg, roles, run, index, stage)
+                run_sft_stage(cfg, roles, run, index, stage, first)
             else:
-                run_rl_stage(cfg, roles, run, index, stage)
-            save_checkpoint(roles, run, index + 1, tag=f"stage{index}")
+                run_rl_stage(cfg, roles, run, index, stage, first)
+            save_checkpoint(roles, run, index + 1, 0, tag=f"stage{index}")
         run.results["weights"] = verify_weights(roles)
         run.results["final"] = evaluate(cfg, roles, run, split="after")
         export_model(cfg, roles, run)
@@ -222,32 +223,41 @@ def stop_roles(roles: Roles | None) -> None:
 
 
 # ---------------------------------------------------------------------------- stages
-def run_sft_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageConfig) -> None:
+def run_sft_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageConfig, start_step: int = 0) -> None:
     import ray
 
-    info = ray.get(roles.learner.begin_stage.remote(index, stage, roles.retrieval))
+    info = ray.get(roles.learner.begin_stage.remote(index, stage, roles.retrieval, start_step))
     log.info("stage %d (sft): %d demonstrations, %d steps", index, info.get("demonstrations", 0), stage.steps)
-    for _ in range(stage.steps):
+    for step in range(start_step, stage.steps):
         m = ray.get(roles.learner.sft_step.remote(stage), timeout=cfg.cluster.step_timeout_s)
         run.step += 1
         if run.step % cfg.run.log_every == 0:
             run.log({**m, "stage": index})
+        if (step + 1) % 25 == 0:
+            log.info("sft step %d/%d loss %.3f (%.0f tok/s)", step + 1, stage.steps, m["learner/loss"],
+                     m["learner/tokens_per_s"])
+        maybe_checkpoint(cfg, roles, run, index, step + 1)
     run.log(push_weights(roles))
 
 
-def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageConfig) -> None:
+def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageConfig, start_step: int = 0) -> None:
     import ray
 
-    ray.get(roles.learner.begin_stage.remote(index, stage, roles.retrieval))
+    ray.get(roles.learner.begin_stage.remote(index, stage, roles.retrieval, start_step))
     push_weights(roles)
-    if cfg.eval.before:
+    if cfg.eval.before and start_step == 0:
         run.results.setdefault("before", evaluate(cfg, roles, run, split="before"))
     ray.get(roles.replay.reopen.remote())
-    ray.get([w.start.remote(roles.replay, index, stage) for w in roles.workers])
-    steps, t_stage = 0, time.monotonic()
+    sync = cfg.cluster.mode == "sync"
+    if not sync:
+        ray.get([w.start.remote(roles.replay, index, stage) for w in roles.workers])
+    steps, t_stage = start_step, time.monotonic()
     while steps < stage.steps:
+        if sync:
+            generate_in_lockstep(cfg, roles, index, stage, steps)
         worker_metrics = check_workers(cfg, roles, index, stage)
         m = ray.get(roles.learner.rl_step.remote(roles.replay, stage, 10.0), timeout=cfg.cluster.step_timeout_s)
+        record_prompts(run, m)
         if m.get("waiting"):
             continue
         steps += 1
@@ -258,9 +268,32 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
         m.update(replay_metrics(roles))
         m["stage"] = index
         run.log(m)
+        if steps % 5 == 0 or steps == stage.steps:
+            log.info("rl step %d/%d reward %.3f lag max %s searches/traj %.2f dropped %s", steps, stage.steps,
+                     m.get("learner/reward/mean", float("nan")), m.get("learner/policy_lag/max"),
+                     m.get(K.ROLLOUT_SEARCH_CALLS_MEAN, float("nan")), m.get(K.REPLAY_DROPPED_STALE))
         maybe_checkpoint(cfg, roles, run, index, steps)
     stop_rollouts(roles)
     run.results.setdefault("rl", {})[index] = {"steps": steps, "seconds": time.monotonic() - t_stage}
+
+
+def record_prompts(run: Run, m: dict) -> None:
+    """Append which prompts this step trained or dropped as stale to trained_prompts.jsonl (a resume
+    is checked against it: no prompt trained twice, none skipped)."""
+    prompts, dropped = m.pop("_prompts", []), m.pop("_dropped_prompts", [])
+    if prompts or dropped:
+        with open(run.dir / "trained_prompts.jsonl", "a") as fh:
+            fh.write(json.dumps({"version": m.get("learner/version"), "trained": prompts, "dropped": dropped}) + "\n")
+
+
+def generate_in_lockstep(cfg: Config, roles: Roles, index: int, stage: StageConfig, step: int) -> None:
+    """Sync mode: the workers generate exactly one learner batch with the current weights, then stop."""
+    import ray
+
+    n, k = cfg.learner.groups_per_step, len(roles.workers)
+    shares = [n // k + (1 if i < n % k else 0) for i in range(k)]
+    ray.get([w.generate_groups.remote(roles.replay, index, stage, s, step)
+             for w, s in zip(roles.workers, shares) if s], timeout=cfg.cluster.step_timeout_s)
 
 
 def check_workers(cfg: Config, roles: Roles, stage_index: int, stage: StageConfig) -> dict:
@@ -271,8 +304,8 @@ def check_workers(cfg: Config, roles: Roles, stage_index: int, stage: StageConfi
     for i, w in enumerate(list(roles.workers)):
         try:
             h = ray.get(w.health.remote(), timeout=cfg.cluster.health_timeout_s)
-            err = h["error"] or (None if h["alive"] else "rollout loop is not running")
-            if err is None and h["idle_s"] > cfg.cluster.step_timeout_s:
+            err = h["error"] or (None if h["alive"] or cfg.cluster.mode == "sync" else "rollout loop is not running")
+            if err is None and cfg.cluster.mode == "async" and h["idle_s"] > cfg.cluster.step_timeout_s:
                 err = f"no progress for {h['idle_s']:.0f}s"
         except Exception as e:  # actor died (RayActorError) or health timed out
             h, err = None, f"{type(e).__name__}: {e}"
@@ -308,7 +341,8 @@ def restart_worker(cfg: Config, roles: Roles, i: int, err: str, stage_index: int
     ray.get([w.stop.remote() for j, w in enumerate(roles.workers) if j != i])
     ray.get(roles.replay.reopen.remote())
     connect_broadcast(cfg, roles)
-    ray.get([w.start.remote(roles.replay, stage_index, stage) for w in roles.workers])
+    if cfg.cluster.mode == "async":
+        ray.get([w.start.remote(roles.replay, stage_index, stage) for w in roles.workers])
 
 
 def stop_rollouts(roles: Roles) -> None:
@@ -392,22 +426,27 @@ def verify_weights(roles: Roles) -> dict:
 
 
 def maybe_checkpoint(cfg: Config, roles: Roles, run: Run, stage_index: int, steps: int) -> None:
-    if cfg.run.checkpoint_every and steps % cfg.run.checkpoint_every == 0:
-        save_checkpoint(roles, run, stage_index, tag=f"step{run.step}")
+    if cfg.run.checkpoint_every and steps % cfg.run.checkpoint_every == 0 and steps < cfg.stages[stage_index].steps:
+        save_checkpoint(roles, run, stage_index, steps, tag=f"step{run.step}")
 
 
-def save_checkpoint(roles: Roles, run: Run, next_stage: int, tag: str) -> str:
+def save_checkpoint(roles: Roles, run: Run, resume_stage: int, resume_step: int, tag: str) -> str:
+    """Learner state + replay accounting and prompt cursor. Groups still queued are not saved: their
+    prompts are requeued in the cursor, so after a resume nothing is lost and nothing trained twice."""
     import ray
 
     replay_state = ray.get(roles.replay.state_dict.remote())
     path = str(run.dir / "checkpoints" / tag)
-    return ray.get(roles.learner.save_checkpoint.remote(
-        path, {"next_stage": next_stage, "replay": replay_state, "run_step": run.step}))
+    path = ray.get(roles.learner.save_checkpoint.remote(
+        path, {"resume_stage": resume_stage, "resume_step": resume_step, "replay": replay_state,
+               "run_step": run.step}))
+    log.info("checkpoint saved: %s", path)
+    return path
 
 
-def maybe_resume(cfg: Config, roles: Roles, run: Run) -> int:
+def maybe_resume(cfg: Config, roles: Roles, run: Run) -> tuple[int, int]:
     if not cfg.run.resume:
-        return 0
+        return 0, 0
     import ray
 
     from learner.checkpoint import resolve_checkpoint
@@ -417,8 +456,10 @@ def maybe_resume(cfg: Config, roles: Roles, run: Run) -> int:
     ray.get(roles.replay.load_state_dict.remote(state["replay"]))
     run.step = state.get("run_step", 0)
     push_weights(roles)
-    log.info("resumed from %s at version %d, stage %d", path, state["version"], state["next_stage"])
-    return int(state["next_stage"])
+    run.sink.log_params({"run.resumed_from": path})
+    log.info("resumed from %s at version %d, stage %d step %d", path, state["version"], state["resume_stage"],
+             state["resume_step"])
+    return int(state["resume_stage"]), int(state["resume_step"])
 
 
 def export_model(cfg: Config, roles: Roles, run: Run) -> str:

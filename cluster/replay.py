@@ -94,6 +94,8 @@ class ReplayCore:
         self.counts = {"produced": 0, "consumed": 0, "dropped_stale": 0, "requeued": 0, "requeued_prompts": 0,
                        "produced_groups": 0, "consumed_groups": 0, "dropped_groups": 0}
         self.lags: list[int] = []
+        self.dropped_prompts: list[int] = []
+        """Prompt indices of groups dropped as stale since the last ``get`` (handed to the learner's log)."""
 
     # -- prompts
     def claim(self, worker_id: int, n: int) -> list[int]:
@@ -130,8 +132,9 @@ class ReplayCore:
     def lag(self, g: QueuedGroup) -> int:
         return max(0, self.learner_version - g.min_version)
 
-    def take(self, n_groups: int, learner_version: int) -> tuple[list[tuple[bytes, int]], int]:
-        """Pop up to n fresh groups; stale ones are dropped and counted. Returns ([(payload, lag)], dropped)."""
+    def take(self, n_groups: int, learner_version: int) -> tuple[list[tuple[bytes, int, int]], int]:
+        """Pop up to n fresh groups; stale ones are dropped and counted.
+        Returns ([(payload, lag, prompt_index)], dropped trajectories); dropped prompts go to ``dropped_prompts``."""
         self.learner_version = max(self.learner_version, learner_version)
         out: list[tuple[bytes, int]] = []
         dropped = 0
@@ -142,11 +145,12 @@ class ReplayCore:
                 self.counts["dropped_stale"] += g.num_trajs
                 self.counts["dropped_groups"] += 1
                 dropped += g.num_trajs
+                self.dropped_prompts.append(g.prompt_index)
                 continue
             self.counts["consumed"] += g.num_trajs
             self.counts["consumed_groups"] += 1
             self.lags.append(lag)
-            out.append((g.payload, lag))
+            out.append((g.payload, lag, g.prompt_index))
         return out, dropped
 
     def drain(self) -> int:
@@ -232,7 +236,7 @@ class ReplayQueue:
         (possibly nothing), so the caller can check worker health instead of hanging."""
         cond = self._c()
         deadline = time.monotonic() + timeout_s
-        got: list[tuple[bytes, int]] = []
+        got: list[tuple[bytes, int, int]] = []
         dropped = 0
         async with cond:
             while len(got) < n_groups:
@@ -249,7 +253,9 @@ class ReplayQueue:
                     await asyncio.wait_for(cond.wait(), timeout=remaining)
                 except asyncio.TimeoutError:
                     pass
-        return {"groups": [p for p, _ in got], "lags": [lag for _, lag in got], "dropped": dropped,
+        dropped_prompts, self.core.dropped_prompts = self.core.dropped_prompts, []
+        return {"groups": [g[0] for g in got], "lags": [g[1] for g in got], "prompts": [g[2] for g in got],
+                "dropped": dropped, "dropped_prompts": dropped_prompts,
                 "timed_out": len(got) < n_groups}
 
     async def set_learner_version(self, version: int) -> None:

@@ -135,9 +135,11 @@ class Learner:
         return {"version": self.version, "checksum": checksum(self.named_tensors().items())}
 
     # ------------------------------------------------------------------ stages
-    def begin_stage(self, stage_index: int, stage: StageConfig, retrieval_handles: list | None = None) -> dict:
+    def begin_stage(self, stage_index: int, stage: StageConfig, retrieval_handles: list | None = None,
+                    start_step: int = 0) -> dict:
+        """``start_step`` > 0 continues a stage after a resume (LR schedule and data order included)."""
         self.stage_index = stage_index
-        self.stage_step = 0
+        self.stage_step = start_step
         info = {"stage": stage_index, "kind": stage.kind}
         # KL reference = the policy at the start of the stage (frozen); skipped when the coefficient is 0.
         self.ref_module = None
@@ -157,8 +159,13 @@ class Learner:
         retriever = _SyncRetriever(client)
         self._demos = make_demonstrations(self.world.train, self.tags, self.tokenizer, retriever,
                                           self.cfg.protocol, self.cfg.retrieval.k)
-        self._demo_order = self._sft_rng.permutation(len(self._demos))
-        self._demo_cursor = 0
+        restored = getattr(self, "_restored_demo_order", None)
+        if restored is not None and len(restored) == len(self._demos):
+            self._demo_order = np.asarray(restored)  # resume: the same next batches as the killed run
+        else:
+            self._demo_order = self._sft_rng.permutation(len(self._demos))
+            self._demo_cursor = 0
+        self._restored_demo_order = None
         return len(self._demos)
 
     def _next_demos(self, n: int) -> list:
@@ -200,13 +207,16 @@ class Learner:
         res = ray.get(replay.get.remote(self.cfg.learner.groups_per_step, self.version, timeout_s))
         wait_s = time.perf_counter() - t_wait
         if not res["groups"]:
-            return {"waiting": True, "dropped": res["dropped"], "wait_s": wait_s}
+            return {"waiting": True, "dropped": res["dropped"], "wait_s": wait_s,
+                    "_dropped_prompts": res["dropped_prompts"]}
         groups = [decode_group(p) for p in res["groups"]]
         lr = self._set_lr(stage)
         metrics = rl_step(self.stepper, groups, res["lags"], stage.algo, self.cfg.learner, self.cfg.replay,
                           temperature=self.cfg.rollout.temperature, pad_id=self.tokenizer.pad_token_id,
                           device=self.device, ref_module=self.ref_module)
         metrics["learner/wait_s"] = wait_s
+        metrics["_prompts"] = res["prompts"]
+        metrics["_dropped_prompts"] = res["dropped_prompts"]
         metrics["replay/dropped_in_get"] = res["dropped"]
         out = self._finish_step(metrics, lr)
         ray.get(replay.set_learner_version.remote(self.version))
@@ -241,6 +251,7 @@ class Learner:
         state = dict(client_state)
         state.update(version=self.version, global_step=self.global_step, stage_step=self.stage_step,
                      stage_index=self.stage_index, demo_cursor=self._demo_cursor,
+                     demo_order=[int(i) for i in getattr(self, "_demo_order", [])],
                      sft_rng=self._sft_rng.bit_generator.state)
         return save_checkpoint(self.engine, path, state, write_extra=lambda tmp: self.export_hf(str(tmp / "hf")))
 
@@ -253,6 +264,7 @@ class Learner:
         self.stage_step = state["stage_step"]
         self.stage_index = state["stage_index"]
         self._demo_cursor = state.get("demo_cursor", 0)
+        self._restored_demo_order = state.get("demo_order") or None
         if "sft_rng" in state:
             self._sft_rng.bit_generator.state = state["sft_rng"]
         return state

@@ -64,6 +64,11 @@ def build_retriever(cfg, corpus_path: str, index_root: str, *, progress: bool = 
 
             r = ResilientRetriever(r, cfg.max_retries, cfg.backoff_s, cfg.breaker_failures, cfg.breaker_reset_s)
 
+    if cfg.inject_latency_ms > 0:
+        from retrieval.latency import LatencyInjectingRetriever
+
+        r = LatencyInjectingRetriever(r, cfg.inject_latency_ms, cfg.inject_latency_sigma)
+
     rerank_tag = "none"
     if cfg.rerank == "dense":
         from retrieval.rerank import DenseEncoder, DenseReranker, build_passage_vectors

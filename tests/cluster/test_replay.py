@@ -39,7 +39,7 @@ def test_staleness_bound_drops_and_counts():
     for p, v in enumerate([0, 1, 2, 3]):
         core.add(group(p, v))
     out, dropped = core.take(4, learner_version=3)
-    assert [lag for _, lag in out] == [1, 0]  # versions 2 and 3; 0 and 1 are older than lag 1
+    assert [lag for _, lag, _ in out] == [1, 0] and [p for *_, p in out] == [2, 3]  # versions 2 and 3; 0 and 1 are older than lag 1
     assert dropped == 8 and core.counts["dropped_stale"] == 8 and core.counts["consumed"] == 8
     assert core.balance()["balanced"]
 

@@ -1,0 +1,85 @@
+"""Checkpoints: atomic, complete or refused with the file named, and an exact round trip of model,
+optimizer and RNG state through DeepSpeed."""
+import json
+import os
+
+import pytest
+import torch
+
+from learner.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint, save_checkpoint
+from tests.learner.test_train_step import init_deepspeed, tiny_model
+
+
+def make_engine(seed=0):
+    ds = init_deepspeed()
+    from cluster.config import LearnerConfig
+    from learner.deepspeed_config import deepspeed_config
+
+    model = tiny_model(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = ds.initialize(model=model, optimizer=opt, config=deepspeed_config(LearnerConfig(), on_gpu=False))
+    return engine
+
+
+def train_a_bit(engine, steps=2):
+    for _ in range(steps):
+        x = torch.randint(0, 40, (2, 6))
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+
+
+def test_round_trip_restores_model_optimizer_and_rng(tmp_path):
+    a = make_engine()
+    train_a_bit(a)
+    torch.manual_seed(123)
+    path = save_checkpoint(a, tmp_path / "ckpt" / "step2", {"version": 2, "cursor": [1, 2, 3]},
+                           write_extra=lambda d: (d / "hf").mkdir())
+    expected_next = torch.rand(3)
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step2"
+    assert not [p for p in os.listdir(tmp_path / "ckpt") if ".tmp-" in p]  # renamed into place
+    b = make_engine(seed=1)  # different init: everything must come from the checkpoint
+    state = load_checkpoint(b, path)
+    assert state == {"version": 2, "cursor": [1, 2, 3]}
+    assert torch.equal(torch.rand(3), expected_next)
+    for (n, p), (_, q) in zip(a.module.named_parameters(), b.module.named_parameters()):
+        assert torch.equal(p, q), n
+    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    for k in sa:
+        assert torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"])
+    x = torch.randint(0, 40, (2, 6), generator=torch.Generator().manual_seed(7))
+    for e in (a, b):  # the next step after the restore is the same step
+        e.backward(e(input_ids=x, labels=x).loss)
+        e.step()
+    for (n, p), (_, q) in zip(a.module.named_parameters(), b.module.named_parameters()):
+        assert torch.equal(p, q), n
+    assert (tmp_path / "ckpt" / "step2" / "hf").is_dir()
+
+
+@pytest.mark.parametrize("damage, named", [
+    ("COMPLETE", "COMPLETE is missing"),
+    ("state.json", "state.json"),
+    ("rng.pt", "rng.pt"),
+])
+def test_partial_or_corrupt_checkpoint_is_refused_naming_the_file(tmp_path, damage, named):
+    engine = make_engine()
+    path = save_checkpoint(engine, tmp_path / "c", {"version": 1})
+    target = tmp_path / "c" / damage
+    if damage == "COMPLETE":
+        target.unlink()
+    else:
+        target.write_bytes(b"\x00garbage")
+    with pytest.raises(CheckpointError, match=named):
+        load_checkpoint(make_engine(), path)
+
+
+def test_missing_checkpoint_and_latest_resolution(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve_checkpoint(str(tmp_path / "nope"), str(tmp_path))
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        resolve_checkpoint("latest", str(tmp_path))
+    engine = make_engine()
+    run = tmp_path / "run1"
+    save_checkpoint(engine, run / "checkpoints" / "step4", {"version": 4})
+    assert resolve_checkpoint(str(run), str(tmp_path)) == str(run / "checkpoints" / "step4")
+    assert resolve_checkpoint("latest", str(tmp_path)) == str(run / "checkpoints" / "step4")

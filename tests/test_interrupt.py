@@ -1,0 +1,47 @@
+"""Ctrl-C stops everything cleanly: exit 130, the MLflow run is marked KILLED, and no process the
+run started (Ray's GCS, raylet, workers, actors) outlives it."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ctrl_c_marks_run_killed_and_leaves_no_processes(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "cluster", "train", "--config", str(ROOT / "configs" / "smoke.yaml"),
+           f"run.root={tmp_path}", f"run.run_dir={run_dir}", "stages.0.steps=100000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines = []
+    deadline = time.monotonic() + 240
+    try:
+        for line in proc.stdout:  # wait until the SFT stage is running: every role is up
+            lines.append(line)
+            if "stage 0 (sft)" in line or time.monotonic() > deadline:
+                break
+        assert any("stage 0 (sft)" in l for l in lines), "".join(lines[-30:])
+        time.sleep(2)
+        started = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        assert started, "the run started no child processes?"
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, "".join(lines[-20:]) + rest[-3000:]
+    time.sleep(3)
+    alive = [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [psutil.Process(p).cmdline()[:3] for p in alive]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("sonar").experiment_id])
+    assert [r.info.status for r in runs] == ["KILLED"]
