@@ -1,0 +1,147 @@
+"""SFT demonstrations as typed trajectories, token for token what the rollout loop would produce.
+
+Why trajectories and not text: SFT and RL then share one batching path, and the loss mask comes from
+segment kinds (MODEL -> 1, PROMPT/RETRIEVAL -> 0), so retrieved tokens are never trained, exactly as
+in rollouts. The PROMPT comes from ``actors.prompts.render_prompt`` and every RETRIEVAL block from
+``actors.prompts.render_documents`` (documents neutralised and truncated), the two functions the
+rollout loop calls, so the policy sees the same tokens in SFT as when it searches on its own.
+
+Layout of one demonstration (T = tags of the protocol)::
+
+    PROMPT     render_prompt(question)
+    MODEL      T.think_open <step thought> T.think_close T.query_open q1 [T.query_sep q2 ...] T.query_close
+    RETRIEVAL  render_documents(top docs_per_query hits of each query)
+    ...        one MODEL + RETRIEVAL pair per search step
+    MODEL      T.think_open <final thought> T.think_close T.answer_open <gold> T.answer_close
+
+Invariants: the last token of every MODEL segment is the id of query_close or answer_close (the
+rollout engine stops on those ids and includes them); MODEL logprobs are float32 zeros and version
+-1 (a demonstration was not sampled). Multi-query steps exist only for tag sets with a query_sep
+(rag_r1_multi); r1_searcher and search_r1 search parallel entities in consecutive steps.
+MODEL segments are built from ids (tags by ``convert_tokens_to_ids``), never by re-tokenising tag
+strings, and the words inside them are neutralised, so only the frame itself can emit a tag id.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from actors.prompts import TagSet, all_special_tokens, neutralise, render_documents, render_prompt
+from cluster.protocol import FinishReason, SearchCall, Segment, SegmentKind, Trajectory
+
+DEFAULT_STEP_THOUGHT = "search"
+DEFAULT_FINAL_THOUGHT = "answer"
+
+
+def search_steps(q, tags: TagSet, proto) -> list[tuple[list[str], str]]:
+    """The gold plan as the protocol can execute it: ``[(queries, thought), ...]``.
+
+    Multi-query tag sets keep a plan step's queries together (chunked to max_queries_per_step);
+    single-query tag sets run each query as its own step with the step's thought.
+    Raises ValueError if the plan needs more steps than ``proto.max_turns``.
+    """
+    thoughts = list(getattr(q, "thoughts", None) or [])
+    steps: list[tuple[list[str], str]] = []
+    for i, queries in enumerate(q.plan):
+        thought = thoughts[i] if i < len(thoughts) - 1 else DEFAULT_STEP_THOUGHT
+        width = max(1, proto.max_queries_per_step) if tags.multi_query else 1
+        for j in range(0, len(queries), width):
+            steps.append((list(queries[j:j + width]), thought))
+    if len(steps) > proto.max_turns:
+        raise ValueError(f"question {q.qid!r} needs {len(steps)} search steps with protocol.name={proto.name!r} "
+                         f"but protocol.max_turns={proto.max_turns}")
+    return steps
+
+
+def final_thought(q) -> str:
+    thoughts = list(getattr(q, "thoughts", None) or [])
+    return thoughts[-1] if len(thoughts) == len(q.plan) + 1 else DEFAULT_FINAL_THOUGHT
+
+
+class _Ids:
+    """Tag ids and neutralised word encoding for one (tags, tokenizer) pair."""
+
+    def __init__(self, tags: TagSet, tokenizer):
+        self.tags, self.tok = tags, tokenizer
+        self.specials = all_special_tokens()
+        self.id = {t: tokenizer.convert_tokens_to_ids(t) for t in tags.special_tokens()}
+
+    def words(self, text: str) -> list[int]:
+        return list(self.tok.encode(neutralise(text, self.specials), add_special_tokens=False))
+
+    def _think(self, thought: str) -> list[int]:
+        if not self.tags.think_open:
+            return []
+        return [self.id[self.tags.think_open], *self.words(thought), self.id[self.tags.think_close]]
+
+    def search(self, queries: Sequence[str], thought: str) -> list[int]:
+        t = self.tags
+        ids = self._think(thought) + [self.id[t.query_open]]
+        for j, query in enumerate(queries):
+            if j:
+                ids.append(self.id[t.query_sep])
+            ids.extend(self.words(query))
+        ids.append(self.id[t.query_close])
+        return ids
+
+    def answer(self, text: str, thought: str) -> list[int]:
+        t = self.tags
+        return self._think(thought) + [self.id[t.answer_open], *self.words(text), self.id[t.answer_close]]
+
+
+def _model_segment(ids: list[int]) -> Segment:
+    return Segment(SegmentKind.MODEL, np.asarray(ids, np.int32), np.zeros(len(ids), np.float32), -1)
+
+
+def make_demonstrations(questions: Sequence, tags: TagSet, tokenizer, retriever, proto, k: int) -> list[Trajectory]:
+    """Demonstrations of many questions; step s of every question is retrieved in ONE batch_search call.
+
+    ``k`` is the search depth asked of the retriever; the top ``proto.docs_per_query`` hits of each
+    query are injected (as in rollouts). Retrieval errors propagate: demonstrations are prepared
+    offline and a broken index must fail loudly.
+    """
+    if k < proto.docs_per_query:
+        raise ValueError(f"k={k} < protocol.docs_per_query={proto.docs_per_query}")
+    enc = _Ids(tags, tokenizer)
+    plans = [search_steps(q, tags, proto) for q in questions]
+    segments: list[list[Segment]] = [
+        [Segment(SegmentKind.PROMPT, np.asarray(render_prompt(tags, q.question, tokenizer, proto.template), np.int32))]
+        for q in questions]
+    searches: list[list[SearchCall]] = [[] for _ in questions]
+    for s in range(max((len(p) for p in plans), default=0)):
+        active = [i for i, p in enumerate(plans) if s < len(p)]
+        flat = [query for i in active for query in plans[i][s][0]]
+        t0 = time.perf_counter()
+        results = retriever.batch_search(flat, k)
+        latency_ms = (time.perf_counter() - t0) * 1000.0
+        if len(results) != len(flat):
+            raise ValueError(f"retriever {getattr(retriever, 'name', retriever)!r} returned {len(results)} "
+                             f"result lists for {len(flat)} queries")
+        pos = 0
+        for i in active:
+            queries, thought = plans[i][s]
+            hits = [list(r)[:proto.docs_per_query] for r in results[pos:pos + len(queries)]]
+            pos += len(queries)
+            segments[i].append(_model_segment(enc.search(queries, thought)))
+            docs = render_documents(tags, [[(h.title, h.text) for h in hs] for hs in hits], tokenizer,
+                                    proto.max_doc_tokens)
+            segments[i].append(Segment(SegmentKind.RETRIEVAL, np.asarray(docs, np.int32)))
+            searches[i].append(SearchCall(turn=s, queries=list(queries),
+                                          doc_ids=[[h.doc_id for h in hs] for hs in hits],
+                                          latency_ms=latency_ms / len(active)))
+    out = []
+    for i, q in enumerate(questions):
+        gold = q.golds[0]
+        segments[i].append(_model_segment(enc.answer(gold, final_thought(q))))
+        out.append(Trajectory(
+            traj_id=f"demo-{q.qid}", group_id=f"demo-{q.qid}", prompt_id=q.qid, actor_id=-1,
+            segments=segments[i], reward=1.0, searches=searches[i], finish_reason=FinishReason.ANSWERED,
+            question=q.question, golds=list(q.golds), prediction=gold))
+    return out
+
+
+def make_demonstration(q, tags: TagSet, tokenizer, retriever, proto, k: int) -> Trajectory:
+    """One demonstration (see the module docstring for its segments)."""
+    return make_demonstrations([q], tags, tokenizer, retriever, proto, k)[0]
