@@ -105,8 +105,10 @@ def render_prompt(tags: TagSet, question: str, tokenizer, template: str = "base"
     question = neutralise(question, all_special_tokens())
     body = f"question : {question}" if short else f"{instruction(tags)} question : {question}"
     if template == "chat":
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": body}],
-                                                  add_generation_prompt=True, tokenize=True))
+        # transformers 5 returns a BatchEncoding unless return_dict=False.
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": body}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        return [int(i) for i in ids]
     return list(tokenizer.encode(body, add_special_tokens=False))
 
 
