@@ -1,0 +1,237 @@
+"""Shared plumbing for the benchmarks under ``bench/``: result files, hardware/version capture, summaries.
+
+Every benchmark answers one question and writes ``<out>/<name>-<host>-<commit>.json`` plus a PNG next
+to it. The JSON always holds the resolved config, the hardware (CPU count, memory, GPU if any), the
+versions (python, torch, ray, ...), the commit, a UTC timestamp and ``metrics``: a flat mapping from a
+slash-separated metric name to ``{"median", "min", "max", "n"}`` over repeats (``summarise``). Numbers
+are compared as ratios measured in the same run, never against a fixed threshold, because absolute
+speed depends on the machine and on whatever else it is running.
+
+Why a flat metric mapping: the CI smoke test (``tests/bench``) validates every result file with one
+rule ("each metric has median/min/max"), whatever the benchmark measures.
+
+Why the environment is set here: with 2 cores, torch's default of 2 threads per process makes small
+ops 10-100x slower once a second process is busy, and Ray binds eth0 unless told otherwise
+(see /work/shared/GUIDE.md, Machine notes). ``setup_env()`` must run before torch or ray are imported.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Iterable
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "bench" / "results"
+SUMMARY_KEYS = ("median", "min", "max", "n")
+RESULT_KEYS = ("name", "config", "hardware", "versions", "commit", "timestamp", "metrics")
+
+_ENV_DEFAULTS = {
+    "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+    "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg",
+}
+
+
+def setup_env() -> None:
+    """One thread per process, Ray on loopback without token auth, headless matplotlib.
+    Call before importing torch or ray (values already set by the caller win)."""
+    for k, v in _ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+
+
+def summarise(samples: Iterable[float]) -> dict:
+    """{median, min, max, n} of a non-empty sequence of numbers."""
+    xs = [float(x) for x in samples]
+    if not xs:
+        raise ValueError("summarise: no samples")
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def _mem_total_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def mem_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None: used to cap sizes that would not fit."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware_info() -> dict:
+    """CPU count (logical and usable by this process), CPU model, memory, GPU (None without CUDA)."""
+    mem = _mem_total_bytes()
+    info = {
+        "host": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "cpu_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "memory_gb": round(mem / 2**30, 2) if mem else None,
+        "platform": platform.platform(),
+        "gpu": None,
+    }
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu"] = [{"name": torch.cuda.get_device_name(i),
+                            "memory_gb": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 2)}
+                           for i in range(torch.cuda.device_count())]
+    except Exception:  # torch missing or a broken CUDA install: report no GPU rather than fail the bench
+        pass
+    return info
+
+
+def versions() -> dict:
+    """Versions of python and of the libraries a benchmark may exercise (None when not installed)."""
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "ray", "numpy", "msgpack", "deepspeed", "transformers", "tantivy", "elasticsearch",
+                "matplotlib", "sonar-rl"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def git_commit(short: bool = True) -> str:
+    """The checked-out commit (short hash), or "unknown" outside a git checkout."""
+    try:
+        args = ["git", "rev-parse", "--short=10" if short else "--verify", "HEAD"]
+        return subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def git_dirty() -> bool | None:
+    """True when tracked files differ from the commit (the numbers then belong to uncommitted code)."""
+    try:
+        r = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=10, check=True)
+        return bool(r.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _safe(s: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in s)
+
+
+def result_path(name: str, out_dir: str | Path) -> Path:
+    return Path(out_dir) / f"{_safe(name)}-{_safe(socket.gethostname())}-{_safe(git_commit())}.json"
+
+
+def validate_result(doc: dict) -> None:
+    """Raise ValueError unless ``doc`` has every required key and every metric is a summary."""
+    missing = [k for k in RESULT_KEYS if k not in doc]
+    if missing:
+        raise ValueError(f"result misses keys {missing}")
+    if not isinstance(doc["metrics"], dict) or not doc["metrics"]:
+        raise ValueError("result has no metrics")
+    for k, m in doc["metrics"].items():
+        if not isinstance(m, dict) or any(s not in m for s in SUMMARY_KEYS):
+            raise ValueError(f"metric {k!r} is not a summary with {SUMMARY_KEYS}: {m!r}")
+        if not (m["min"] <= m["median"] <= m["max"]):
+            raise ValueError(f"metric {k!r}: min <= median <= max does not hold: {m!r}")
+
+
+def write_result(name: str, config: dict, metrics: dict, plot_fn: Callable[[Path], None] | None,
+                 out_dir: str | Path = DEFAULT_OUT, extra: dict | None = None) -> Path:
+    """Write ``<out_dir>/<name>-<host>-<commit>.json`` and, if ``plot_fn`` is given, the PNG beside it.
+
+    ``metrics``: metric name -> ``summarise(...)`` output. ``plot_fn(png_path)`` draws and saves the
+    figure (matplotlib, Agg backend). ``extra`` holds anything that is not a summary (tables, notes,
+    skipped configurations). Returns the JSON path.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = result_path(name, out)
+    png = path.with_suffix(".png")
+    doc = {
+        "name": name,
+        "config": config,
+        "hardware": hardware_info(),
+        "versions": versions(),
+        "commit": git_commit(),
+        "dirty": git_dirty(),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv,
+        "metrics": metrics,
+        "extra": extra or {},
+        "plot": png.name if plot_fn is not None else None,
+    }
+    validate_result(doc)
+    if plot_fn is not None:
+        os.environ.setdefault("MPLBACKEND", "Agg")
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        plot_fn(png)
+        plt.close("all")
+    path.write_text(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n")
+    return path
+
+
+def base_parser(name: str, description: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes: --quick (CI smoke size, under a minute), --out, --repeats."""
+    p = argparse.ArgumentParser(prog=f"sonar bench {name}", description=description)
+    p.add_argument("--quick", action="store_true", help="smoke-test sizes (under a minute): checks it runs")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed repeats per point (default: the benchmark's own; 1 with --quick)")
+    return p
+
+
+def init_ray_local(num_cpus: int | None = None, object_store_bytes: int | None = None) -> bool:
+    """Start a local Ray on 127.0.0.1 unless one is running; returns True if this call started it
+    (then the caller shuts it down). Never ``ray stop``: it kills every Ray process on the machine."""
+    setup_env()
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kw = {"object_store_memory": object_store_bytes} if object_store_bytes else {}
+    # address="local": always a private cluster. Without it ray.init joins any cluster that someone
+    # started on this machine with `ray start` (and then refuses num_cpus).
+    ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False,
+             _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False, **kw)
+    return True

@@ -1,0 +1,78 @@
+"""``sonar bench NAME [--quick] [--out DIR] [...]``: run one benchmark script from ``bench/``.
+
+Each benchmark answers one question and lives in its own module, ``bench/<name with _>.py`` (or
+``bench/<name with _>_bench.py`` where the plain name would shadow a top-level package when the file
+is run as a script, e.g. ``retrieval``). The module exposes ``main(argv) -> int``; everything after
+NAME is passed to it unchanged, so each benchmark documents its own options (``sonar bench NAME -h``).
+
+The dispatcher only resolves the name and sets the process environment (one thread per process, Ray
+on loopback without token auth, headless matplotlib) before any benchmark imports torch or ray.
+A known benchmark whose module is not written yet gets a clear error, not a traceback.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+from bench.common import setup_env
+
+BENCHMARKS = {
+    "async-vs-sync": "async vs synchronous training: learner and rollout utilisation, tokens/s",
+    "rollout-scaling": "rollout throughput against the number of workers",
+    "weight-sync": "learner -> workers weight broadcast: bucketed vs per-tensor vs ray.put, vs memcpy",
+    "codec-and-queue": "msgpack trajectory codec MB/s and replay-queue put/get items/s, one by one vs batched",
+    "retrieval": "retrieval latency and throughput per backend",
+    "end-to-end": "steps/s and tokens/s of the full training loop",
+}
+USAGE = "usage: sonar bench NAME [--quick] [--out DIR] [options of NAME]   (sonar bench NAME -h for them)"
+
+
+def module_candidates(name: str) -> list[str]:
+    base = name.replace("-", "_")
+    return [f"bench.{base}", f"bench.{base}_bench"]
+
+
+def find_module(name: str) -> str | None:
+    """The importable module of benchmark ``name``, or None if none of its candidate files exists."""
+    for mod in module_candidates(name):
+        if importlib.util.find_spec(mod) is not None:
+            return mod
+    return None
+
+
+def available() -> list[str]:
+    return [n for n in BENCHMARKS if find_module(n) is not None]
+
+
+def _listing() -> str:
+    lines = []
+    for n, what in BENCHMARKS.items():
+        state = "" if find_module(n) else "   (not written yet)"
+        lines.append(f"  {n:<16} {what}{state}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "--list", "list"):
+        print(f"{USAGE}\n\nbenchmarks:\n{_listing()}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in BENCHMARKS:
+        print(f"sonar bench: unknown benchmark {name!r}. Available: {', '.join(available()) or 'none'}\n"
+              f"{_listing()}", file=sys.stderr)
+        return 2
+    mod = find_module(name)
+    if mod is None:
+        files = " or ".join(m.replace(".", "/") + ".py" for m in module_candidates(name))
+        print(f"sonar bench: benchmark {name!r} is not written yet (no {files}). "
+              f"Available: {', '.join(available()) or 'none'}", file=sys.stderr)
+        return 2
+    setup_env()
+    rc = importlib.import_module(mod).main(rest)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""Smoke tests for the benchmarks: ``--quick`` runs and writes a valid result file and a PNG.
+
+They check that each benchmark runs end to end and that its JSON follows the shared schema (resolved
+config, hardware, versions, commit, timestamp, metrics as median/min/max summaries), never the numbers:
+performance is reported as ratios measured inside one run, not as timed tests. The quick runs start a
+local Ray cluster and take about 45 s together on 2 cores, hence ``slow`` and ``ray``; the dispatcher and
+schema tests are fast.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import common, run
+
+REPO = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def load_result(out: Path, name: str) -> dict:
+    files = sorted(out.glob(f"{name}-*.json"))
+    assert len(files) == 1, f"expected one {name} result in {out}, got {files}"
+    doc = json.loads(files[0].read_text())
+    common.validate_result(doc)  # required keys, every metric a {median,min,max,n} summary
+    assert doc["name"] == name and doc["config"]["quick"] is True
+    hw, ver = doc["hardware"], doc["versions"]
+    assert hw["cpu_count"] >= 1 and hw["memory_gb"] > 0 and "gpu" in hw
+    assert ver["python"] and ver["torch"] and ver["ray"]
+    assert doc["commit"] and doc["timestamp"]
+    assert files[0].name == f"{name}-{common._safe(hw['host'])}-{common._safe(doc['commit'])}.json"
+    png = files[0].with_suffix(".png")
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
+    return doc
+
+
+# ------------------------------------------------------------------------------------ fast: no Ray
+def test_summarise_and_schema_validation(tmp_path):
+    assert common.summarise([3, 1, 2]) == {"median": 2, "min": 1, "max": 3, "n": 3}
+    with pytest.raises(ValueError):
+        common.summarise([])
+    path = common.write_result("unit", {"a": 1}, {"x/seconds": common.summarise([0.1, 0.2])}, None, tmp_path)
+    doc = json.loads(path.read_text())
+    common.validate_result(doc)
+    with pytest.raises(ValueError, match="not a summary"):
+        common.validate_result({**doc, "metrics": {"x": 1.0}})
+    with pytest.raises(ValueError, match="misses keys"):
+        common.validate_result({k: v for k, v in doc.items() if k != "hardware"})
+
+
+def test_dispatcher_rejects_unknown_and_unwritten_benchmarks(capsys):
+    assert run.main(["no-such-bench"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown benchmark 'no-such-bench'" in err and "weight-sync" in err and "codec-and-queue" in err
+    for name in run.BENCHMARKS:
+        if run.find_module(name) is None:  # a benchmark someone has not written yet
+            assert run.main([name, "--quick"]) == 2
+            assert "not written yet" in capsys.readouterr().err
+    assert {"weight-sync", "codec-and-queue"} <= set(run.available())
+
+
+def test_sonar_cli_routes_bench():
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--list"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "weight-sync" in r.stdout and "codec-and-queue" in r.stdout
+
+
+def test_codec_quick_without_ray(tmp_path):
+    assert run.main(["codec-and-queue", "--quick", "--skip-queue", "--out", str(tmp_path)]) == 0
+    doc = load_result(tmp_path, "codec-and-queue")
+    assert {"codec/tokens=512/encode_mb_per_s", "codec/tokens=2k/decode_mb_per_s"} <= set(doc["metrics"])
+
+
+# ------------------------------------------------------------------------------------ slow: real Ray
+@pytest.fixture(scope="module")
+def ray_local():
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    started = common.init_ray_local(num_cpus=4)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_weight_sync_quick(tmp_path, ray_local):
+    assert run.main(["weight-sync", "--quick", "--out", str(tmp_path)]) == 0
+    doc = load_result(tmp_path, "weight-sync")
+    m = doc["metrics"]
+    assert m["memcpy/gbps"]["median"] > 0 and m["first_touch/gbps"]["median"] > 0
+    for n in doc["config"]["workers"]:
+        for p in ("1M", "5M"):
+            key = f"params={p}/workers={n}"
+            for v in ("bucketed", "per_tensor", "per_tensor_ray", "ray_put"):
+                assert m[f"{v}/{key}/seconds"]["median"] > 0
+            assert m[f"bucketed/{key}/ray_calls"]["median"] == 1 + n  # one control call per rank
+            tensors = m[f"per_tensor/{key}/collectives"]["median"]
+            assert m[f"per_tensor_ray/{key}/ray_calls"]["median"] == (1 + n) * tensors  # one call per tensor per rank
+            assert f"ratio/bucketed_over_per_tensor/{key}/time" in m
+    assert not doc["extra"]["skipped"]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_codec_and_queue_quick(tmp_path, ray_local):
+    assert run.main(["codec-and-queue", "--quick", "--out", str(tmp_path)]) == 0
+    doc = load_result(tmp_path, "codec-and-queue")
+    m = doc["metrics"]
+    for mode in ("replay/put_one", "replay/put_inflight", "replay/get_one", "replay/get_batched",
+                 "rayqueue/put_one", "rayqueue/put_batch", "rayqueue/get_one", "rayqueue/get_batch"):
+        assert m[f"queue/tokens=512/{mode}/items_per_s"]["median"] > 0
+    assert "ratio/queue/tokens=512/replay_get_one_over_batched" in m
