@@ -28,27 +28,38 @@ from cluster.protocol import Trajectory, encode_group
 
 
 class SwappingEngine:
-    """Engine proxy that installs staged weights between generate calls (never during one)."""
+    """Engine proxy that installs staged weights between generate calls (never during one).
+
+    Weights are received into two reusable buffer sets in turn (double buffering: allocating fresh
+    buffers each sync is slower than the copy itself). A set is locked while it is received into and
+    while it is copied into the model, so a receive never overwrites a set that is being installed.
+    """
 
     def __init__(self, inner: Engine):
         self.inner = inner
-        self._staged: tuple[int, dict] | None = None
+        self._staged: tuple[int, dict, int] | None = None
         self._lock = threading.Lock()
+        self.buffers: list[list] = [[], []]
+        self.buffer_locks = [threading.Lock(), threading.Lock()]
 
     @property
     def version(self) -> int:
         return self.inner.version
 
-    def stage(self, version: int, tensors: dict) -> None:
+    def stage(self, version: int, tensors: dict, buffer_set: int = -1) -> None:
         with self._lock:
-            self._staged = (version, tensors)
+            self._staged = (version, tensors, buffer_set)
 
     def apply_staged(self) -> None:
         with self._lock:
             staged, self._staged = self._staged, None
         if staged is not None:
-            version, tensors = staged
-            self.inner.load_weights(tensors.items(), version)
+            version, tensors, buffer_set = staged
+            if buffer_set < 0:
+                self.inner.load_weights(tensors.items(), version)
+                return
+            with self.buffer_locks[buffer_set]:
+                self.inner.load_weights(tensors.items(), version)
 
     def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams,
                  max_new_tokens_per_prompt: Sequence[int] | None = None) -> list[Generation]:
@@ -129,18 +140,24 @@ class RolloutWorker:
 
     def setup_broadcast(self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str,
                         prefix: str) -> bool:
-        from cluster.weights import BroadcastGroup, TensorSpec, plan_buckets
+        from cluster.weights import BroadcastGroup, TensorSpec, layout_digest, plan_buckets
 
         self._group = BroadcastGroup(master_addr, master_port, rank, world_size, backend, prefix=prefix)
         specs = [TensorSpec(p.name, tuple(p.shape), p.dtype) for p in self.engine.parameter_specs()]
         self._buckets = plan_buckets(specs)
-        return True
+        self.engine.apply_staged()  # nothing may still point into buffers of a previous group
+        self.engine.buffers = [[], []]
+        return layout_digest(specs)
 
     def receive_weights(self, version: int) -> dict:
         """Collective: runs concurrently with the loop thread's generation. Staged, swapped later."""
         t0 = time.perf_counter()
-        tensors = self._group.recv_weights(self._buckets)
-        self.engine.stage(version, tensors)
+        i = version % 2
+        with self.engine.buffer_locks[i]:
+            if not self.engine.buffers[i]:
+                self.engine.buffers[i] = self._group.alloc_buffers(self._buckets)
+            tensors = self._group.recv_weights(self._buckets, into=self.engine.buffers[i])
+        self.engine.stage(version, tensors, i)
         return {"worker_id": self.worker_id, "version": version, "recv_s": time.perf_counter() - t0}
 
     def apply_staged_weights(self) -> int:

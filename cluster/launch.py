@@ -115,8 +115,9 @@ def init_ray(cfg: Config) -> bool:
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
     else:
-        ray.init(num_cpus=cfg.cluster.num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False,
-                 _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=True)
+        # address="local": always a new private cluster, never a stray one found in /tmp/ray.
+        ray.init(address="local", num_cpus=cfg.cluster.num_cpus or max(4, os.cpu_count() or 1),
+                 include_dashboard=False, _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=True)
     return True
 
 
@@ -195,7 +196,10 @@ def connect_broadcast(cfg: Config, roles: Roles) -> None:
     backend = resolve_backend(cfg.learner, cfg.learner.num_gpus > 0)
     refs = [roles.learner.setup_broadcast.remote("127.0.0.1", port, n, backend, prefix)]
     refs += [w.setup_broadcast.remote("127.0.0.1", port, i + 1, n, backend, prefix) for i, w in enumerate(roles.workers)]
-    ray.get(refs, timeout=cfg.cluster.health_timeout_s)
+    digests = ray.get(refs, timeout=cfg.cluster.health_timeout_s)
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"weight layouts differ between the learner and the workers: {digests} "
+                           "(model.* config or model.path must be the same for every role)")
     push_weights(roles)
 
 
