@@ -168,7 +168,10 @@ class RolloutWorker:
         """Same function as the learner's (cluster.weights.checksum), so the two can be compared."""
         from cluster.weights import checksum
 
-        return {"version": self.engine.version, "checksum": checksum(self.engine.inner.model.named_parameters())}
+        model = getattr(self.engine.inner, "model", None)
+        if model is None:  # vLLM keeps its weights in its own worker processes
+            return {"version": self.engine.version, "checksum": None}
+        return {"version": self.engine.version, "checksum": checksum(model.named_parameters())}
 
     # ------------------------------------------------------------------ rollout loop
     def start(self, replay, stage_index: int, stage: StageConfig) -> bool:

