@@ -254,6 +254,9 @@ class StageConfig:
     """SFT only: demonstrations per step."""
     data: str = "world"
     """world (synthetic questions) or a dataset file for the loaders."""
+    difficulty: List[float] = field(default_factory=lambda: [0.0, 1.0])
+    """RL only: train a group only if its measured success rate (mean EM of its samples) lies in
+    [lo, hi]; e.g. [0.0, 0.75] keeps R1-Searcher's medium and hard prompts. Filtered groups are counted."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
 
@@ -369,6 +372,9 @@ def validate(cfg: Config) -> Config:
                 raise ValueError(f"stages[{i}].{key}={value!r} is not one of {list(allowed)}")
         if stage.steps < 0:
             raise ValueError(f"stages[{i}].steps={stage.steps} must be >= 0")
+        d = stage.difficulty
+        if len(d) != 2 or not 0.0 <= d[0] <= d[1] <= 1.0:
+            raise ValueError(f"stages[{i}].difficulty={list(d)} must be [lo, hi] with 0 <= lo <= hi <= 1")
         a = stage.algo
         if a.clip_low < 0 or a.clip_low >= 1 or a.clip_high < 0:
             raise ValueError(

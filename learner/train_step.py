@@ -143,14 +143,19 @@ def apply_staleness(groups: list[list[Trajectory]], lags: list[int], rcfg: Repla
 
 def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], algo: AlgoConfig,
             lcfg: LearnerConfig, rcfg: ReplayConfig, temperature: float, pad_id: int, device="cpu",
-            ref_module: torch.nn.Module | None = None) -> dict[str, float]:
-    """One policy-gradient step on whole groups. Groups with all-equal rewards are dropped (counted)
-    when ``algo.dynamic_sampling``; if nothing carries signal the optimizer does not step."""
+            ref_module: torch.nn.Module | None = None,
+            difficulty: tuple[float, float] = (0.0, 1.0)) -> dict[str, float]:
+    """One policy-gradient step on whole groups. Groups outside the ``difficulty`` success-rate range
+    and (with ``algo.dynamic_sampling``) groups with all-equal rewards are dropped and counted; if
+    nothing carries signal the optimizer does not step."""
     t0 = time.perf_counter()
     n_groups = len(groups)
     groups = apply_staleness(groups, lags, rcfg)
+    kept = [g for g in groups if difficulty[0] <= success_rate(g) <= difficulty[1]]
+    n_filtered, groups = len(groups) - len(kept), kept
     trajs = [t for g in groups for t in g]
-    m: dict[str, float] = {"learner/groups": n_groups, "learner/groups_stale_dropped": n_groups - len(groups)}
+    m: dict[str, float] = {"learner/groups": n_groups, "learner/groups_difficulty_filtered": n_filtered,
+                           "learner/groups_stale_dropped": n_groups - len(groups) - n_filtered}
     if lags:
         m["learner/policy_lag/max"] = float(max(lags))
         m["learner/policy_lag/mean"] = float(np.mean(lags))
@@ -205,6 +210,11 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
               "learner/tokens_per_s": float(batch.lengths.sum()) / dt, "learner/micro_batches": len(mbs),
               "learner/trajectories": float(len(trajs)), "learner/trained_tokens": denom.tokens})
     return m
+
+
+def success_rate(group: list[Trajectory]) -> float:
+    """Mean answer success of a group: the EM part where the reward has one, else reward > 0."""
+    return float(np.mean([t.reward_parts.get("em", float(t.reward > 0)) for t in group])) if group else 0.0
 
 
 def _group_index(trajs: list[Trajectory]) -> list[int]:

@@ -213,7 +213,7 @@ class Learner:
         lr = self._set_lr(stage)
         metrics = rl_step(self.stepper, groups, res["lags"], stage.algo, self.cfg.learner, self.cfg.replay,
                           temperature=self.cfg.rollout.temperature, pad_id=self.tokenizer.pad_token_id,
-                          device=self.device, ref_module=self.ref_module)
+                          device=self.device, ref_module=self.ref_module, difficulty=tuple(stage.difficulty))
         metrics["learner/wait_s"] = wait_s
         metrics["_prompts"] = res["prompts"]
         metrics["_dropped_prompts"] = res["dropped_prompts"]

@@ -147,3 +147,22 @@ def test_stale_groups_dropped_or_downweighted():
     m = rl_step(TorchStepper(model, torch.optim.SGD(model.parameters(), lr=0.0), 0.0), g, [0, 5, 0], AlgoConfig(),
                 LearnerConfig(), ReplayConfig(max_policy_lag=2, stale_policy="downweight"), 1.0, 0)
     assert m["learner/groups_stale_dropped"] == 0
+
+
+def test_difficulty_range_filters_groups_by_success_rate():
+    rng = np.random.default_rng(5)
+
+    def group(name, ems):
+        out = []
+        for e in ems:
+            t = traj(rng, name, float(e))
+            t.reward_parts = {"em": float(e)}
+            out.append(t)
+        return out
+
+    easy, medium, hard = group("easy", [1, 1, 1, 0]), group("medium", [1, 0, 0, 1]), group("hard", [0, 0, 0, 1])
+    model = tiny_model()
+    m = rl_step(TorchStepper(model, torch.optim.SGD(model.parameters(), lr=0.0), 0.0), [easy, medium, hard],
+                [0, 0, 0], AlgoConfig(), LearnerConfig(), ReplayConfig(), 1.0, 0, difficulty=(0.0, 0.5))
+    assert m["learner/groups_difficulty_filtered"] == 1  # the 75 % group is too easy
+    assert m["learner/trajectories"] == 8
