@@ -164,6 +164,8 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
     if trajs:
         rewards = torch.tensor([t.reward for t in trajs])
         m["learner/reward/mean"] = float(rewards.mean())
+        m["learner/data_stage/min"] = float(min(t.stage for t in trajs))  # = the current stage after a switch
+        m["learner/data_stage/max"] = float(max(t.stage for t in trajs))
     if trajs and algo.dynamic_sampling:
         gidx = torch.tensor(_group_index(trajs))
         keep = dynamic_sampling_mask(rewards, gidx)

@@ -22,9 +22,21 @@ def test_every_worker_produced_and_the_learner_stepped(smoke_run):
     cfg, s = smoke_run
     produced = s["weights"]["worker_trajectories"]
     assert len(produced) == cfg.rollout.num_workers >= 2 and all(n > 0 for n in produced)
-    sft_steps, rl_steps = cfg.stages[0].steps, cfg.stages[1].steps
-    assert s["learner_steps"] == sft_steps + rl_steps
-    assert s["weights"]["learner"]["version"] == sft_steps + rl_steps
+    total = sum(st.steps for st in cfg.stages)
+    assert s["learner_steps"] == total
+    assert s["weights"]["learner"]["version"] == total  # one version per step, carried across stages
+
+
+def test_each_rl_stage_trains_only_its_own_data(smoke_run):
+    """After a stage switch the workers roll out with the new stage's reward; leftovers of the previous
+    stage are requeued, never trained under the new objective."""
+    cfg, s = smoke_run
+    rows = [json.loads(l) for l in open(f"{s['run_dir']}/metrics.jsonl")]
+    rl_rows = [r for r in rows if "learner/data_stage/min" in r]
+    stages = {r["stage"] for r in rl_rows}
+    assert stages == {i for i, st in enumerate(cfg.stages) if st.kind == "rl"}
+    for r in rl_rows:
+        assert r["learner/data_stage/min"] == r["learner/data_stage/max"] == r["stage"]
 
 
 def test_every_worker_holds_the_learners_latest_weights(smoke_run):
