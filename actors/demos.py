@@ -14,6 +14,12 @@ Layout of one demonstration (T = tags of the protocol)::
     ...        one MODEL + RETRIEVAL pair per search step
     MODEL      T.think_open <final thought> T.think_close T.answer_open <gold> T.answer_close
 
+Thoughts come from ``Question.thoughts`` (see ``actors.world``): the relation keyword before the
+first search, then after each retrieval a short quote of the evidence read there ("native of tul
+stes"), which is what made held-out reading learnable for the tiny policy. Questions without
+thoughts get "search" / "answer". Parallel queries split into consecutive steps (single-query tag
+sets) repeat the step's thought.
+
 Invariants: the last token of every MODEL segment is the id of query_close or answer_close (the
 rollout engine stops on those ids and includes them); MODEL logprobs are float32 zeros and version
 -1 (a demonstration was not sampled). Multi-query steps exist only for tag sets with a query_sep

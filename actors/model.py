@@ -1,7 +1,7 @@
 """The policy: a tiny random Llama for the synthetic world, or a local Hugging Face directory.
 
-Why this size: on 2 CPU cores a 2-layer, hidden-128 Llama with tied embeddings (~0.5M parameters
-with the ~660-token world vocabulary) learns the search format and reaches ~90 % held-out EM within
+Why this size: on 2 CPU cores a 2-layer, hidden-128 Llama with tied embeddings (~0.45M parameters
+with the ~200-token world vocabulary) learns the search format and reaches ~85-90 % held-out EM within
 minutes of SFT; a 4.3M-parameter model learned nothing in the same time (see shared/GUIDE.md).
 
 Invariants:

@@ -7,16 +7,24 @@ the entity name with BM25 finds the right passage (measured top-1 hit rate >= 98
 
 What was simplified, and why:
 
-- Every name is two made-up syllable words ("kre vos") from a shared inventory of 160 syllables, so
-  the word-level vocabulary stays small and every token of a held-out name was seen in training (a
-  one-token name of a held-out entity would never be trained, and the tiny policy fails to copy it).
+- Every name is two made-up syllable words ("kre vos"), a first and a last syllable from two small
+  disjoint inventories, so every token of a held-out name was trained and the first syllable does
+  not predict the last: the policy must copy names, it cannot recall them (see ``make_names``).
   Syllables never collide with template words or common English words.
 - Text is lowercase words and space-separated punctuation, so ``text.split()`` and the tokenizer's
   whitespace/punctuation pre-tokenizer agree and the vocabulary is closed (no ``<unk>`` in the world).
 - Each passage states an entity's facts with one of two sentence templates per relation (chosen per
-  entity) in shuffled order, so the policy must read the relation words, not positions.
+  entity), in a fixed relation order (see SHUFFLE_SENTENCES for why not shuffled).
+- After each retrieval the demonstrations think a short quote of the evidence ("native of tul stes")
+  before searching the bridge entity or answering (QUOTE_EVIDENCE): copying what follows a phrase
+  is what a 2-layer model learns fast and for unseen entities.
 - The gold plan's queries are bare entity names: the entity's own passage mentions it most often
-  (title + every sentence) and is short, so BM25 ranks it first.
+  (title + every sentence) and is short, so BM25 ranks it first (100 % top-1 in the default world,
+  with a plain BM25 over title+text and with tantivy over text alone).
+
+What learns (scratch SFT check, default config, batch 64, AdamW 3e-3, 1 thread, 2 seeds):
+held-out greedy EM with retrieval in the loop ~60-70 % after 200 steps and 85-87 % after 400 steps
+(~0.3 s per step on an idle core). Each design rule below records the variant it beat.
 
 Split by entity (``heldout_fraction`` of each entity kind): a question is held out iff every
 entity looked up in its first search step is held out, and it is a training question iff *every*
@@ -31,6 +39,7 @@ Pure module: standard library + numpy (and the stdlib-only ``actors.prompts`` fo
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,24 +66,27 @@ INTRO = {
 
 SENTENCES = {
     "born_in": ("{s} was born in {o} .", "{s} is a native of {o} ."),
-    "birth_year": ("{s} has the birth year {o} .", "{s} has a birth date of {o} ."),
+    "birth_year": ("{s} has the birth year {o} .", "{s} has the birth date {o} ."),
     "works_for": ("{s} works for {o} .", "{s} is employed by {o} ."),
     "headquartered_in": ("{s} is headquartered in {o} .", "{s} has its head office in {o} ."),
-    "founded_year": ("{s} was founded in {o} .", "{s} was established in {o} ."),
+    "founded_year": ("{s} has the founding year {o} .", "{s} dates from {o} ."),
     "founder": ("{s} was created by {o} .", "{s} was started by {o} ."),
     "in_country": ("{s} lies in {o} .", "{s} is part of {o} ."),
     "capital": ("{s} has its capital at {o} .", "{s} has the capital city {o} ."),
 }
 """Two wordings per relation; each entity's passage picks one per relation.
 
-Every sentence has the form "<subject> <relation phrase> <object> .". The two words before the
-object (the quoted evidence, see QUOTE_EVIDENCE) start with a word that occurs in no other sentence
-of the same entity kind, so that word picks the sentence and the next word and the object follow. That is what lets a 2-layer model read: the answer is the name that
-follows the relation's phrase (measured: wordings like "the founder of <s> is <o>", where the
-subject sits between the relation words and the object, made the policy memorise facts instead)."""
+Every sentence has the form "<subject> <relation phrase> <object> .". Of the two words before the
+object (the quoted evidence, see QUOTE_EVIDENCE), neither occurs in another relation's wordings for
+the same entity kind: the first picks the sentence, and the second then has a single continuation
+(measured: "has a birth date of <year>" next to "is a native of <city>" made the policy copy the
+city after "of"; held-out year quotes were 67-81 % right instead of ~100 %). Wordings such as
+"the founder of <s> is <o>", with the subject between the relation words and the object, made the
+policy memorise training facts instead of reading (held-out years 0 % teacher-forced)."""
 
-SHUFFLE_SENTENCES = True
-"""Facts appear in random order within a passage (the policy must read relation words, not positions)."""
+SHUFFLE_SENTENCES = False
+"""Shuffle the sentence order within each passage. Off: with shuffled order the same policy reached
+18 % held-out greedy EM after 300 SFT steps against 59 % in fixed order (the wording still varies)."""
 
 RELATIONS = {
     "person": ("born_in", "birth_year", "works_for"),
@@ -243,10 +255,8 @@ def template_words() -> set[str]:
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "tr", "st")
 _VOWELS = ("a", "e", "i", "o", "u")
 _CODAS = ("", "n", "r", "l", "s", "k", "m")
-NUM_SYLLABLES = 160
-"""Size of the name-syllable inventory: 2-syllable names give 25,600 combinations (520 needed); each
-syllable occurs in ~7 of the 520 default names, so every syllable is trained many times, and BM25
-still tells names apart (the own passage matches both syllables, in title and every sentence)."""
+NAME_FILL = 0.87
+"""Share of all first x last syllable combinations that are used as names (sets the inventory size)."""
 _COMMON = {
     # English words (and the years' and templates' look-alikes) the syllable grammar can produce
     "bar", "bas", "bel", "ben", "bin", "bit", "bon", "bum", "bun", "bus", "dam", "den", "dim", "din", "dis",
@@ -274,25 +284,31 @@ def make_syllables(n: int, rng: np.random.Generator, forbidden: set[str]) -> lis
     return [pool[j] for j in sorted(rng.permutation(len(pool))[:n])]
 
 
-def make_names(n: int, rng: np.random.Generator, forbidden: set[str]) -> list[str]:
-    """``n`` unique names of two syllable words ("kre vos"): no name or syllable in ``forbidden``.
+def name_side(n: int) -> int:
+    """Syllables per name position: the smallest inventory with ``n <= NAME_FILL * side**2`` (>= 8)."""
+    return max(8, math.ceil(math.sqrt(n / NAME_FILL)))
 
-    Why two words and not one made-up word: a one-word name is one token, and a held-out entity's name
-    then never occurs in any training sequence: its embedding stays at random init and the tiny policy
-    cannot learn to copy it (measured: 57 % teacher-forced held-out answers after 150 s). Syllable
-    words are shared by all names, so every token a held-out name is made of was trained.
+
+def make_names(n: int, rng: np.random.Generator, forbidden: set[str]) -> list[str]:
+    """``n`` unique names "<first> <last>" from two disjoint syllable inventories of ``name_side(n)``.
+
+    Why two words, from small disjoint inventories (24 + 24 syllables for 520 names):
+    - a one-word name is one token, and a held-out entity's name then never occurs in any training
+      sequence: its embedding stays at random init and the tiny policy cannot copy it (measured:
+      57 % teacher-forced held-out answers after 150 s);
+    - with a large inventory each first syllable starts only ~3 names, so the policy learns the
+      training names' bigrams ("kre" -> "vos") and miscopies held-out names (held-out greedy EM
+      52 % with 160 shared syllables vs 85 % with 48, after 400 steps). With most combinations used,
+      the first syllable says nothing about the last, so only copying works;
+    - disjoint inventories mean no two names are the same bag of words (BM25 cannot tell "a b"
+      from "b a").
     """
-    syl = make_syllables(NUM_SYLLABLES, rng, forbidden)
-    names: list[str] = []
-    seen: set[frozenset] = set()
-    while len(names) < n:
-        a, b = rng.integers(len(syl)), rng.integers(len(syl))
-        # "a b" and "b a" are the same bag of words to BM25: only one of them may exist
-        if a == b or frozenset((a, b)) in seen:
-            continue
-        seen.add(frozenset((a, b)))
-        names.append(f"{syl[a]} {syl[b]}")
-    return names
+    side = name_side(n)
+    syl = make_syllables(2 * side, rng, forbidden)
+    order = rng.permutation(2 * side)
+    first, last = [syl[j] for j in order[:side]], [syl[j] for j in order[side:]]
+    combos = rng.permutation(side * side)[:n]
+    return [f"{first[c // side]} {last[c % side]}" for c in combos]
 
 
 # ---------------------------------------------------------------- building
@@ -443,7 +459,10 @@ def _parallel_questions(qt: QType, group: Sequence[Entity], n: int, rng: np.rand
     m = len(group)
     if m < 2 or n <= 0:
         return []
-    all_pairs = [(a, b) for a in range(m) for b in range(a + 1, m)]
+    # The two passages word the fact differently, so each quoted phrase occurs in one passage only
+    # (with "born in" in both, the policy quoted the wrong passage; teacher-forced 85 %).
+    all_pairs = [(a, b) for a in range(m) for b in range(a + 1, m)
+                 if group[a].wording[rel] != group[b].wording[rel]]
     same = [p for p in all_pairs if group[p[0]].facts[rel] == group[p[1]].facts[rel]]
     diff = [p for p in all_pairs if group[p[0]].facts[rel] != group[p[1]].facts[rel]]
     n_yes = min(n // 2, len(same))

@@ -92,7 +92,9 @@ def test_names_unique_made_up(default):
     syllables = {s for n in names for s in n.split()}
     assert not syllables & W.template_words()
     assert all(re.fullmatch(r"[a-z]+ [a-z]+", n) for n in names)
-    assert len(syllables) <= W.NUM_SYLLABLES
+    side = W.name_side(len(names))
+    firsts, lasts = {n.split()[0] for n in names}, {n.split()[1] for n in names}
+    assert not firsts & lasts and len(firsts) <= side and len(lasts) <= side
     assert len({frozenset(n.split()) for n in names}) == len(names)  # BM25 sees bags of words
     assert [d["title"] for d in default.corpus] == names
 
@@ -223,10 +225,19 @@ def test_quoted_evidence_is_in_the_passage(small):
 
 
 def test_sentence_cue_words_unique_per_kind():
-    """The first quoted word of a wording occurs in no other relation's wordings of that kind."""
+    """The two quoted words of a wording occur in no other relation's wordings of that kind."""
     for kind, rels in W.RELATIONS.items():
-        cue = {(r, i): t.split("{o}")[0].split()[-2] for r in rels for i, t in enumerate(W.SENTENCES[r])}
-        for (r, i), word in cue.items():
-            others = [t for rr in rels if rr != r for t in W.SENTENCES[rr]]
-            assert all(word not in t.split() for t in others), (kind, r, word)
-            assert word not in W.INTRO.get(kind, "").split()
+        for r in rels:
+            for t in W.SENTENCES[r]:
+                others = [o for rr in rels if rr != r for o in W.SENTENCES[rr]] + [W.INTRO.get(kind, "")]
+                for word in t.split("{o}")[0].split()[-2:]:
+                    assert all(word not in o.split() for o in others), (kind, r, word)
+
+
+def test_parallel_pairs_word_the_fact_differently(small):
+    ents = small.by_name()
+    qs = [q for q in small.train + small.heldout if W.QTYPE_BY_NAME[q.qtype].parallel]
+    assert qs
+    for q in qs:
+        (a, rel), (b, _) = q.facts
+        assert ents[a].wording[rel] != ents[b].wording[rel]
