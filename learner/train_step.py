@@ -22,8 +22,12 @@ from cluster.config import AlgoConfig, LearnerConfig, ReplayConfig
 from cluster.protocol import Trajectory
 from learner.algo.advantages import compute_advantages, dynamic_sampling_mask
 from learner.algo.losses import LossInputs, entropy_from_logits, kl_estimate, policy_loss, sft_loss, token_logprobs
-from learner.algo.staleness import lag_histogram, staleness_decision
+from learner.algo.staleness import importance_weight_histogram, lag_histogram, staleness_decision
 from learner.batching import Batch, collate, pack_micro_batches
+
+
+IS_EDGES = (0.5, 0.8, 0.95, 1.05, 1.25, 2.0)
+"""Bin edges of the logged learner/behaviour importance-weight histogram."""
 
 
 class Stepper(Protocol):
@@ -192,6 +196,7 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
     use_ref = ref_module is not None and algo.kl_coef > 0 and algo.kl_mode == "loss"
     stepper.module.train()
     parts: list[tuple[dict, float]] = []
+    is_hist: dict[str, int] = {}
     loss_total = 0.0
     for i, mb in enumerate(mbs):
         lp, ent = forward_logprobs(stepper.module, mb, temperature, with_entropy=True)
@@ -205,7 +210,12 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
         stepper.backward(out.loss, boundary=i == len(mbs) - 1)
         loss_total += float(out.loss.detach())
         parts.append((out.metrics, float(mb.loss_mask.sum())))
+        # learner/behaviour ratio per trained token: how off-policy the batch really is
+        ratio = torch.exp(torch.where(mb.loss_mask > 0, lp.detach() - mb.behaviour_logprobs, torch.zeros_like(lp)))
+        for k, v in importance_weight_histogram(ratio, IS_EDGES, mb.loss_mask).items():
+            is_hist[k] = is_hist.get(k, 0) + v
     gn = stepper.step()
+    m.update({f"learner/is_weight/hist/{k}": float(v) for k, v in is_hist.items()})
     dt = time.perf_counter() - t0
     m.update({f"learner/{k}": v for k, v in _weighted(parts).items()})
     m.update({"learner/loss": loss_total, "learner/grad_norm": gn, "learner/step_time_s": dt,

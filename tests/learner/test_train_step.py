@@ -166,3 +166,11 @@ def test_difficulty_range_filters_groups_by_success_rate():
                 [0, 0, 0], AlgoConfig(), LearnerConfig(), ReplayConfig(), 1.0, 0, difficulty=(0.0, 0.5))
     assert m["learner/groups_difficulty_filtered"] == 1  # the 75 % group is too easy
     assert m["learner/trajectories"] == 8
+
+
+def test_importance_weight_histogram_counts_every_trained_token():
+    model = tiny_model()
+    m = rl_step(TorchStepper(model, torch.optim.SGD(model.parameters(), lr=0.0), 0.0), groups(6), [0, 0, 0],
+                AlgoConfig(dynamic_sampling=False), LearnerConfig(micro_batch_tokens=30), ReplayConfig(), 1.0, 0)
+    hist = {k: v for k, v in m.items() if k.startswith("learner/is_weight/hist/")}
+    assert len(hist) == 7 and sum(hist.values()) == m["learner/trained_tokens"]
