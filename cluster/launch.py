@@ -151,13 +151,18 @@ def _world(cfg: Config):
 def prepare_corpus(cfg: Config, run: Run) -> str:
     if cfg.retrieval.corpus:
         return cfg.retrieval.corpus
+    import hashlib
+
     from actors.world import write_corpus_jsonl
 
-    path = Path(cfg.run.root).resolve() / "corpus" / f"world-{cfg.world.seed}-{cfg.world.num_entities}.jsonl"
+    # Named by content, not by seed: a changed world generator must never reuse a stale corpus/index.
+    world = _world(cfg)
+    digest = hashlib.sha1(json.dumps(world.corpus, sort_keys=True).encode()).hexdigest()[:12]
+    path = Path(cfg.run.root).resolve() / "corpus" / f"world-{cfg.world.seed}-{digest}.jsonl"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        write_corpus_jsonl(_world(cfg), tmp)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        write_corpus_jsonl(world, tmp)
         tmp.replace(path)
     return str(path)
 
