@@ -260,6 +260,7 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
     if not sync:
         ray.get([w.start.remote(roles.replay, index, stage) for w in roles.workers])
     steps, t_stage = start_step, time.monotonic()
+    throughput = Throughput()
     while steps < stage.steps:
         if sync:
             generate_in_lockstep(cfg, roles, index, stage, steps)
@@ -274,6 +275,9 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
             m.update(push_weights(roles))
         m.update(worker_metrics)
         m.update(replay_metrics(roles))
+        m.update(throughput.tick(m))
+        if steps % 10 == 0 or steps == stage.steps:
+            m.update(retrieval_metrics(roles))
         m["stage"] = index
         run.log(m)
         if steps % 5 == 0 or steps == stage.steps:
@@ -377,6 +381,43 @@ def rollout_metrics(recent: list[dict]) -> dict:
         m[K.RETRIEVAL_LATENCY_P99] = float(np.percentile(lat, 99))
     m[K.RETRIEVAL_ERRORS] = float(sum(r["failed_searches"] for r in recent))
     m["rollout/trajectories"] = float(len(recent))
+    return m
+
+
+class Throughput:
+    """Rollout throughput between consecutive learner steps, from the replay's produced counter."""
+
+    def __init__(self):
+        self.t, self.produced = time.monotonic(), None
+
+    def tick(self, m: dict) -> dict:
+        now, produced = time.monotonic(), m.get(K.REPLAY_PRODUCED, 0)
+        out = {}
+        if self.produced is not None and now > self.t:
+            out[K.ROLLOUT_TRAJ_PER_S] = (produced - self.produced) / (now - self.t)
+            if K.ROLLOUT_TOKENS_MEAN in m:
+                out[K.ROLLOUT_TOKENS_PER_S] = out[K.ROLLOUT_TRAJ_PER_S] * m[K.ROLLOUT_TOKENS_MEAN]
+        self.t, self.produced = now, produced
+        return out
+
+
+def retrieval_metrics(roles: Roles) -> dict:
+    """Service-side retrieval metrics (QPS, latency, batch size, cache hit rate, errors by kind)."""
+    import ray
+
+    stats = [s for s in ray.get([h.stats.remote() for h in roles.retrieval]) if s]
+    if not stats:
+        return {}
+    m = {"retrieval/qps": sum(s["qps"] for s in stats),
+         "retrieval/service/latency_ms/p50": max(s["latency_ms"]["p50"] for s in stats),
+         "retrieval/service/latency_ms/p99": max(s["latency_ms"]["p99"] for s in stats),
+         "retrieval/batch_size/mean": float(np.mean([s["mean_batch_size"] for s in stats]))}
+    for s in stats:
+        for kind, n in s["errors"].items():
+            m[f"retrieval/errors/{kind}"] = m.get(f"retrieval/errors/{kind}", 0) + n
+        cache = s.get("inner", {})
+        if "hit_rate" in cache:
+            m[K.RETRIEVAL_CACHE_HIT_RATE] = cache["hit_rate"]
     return m
 
 

@@ -64,7 +64,8 @@ def test_mlflow_holds_params_metrics_config_and_model(smoke_run):
     assert run.info.status == "FINISHED"
     assert run.data.params["learner.lr"] and run.data.params["stages.1.kind"] == "rl"
     for key in ("learner/loss", "learner/grad_norm", "rollout/reward/mean", "replay/depth", "learner/policy_lag/max",
-                "eval/after_search/em", "weights/sync_s", "rollout/search_calls/mean"):
+                "eval/after_search/em", "weights/sync_s", "rollout/search_calls/mean", "rollout/trajectories_per_s",
+                "retrieval/qps", "retrieval/cache/hit_rate", "learner/is_weight/hist/0.95-1.05"):
         assert key in run.data.metrics, key
     assert len(client.get_metric_history(run.info.run_id, "learner/loss")) >= 2
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
