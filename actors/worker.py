@@ -101,6 +101,7 @@ class RolloutWorker:
         self.cfg = cfg
         self.world = build_world(cfg.world)
         model, self.tokenizer = policy_and_tokenizer(cfg.model, self.world)
+        self.tags = get_protocol(cfg.protocol.name)
         if cfg.rollout.engine == "bench":
             from actors.bench_engine import BenchEngine  # benchmarks only: sleeps instead of computing
 
@@ -113,7 +114,6 @@ class RolloutWorker:
         else:
             inner = HFEngine(model, eos_token_id=self.tokenizer.eos_token_id)
         self.engine = SwappingEngine(inner)
-        self.tags = get_protocol(cfg.protocol.name)
         self.retriever = self._make_retriever(retrieval_handles)
         self._group = None
         self._buckets = None

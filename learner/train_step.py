@@ -31,7 +31,13 @@ IS_EDGES = (0.5, 0.8, 0.95, 1.05, 1.25, 2.0)
 
 
 class Stepper(Protocol):
+    """Calling the stepper runs the forward pass: through the DeepSpeed engine, not its bare module,
+    because the engine's forward advances ZeRO-3's micro-step counter (without it, micro-batch
+    gradients overwrite instead of accumulating)."""
+
     module: torch.nn.Module
+
+    def __call__(self, **inputs): ...
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None: ...
 
@@ -43,6 +49,9 @@ class TorchStepper:
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float):
         self.module, self.optimizer, self.grad_clip = module, optimizer, grad_clip
+
+    def __call__(self, **inputs):
+        return self.module(**inputs)
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         loss.backward()
@@ -66,6 +75,9 @@ class DeepSpeedStepper:
         self.engine, self.zero_stage = engine, zero_stage
         self.module = engine.module
 
+    def __call__(self, **inputs):
+        return self.engine(**inputs)
+
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(boundary)
         self.engine.backward(loss)
@@ -82,10 +94,11 @@ class DeepSpeedStepper:
         return norm
 
 
-def forward_logprobs(module: torch.nn.Module, mb: Batch, temperature: float,
+def forward_logprobs(model, mb: Batch, temperature: float,
                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[b, t-1] logprobs of the realised next tokens at the sampling temperature (and entropy)."""
-    logits = module(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits.float()
+    """[b, t-1] logprobs of the realised next tokens at the sampling temperature (and entropy).
+    ``model``: a Stepper (trained forward) or a plain module (reference policy)."""
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits.float()
     lp = token_logprobs(logits, mb.input_ids, temperature)
     ent = None
     if with_entropy:
@@ -124,7 +137,7 @@ def sft_step(stepper: Stepper, trajs: list[Trajectory], lcfg: LearnerConfig, pad
     stepper.module.train()
     loss_total = 0.0
     for i, mb in enumerate(mbs):
-        lp, _ = forward_logprobs(stepper.module, mb, 1.0)
+        lp, _ = forward_logprobs(stepper, mb, 1.0)
         out = sft_loss(lp, mb.loss_mask, denom)
         stepper.backward(out.loss, boundary=i == len(mbs) - 1)
         loss_total += float(out.loss.detach())
@@ -199,7 +212,7 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
     is_hist: dict[str, int] = {}
     loss_total = 0.0
     for i, mb in enumerate(mbs):
-        lp, ent = forward_logprobs(stepper.module, mb, temperature, with_entropy=True)
+        lp, ent = forward_logprobs(stepper, mb, temperature, with_entropy=True)
         ref = None
         if use_ref:
             with torch.no_grad():

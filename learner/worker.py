@@ -144,9 +144,13 @@ class Learner:
         # KL reference = the policy at the start of the stage (frozen); skipped when the coefficient is 0.
         self.ref_module = None
         if stage.kind == "rl" and stage.algo.kl_coef > 0:
-            import copy
+            from actors.model import policy_and_tokenizer
 
-            self.ref_module = copy.deepcopy(self.engine.module).eval().requires_grad_(False)
+            # A fresh module loaded with the gathered weights (a deepcopy of a ZeRO-3 module would
+            # copy empty partitions).
+            ref, _ = policy_and_tokenizer(self.cfg.model, self.world)
+            ref.load_state_dict(self.named_tensors(), strict=False)
+            self.ref_module = ref.to(self.device).eval().requires_grad_(False)
         if stage.kind == "sft":
             info["demonstrations"] = self._prepare_demos(retrieval_handles)
         return info
@@ -232,16 +236,12 @@ class Learner:
 
     # ------------------------------------------------------------------ export / checkpoint
     def export_hf(self, path: str) -> str:
-        from actors.model import save_policy
+        from actors.model import policy_and_tokenizer, save_policy
 
-        import copy
-
-        model = copy.deepcopy(self.engine.module).to("cpu") if self.cfg.learner.zero_stage != 3 else None
-        if model is None:
-            from actors.model import policy_and_tokenizer
-
-            model, _ = policy_and_tokenizer(self.cfg.model, self.world)
-            model.load_state_dict(self.named_tensors(), strict=False)
+        model, _ = policy_and_tokenizer(self.cfg.model, self.world)  # gathered weights: works for ZeRO 0-3
+        missing, unexpected = model.load_state_dict(self.named_tensors(), strict=False)
+        if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
+            raise RuntimeError(f"export: parameter names differ from the policy: missing {missing}, unexpected {unexpected}")
         save_policy(model, self.tokenizer, path)
         return path
 

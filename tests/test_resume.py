@@ -79,3 +79,6 @@ def test_kill_and_resume_trains_every_prompt_once(tmp_path):
     # nothing in flight at the checkpoint is skipped: those prompts are served first after the resume
     assert set(in_flight) <= set(seen_after)
     assert summary["replay"]["balanced"]
+    # the staleness bound still holds after the resume (versions and the replay's view agree)
+    bound = load_config([ROOT / "configs" / "smoke.yaml"]).replay.max_policy_lag
+    assert summary["policy_lag_max"] <= bound
