@@ -28,7 +28,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench-quick: setup
-	for b in codec-and-queue weight-sync retrieval rollout-scaling async-vs-sync; do $(VENV)/bin/sonar bench $$b --quick || exit 1; done
+	for b in codec-and-queue weight-sync retrieval rollout-scaling async-vs-sync end-to-end; do $(VENV)/bin/sonar bench $$b --quick || exit 1; done
 
 clean:
 	rm -rf runs .pytest_cache

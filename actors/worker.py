@@ -164,6 +164,11 @@ class RolloutWorker:
         self.engine.apply_staged()
         return self.engine.version
 
+    def bench_stats(self) -> dict:
+        """The engine's own counters (the benchmark engine reports its simulated seconds)."""
+        inner = self.engine.inner
+        return inner.bench_stats() if hasattr(inner, "bench_stats") else {"engine": type(inner).__name__}
+
     def checksum(self) -> dict:
         """Same function as the learner's (cluster.weights.checksum), so the two can be compared."""
         from cluster.weights import checksum

@@ -1,0 +1,431 @@
+"""async-vs-sync: how much faster is asynchronous RL than lockstep RL on the same workload?
+
+Question (issue 6, item 1): the same training workload (same checkpoint, prompts, seed, steps, group
+size, workers, CPUs) run synchronously -- generate one batch with the current weights, then train,
+then broadcast, in lockstep (``cluster.mode=sync``, the driver's ``generate_in_lockstep``) -- and
+asynchronously (``cluster.mode=async``) with ``replay.max_policy_lag`` 1, 2 and 4. Reported per
+setting: wall-clock of the RL loop, trajectories/s, learner idle fraction, rollout idle fraction,
+the policy-lag histogram, the final rollout reward and the held-out EM after the stage; per async
+setting, the speedup over sync (``metrics["speedup/<lag>"]``, medians also under ``extra.speedup``).
+
+The workload (``configs/bench.yaml``, read its header): the 0.5M-parameter policy after a short SFT
+(so it searches and answers in the protocol: the RL stage then looks like search-agent RL, with 1-4
+search turns per trajectory), real transformers generation (``rollout.engine=hf``) on CPU, the real
+tantivy index behind the Ray retrieval service with a *remote-cluster latency injected below it*
+(``retrieval.inject_latency_ms`` median, lognormal ``inject_latency_sigma``; see
+``retrieval/latency.py``), the real DeepSpeed learner and gloo broadcast. The SFT checkpoint is
+trained once and cached under ``<run.root>/bench-sft/<hash of the config parts and the code it depends
+on>``; SFT is not what is measured.
+
+What makes the comparison fair:
+
+- Both modes run the same code path (``run_rl_stage``) from the same exported checkpoint, with the
+  same seed (hence the same prompt order), steps, group size, workers, Ray CPUs, one torch thread
+  per process; settings are interleaved within each repeat (sync, lag 1, lag 2, lag 4, sync, ...) so
+  background load (this machine is shared and noisy) hits them alike; speedups are paired per repeat.
+- The timed span is the driver's RL loop (``run.results["rl"][i]["seconds"]``): from the workers'
+  start to the end of ``stop_rollouts``. Actor start-up, SFT and evaluation are outside it. Async is
+  charged for stopping: ``stop_rollouts`` waits for each worker's in-flight batch.
+- Sync uses ``max_policy_lag=0`` (its data is always on-policy). Async lag L uses
+  ``capacity_groups = L * groups_per_step`` (a full queue then holds at most L learner steps of data,
+  so backpressure, not the drop rule, does most of the bounding) and ``broadcast_every=1``.
+  Stale groups are dropped and counted (``dropped_stale``); the learner still takes exactly
+  ``steps`` steps of ``groups_per_step`` groups, so async pays for its waste in wall-clock.
+- On 2 cores, async is *handicapped*: two workers generating and a learner training want three cores.
+  Sync never has more than two busy processes. What async can overlap here are the waits (injected
+  retrieval latency) and the learner's step with generation.
+
+What bounds the gain (and why 2x is a stretch on this design): a worker's loop is sequential --
+claim, roll out a batch of groups turn by turn (each turn one batched generate and one batched
+search), put -- with no continuous batching and no partial rollouts, so async does not make a single
+worker faster; it overlaps the learner step (and the broadcast) with generation, and removes the
+per-step barrier where the faster worker waits for the slower one. With per-step generation time G
+and learner time T measured in sync mode, the two-stage pipeline bound is (G + T) / max(G, T) <= 2,
+plus what the barrier costs; ``extra.analysis`` reports G, T, that bound and the bound without the
+barrier (G replaced by the mean worker's generate + retrieve time) next to the measured speedup, so a
+result can be read against them. Reaching 2x needs G ~ T *and* no CPU contention; going past it needs
+the worker to keep more than one batch in flight (continuous batching / partial rollouts), which
+Sonar's worker does not do yet.
+
+Metrics that are derived, not measured directly (the driver and workers do not expose them):
+
+- learner idle fraction = 1 - (sum of ``learner/step_time_s`` + sum of ``weights/sync_s``) / wall:
+  the learner is busy training or sending weights, idle otherwise (in sync mode it idles during
+  generation although its ``learner/wait_s`` is ~0, because the driver calls it only once the batch
+  is queued; ``learner_wait_fraction`` = sum of ``learner/wait_s`` / wall is reported too);
+- rollout idle fraction = 1 - sum over workers of (``gen_s`` + ``retrieve_s``) / (workers x wall):
+  time a worker spends neither generating nor waiting on retrieval (blocked on a full queue, waiting
+  for the driver in sync mode, parsing/encoding, Ray calls). A worker-side ``put_wait_s`` (time
+  blocked in ``replay.put``) and ``rollout_s`` (wall time inside ``rollout_groups``) would make this
+  exact instead of a complement.
+
+``--quick`` (CI smoke test, < 1 minute): the 120-entity world, no SFT (the untrained policy: it
+checks the plumbing and the JSON, not the workload), 3 RL steps, sync vs async lag 2 only.
+``--engine bench`` swaps in the BENCHMARK engine (``actors/bench_engine.py``: long-tailed lognormal
+turn lengths, sleeps per token, no model): a GPU-like generation profile, but rewards are meaningless.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import REPO_ROOT, base_parser, setup_env, summarise, write_result
+
+setup_env()
+
+NAME = "async-vs-sync"
+CONFIG = REPO_ROOT / "configs" / "bench.yaml"
+FULL = {"lags": [1, 2, 4], "repeats": 2, "overrides": []}
+QUICK = {"lags": [2], "repeats": 1,
+         "overrides": ["world.num_entities=120", "world.num_heldout_eval=8", "rollout.group_size=4",
+                       "rollout.groups_per_request=2", "learner.groups_per_step=4", "replay.capacity_groups=8",
+                       "protocol.max_total_tokens=256", "retrieval.inject_latency_ms=20.0",
+                       "stages.0.steps=0", "stages.1.steps=3"]}
+log = logging.getLogger("sonar.bench")
+
+
+# ------------------------------------------------------------------------------------ settings
+def setting_name(mode: str, lag: int | None) -> str:
+    return "sync" if mode == "sync" else f"async_lag{lag}"
+
+
+def setting_overrides(mode: str, lag: int | None, groups_per_step: int) -> list[str]:
+    if mode == "sync":
+        return ["cluster.mode=sync", "replay.max_policy_lag=0", f"replay.capacity_groups={groups_per_step}",
+                "learner.broadcast_every=1"]
+    return ["cluster.mode=async", f"replay.max_policy_lag={lag}",
+            f"replay.capacity_groups={max(1, lag) * groups_per_step}", "learner.broadcast_every=1"]
+
+
+def split_stages(cfg):
+    """(the SFT stage or None, the RL stage): bench.yaml has at most one of each, SFT first."""
+    sft = [s for s in cfg.stages if s.kind == "sft"]
+    rl = [s for s in cfg.stages if s.kind == "rl"]
+    if len(rl) != 1 or len(sft) > 1:
+        raise ValueError(f"{NAME}: the config needs exactly one rl stage and at most one sft stage, got "
+                         f"{[s.kind for s in cfg.stages]}")
+    return (sft[0] if sft and sft[0].steps > 0 else None), rl[0]
+
+
+SFT_CODE = ("actors/world.py", "actors/demos.py", "actors/tokenizer.py", "actors/model.py", "actors/prompts.py",
+            "learner/train_step.py")
+"""The code an SFT checkpoint depends on: the cache key hashes it, so an edited world is never served
+a policy (and tokenizer) trained on the old one."""
+
+
+def code_fingerprint() -> str:
+    h = hashlib.sha256()
+    for rel in SFT_CODE:
+        p = REPO_ROOT / rel
+        h.update(rel.encode() + (p.read_bytes() if p.is_file() else b"<missing>"))
+    return h.hexdigest()[:16]
+
+
+def sft_checkpoint(cfg, sft_stage) -> tuple[str | None, dict]:
+    """Train (once) and cache the SFT policy every setting starts from; returns (model dir, info)."""
+    from cluster.config import to_dict
+
+    from bench.driver_harness import run_training
+
+    if sft_stage is None or cfg.model.path or cfg.rollout.engine == "bench":
+        return cfg.model.path, {"sft": "skipped"}
+    d = to_dict(cfg)
+    key_parts = {k: d[k] for k in ("world", "model", "protocol")}
+    key_parts.update(retrieval={k: d["retrieval"][k] for k in ("backend", "corpus", "k", "rerank")},
+                     sft=to_dict(sft_stage), learner={k: d["learner"][k] for k in ("lr", "betas", "warmup_steps",
+                                                                                  "grad_clip", "weight_decay")},
+                     seed=cfg.run.seed, code=code_fingerprint())
+    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    cache = Path(cfg.run.root).resolve() / "bench-sft" / key
+    info_path = cache / "sft.json"
+    if (cache / "model" / "config.json").is_file() and info_path.is_file():
+        info = json.loads(info_path.read_text())
+        info["cached"] = True
+        return str(cache / "model"), info
+    run_dir = cache.with_name(key + ".tmp")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    scfg = dataclasses.replace(cfg, stages=[sft_stage], run=dataclasses.replace(cfg.run, run_dir=str(run_dir)))
+    log.info("%s: training the SFT checkpoint (%d steps), cached at %s", NAME, sft_stage.steps, cache)
+    res = run_training(scfg, evaluate_after=True, export=True)
+    info = {"steps": sft_stage.steps, "seconds": res["stages"][0]["seconds"], "eval": res["eval"], "key": key,
+            "cached": False}
+    (run_dir / "sft.json").write_text(json.dumps(info, indent=2))
+    shutil.rmtree(cache, ignore_errors=True)
+    run_dir.replace(cache)
+    return str(cache / "model"), info
+
+
+# ------------------------------------------------------------------------------------ one setting
+def measure(res: dict, cfg) -> dict:
+    """Per-setting numbers from one ``run_training`` result (see the module docstring for definitions)."""
+    from bench.driver_harness import lag_histogram, rl_stage, series
+
+    st = rl_stage(res)
+    h = st["history"]
+    wall = float(st["loop_seconds"])
+    steps = len(series(h, "learner/version"))
+    train_s = sum(series(h, "learner/step_time_s"))
+    sync_s = sum(series(h, "weights/sync_s"))
+    wait_s = sum(series(h, "learner/wait_s"))
+    workers = st["workers"]
+    busy = sum(w.get("gen_s", 0.0) + w.get("retrieve_s", 0.0) for w in workers)
+    gen = sum(w.get("gen_s", 0.0) for w in workers)
+    ret = sum(w.get("retrieve_s", 0.0) for w in workers)
+    n_w = max(1, len(workers))
+    consumed = float(res["replay"]["consumed"])
+    rewards = series(h, "rollout/reward/mean")
+    lreward = series(h, "learner/reward/mean")
+    tail = max(1, len(rewards) // 3)
+    ltail = max(1, len(lreward) // 3)
+    m = {
+        "wall_s": wall, "steps": steps, "seconds_per_step": wall / max(1, steps),
+        "trajectories_per_s": consumed / wall, "produced_per_s": float(res["replay"]["produced"]) / wall,
+        "learner_idle_fraction": max(0.0, 1.0 - (train_s + sync_s) / wall),
+        "learner_wait_fraction": wait_s / wall,
+        "rollout_idle_fraction": max(0.0, 1.0 - busy / (n_w * wall)),
+        "train_s_per_step": train_s / max(1, steps), "sync_s_per_step": sync_s / max(1, steps),
+        "gen_s_per_step": gen / n_w / max(1, steps), "retrieve_s_per_step": ret / n_w / max(1, steps),
+        "dropped_stale": float(res["replay"]["dropped_stale"]),
+        "reward_last": float(np.mean(rewards[-tail:])) if rewards else float("nan"),
+        "reward_last_se": (float(np.std(rewards[-tail:], ddof=1) / np.sqrt(tail)) if tail > 1 else float("nan")),
+        "learner_reward_last": float(np.mean(lreward[-ltail:])) if lreward else float("nan"),
+        "searches_per_traj": float(np.mean(series(h, "rollout/search_calls/mean") or [float("nan")])),
+        "model_tokens_per_traj": float(np.mean(series(h, "rollout/model_tokens/mean") or [float("nan")])),
+        "policy_lag_max": max(series(h, "learner/policy_lag/max") or [0.0]),
+    }
+    if res.get("eval"):
+        m["heldout_em"] = float(res["eval"]["search"]["em"])
+    return {"metrics": m, "lag_hist": lag_histogram(h), "rewards": rewards,
+            "replay": res["replay"], "workers": workers, "startup_s": res["startup_s"]}
+
+
+def run_setting(base_overrides: list[str], mode: str, lag: int | None, model_path: str | None, run_root: Path,
+                tag: str) -> dict:
+    from bench.driver_harness import load_cfg, run_training
+
+    cfg0 = load_cfg([CONFIG], base_overrides)
+    ov = list(base_overrides) + setting_overrides(mode, lag, cfg0.learner.groups_per_step)
+    ov += [f"run.root={run_root}", f"run.name={NAME}-{tag}"]
+    if model_path:
+        ov.append(f"model.path={model_path}")
+    cfg = load_cfg([CONFIG], ov)
+    _, rl = split_stages(cfg)
+    cfg = dataclasses.replace(cfg, stages=[rl])
+    res = run_training(cfg, evaluate_after=True)
+    out = measure(res, cfg)
+    out["overrides"] = ov
+    return out
+
+
+# ------------------------------------------------------------------------------------ the benchmark
+def run(cfg_bench: dict) -> tuple[dict, dict]:
+    from bench.driver_harness import device_info, load_cfg, loadavg, start_ray
+
+    overrides = list(cfg_bench["overrides"])
+    base = load_cfg([CONFIG], overrides)
+    sft_stage, rl_stage_cfg = split_stages(base)
+    owns = start_ray(base)
+    import ray
+
+    try:
+        model_path, sft_info = sft_checkpoint(base, sft_stage)
+        run_root = Path(base.run.root).resolve() / "bench-async-vs-sync"
+        settings = [("sync", None)] + [("async", lag) for lag in cfg_bench["lags"]]
+        per: dict[str, list[dict]] = {setting_name(m, l): [] for m, l in settings}
+        load = {"start": loadavg()}
+        for rep in range(cfg_bench["repeats"]):
+            for mode, lag in settings:
+                name = setting_name(mode, lag)
+                t0 = time.time()
+                r = run_setting(overrides, mode, lag, model_path, run_root, f"{name}-r{rep}")
+                r["loadavg_after"] = loadavg()
+                per[name].append(r)
+                m = r["metrics"]
+                log.info("%s rep %d: RL loop %.1f s (%.2f s/step), %.1f traj/s, learner idle %.2f, rollout idle "
+                         "%.2f, reward %.3f, lag hist %s (%.0f s incl. start-up)", name, rep, m["wall_s"],
+                         m["seconds_per_step"], m["trajectories_per_s"], m["learner_idle_fraction"],
+                         m["rollout_idle_fraction"], m["reward_last"], r["lag_hist"], time.time() - t0)
+        load["end"] = loadavg()
+    finally:
+        if owns:
+            ray.shutdown()
+
+    metrics: dict[str, dict] = {}
+    for name, reps in per.items():
+        for key in reps[0]["metrics"]:
+            vals = [r["metrics"][key] for r in reps if np.isfinite(r["metrics"][key])]
+            if vals:
+                metrics[f"{name}/{key}"] = summarise(vals)
+        hist_keys = sorted({k for r in reps for k in r["lag_hist"]},
+                           key=lambda k: (k.startswith("ge"), int(k.lstrip("ge"))))
+        for k in hist_keys:
+            metrics[f"{name}/policy_lag_hist/{k}"] = summarise([r["lag_hist"].get(k, 0.0) for r in reps])
+    speedup_medians = {}
+    for lag in cfg_bench["lags"]:
+        name = setting_name("async", lag)
+        pairs = [s["metrics"]["wall_s"] / a["metrics"]["wall_s"] for s, a in zip(per["sync"], per[name])]
+        metrics[f"speedup/{lag}"] = summarise(pairs)
+        speedup_medians[str(lag)] = metrics[f"speedup/{lag}"]["median"]
+
+    # Reading the result: the sync decomposition and the two-stage pipeline bound.
+    s = {k: float(np.median([r["metrics"][k] for r in per["sync"]])) for k in per["sync"][0]["metrics"]}
+    gen_phase = max(0.0, s["seconds_per_step"] - s["train_s_per_step"] - s["sync_s_per_step"])
+    learner_stage = s["train_s_per_step"] + s["sync_s_per_step"]
+    bound = s["seconds_per_step"] / max(gen_phase, learner_stage, 1e-9)
+    worker_busy = s["gen_s_per_step"] + s["retrieve_s_per_step"]
+    bound_nb = s["seconds_per_step"] / max(worker_busy, learner_stage, 1e-9)
+    reward_check = {}
+    for lag in cfg_bench["lags"]:
+        name = setting_name("async", lag)
+        a = per[name][-1]["metrics"]
+        sy = per["sync"][-1]["metrics"]
+        noise = 2.0 * float(np.sqrt(np.nan_to_num(a["reward_last_se"]) ** 2 + np.nan_to_num(sy["reward_last_se"]) ** 2))
+        diff = a["reward_last"] - sy["reward_last"]
+        reward_check[str(lag)] = {"async_minus_sync": diff, "two_se": noise,
+                                  "within_noise": bool(abs(diff) <= noise) if noise > 0 else None,
+                                  "heldout_em_async": a.get("heldout_em"), "heldout_em_sync": sy.get("heldout_em")}
+    extra = {
+        "speedup": speedup_medians,
+        "target": "async at lag 2 >= 2x faster than sync, same final reward within noise",
+        "analysis": {
+            "sync_seconds_per_step": s["seconds_per_step"],
+            "sync_generate_phase_s_per_step": gen_phase,
+            "sync_train_plus_sync_s_per_step": s["train_s_per_step"] + s["sync_s_per_step"],
+            "sync_worker_gen_s_per_step": s["gen_s_per_step"],
+            "sync_worker_retrieve_s_per_step": s["retrieve_s_per_step"],
+            "pipeline_bound_speedup": bound,
+            "pipeline_bound_no_barrier_speedup": bound_nb,
+            "note": "pipeline bound = sync step / max(generate phase, train + broadcast): perfect overlap of the two "
+                    "stages with unchanged stage times. The no-barrier bound replaces the generate phase (the "
+                    "slowest worker, plus driver overhead) by the mean worker's generate + retrieve time: async "
+                    "also removes the per-step barrier. Both ignore CPU contention, which async adds on 2 cores.",
+        },
+        "reward_check": reward_check,
+        "sft": sft_info,
+        "loadavg": load,
+        "settings": {name: [{"metrics": r["metrics"], "lag_hist": r["lag_hist"], "replay": r["replay"],
+                             "workers": r["workers"], "startup_s": r["startup_s"], "loadavg_after": r["loadavg_after"],
+                             "overrides": r["overrides"]} for r in reps] for name, reps in per.items()},
+        "reward_curves": {name: reps[-1]["rewards"] for name, reps in per.items()},
+        "device": device_info(base),
+        "machine_note": "shared 2-core VM; other jobs ran during the measurement (see loadavg)",
+    }
+    return metrics, extra
+
+
+def plot(metrics: dict, extra: dict, png: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    names = list(extra["settings"])
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8.5))
+    med = lambda n, k: metrics.get(f"{n}/{k}", {}).get("median", float("nan"))  # noqa: E731
+    walls = [med(n, "wall_s") for n in names]
+    colors = ["tab:gray"] + ["tab:blue", "tab:green", "tab:purple", "tab:orange"][: len(names) - 1]
+    b = ax[0, 0].bar(names, walls, color=colors)
+    for rect, n in zip(b, names):
+        lag = n.replace("async_lag", "")
+        label = "1.00x" if n == "sync" else f"{extra['speedup'].get(lag, float('nan')):.2f}x"
+        ax[0, 0].annotate(label, (rect.get_x() + rect.get_width() / 2, rect.get_height()), ha="center", va="bottom")
+    ax[0, 0].set_ylabel("RL loop wall-clock (s)")
+    an = extra["analysis"]
+    ax[0, 0].set_title(f"wall-clock, same steps (pipeline bound {an['pipeline_bound_speedup']:.2f}x, "
+                       f"without the barrier {an['pipeline_bound_no_barrier_speedup']:.2f}x)", fontsize=10)
+
+    x = np.arange(len(names))
+    ax[0, 1].bar(x - 0.2, [med(n, "learner_idle_fraction") for n in names], 0.4, label="learner idle")
+    ax[0, 1].bar(x + 0.2, [med(n, "rollout_idle_fraction") for n in names], 0.4, label="rollout idle")
+    ax[0, 1].set_xticks(x, names)
+    ax[0, 1].set_ylim(0, 1)
+    ax[0, 1].set_ylabel("fraction of RL wall-clock")
+    ax[0, 1].legend()
+    ax[0, 1].set_title("idle fractions (derived, see docstring)")
+
+    # Each setting's histogram has its own overflow bin ("ge<max_lag+2>"); plot on a common integer axis
+    # where an overflow count sits at its threshold (the last tick is labelled "k+" when one does).
+    hists, overflow_at = {}, set()
+    for n in names:
+        h = {}
+        for k in [k.rsplit("/", 1)[1] for k in metrics if k.startswith(f"{n}/policy_lag_hist/")]:
+            i = int(k.lstrip("ge"))
+            if k.startswith("ge"):
+                overflow_at.add(i)
+            h[i] = h.get(i, 0.0) + med(n, f"policy_lag_hist/{k}")
+        hists[n] = h
+    xs = sorted({i for h in hists.values() for i in h})
+    w = 0.8 / max(1, len(names))
+    for i, n in enumerate(names):
+        counts = np.array([hists[n].get(x, 0.0) for x in xs])
+        tot = counts.sum() or 1.0
+        ax[1, 0].bar(np.arange(len(xs)) + i * w - 0.4 + w / 2, counts / tot, w, label=n, color=colors[i])
+    ax[1, 0].set_xticks(np.arange(len(xs)), [f"{x}+" if x == max(xs) and x in overflow_at else str(x) for x in xs])
+    ax[1, 0].set_xlabel("policy lag of trained groups (learner steps)")
+    ax[1, 0].set_ylabel("fraction of trained groups")
+    ax[1, 0].legend()
+    ax[1, 0].set_title("policy-lag histogram")
+
+    for i, n in enumerate(names):
+        r = extra["reward_curves"].get(n) or []
+        x = np.arange(1, len(r) + 1)
+        ax[1, 1].plot(x, r, ".", alpha=0.35, color=colors[i])
+        k = min(5, len(r))
+        if k:
+            smooth = np.convolve(r, np.ones(k) / k, mode="valid")
+            ax[1, 1].plot(x[k - 1:], smooth, label=f"{n} ({k}-step mean)", color=colors[i])
+    ax[1, 1].set_xlabel("learner step")
+    ax[1, 1].set_ylabel("rollout/reward/mean")
+    ax[1, 1].legend(fontsize=8)
+    ax[1, 1].set_title("rollout reward per step (last repeat; dots: per step)")
+    dev = extra["device"]
+    fig.suptitle(f"async vs sync -- engine={dev['rollout_engine']} on {dev['rollout_device']}, learner on "
+                 f"{dev['learner_device']}, retrieval +{dev['retrieval_inject_latency_ms']:.0f} ms median "
+                 f"(sigma {dev['retrieval_inject_latency_sigma']}); {extra['machine_note']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = base_parser(NAME, __doc__.splitlines()[0])
+    p.add_argument("--lags", type=int, nargs="+", help="async max_policy_lag values (default 1 2 4; quick: 2)")
+    p.add_argument("--steps", type=int, help="RL steps per setting (default: the config's)")
+    p.add_argument("--engine", choices=["hf", "bench"], help="rollout engine (default: the config's, hf)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra config overrides on top of configs/bench.yaml (repeatable)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    cfg = json.loads(json.dumps(QUICK if args.quick else FULL))
+    if args.lags:
+        cfg["lags"] = args.lags
+    if args.repeats:
+        cfg["repeats"] = args.repeats
+    if args.steps:
+        cfg["overrides"].append(f"stages.1.steps={args.steps}")
+    if args.engine:
+        cfg["overrides"].append(f"rollout.engine={args.engine}")
+    cfg["overrides"] += args.overrides
+    from bench.driver_harness import load_cfg
+    from cluster.config import to_dict
+
+    resolved = load_cfg([CONFIG], cfg["overrides"])
+    cfg.update(quick=args.quick, config_file=str(CONFIG.relative_to(REPO_ROOT)), resolved=to_dict(resolved),
+               timed_span="driver RL loop: workers' start to the end of stop_rollouts")
+    t0 = time.time()
+    metrics, extra = run(cfg)
+    extra["wall_s"] = round(time.time() - t0, 1)
+    path = write_result(NAME, cfg, metrics, lambda png: plot(metrics, extra, png), args.out, extra=extra)
+    print(f"[{NAME}] wrote {path} and {path.with_suffix('.png').name} in {extra['wall_s']} s")
+    for lag, x in extra["speedup"].items():
+        print(f"[{NAME}] speedup lag {lag}: {x:.2f}x  reward check: {extra['reward_check'][lag]}")
+    print(f"[{NAME}] pipeline bound from the sync decomposition: {extra['analysis']['pipeline_bound_speedup']:.2f}x "
+          f"(without the per-step barrier: {extra['analysis']['pipeline_bound_no_barrier_speedup']:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

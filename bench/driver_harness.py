@@ -1,0 +1,311 @@
+"""Shared plumbing of the training benchmarks (async-vs-sync, rollout-scaling, end-to-end).
+
+``run_training(cfg)`` runs a config through the *production* driver functions of ``cluster.launch``
+(``start_run``, ``start_roles``, ``run_sft_stage``, ``run_rl_stage``, ``evaluate``...) in the order
+``train()`` calls them, and adds only measurement around them: wall-clock per stage, the rollout
+workers' cumulative stats (``gen_s``, ``retrieve_s``, trajectories, searches) read from ``health()``
+before and after each stage, the replay accounting, the driver's per-step metric history, and the
+held-out evaluation. Why not ``train()`` itself: it returns a summary without the workers' stats or
+the per-stage seconds, and it stops the actors before anyone can ask them.
+
+Ray: the caller starts Ray once (``start_ray``) and every run joins it, so setting after setting does
+not pay a Ray start; each run kills its own actors at the end (``ray.kill`` on the handles it
+created), so the next one starts on an empty cluster. Never ``ray stop``.
+
+``ProcessTreeSampler`` samples the memory of every process of the Ray session in a background
+thread (see its docstring for how the processes are found).
+
+Not a benchmark itself (no ``main``), so ``sonar bench`` does not list it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from bench.common import REPO_ROOT, setup_env
+
+setup_env()
+log = logging.getLogger("sonar.bench")
+
+CONFIG_DIR = REPO_ROOT / "configs"
+
+
+def load_cfg(paths: Sequence[str | Path], overrides: Sequence[str] = ()):
+    from cluster.config import load_config
+
+    return load_config([Path(p) for p in paths], list(overrides))
+
+
+def start_ray(cfg) -> bool:
+    """Start Ray as the driver does (``cluster.launch.init_ray``: a private local cluster on 127.0.0.1
+    unless ``cluster.address`` / ``RAY_ADDRESS`` names one); True if this call started it."""
+    from cluster.launch import init_ray
+
+    return init_ray(cfg)
+
+
+def device_info(cfg) -> dict:
+    """What generated and what trained: recorded in every result (the same command runs on a GPU box)."""
+    import torch
+
+    from learner.deepspeed_config import resolve_backend
+
+    return {"rollout_engine": cfg.rollout.engine,
+            "rollout_device": "cuda" if cfg.rollout.num_gpus_per_worker > 0 and torch.cuda.is_available() else "cpu",
+            "learner_device": "cuda" if cfg.learner.num_gpus > 0 and torch.cuda.is_available() else "cpu",
+            "broadcast_backend": resolve_backend(cfg.learner, cfg.learner.num_gpus > 0),
+            "cuda_available": torch.cuda.is_available(),
+            "retrieval_backend": cfg.retrieval.backend,
+            "retrieval_inject_latency_ms": cfg.retrieval.inject_latency_ms,
+            "retrieval_inject_latency_sigma": cfg.retrieval.inject_latency_sigma}
+
+
+# ---------------------------------------------------------------------------------------- bench workers
+
+
+# ---------------------------------------------------------------------------------------- runs
+def _worker_stats(roles) -> list[dict]:
+    import ray
+
+    return [dict(h["stats"]) for h in ray.get([w.health.remote() for w in roles.workers])]
+
+
+def _diff(after: list[dict], before: list[dict]) -> list[dict]:
+    return [{k: a[k] - b.get(k, 0) for k in a if isinstance(a[k], (int, float))} for a, b in zip(after, before)]
+
+
+def _kill_roles(roles) -> None:
+    """Kill every actor this run created (the driver's stop_roles only stops the rollout loops)."""
+    import ray
+
+    if roles is None:
+        return
+    for h in [roles.learner, roles.replay, *roles.workers, *roles.retrieval]:
+        try:
+            ray.kill(h, no_restart=True)
+        except Exception:  # already dead
+            pass
+
+
+def run_training(cfg, *, evaluate_after: bool = True, export: bool = False,
+                 on_roles: Callable[[Any], None] | None = None) -> dict:
+    """Run ``cfg``'s stages through the driver's own functions; return measurements.
+
+    Returns ``{"run_dir", "stages": [{"index", "kind", "steps", "seconds", "loop_seconds",
+    "workers": [per-worker stat deltas]}], "history": [per-step metric dicts], "replay": stats,
+    "eval": {...} or None, "startup_s", "total_s", "weights": final checksum check, "model_dir"}``.
+    ``export``: save the final policy as a Hugging Face directory (``<run_dir>/model``), as ``train`` does.
+    ``seconds`` is the stage function's wall clock; ``loop_seconds`` (RL only) is the driver loop's
+    own timer (from the workers' start to the end of ``stop_rollouts``), which is what
+    async-vs-sync compares.
+    """
+    import ray
+
+    from cluster import launch as L
+
+    t0 = time.monotonic()
+    run = L.start_run(cfg)
+    roles = None
+    out: dict[str, Any] = {"run_dir": str(run.dir), "stages": []}
+    try:
+        roles = L.start_roles(cfg, run)
+        if on_roles is not None:
+            on_roles(roles)
+        out["startup_s"] = time.monotonic() - t0
+        for index, stage in enumerate(cfg.stages):
+            before = _worker_stats(roles)
+            first_step = len(run.history)
+            ts = time.monotonic()
+            if stage.kind == "sft":
+                L.run_sft_stage(cfg, roles, run, index, stage)
+            else:
+                L.run_rl_stage(cfg, roles, run, index, stage)
+            seconds = time.monotonic() - ts
+            rec = {"index": index, "kind": stage.kind, "steps": stage.steps, "seconds": seconds,
+                   "t_start": ts, "t_end": ts + seconds,
+                   "loop_seconds": run.results.get("rl", {}).get(index, {}).get("seconds", seconds),
+                   "workers": _diff(_worker_stats(roles), before),
+                   "history": [h for h in run.history[first_step:] if h.get("stage") == index]}
+            out["stages"].append(rec)
+        out["replay"] = ray.get(roles.replay.stats.remote())
+        out["weights"] = L.verify_weights(roles)
+        out["eval"] = L.evaluate(cfg, roles, run, split="after") if evaluate_after else None
+        out["model_dir"] = L.export_model(cfg, roles, run) if export else None
+        out["history"] = list(run.history)
+        run.finish("FINISHED")
+    except BaseException:
+        run.finish("FAILED")
+        raise
+    finally:
+        try:
+            L.stop_roles(roles)
+        finally:
+            _kill_roles(roles)
+    out["total_s"] = time.monotonic() - t0
+    return out
+
+
+def rl_stage(result: dict) -> dict:
+    """The last RL stage record of a ``run_training`` result."""
+    rl = [s for s in result["stages"] if s["kind"] == "rl"]
+    if not rl:
+        raise ValueError("the run has no RL stage")
+    return rl[-1]
+
+
+def series(history: list[dict], key: str) -> list[float]:
+    return [float(h[key]) for h in history if key in h and h[key] is not None and np.isfinite(h[key])]
+
+
+def lag_histogram(history: list[dict]) -> dict[str, float]:
+    """Sum of the per-step ``learner/policy_lag/hist/*`` counts (groups trained at each lag)."""
+    prefix = "learner/policy_lag/hist/"
+    out: dict[str, float] = {}
+    for h in history:
+        for k, v in h.items():
+            if k.startswith(prefix):
+                out[k[len(prefix):]] = out.get(k[len(prefix):], 0.0) + float(v)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0].startswith("ge"), int(kv[0].lstrip("ge")))))
+
+
+# ---------------------------------------------------------------------------------------- memory
+class ProcessTreeSampler:
+    """Samples the summed memory of the driver and every process of its Ray session, every ``interval_s``.
+
+    Which processes: the driver itself, all its descendants (``psutil.Process.children(recursive=True)``:
+    with a local cluster started by ``ray.init``, the GCS, the raylet, and through the raylet every
+    worker and actor process, descend from the driver), plus, for a cluster the driver only joined,
+    every process whose command line names this Ray session's directory (the raylet, GCS and workers
+    are started with ``--session-dir``/``--session-name``-style arguments pointing there). The set is
+    re-resolved at every sample, so actors created later are counted.
+
+    What is summed: RSS (over-counts pages shared between processes: torch's libraries, the object
+    store's shared memory) and, where readable, PSS (proportional set size: shared pages split among
+    their users, so the sum is the real footprint). Peaks are of the sums, over the samples.
+    A process that exits between listing and reading is skipped.
+    """
+
+    def __init__(self, interval_s: float = 0.5, pss: bool = True):
+        import psutil
+
+        self._psutil = psutil
+        self.interval_s = interval_s
+        self.pss = pss
+        self.root = psutil.Process(os.getpid())
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.samples = 0
+        self.peak_rss = 0
+        self.peak_pss = 0
+        self.peak_procs = 0
+        self.peak_by_role: dict[str, int] = {}
+        self.session_marker = self._session_marker()
+        self.t0 = time.monotonic()
+        self.series: list[tuple[float, int, int]] = []
+        """(seconds since creation, summed RSS bytes, summed PSS bytes) per sample."""
+
+    @staticmethod
+    def _session_marker() -> str | None:
+        try:
+            import ray
+
+            node = getattr(ray._private.worker, "_global_node", None)
+            if node is not None:
+                return os.path.basename(node.get_session_dir_path())
+        except Exception:
+            pass
+        return None
+
+    def processes(self) -> list:
+        ps = self._psutil
+        procs = {self.root.pid: self.root}
+        try:
+            for p in self.root.children(recursive=True):
+                procs[p.pid] = p
+        except ps.Error:
+            pass
+        if self.session_marker is None:
+            self.session_marker = self._session_marker()
+        if self.session_marker:
+            for p in ps.process_iter(["pid", "cmdline"]):
+                try:
+                    if p.pid not in procs and any(self.session_marker in a for a in (p.info["cmdline"] or [])):
+                        procs[p.pid] = p
+                        for c in p.children(recursive=True):
+                            procs.setdefault(c.pid, c)
+                except ps.Error:
+                    continue
+        return list(procs.values())
+
+    @staticmethod
+    def _role(p) -> str:
+        try:
+            title = " ".join(p.cmdline()[:1]) or p.name()
+        except Exception:
+            return "?"
+        if title.startswith("ray::"):
+            return title.split()[0].split(".")[0]
+        return os.path.basename(title.split()[0]) if title else "?"
+
+    def sample(self) -> tuple[int, int]:
+        rss = pss = 0
+        by_role: dict[str, int] = {}
+        procs = self.processes()
+        for p in procs:
+            try:
+                if self.pss:
+                    try:
+                        mi = p.memory_full_info()
+                        r, s = mi.rss, getattr(mi, "pss", mi.rss)
+                    except (self._psutil.AccessDenied, AttributeError):
+                        r = s = p.memory_info().rss
+                else:
+                    r = s = p.memory_info().rss
+            except self._psutil.Error:
+                continue
+            rss += r
+            pss += s
+            role = self._role(p)
+            by_role[role] = by_role.get(role, 0) + s
+        self.samples += 1
+        self.series.append((time.monotonic() - self.t0, rss, pss))
+        if pss > self.peak_pss:
+            self.peak_pss, self.peak_by_role, self.peak_procs = pss, by_role, len(procs)
+        self.peak_rss = max(self.peak_rss, rss)
+        return rss, pss
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            self.sample()
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
+
+    def __enter__(self) -> "ProcessTreeSampler":
+        self.sample()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="mem-sampler")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def result(self) -> dict:
+        return {"peak_rss_gb": self.peak_rss / 2**30, "peak_pss_gb": self.peak_pss / 2**30,
+                "samples": self.samples, "interval_s": self.interval_s, "processes_at_peak": self.peak_procs,
+                "pss_by_role_at_peak_mb": {k: round(v / 2**20, 1) for k, v in
+                                           sorted(self.peak_by_role.items(), key=lambda kv: -kv[1])}}
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None

@@ -1,0 +1,97 @@
+"""The three training benchmarks' ``--quick`` runs (async-vs-sync, rollout-scaling, end-to-end), slow.
+
+Each runs through the real driver pieces (local Ray, DeepSpeed learner, rollout workers, replay,
+retrieval service, gloo broadcast) at smoke size and must write a result that follows the shared
+schema (``bench.common.validate_result``: resolved config, hardware, versions, commit, timestamp,
+every metric a {median, min, max, n} summary) plus a PNG, and carry the keys the issue asks for.
+Numbers are not checked (timing on a shared 2-core machine is not a test); only that they exist and
+are finite, and a few invariants that hold whatever the speed (accounting balances, a lag histogram
+within the bound, fractions in [0, 1]).
+
+Together they take about 1.5-2 minutes on 2 cores (each < 1 minute; mostly actor start-up).
+Each benchmark starts and stops its own private Ray cluster, so no fixture holds one.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench import common, run
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def load_result(out: Path, name: str) -> dict:
+    files = sorted(out.glob(f"{name}-*.json"))
+    assert len(files) == 1, f"expected one {name} result in {out}, got {files}"
+    doc = json.loads(files[0].read_text())
+    common.validate_result(doc)
+    assert doc["name"] == name and doc["config"]["quick"] is True
+    assert doc["config"]["resolved"]["rollout"]["engine"] in ("hf", "bench", "vllm")  # resolved config recorded
+    assert doc["hardware"]["cpu_count"] >= 1 and "gpu" in doc["hardware"]
+    assert doc["versions"]["torch"] and doc["versions"]["ray"] and doc["commit"] and doc["timestamp"]
+    assert files[0].name == f"{name}-{common._safe(doc['hardware']['host'])}-{common._safe(doc['commit'])}.json"
+    assert files[0].with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+    for k, m in doc["metrics"].items():
+        assert all(math.isfinite(m[s]) for s in ("median", "min", "max")), k
+    return doc
+
+
+def test_async_vs_sync_quick(tmp_path):
+    assert run.main(["async-vs-sync", "--quick", "--out", str(tmp_path),
+                     "--set", f"run.root={tmp_path / 'runs'}"]) == 0
+    doc = load_result(tmp_path, "async-vs-sync")
+    m, extra = doc["metrics"], doc["extra"]
+    assert m["speedup/2"]["median"] > 0 and extra["speedup"]["2"] == m["speedup/2"]["median"]
+    for s in ("sync", "async_lag2"):
+        for k in ("wall_s", "trajectories_per_s", "learner_idle_fraction", "rollout_idle_fraction", "reward_last"):
+            assert f"{s}/{k}" in m, (s, k)
+        for k in ("learner_idle_fraction", "rollout_idle_fraction"):
+            assert 0.0 <= m[f"{s}/{k}"]["median"] <= 1.0
+        assert any(k.startswith(f"{s}/policy_lag_hist/") for k in m)
+        for rep in extra["settings"][s]:
+            assert rep["replay"]["balanced"]
+            assert rep["metrics"]["steps"] == doc["config"]["resolved"]["stages"][1]["steps"]
+    # sync trains on-policy only; async lag 2 never trains on anything staler than 2
+    assert m["sync/policy_lag_hist/0"]["median"] > 0 and m["sync/policy_lag_max"]["max"] == 0
+    assert m["async_lag2/policy_lag_max"]["max"] <= 2
+    assert extra["device"]["rollout_engine"] == "hf" and "pipeline_bound_speedup" in extra["analysis"]
+
+
+def test_rollout_scaling_quick(tmp_path):
+    assert run.main(["rollout-scaling", "--quick", "--out", str(tmp_path),
+                     "--set", f"run.root={tmp_path / 'runs'}"]) == 0
+    doc = load_result(tmp_path, "rollout-scaling")
+    m = doc["metrics"]
+    assert doc["config"]["resolved"]["rollout"]["engine"] == "bench" and "BENCHMARK" in doc["extra"]["engine"]
+    for n in (1, 2):
+        for k in ("trajectories_per_s", "searches_per_s", "overhead_ms_per_traj", "efficiency_vs_linear",
+                  "model_time_fraction"):
+            assert f"workers={n}/{k}" in m, (n, k)
+        assert m[f"workers={n}/trajectories_per_s"]["median"] > 0
+        assert m[f"workers={n}/searches_per_s"]["median"] > 0  # the bench engine searches 1-3 times
+        assert 0.0 < m[f"workers={n}/model_time_fraction"]["median"] <= 1.0
+    assert m["workers=1/efficiency_vs_linear"]["median"] == pytest.approx(1.0)
+
+
+def test_end_to_end_quick(tmp_path):
+    assert run.main(["end-to-end", "--quick", "--out", str(tmp_path), "--run-root", str(tmp_path / "runs")]) == 0
+    doc = load_result(tmp_path, "end-to-end")
+    m = doc["metrics"]
+    for k in ("rl/generated_tokens_per_s", "rl/learner_tokens_per_s", "rl/trajectories_per_s", "rl/step_wall_s",
+              "rl/step/generate_s", "rl/step/retrieve_s", "rl/step/train_s", "rl/step/sync_s",
+              "memory/peak_pss_gb", "memory/peak_rss_gb"):
+        assert k in m, k
+    assert m["rl/trajectories_per_s"]["median"] > 0 and m["rl/step/train_s"]["median"] > 0
+    assert m["rl/learner_skipped_steps"]["median"] <= m["rl/steps"]["median"] == 3
+    # Peak memory covers the whole Ray session (driver, GCS, raylet, learner, workers...), not one process.
+    rep = doc["extra"]["repeats"][0]
+    assert rep["memory"]["processes_at_peak"] >= 5 and m["memory/peak_pss_gb"]["median"] > 0.5
+    roles = rep["memory"]["pss_by_role_at_peak_mb"]
+    assert any("Learner" in r for r in roles) and any("RolloutWorker" in r for r in roles)
+    assert rep["replay"]["balanced"]

@@ -1,0 +1,279 @@
+"""The benchmark workload pieces, fast and without Ray: ``BenchEngine`` (actors/bench_engine.py) and
+``LatencyInjectingRetriever`` (retrieval/latency.py).
+
+What must hold for the benchmarks to mean anything:
+- BenchEngine turns parse under the protocol (searches then an answer), so retrieval, parsing, rewards
+  and the codec all run; lengths are long-tailed; caps and stop ids follow the Engine contract; the
+  sleep is ``token_ms`` x the longest row (rows overlap, as on a GPU); the weight path is HFEngine's.
+- LatencyInjectingRetriever delays each batched call by a lognormal draw, delegates unchanged, keeps
+  the inner name (cache keys), overlaps concurrent calls, and reports its totals with the inner stats.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import statistics
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from actors.bench_engine import BenchEngine
+from actors.engine import Engine, HFEngine, SamplingParams
+from actors.prompts import get_protocol
+from cluster.protocol import SegmentKind
+from retrieval.base import Hit
+from retrieval.latency import LatencyInjectingRetriever
+
+
+# ------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def world_model():
+    from actors.model import policy_and_tokenizer
+    from actors.world import build_world
+    from cluster.config import ModelConfig, WorldConfig
+
+    world = build_world(WorldConfig(num_entities=120))
+    model, tok = policy_and_tokenizer(ModelConfig(), world)
+    return world, model, tok
+
+
+def make_engine(world_model, **kw) -> BenchEngine:
+    from actors.model import policy_and_tokenizer
+    from cluster.config import ModelConfig
+
+    world, _, _ = world_model
+    model, tok = policy_and_tokenizer(ModelConfig(), world)  # a fresh model per engine
+    kw.setdefault("token_ms", 0.0)
+    return BenchEngine(model, tok, get_protocol(kw.pop("protocol", "rag_r1_multi")), **kw)
+
+
+class FakeRetriever:
+    name = "fake"
+
+    def __init__(self):
+        self.calls: list[list[str]] = []
+
+    def batch_search(self, queries, k):
+        self.calls.append(list(queries))
+        return [[Hit(f"d{i}", "title", "alpha beta gamma", 1.0)] for i in range(len(queries))]
+
+
+def rollout(engine, tok, world, n_items=4, group_size=8, seed=3, proto=None, retriever=None):
+    from actors.rewards import trajectory_reward
+    from actors.rollout import PromptItem, rollout_groups
+    from cluster.config import ProtocolConfig, RewardConfig
+
+    items = [PromptItem(q.qid, q.question, list(q.golds)) for q in world.train[:n_items]]
+    return asyncio.run(rollout_groups(
+        items, engine=engine, retriever=retriever or FakeRetriever(), tokenizer=tok, tags=engine.tags,
+        proto=proto or ProtocolConfig(), temperature=1.0, group_size=group_size, k=1,
+        reward_fn=lambda t: trajectory_reward(RewardConfig(), t), seed=seed))
+
+
+# ------------------------------------------------------------------------------------ BenchEngine
+def test_bench_engine_satisfies_the_engine_protocol_and_says_what_it_is(world_model):
+    eng = make_engine(world_model)
+    assert eng.engine_kind == "bench" and "BENCHMARK" in BenchEngine.__doc__
+    for name in ("generate", "load_weights", "parameter_specs", "state_checksum"):
+        assert callable(getattr(eng, name)) and hasattr(Engine, name)
+    assert isinstance(eng.version, int) and eng.version == 0
+    assert eng.model is not None
+
+
+@pytest.mark.parametrize("protocol", ["rag_r1_multi", "search_r1", "r1_searcher"])
+def test_rollouts_search_one_to_three_times_then_answer(world_model, protocol):
+    world, _, tok = world_model
+    eng = make_engine(world_model, protocol=protocol, seed=5)
+    retr = FakeRetriever()
+    groups, stats = rollout(eng, tok, world, retriever=retr)
+    trajs = [t for g in groups for t in g]
+    assert len(trajs) == 32
+    reasons = Counter(t.finish_reason for t in trajs)
+    # Most trajectories answer; the rest hit the long tail of the per-turn budget (malformed/max tokens).
+    assert reasons["answered"] >= 20, reasons
+    answered = [t for t in trajs if t.finish_reason == "answered"]
+    assert {len(t.searches) for t in answered} <= {1, 2, 3}
+    assert len({len(t.searches) for t in answered}) >= 2  # the number of searches varies
+    assert retr.calls and stats.searches == sum(len(t.searches) for t in trajs)
+    # Queries are words of the context (the question or retrieved text), so they hit a real index.
+    vocab_words = set(world.vocab())
+    for qs in retr.calls:
+        for q in qs:
+            assert q and all(w in vocab_words for w in q.split()), q
+    # Every model segment carries the engine's version and negative logprobs of its length.
+    for t in trajs:
+        for s in t.segments:
+            if s.kind == SegmentKind.MODEL:
+                assert s.version == 0 and s.logprobs.shape == s.token_ids.shape and (s.logprobs < 0).all()
+
+
+def test_stop_ids_caps_and_length_semantics(world_model):
+    world, _, tok = world_model
+    eng = make_engine(world_model, seed=1, median_tokens=20)
+    tags = eng.tags
+    qc, ac = tok.convert_tokens_to_ids(tags.query_close), tok.convert_tokens_to_ids(tags.answer_close)
+    prompt = np.asarray(tok.encode(world.train[0].question, add_special_tokens=False), np.int32)
+    prompts = [prompt] * 64
+    # With the closing tags as stop ids: each row ends on one (kept) or is cut at the cap.
+    gens = eng.generate(prompts, SamplingParams(max_new_tokens=30, stop_token_ids=(qc, ac), seed=2))
+    for g in gens:
+        assert len(g.token_ids) <= 30 and g.token_ids.dtype == np.int32 and g.logprobs.dtype == np.float32
+        if g.finish == "stop":
+            assert g.token_ids[-1] == g.stop_token_id and g.stop_token_id in (qc, ac)
+            assert not set(g.token_ids[:-1].tolist()) & {qc, ac}
+        else:
+            assert g.finish == "length" and len(g.token_ids) == 30 and g.stop_token_id is None
+    assert {g.finish for g in gens} == {"stop", "length"}  # the tail reaches the cap sometimes
+    # The first turn of a trajectory is always a search.
+    assert all(g.stop_token_id == qc for g in gens if g.finish == "stop")
+    # Per-prompt caps below max_new_tokens are honoured.
+    caps = [0, 1, 3, 200] * 16
+    gens = eng.generate(prompts, SamplingParams(max_new_tokens=40, stop_token_ids=(qc, ac), seed=2),
+                        max_new_tokens_per_prompt=caps)
+    for g, c in zip(gens, caps):
+        assert len(g.token_ids) <= min(c, 40)
+    assert len(gens[0].token_ids) == 0 and gens[0].finish == "length"
+    # Without stop ids a "model" keeps writing until the cap, like a real one.
+    gens = eng.generate(prompts[:8], SamplingParams(max_new_tokens=64, seed=2))
+    assert all(g.finish == "length" and len(g.token_ids) == 64 for g in gens)
+    with pytest.raises(ValueError, match="entries"):
+        eng.generate(prompts, SamplingParams(max_new_tokens=4), max_new_tokens_per_prompt=[1])
+
+
+def test_lengths_are_long_tailed_and_seeded(world_model):
+    world, _, tok = world_model
+    eng = make_engine(world_model, seed=0, median_tokens=16, sigma=0.7)
+    prompt = np.asarray(tok.encode(world.train[1].question, add_special_tokens=False), np.int32)
+    p = SamplingParams(max_new_tokens=10_000, seed=7)  # no stop ids, huge cap: cut only by the turn
+    qc, ac = tok.convert_tokens_to_ids(eng.tags.query_close), tok.convert_tokens_to_ids(eng.tags.answer_close)
+    p = dataclasses.replace(p, stop_token_ids=(qc, ac))
+    lens = np.array([len(g.token_ids) for g in eng.generate([prompt] * 2000, p)])
+    med = float(np.median(lens))
+    assert 13 <= med <= 19, med
+    assert np.percentile(lens, 99) > 3.5 * med  # long right tail (lognormal sigma 0.7: ~5x)
+    assert lens.max() > 4 * med and lens.min() >= 5
+    # The same params.seed gives the same call; another seed a different one.
+    a = eng.generate([prompt] * 4, p)
+    b = eng.generate([prompt] * 4, p)
+    c = eng.generate([prompt] * 4, dataclasses.replace(p, seed=8))
+    assert all(np.array_equal(x.token_ids, y.token_ids) and np.array_equal(x.logprobs, y.logprobs)
+               for x, y in zip(a, b))
+    assert not all(np.array_equal(x.token_ids, y.token_ids) for x, y in zip(a, c))
+
+
+def test_sleeps_token_ms_per_token_of_the_longest_row(world_model):
+    world, _, tok = world_model
+    eng = make_engine(world_model, token_ms=2.0, seed=4)
+    prompt = np.asarray(tok.encode(world.train[2].question, add_special_tokens=False), np.int32)
+    params = SamplingParams(max_new_tokens=25)  # no stop ids: every row writes exactly 25 tokens
+    t0 = time.perf_counter()
+    gens = eng.generate([prompt] * 16, params)
+    dt = time.perf_counter() - t0
+    assert all(len(g.token_ids) == 25 for g in gens)
+    assert 0.050 <= dt < 0.050 + 0.5  # 25 x 2 ms once, not 16 x 25 x 2 ms
+    s = eng.bench_stats()
+    assert s["calls"] == 1 and s["generated_tokens"] == 16 * 25
+    assert s["simulated_s"] == pytest.approx(0.050) and s["engine"] == "bench"
+    assert s["simulated_s"] <= s["wall_s"] <= dt
+    with pytest.raises(ValueError, match="token_ms"):
+        make_engine(world_model, token_ms=-1.0)
+
+
+def test_weight_path_is_hfengines(world_model):
+    eng = make_engine(world_model)
+    ref = HFEngine(eng.model, eos_token_id=None)
+    assert [(s.name, s.shape) for s in eng.parameter_specs()] == [(s.name, s.shape) for s in ref.parameter_specs()]
+    before = eng.state_checksum()
+    new = {n: torch.full_like(p, 0.01) for n, p in eng.model.named_parameters()}
+    eng.load_weights(new.items(), version=7)
+    assert eng.version == 7 and eng.state_checksum() != before
+    assert all(torch.equal(p, new[n]) for n, p in eng.model.named_parameters())
+    with pytest.raises(ValueError, match="unknown parameter"):
+        eng.load_weights([("nope.weight", torch.zeros(1))], version=8)
+    assert eng.version == 7
+    # Generations carry the version of the weights installed when the call started.
+    g = eng.generate([np.array([30, 31], np.int32)], SamplingParams(max_new_tokens=3))[0]
+    assert g.version == 7
+
+
+# ------------------------------------------------------------------------------------ LatencyInjectingRetriever
+class StatsRetriever(FakeRetriever):
+    name = "tantivy:/some/index"
+
+    def stats(self):
+        return {"queries": sum(len(c) for c in self.calls)}
+
+
+def test_latency_wrapper_delegates_and_keeps_the_name():
+    inner = StatsRetriever()
+    r = LatencyInjectingRetriever(inner, median_ms=5.0, sigma=0.0, seed=0)
+    assert r.name == inner.name
+    t0 = time.perf_counter()
+    hits = r.batch_search(["a", "b"], 1)
+    dt = time.perf_counter() - t0
+    assert dt >= 0.005 and [h[0].doc_id for h in hits] == ["d0", "d1"] and inner.calls == [["a", "b"]]
+    # No queries: no request, no delay.
+    t0 = time.perf_counter()
+    assert r.batch_search([], 1) == []
+    assert time.perf_counter() - t0 < 0.004
+    s = r.stats()
+    assert s["queries"] == 2 and s["injected_calls"] == 1
+    assert s["injected_ms_total"] == pytest.approx(5.0) and s["injected_ms_max"] == pytest.approx(5.0)
+    assert s["injected_median_ms"] == 5.0 and s["injected_sigma"] == 0.0
+    json.dumps(s)
+
+
+def test_latency_draws_are_lognormal_and_seeded():
+    r = LatencyInjectingRetriever(FakeRetriever(), median_ms=50.0, sigma=0.8, seed=1)
+    xs = [r.draw_ms() for _ in range(4000)]
+    logs = [math.log(x) for x in xs]
+    assert statistics.median(xs) == pytest.approx(50.0, rel=0.08)
+    assert statistics.pstdev(logs) == pytest.approx(0.8, rel=0.06)
+    assert max(xs) > 5 * 50.0  # the tail is there
+    r2 = LatencyInjectingRetriever(FakeRetriever(), median_ms=50.0, sigma=0.8, seed=1)
+    assert [r2.draw_ms() for _ in range(10)] == xs[:10]
+    assert LatencyInjectingRetriever(FakeRetriever(), 0.0, 0.8).draw_ms() == 0.0
+    for bad in ({"median_ms": -1.0, "sigma": 0.1}, {"median_ms": 1.0, "sigma": -0.1},
+                {"median_ms": float("nan"), "sigma": 0.1}):
+        with pytest.raises(ValueError):
+            LatencyInjectingRetriever(FakeRetriever(), **bad)
+
+
+def test_concurrent_calls_overlap_like_independent_requests():
+    r = LatencyInjectingRetriever(FakeRetriever(), median_ms=80.0, sigma=0.0)
+    threads = [threading.Thread(target=r.batch_search, args=([f"q{i}"], 1)) for i in range(6)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    dt = time.perf_counter() - t0
+    assert 0.080 <= dt < 0.080 * 3  # not 6 x 80 ms
+    assert r.stats()["injected_calls"] == 6
+
+
+def test_factory_puts_the_wrapper_below_the_cache(tmp_path):
+    from cluster.config import RetrievalConfig
+    from retrieval.cache import CachedRetriever
+    from retrieval.factory import build_retriever
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in [
+        {"id": "tokyo", "title": "Tokyo", "text": "Tokyo is the capital of Japan."},
+        {"id": "nile", "title": "Nile", "text": "The Nile is a river in Africa."}]))
+    cfg = dataclasses.replace(RetrievalConfig(), inject_latency_ms=30.0, inject_latency_sigma=0.0)
+    r = build_retriever(cfg, str(corpus), str(tmp_path / "ix"))
+    assert isinstance(r, CachedRetriever) and isinstance(r.inner, LatencyInjectingRetriever)
+    t0 = time.perf_counter()
+    assert r.batch_search(["capital of Japan"], 1)[0][0].doc_id == "tokyo"
+    miss = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    r.batch_search(["capital of Japan"], 1)
+    hit = time.perf_counter() - t0
+    assert miss >= 0.030 and hit < 0.020  # cache hits skip the injected delay
