@@ -253,8 +253,8 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
 
     ray.get(roles.learner.begin_stage.remote(index, stage, roles.retrieval, start_step))
     push_weights(roles)
-    if cfg.eval.before and start_step == 0:
-        run.results.setdefault("before", evaluate(cfg, roles, run, split="before"))
+    if cfg.eval.before and start_step == 0 and "before" not in run.results:  # before the first RL stage
+        run.results["before"] = evaluate(cfg, roles, run, split="before")
     ray.get(roles.replay.reopen.remote())
     sync = cfg.cluster.mode == "sync"
     if not sync:
