@@ -49,7 +49,7 @@ from typing import Sequence
 
 import numpy as np
 
-from actors.engine import Generation, HFEngine, SamplingParams
+from actors.engine import Generation, HFEngine, SamplingParams, resolve_caps
 from actors.prompts import TagSet
 
 log = logging.getLogger(__name__)
@@ -130,13 +130,7 @@ class BenchEngine(HFEngine):
         t_call = time.perf_counter()
         params.validate()
         n = len(prompts)
-        if max_new_tokens_per_prompt is None:
-            caps = [params.max_new_tokens] * n
-        else:
-            if len(max_new_tokens_per_prompt) != n:
-                raise ValueError(f"max_new_tokens_per_prompt has {len(max_new_tokens_per_prompt)} entries "
-                                 f"for {n} prompts")
-            caps = [max(0, min(int(c), params.max_new_tokens)) for c in max_new_tokens_per_prompt]
+        caps = resolve_caps(params, n, max_new_tokens_per_prompt)
         stop = set(int(t) for t in params.stop_token_ids)
         if self.eos_token_id is not None:
             stop.add(int(self.eos_token_id))

@@ -71,6 +71,15 @@ class ParamSpec:
     dtype: torch.dtype
 
 
+def resolve_caps(params: SamplingParams, n: int, per_prompt: Sequence[int] | None) -> list[int]:
+    """Per-prompt new-token caps, each clipped to ``params.max_new_tokens`` (shared by every engine)."""
+    if per_prompt is None:
+        return [params.max_new_tokens] * n
+    if len(per_prompt) != n:
+        raise ValueError(f"max_new_tokens_per_prompt has {len(per_prompt)} entries for {n} prompts")
+    return [max(0, min(int(c), params.max_new_tokens)) for c in per_prompt]
+
+
 class Engine(Protocol):
     version: int
 
@@ -138,13 +147,7 @@ class HFEngine:
         """
         params.validate()
         n = len(prompts)
-        if max_new_tokens_per_prompt is None:
-            caps = [params.max_new_tokens] * n
-        else:
-            if len(max_new_tokens_per_prompt) != n:
-                raise ValueError(f"max_new_tokens_per_prompt has {len(max_new_tokens_per_prompt)} entries "
-                                 f"for {n} prompts")
-            caps = [max(0, min(int(c), params.max_new_tokens)) for c in max_new_tokens_per_prompt]
+        caps = resolve_caps(params, n, max_new_tokens_per_prompt)
         seqs = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
         for i, s in enumerate(seqs):
             if s.size == 0:

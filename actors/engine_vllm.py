@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from actors.engine import Generation, ParamSpec, SamplingParams
+from actors.engine import Generation, ParamSpec, SamplingParams, resolve_caps
 
 
 class SonarWorkerExtension:
@@ -65,7 +65,7 @@ class VLLMEngine:
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
 
-        caps = list(max_new_tokens_per_prompt or [params.max_new_tokens] * len(prompts))
+        caps = resolve_caps(params, len(prompts), max_new_tokens_per_prompt)
         sps = [VSP(temperature=params.temperature, top_p=params.top_p, top_k=-1, max_tokens=max(1, c),
                    stop_token_ids=list(params.stop_token_ids), logprobs=0, seed=params.seed,
                    skip_special_tokens=False) for c in caps]
