@@ -208,52 +208,44 @@ class RolloutWorker:
 
     def _rollout(self, items, stage_index: int, stage: StageConfig, temperature: float,
                  search_enabled: bool = True, seed: int | None = None):
-        from actors.rewards import trajectory_reward
-        from actors.rollout import rollout_groups
-
-        return asyncio.run(rollout_groups(
-            items, engine=self.engine, retriever=self.retriever, tokenizer=self.tokenizer, tags=self.tags,
-            proto=self.cfg.protocol, temperature=temperature,
-            group_size=self.cfg.rollout.group_size if temperature > 0 else 1,
-            k=self.cfg.retrieval.k, reward_fn=lambda t: trajectory_reward(stage.reward, t),
-            actor_id=self.worker_id, stage=stage_index, search_enabled=search_enabled, seed=seed))
+        return asyncio.run(_arollout(self, items, stage_index, stage, temperature, search_enabled, seed))
 
     def _loop(self, replay, stage_index: int, stage: StageConfig) -> None:
-        try:
-            batch_no = 0
+        """Keep ``rollout.batches_in_flight`` batches going: while one waits on retrieval, another
+        generates (the engine serialises the generate calls themselves)."""
+
+        async def lane(lane_id: int) -> None:
+            batch_no = lane_id
             while not self._stop.is_set():
-                self._produce(replay, stage_index, stage, self.cfg.rollout.groups_per_request, batch_no)
-                batch_no += 1
+                await _aproduce(self, replay, stage_index, stage, self.cfg.rollout.groups_per_request, batch_no)
+                batch_no += self.cfg.rollout.batches_in_flight
+
+        async def lanes() -> None:
+            await asyncio.gather(*(lane(i) for i in range(self.cfg.rollout.batches_in_flight)))
+
+        try:
+            asyncio.run(lanes())
         except Exception:  # reported through health(); the driver restarts or fails the run
             self._error = traceback.format_exc(limit=20)
 
     def generate_groups(self, replay, stage_index: int, stage: StageConfig, n_groups: int, batch_no: int) -> dict:
-        """Synchronous mode: produce exactly ``n_groups`` groups with the current weights, then return."""
+        """Synchronous mode: produce exactly ``n_groups`` groups with the current weights, then return.
+        The same ``batches_in_flight`` concurrency as async mode, so the two modes differ only in lockstep."""
         self.engine.apply_staged()
         t0 = time.perf_counter()
-        done = 0
-        while done < n_groups:
-            n = min(self.cfg.rollout.groups_per_request, n_groups - done)
-            self._produce(replay, stage_index, stage, n, batch_no * 1000 + done)
-            done += n
-        return {"worker_id": self.worker_id, "groups": done, "seconds": time.perf_counter() - t0}
+        per = self.cfg.rollout.groups_per_request
+        sizes = [min(per, n_groups - s) for s in range(0, n_groups, per)]
+        sem = asyncio.Semaphore(self.cfg.rollout.batches_in_flight)
 
-    def _produce(self, replay, stage_index: int, stage: StageConfig, n: int, batch_no: int) -> None:
-        """Claim n prompts, roll out one group each, put every group into the replay queue."""
-        import ray
+        async def one(j: int, n: int) -> None:
+            async with sem:
+                await _aproduce(self, replay, stage_index, stage, n, batch_no * 1000 + j)
 
-        seed = self.cfg.run.seed * 1_000_003 + self.worker_id * 7919 + batch_no
-        idx = ray.get(replay.claim.remote(self.worker_id, n))
-        items = [self._prompt_item(i) for i in idx]
-        groups, rstats = self._rollout(items, stage_index, stage, self.cfg.rollout.temperature, seed=seed)
-        for i, group in zip(idx, groups):
-            ok = ray.get(replay.put.remote(encode_group(group), min(t.min_version() for t in group),
-                                           len(group), i, self.worker_id))
-            self._record(group, ok)
-        with self._lock:
-            self._stats["gen_s"] += rstats.generate_s
-            self._stats["retrieve_s"] += rstats.retrieve_s
-        self._last_progress = time.monotonic()
+        async def all_() -> None:
+            await asyncio.gather(*(one(j, n) for j, n in enumerate(sizes)))
+
+        asyncio.run(all_())
+        return {"worker_id": self.worker_id, "groups": sum(sizes), "seconds": time.perf_counter() - t0}
 
     def _prompt_item(self, index: int):
         from actors.rollout import PromptItem
@@ -294,6 +286,37 @@ class RolloutWorker:
                 t = g[0]
                 out.append(trajectory_record(t, self.tokenizer, latency_s=dt))
         return out
+
+
+# Coroutines live outside the actor class: one `async def` method would turn the Ray actor into an
+# asyncio actor, whose event loop then forbids the asyncio.run() of the synchronous methods.
+async def _aproduce(w: "RolloutWorker", replay, stage_index: int, stage: StageConfig, n: int, batch_no: int) -> None:
+    """Claim n prompts, roll out one group each, put every group into the replay queue."""
+    seed = w.cfg.run.seed * 1_000_003 + w.worker_id * 7919 + batch_no
+    idx = await asyncio.wrap_future(replay.claim.remote(w.worker_id, n).future())
+    items = [w._prompt_item(i) for i in idx]
+    groups, rstats = await _arollout(w, items, stage_index, stage, w.cfg.rollout.temperature, seed=seed)
+    for i, group in zip(idx, groups):
+        ok = await asyncio.wrap_future(replay.put.remote(
+            encode_group(group), min(t.min_version() for t in group), len(group), i, w.worker_id).future())
+        w._record(group, ok)
+    with w._lock:
+        w._stats["gen_s"] += rstats.generate_s
+        w._stats["retrieve_s"] += rstats.retrieve_s
+    w._last_progress = time.monotonic()
+
+
+async def _arollout(w: "RolloutWorker", items, stage_index: int, stage: StageConfig, temperature: float,
+                    search_enabled: bool = True, seed: int | None = None):
+    from actors.rewards import trajectory_reward
+    from actors.rollout import rollout_groups
+
+    return await rollout_groups(
+        items, engine=w.engine, retriever=w.retriever, tokenizer=w.tokenizer, tags=w.tags,
+        proto=w.cfg.protocol, temperature=temperature,
+        group_size=w.cfg.rollout.group_size if temperature > 0 else 1,
+        k=w.cfg.retrieval.k, reward_fn=lambda t: trajectory_reward(stage.reward, t),
+        actor_id=w.worker_id, stage=stage_index, search_enabled=search_enabled, seed=seed)
 
 
 def trajectory_record(t: Trajectory, tokenizer: Any, latency_s: float) -> dict:

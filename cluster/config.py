@@ -149,6 +149,8 @@ class RolloutConfig:
     """Samples per prompt (a GRPO group)."""
     groups_per_request: int = 2
     """Groups a worker generates together in one batched pass."""
+    batches_in_flight: int = 1
+    """Batches a worker keeps going at once: while one waits on retrieval, another generates."""
     temperature: float = 1.0
     top_p: float = 1.0
     engine: str = "hf"
@@ -386,8 +388,9 @@ def validate(cfg: Config) -> Config:
     r = cfg.rollout
     if r.num_workers < 1:
         raise ValueError(f"rollout.num_workers={r.num_workers} must be >= 1")
-    if r.group_size < 1 or r.groups_per_request < 1:
-        raise ValueError(f"rollout.group_size={r.group_size} and rollout.groups_per_request={r.groups_per_request} must be >= 1")
+    if r.group_size < 1 or r.groups_per_request < 1 or r.batches_in_flight < 1:
+        raise ValueError(f"rollout.group_size={r.group_size}, rollout.groups_per_request={r.groups_per_request} and "
+                         f"rollout.batches_in_flight={r.batches_in_flight} must be >= 1")
     if not (0.0 <= r.temperature):
         raise ValueError(f"rollout.temperature={r.temperature} must be >= 0")
     L = cfg.learner
