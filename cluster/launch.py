@@ -115,7 +115,10 @@ def init_ray(cfg: Config) -> bool:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
     else:
         # address="local": always a new private cluster, never a stray one found in /tmp/ray.
-        ray.init(address="local", num_cpus=cfg.cluster.num_cpus or max(4, os.cpu_count() or 1),
+        # Logical CPUs: enough for every role's request, so a local run never waits for resources
+        # (the processes share the physical cores; each uses one thread).
+        needed = cfg.learner.num_cpus + cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker
+        ray.init(address="local", num_cpus=cfg.cluster.num_cpus or int(max(4, os.cpu_count() or 1, needed + 0.999)),
                  include_dashboard=False, _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=True)
     return True
 
@@ -134,7 +137,16 @@ def start_roles(cfg: Config, run: Run) -> Roles:
         cfg.replay.capacity_groups, cfg.replay.max_policy_lag, cfg.replay.stale_policy, num_train, cfg.run.seed)
     learner = ray.remote(Learner).options(num_cpus=cfg.learner.num_cpus, num_gpus=cfg.learner.num_gpus).remote(cfg)
     workers = [start_worker(cfg, i, retrieval) for i in range(cfg.rollout.num_workers)]
-    ray.get([learner.ping.remote()] + [w.ready.remote() for w in workers])
+    try:
+        ray.get([learner.ping.remote()] + [w.ready.remote() for w in workers], timeout=cfg.cluster.step_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(
+            f"the learner and {len(workers)} rollout workers did not start within cluster.step_timeout_s="
+            f"{cfg.cluster.step_timeout_s}s: the cluster lacks the CPUs/GPUs they ask for "
+            f"(learner.num_cpus={cfg.learner.num_cpus}, learner.num_gpus={cfg.learner.num_gpus}, "
+            f"rollout.num_cpus_per_worker={cfg.rollout.num_cpus_per_worker}, "
+            f"rollout.num_gpus_per_worker={cfg.rollout.num_gpus_per_worker}; available {ray.available_resources()})"
+        ) from None
     roles = Roles(retrieval, replay, learner, workers, {i: 0 for i in range(len(workers))}, corpus_path=corpus,
                   owns_ray=owns)
     connect_broadcast(cfg, roles)
