@@ -17,7 +17,6 @@ import os
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -81,12 +80,6 @@ def _set_threads(n: int = 1) -> None:
     import torch
 
     torch.set_num_threads(n)
-
-
-@dataclass
-class EvalResult:
-    metrics: dict[str, float]
-    records: list[dict]
 
 
 class RolloutWorker:

@@ -14,7 +14,6 @@ import socket
 import sys
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import numpy as np
 
