@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
@@ -489,11 +490,20 @@ def to_dict(cfg: Any) -> dict:
 
 
 def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The resolved config as saved beside the run and logged to MLflow (URL credentials redacted)."""
+    return redact(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+
+
+_USERINFO = re.compile(r"(\w+://)[^/@\s]+@")
+
+
+def redact(value: str) -> str:
+    """Drop ``user:password@`` from URLs (a tracking URI or ES host written with credentials)."""
+    return _USERINFO.sub(r"\1***@", value)
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:
-    """Flattened params for MLflow (lists become JSON strings)."""
+    """Flattened params for MLflow (lists become JSON strings; credentials in URLs redacted)."""
     out: dict[str, str] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
@@ -503,5 +513,5 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
             for i, item in enumerate(v):
                 out.update(flatten(item, f"{key}.{i}."))
         else:
-            out[key] = json.dumps(v) if isinstance(v, (list, tuple)) else str(v)
+            out[key] = redact(json.dumps(v) if isinstance(v, (list, tuple)) else str(v))
     return out

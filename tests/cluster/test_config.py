@@ -66,3 +66,19 @@ def test_flatten_for_mlflow_params():
     flat = flatten(to_dict(load_config([])))
     assert flat["learner.lr"] == str(load_config([]).learner.lr)
     assert "stages.0.algo.name" in flat
+
+
+def test_credentials_in_urls_never_reach_mlflow_params():
+    cfg = load_config([], ["tracking.uri=https://alice:s3cret@mlflow.example:5000",
+                           "retrieval.elastic.hosts=[https://bob:hunter2@es.example:9200]"])
+    flat = flatten(to_dict(cfg))
+    text = " ".join(flat.values())
+    assert "s3cret" not in text and "hunter2" not in text and "alice" not in text
+    assert flat["tracking.uri"] == "https://***@mlflow.example:5000"
+
+
+def test_saved_config_redacts_url_credentials():
+    from cluster.config import to_yaml
+
+    text = to_yaml(load_config([], ["tracking.uri=https://alice:s3cret@mlflow.example:5000"]))
+    assert "s3cret" not in text and "https://***@mlflow.example:5000" in text
