@@ -6,6 +6,7 @@ the broadcast group, and only the driver writes to MLflow.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -154,9 +155,15 @@ def start_roles(cfg: Config, run: Run) -> Roles:
 
 
 def _world(cfg: Config):
+    return _world_of(cfg.world)
+
+
+@functools.lru_cache(maxsize=2)
+def _world_of(world_cfg):
+    """The world is a pure function of its (frozen, hashable) config: build it once per driver."""
     from actors.world import build_world
 
-    return build_world(cfg.world)
+    return build_world(world_cfg)
 
 
 def prepare_corpus(cfg: Config, run: Run) -> str:

@@ -450,8 +450,12 @@ class ElasticRetriever:
             resp = self.client.msearch(searches=body)
         except Exception as e:  # noqa: BLE001
             raise self._fail(e) from e
+        return self._parse_counted(len(queries), k, sent, resp)
+
+    def _parse_counted(self, n: int, k: int, sent, resp) -> list[list[Hit]]:
+        """Parse an _msearch response (sync and async paths alike); a failure is counted by kind."""
         try:
-            return self._parse(len(queries), k, sent, resp["responses"])
+            return self._parse(n, k, sent, resp["responses"])
         except RetrievalError as e:
             with self._lock:
                 self._errors[e.kind] += 1
@@ -477,12 +481,7 @@ class ElasticRetriever:
             resp = await client.msearch(searches=body)
         except Exception as e:  # noqa: BLE001
             raise self._fail(e) from e
-        try:
-            return self._parse(len(queries), k, sent, resp["responses"])
-        except RetrievalError as e:
-            with self._lock:
-                self._errors[e.kind] += 1
-            raise
+        return self._parse_counted(len(queries), k, sent, resp)
 
     def stats(self) -> dict[str, Any]:
         """``requests``: _msearch calls sent; ``queries``: searches in them; ``errors``: failed calls by

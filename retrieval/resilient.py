@@ -188,10 +188,7 @@ class ResilientRetriever:
                 err = self._as_retrieval_error(e)
                 self._on_attempt_error(err)
                 if not err.retryable:
-                    self._on_success(probe)  # the server answered; only the query was bad
-                    with self._lock:
-                        self._errors[err.kind] += 1
-                    raise err
+                    raise self._answered_with_error(probe, err)
                 last = err
                 continue
             self._on_success(probe)
@@ -199,6 +196,14 @@ class ResilientRetriever:
         assert last is not None
         self._on_failure(probe, last)
         raise self._final(last, attempts)
+
+    def _answered_with_error(self, probe: bool, err: RetrievalError) -> RetrievalError:
+        """A non-retryable error: the server answered (only the query was bad), so the breaker counts
+        a success; the error is returned to be raised."""
+        self._on_success(probe)
+        with self._lock:
+            self._errors[err.kind] += 1
+        return err
 
     async def abatch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
         """Async twin of :meth:`batch_search`: awaits ``inner.abatch_search`` when the inner retriever
@@ -230,10 +235,7 @@ class ResilientRetriever:
                 err = self._as_retrieval_error(e)
                 self._on_attempt_error(err)
                 if not err.retryable:
-                    self._on_success(probe)
-                    with self._lock:
-                        self._errors[err.kind] += 1
-                    raise err
+                    raise self._answered_with_error(probe, err)
                 last = err
                 continue
             self._on_success(probe)

@@ -428,13 +428,18 @@ class RetrievalClient:
             try:
                 reply = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
             except asyncio.TimeoutError:
-                _cancel(ref)
-                raise self._fail(RetrievalError("timeout", f"retrieval replica {i} did not answer within "
-                                                           f"{self.timeout_s}s")) from None
+                raise self._timed_out(i, ref) from None
             except Exception as e:  # noqa: BLE001
                 raise self._fail(self._map(i, e)) from e
         finally:
             self._release(i)
+        return self._unwrap_counted(reply)
+
+    def _timed_out(self, i: int, ref: Any) -> RetrievalError:
+        _cancel(ref)
+        return self._fail(RetrievalError("timeout", f"retrieval replica {i} did not answer within {self.timeout_s}s"))
+
+    def _unwrap_counted(self, reply: Any) -> list[list[Hit]]:
         try:
             return _unwrap(reply)
         except RetrievalError as e:
@@ -452,17 +457,12 @@ class RetrievalClient:
             try:
                 reply = ray.get(ref, timeout=self.timeout_s)
             except GetTimeoutError:
-                _cancel(ref)
-                raise self._fail(RetrievalError("timeout", f"retrieval replica {i} did not answer within "
-                                                           f"{self.timeout_s}s")) from None
+                raise self._timed_out(i, ref) from None
             except Exception as e:  # noqa: BLE001
                 raise self._fail(self._map(i, e)) from e
         finally:
             self._release(i)
-        try:
-            return _unwrap(reply)
-        except RetrievalError as e:
-            raise self._fail(e) from None
+        return self._unwrap_counted(reply)
 
     # ----------------------------------------------------------------------------------- introspection
     def stats(self) -> dict[str, Any]:
