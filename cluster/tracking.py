@@ -7,8 +7,11 @@ environment (never from the config, never logged).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import Mapping, Protocol
 
@@ -91,6 +94,29 @@ def _clean(metrics: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
+@contextlib.contextmanager
+def _atomic_write():
+    """Defer Ctrl-C / SIGTERM until an MLflow write has finished.
+
+    An interrupt raised inside a sqlite write leaves its transaction open and the database locked,
+    and then the run can no longer be marked KILLED. The signal is remembered and re-raised as
+    KeyboardInterrupt right after the write (main thread only; elsewhere signals are not delivered)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in handlers:
+        signal.signal(sig, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+        if got:
+            raise KeyboardInterrupt(f"signal {got[0]}")
+
+
 class MLflowSink:
     """One MLflow run. Metrics are batched into one ``log_metrics`` call per step (a synchronous
     call costs ~50 ms; one per key would dominate a tiny run)."""
@@ -114,23 +140,28 @@ class MLflowSink:
     def log_params(self, params: Mapping[str, str]) -> None:
         items = {k: str(v)[:6000] for k, v in params.items()}
         keys = list(items)
-        for i in range(0, len(keys), 100):  # MLflow caps a batch at 100 params
-            self._mlflow.log_params({k: items[k] for k in keys[i:i + 100]})
+        with _atomic_write():
+            for i in range(0, len(keys), 100):  # MLflow caps a batch at 100 params
+                self._mlflow.log_params({k: items[k] for k in keys[i:i + 100]})
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         m = _clean(metrics)
         if m:
-            self._mlflow.log_metrics(m, step=step)
+            with _atomic_write():
+                self._mlflow.log_metrics(m, step=step)
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
-        self._mlflow.log_artifact(path, artifact_path)
+        with _atomic_write():
+            self._mlflow.log_artifact(path, artifact_path)
 
     def log_artifacts(self, path: str, artifact_path: str | None = None) -> None:
-        self._mlflow.log_artifacts(path, artifact_path)
+        with _atomic_write():
+            self._mlflow.log_artifacts(path, artifact_path)
 
     def finish(self, status: str = "FINISHED") -> None:
         if self._mlflow.active_run() is not None:
-            self._mlflow.end_run(status=status)
+            with _atomic_write():
+                self._mlflow.end_run(status=status)
 
 
 def make_sink(enabled: bool, run_dir: str | Path, uri: str | None, experiment: str, run_name: str) -> Sink:
