@@ -104,8 +104,23 @@ class RolloutWorker:
             from actors.engine_vllm import VLLMEngine
 
             inner = VLLMEngine.from_model(model, self.tokenizer, cfg)
+        elif cfg.rollout.continuous_batching:
+            from actors.engine_continuous import ContinuousHFEngine
+
+            r = cfg.rollout
+            inner = ContinuousHFEngine(model, eos_token_id=self.tokenizer.eos_token_id, max_batch=r.max_batch_rows,
+                                       step_ms=r.inject_decode_ms_per_token, median_tokens=r.inject_decode_median_tokens,
+                                       sigma=r.inject_decode_sigma, max_tokens=r.inject_decode_max_tokens,
+                                       seed=cfg.run.seed * 1009 + worker_id)
         else:
-            inner = HFEngine(model, eos_token_id=self.tokenizer.eos_token_id)
+            inner = HFEngine(model, eos_token_id=self.tokenizer.eos_token_id, max_batch=cfg.rollout.max_batch_rows)
+        r = cfg.rollout
+        if r.inject_decode_ms_per_token > 0 and not getattr(inner, "concurrent", False):
+            from actors.decode_latency import DecodeLatencyEngine  # benchmarks only: long-tailed decode time
+
+            inner = DecodeLatencyEngine(inner, r.inject_decode_ms_per_token, r.inject_decode_median_tokens,
+                                        r.inject_decode_sigma, r.inject_decode_max_tokens,
+                                        seed=cfg.run.seed * 1009 + worker_id)
         self.engine = SwappingEngine(inner)
         self.retriever = self._make_retriever(retrieval_handles)
         self._group = None
@@ -204,8 +219,9 @@ class RolloutWorker:
         return asyncio.run(_arollout(self, items, stage_index, stage, temperature, search_enabled, seed))
 
     def _loop(self, replay, stage_index: int, stage: StageConfig) -> None:
-        """Keep ``rollout.batches_in_flight`` batches going: while one waits on retrieval, another
-        generates (the engine serialises the generate calls themselves)."""
+        """Keep up to ``rollout.batches_in_flight`` batches going: while one waits on retrieval, another
+        generates (a static engine serialises the generate calls; a continuous one batches them together).
+        The replay's admission budget (``replay.max_inflight_groups``) decides how many actually run."""
 
         async def lane(lane_id: int) -> None:
             batch_no = lane_id
@@ -286,7 +302,12 @@ class RolloutWorker:
 async def _aproduce(w: "RolloutWorker", replay, stage_index: int, stage: StageConfig, n: int, batch_no: int) -> None:
     """Claim n prompts, roll out one group each, put every group into the replay queue."""
     seed = w.cfg.run.seed * 1_000_003 + w.worker_id * 7919 + batch_no
-    idx = await asyncio.wrap_future(replay.claim.remote(w.worker_id, n).future())
+    # Waits at most 1 s for the admission budget (async mode), then returns so the lane sees a stop.
+    idx = await asyncio.wrap_future(replay.claim.remote(w.worker_id, n, 1.0).future())
+    if not idx:
+        w._last_progress = time.monotonic()  # alive, held back by the budget (the learner is behind)
+        await asyncio.sleep(0.05)  # a closed queue answers at once: do not spin on it
+        return
     items = [w._prompt_item(i) for i in idx]
     groups, rstats = await _arollout(w, items, stage_index, stage, w.cfg.rollout.temperature, seed=seed)
     for i, group in zip(idx, groups):

@@ -2,13 +2,15 @@
 
 Every benchmark answers one question and writes ``<out>/<name>-<host>-<commit>.json`` plus a PNG next
 to it. The JSON always holds the resolved config, the hardware (CPU count, memory, GPU if any), the
-versions (python, torch, ray, ...), the commit, a UTC timestamp and ``metrics``: a flat mapping from a
-slash-separated metric name to ``{"median", "min", "max", "n"}`` over repeats (``summarise``). Numbers
-are compared as ratios measured in the same run, never against a fixed threshold, because absolute
-speed depends on the machine and on whatever else it is running.
+versions (python, torch, ray, ...), the commit, a UTC timestamp and ``metrics``: a mapping from a
+slash-separated metric name to ``{"median", "min", "max", "n"}`` over repeats (``summarise``), or, for
+a family of values keyed by a parameter, to one level of ``{key: summary}`` (``metrics["speedup"]["2"]``
+in async-vs-sync, keyed by lag). Numbers are compared as ratios measured in the same run, never against
+a fixed threshold, because absolute speed depends on the machine and on whatever else it is running.
 
-Why a flat metric mapping: the CI smoke test (``tests/bench``) validates every result file with one
-rule ("each metric has median/min/max"), whatever the benchmark measures.
+Why a (nearly) flat metric mapping: the CI smoke test (``tests/bench``) validates every result file with
+one rule ("each metric, or each entry of a one-level group, has median/min/max"), whatever the benchmark
+measures.
 
 Why the environment is set here: with 2 cores, torch's default of 2 threads per process makes small
 ops 10-100x slower once a second process is busy, and Ray binds eth0 unless told otherwise
@@ -158,25 +160,45 @@ def result_path(name: str, out_dir: str | Path) -> Path:
     return Path(out_dir) / f"{_safe(name)}-{_safe(socket.gethostname())}-{_safe(git_commit())}.json"
 
 
+def _check_summary(label: str, m) -> None:
+    if not isinstance(m, dict) or any(s not in m for s in SUMMARY_KEYS):
+        raise ValueError(f"metric {label!r} is not a summary with {SUMMARY_KEYS}: {m!r}")
+    if not (m["min"] <= m["median"] <= m["max"]):
+        raise ValueError(f"metric {label!r}: min <= median <= max does not hold: {m!r}")
+
+
 def validate_result(doc: dict) -> None:
-    """Raise ValueError unless ``doc`` has every required key and every metric is a summary."""
+    """Raise ValueError unless ``doc`` has every required key and every metric is a summary.
+
+    A metric value is either a summary ``{median, min, max, n}`` or one level of grouping: a non-empty
+    dict of string key -> summary (e.g. ``metrics["speedup"] = {"1": {...}, "2": {...}}``, keyed by lag).
+    Deeper nesting is rejected. Errors name the metric as ``metrics.<key>`` or ``metrics.<key>.<sub>``.
+    """
     missing = [k for k in RESULT_KEYS if k not in doc]
     if missing:
         raise ValueError(f"result misses keys {missing}")
     if not isinstance(doc["metrics"], dict) or not doc["metrics"]:
         raise ValueError("result has no metrics")
     for k, m in doc["metrics"].items():
-        if not isinstance(m, dict) or any(s not in m for s in SUMMARY_KEYS):
-            raise ValueError(f"metric {k!r} is not a summary with {SUMMARY_KEYS}: {m!r}")
-        if not (m["min"] <= m["median"] <= m["max"]):
-            raise ValueError(f"metric {k!r}: min <= median <= max does not hold: {m!r}")
+        label = f"metrics.{k}"
+        if not isinstance(m, dict) or any(s in m for s in SUMMARY_KEYS):
+            _check_summary(label, m)  # meant as a summary (or not a dict at all)
+            continue
+        if not m:
+            raise ValueError(f"metric {label!r} is an empty group: expected a summary with {SUMMARY_KEYS} "
+                             f"or a non-empty mapping of name -> summary")
+        for sub, sm in m.items():
+            if not isinstance(sub, str) or not sub:
+                raise ValueError(f"metric {label!r}: group keys must be non-empty strings, got {sub!r}")
+            _check_summary(f"{label}.{sub}", sm)
 
 
 def write_result(name: str, config: dict, metrics: dict, plot_fn: Callable[[Path], None] | None,
                  out_dir: str | Path = DEFAULT_OUT, extra: dict | None = None) -> Path:
     """Write ``<out_dir>/<name>-<host>-<commit>.json`` and, if ``plot_fn`` is given, the PNG beside it.
 
-    ``metrics``: metric name -> ``summarise(...)`` output. ``plot_fn(png_path)`` draws and saves the
+    ``metrics``: metric name -> ``summarise(...)`` output, or -> a non-empty ``{key: summarise(...)}``
+    group (one level only, string keys; see ``validate_result``). ``plot_fn(png_path)`` draws and saves the
     figure (matplotlib, Agg backend). ``extra`` holds anything that is not a summary (tables, notes,
     skipped configurations). Returns the JSON path.
     """

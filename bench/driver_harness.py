@@ -63,7 +63,13 @@ def device_info(cfg) -> dict:
             "cuda_available": torch.cuda.is_available(),
             "retrieval_backend": cfg.retrieval.backend,
             "retrieval_inject_latency_ms": cfg.retrieval.inject_latency_ms,
-            "retrieval_inject_latency_sigma": cfg.retrieval.inject_latency_sigma}
+            "retrieval_inject_latency_sigma": cfg.retrieval.inject_latency_sigma,
+            "continuous_batching": cfg.rollout.continuous_batching,
+            "engine_slots_per_worker": cfg.rollout.max_batch_rows,
+            "decode_ms_per_token": cfg.rollout.inject_decode_ms_per_token,
+            "decode_median_tokens": cfg.rollout.inject_decode_median_tokens,
+            "decode_sigma": cfg.rollout.inject_decode_sigma,
+            "decode_max_tokens": cfg.rollout.inject_decode_max_tokens}
 
 
 # ---------------------------------------------------------------------------------------- bench workers
@@ -73,7 +79,10 @@ def device_info(cfg) -> dict:
 def _worker_stats(roles) -> list[dict]:
     import ray
 
-    return [dict(h["stats"]) for h in ray.get([w.health.remote() for w in roles.workers])]
+    health = ray.get([w.health.remote() for w in roles.workers])
+    engine = ray.get([w.bench_stats.remote() for w in roles.workers])
+    return [{**dict(h["stats"]), **{f"engine_{k}": v for k, v in e.items() if isinstance(v, (int, float))}}
+            for h, e in zip(health, engine)]
 
 
 def _diff(after: list[dict], before: list[dict]) -> list[dict]:

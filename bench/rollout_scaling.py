@@ -67,7 +67,11 @@ FULL = {"workers": [1, 2, 4, 8], "warmup_s": 6.0, "window_s": 20.0, "repeats": 2
 QUICK = {"workers": [1, 2], "warmup_s": 2.0, "window_s": 5.0, "repeats": 1, "token_ms": 10.0}
 BASE_OVERRIDES = ["rollout.engine=bench", "retrieval.inject_latency_ms=0.0", "rollout.num_cpus_per_worker=0.25",
                   "replay.capacity_groups=64", "replay.max_policy_lag=2", "cluster.mode=async",
-                  "tracking.enabled=false", "stages.0.steps=0"]
+                  "tracking.enabled=false", "stages.0.steps=0",
+                  # the bench engine simulates decode itself, one batch per worker, no admission budget:
+                  # this benchmark measures raw rollout throughput, not async-vs-sync concurrency
+                  "rollout.continuous_batching=false", "rollout.inject_decode_ms_per_token=0.0",
+                  "rollout.batches_in_flight=1", "rollout.groups_per_request=4", "replay.max_inflight_groups=0"]
 QUICK_OVERRIDES = ["world.num_entities=120"]
 log = logging.getLogger("sonar.bench")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,6 +159,20 @@ class RolloutConfig:
     """hf (transformers, CPU/GPU) | vllm (GPU) | bench (sleeps per token: measures Sonar's own overhead)"""
     bench_token_ms: float = 2.0
     """bench engine: simulated time per generated token (per row, batched rows overlap)."""
+    continuous_batching: bool = False
+    """hf engine: concurrent generate calls of a worker's lanes share decode steps, rows join and leave
+    the running batch every step, weights swap between steps (actors/engine_continuous.py)."""
+    max_batch_rows: int = 64
+    """Rows an engine decodes together at most (a continuous engine's live rows)."""
+    inject_decode_ms_per_token: float = 0.0
+    """Benchmarks only (hf/vllm engines): decode time charged per token of a long-tailed reasoning
+    length drawn for every row of every generate call (actors/decode_latency.py). 0 disables."""
+    inject_decode_median_tokens: float = 16.0
+    """Median of the lognormal reasoning length per turn, in tokens."""
+    inject_decode_sigma: float = 0.7
+    """Lognormal sigma of the reasoning length (0: constant)."""
+    inject_decode_max_tokens: int = 256
+    """Reasoning lengths are clipped to this (the turn budget a real model would hit)."""
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float = 0.0
 
@@ -228,6 +243,11 @@ class ReplayConfig:
     stale_policy: str = "drop"
     """drop (and count) | downweight (keep, weight gamma**(lag - bound))"""
     stale_downweight: float = 0.5
+    max_inflight_groups: int = -1
+    """Async admission budget: a worker may claim prompts only while groups claimed-but-not-put plus
+    groups queued stay within this. -1: (max_policy_lag + 1) * learner.groups_per_step, at least
+    rollout.groups_per_request (AReaL's staleness-aware admission); 0: unlimited (only capacity_groups
+    and the lag drop bound). Sync mode is never gated: its batch is the step."""
 
 
 @dataclass(frozen=True)
@@ -360,6 +380,16 @@ def _get(obj: Any, dotted: str) -> Any:
     return obj
 
 
+def inflight_budget(cfg: "Config") -> int:
+    """Resolved ``replay.max_inflight_groups`` in async mode (0: unlimited); sync mode is never gated."""
+    if cfg.cluster.mode != "async":
+        return 0
+    b = cfg.replay.max_inflight_groups
+    if b == -1:  # never below one request, or every request would have to run alone
+        return max((cfg.replay.max_policy_lag + 1) * cfg.learner.groups_per_step, cfg.rollout.groups_per_request)
+    return b
+
+
 def validate(cfg: Config) -> Config:
     """Cross-field checks. Raises ValueError naming the fields and values."""
     for key, allowed in _CHOICES.items():
@@ -394,6 +424,21 @@ def validate(cfg: Config) -> Config:
                          f"rollout.batches_in_flight={r.batches_in_flight} must be >= 1")
     if not (0.0 <= r.temperature):
         raise ValueError(f"rollout.temperature={r.temperature} must be >= 0")
+    if r.continuous_batching and r.engine != "hf":
+        raise ValueError(f"rollout.continuous_batching=True needs rollout.engine='hf', got {r.engine!r} "
+                         "(the offline vLLM engine and the bench engine serialise calls)")
+    if r.max_batch_rows < 1:
+        raise ValueError(f"rollout.max_batch_rows={r.max_batch_rows} must be >= 1")
+    if not (r.inject_decode_ms_per_token >= 0 and math.isfinite(r.inject_decode_ms_per_token)):
+        raise ValueError(f"rollout.inject_decode_ms_per_token={r.inject_decode_ms_per_token} must be a finite number >= 0")
+    if r.inject_decode_ms_per_token > 0:
+        if r.engine == "bench":
+            raise ValueError("rollout.inject_decode_ms_per_token > 0 with rollout.engine='bench': the bench engine "
+                             "already simulates decode time (rollout.bench_token_ms); use one or the other")
+        if not (1 <= r.inject_decode_median_tokens <= r.inject_decode_max_tokens) or not r.inject_decode_sigma >= 0:
+            raise ValueError(f"rollout.inject_decode_median_tokens={r.inject_decode_median_tokens}, "
+                             f"rollout.inject_decode_max_tokens={r.inject_decode_max_tokens}, "
+                             f"rollout.inject_decode_sigma={r.inject_decode_sigma}: need 1 <= median <= max and sigma >= 0")
     L = cfg.learner
     if L.groups_per_step < 1:
         raise ValueError(f"learner.groups_per_step={L.groups_per_step} must be >= 1")
@@ -405,6 +450,10 @@ def validate(cfg: Config) -> Config:
         raise ValueError(f"learner.zero_stage={L.zero_stage} must be 0, 1, 2 or 3")
     if L.broadcast_every < 1:
         raise ValueError(f"learner.broadcast_every={L.broadcast_every} must be >= 1")
+    if cfg.replay.max_inflight_groups < -1 or 0 < cfg.replay.max_inflight_groups < max(L.groups_per_step, r.groups_per_request):
+        raise ValueError(f"replay.max_inflight_groups={cfg.replay.max_inflight_groups} must be -1 (auto), 0 (unlimited) "
+                         f"or >= max(learner.groups_per_step={L.groups_per_step}, "
+                         f"rollout.groups_per_request={r.groups_per_request}): a smaller budget could never fill a step")
     if cfg.replay.max_policy_lag < 0:
         raise ValueError(f"replay.max_policy_lag={cfg.replay.max_policy_lag} must be >= 0")
     if L.broadcast_every > cfg.replay.max_policy_lag + 1:

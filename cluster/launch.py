@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster import tracking as K
-from cluster.config import Config, StageConfig, flatten, to_dict, to_yaml
+from cluster.config import Config, StageConfig, flatten, inflight_budget, to_dict, to_yaml
 
 log = logging.getLogger("sonar")
 
@@ -135,7 +135,8 @@ def start_roles(cfg: Config, run: Run) -> Roles:
     retrieval = start_retrieval(cfg, run, corpus)
     num_train = len(_world(cfg).train)
     replay = ray.remote(num_cpus=0)(ReplayQueue).options(max_concurrency=1000).remote(
-        cfg.replay.capacity_groups, cfg.replay.max_policy_lag, cfg.replay.stale_policy, num_train, cfg.run.seed)
+        cfg.replay.capacity_groups, cfg.replay.max_policy_lag, cfg.replay.stale_policy, num_train, cfg.run.seed,
+        inflight_budget(cfg))
     learner = ray.remote(Learner).options(num_cpus=cfg.learner.num_cpus, num_gpus=cfg.learner.num_gpus).remote(cfg)
     workers = [start_worker(cfg, i, retrieval) for i in range(cfg.rollout.num_workers)]
     try:

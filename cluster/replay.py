@@ -81,7 +81,10 @@ class PromptCursor:
 
 class ReplayCore:
     def __init__(self, capacity_groups: int, max_policy_lag: int, stale_policy: str,
-                 num_prompts: int, seed: int):
+                 num_prompts: int, seed: int, max_inflight_groups: int = 0):
+        if max_inflight_groups < 0:
+            raise ValueError(f"max_inflight_groups={max_inflight_groups} must be >= 0 (0: unlimited)")
+        self.max_inflight = max_inflight_groups
         if stale_policy not in ("drop", "downweight"):
             raise ValueError(f"replay.stale_policy={stale_policy!r} is not 'drop' or 'downweight'")
         self.capacity = capacity_groups
@@ -98,6 +101,15 @@ class ReplayCore:
         """Prompt indices of groups dropped as stale since the last ``get`` (handed to the learner's log)."""
 
     # -- prompts
+    def inflight(self) -> int:
+        """Groups in the pipeline: claimed and not yet put, plus queued."""
+        return sum(len(v) for v in self.claims.values()) + len(self.groups)
+
+    def may_claim(self, n: int) -> bool:
+        """Admission: within the budget, or the pipeline is empty (a request larger than the budget
+        must still run, or nothing ever would)."""
+        return self.max_inflight == 0 or self.inflight() + n <= self.max_inflight or self.inflight() == 0
+
     def claim(self, worker_id: int, n: int) -> list[int]:
         idx = self.cursor.take(n)
         self.claims.setdefault(worker_id, []).extend(idx)
@@ -202,8 +214,9 @@ class ReplayCore:
 class ReplayQueue:
     """Async Ray actor around ReplayCore. Create with ``ray.remote(ReplayQueue)``."""
 
-    def __init__(self, capacity_groups: int, max_policy_lag: int, stale_policy: str, num_prompts: int, seed: int):
-        self.core = ReplayCore(capacity_groups, max_policy_lag, stale_policy, num_prompts, seed)
+    def __init__(self, capacity_groups: int, max_policy_lag: int, stale_policy: str, num_prompts: int, seed: int,
+                 max_inflight_groups: int = 0):
+        self.core = ReplayCore(capacity_groups, max_policy_lag, stale_policy, num_prompts, seed, max_inflight_groups)
         self._cond: asyncio.Condition | None = None
         self._closed = False
 
@@ -212,11 +225,30 @@ class ReplayQueue:
             self._cond = asyncio.Condition()
         return self._cond
 
-    async def claim(self, worker_id: int, n: int) -> list[int]:
-        return self.core.claim(worker_id, n)
+    async def claim(self, worker_id: int, n: int, wait_s: float = 0.0) -> list[int]:
+        """n prompt indices, or [] if the admission budget stayed full for ``wait_s`` seconds or the
+        queue is closed (the caller retries, so a stopping worker is never stuck in here)."""
+        cond = self._c()
+        deadline = time.monotonic() + wait_s
+        async with cond:
+            while not self.core.may_claim(n) and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                try:
+                    await asyncio.wait_for(cond.wait(), timeout=remaining)
+                except asyncio.TimeoutError:
+                    pass
+            if self._closed and not self.core.may_claim(n):
+                return []
+            return self.core.claim(worker_id, n)
 
     async def release_worker(self, worker_id: int) -> int:
-        return self.core.release_worker(worker_id)
+        cond = self._c()
+        async with cond:
+            n = self.core.release_worker(worker_id)
+            cond.notify_all()
+            return n
 
     async def put(self, payload: bytes, min_version: int, num_trajs: int, prompt_index: int, worker_id: int) -> bool:
         """Waits while the queue is full (backpressure). Returns False if the queue was closed."""
@@ -271,7 +303,11 @@ class ReplayQueue:
         self.core.load_state_dict(s)
 
     async def drain(self) -> int:
-        return self.core.drain()
+        cond = self._c()
+        async with cond:
+            n = self.core.drain()
+            cond.notify_all()
+            return n
 
     async def reopen(self) -> None:
         self._closed = False

@@ -52,6 +52,43 @@ def test_summarise_and_schema_validation(tmp_path):
         common.validate_result({k: v for k, v in doc.items() if k != "hardware"})
 
 
+def test_validation_accepts_one_level_of_grouped_summaries(tmp_path):
+    """``metrics.speedup`` (async-vs-sync) is ``{lag: summary}``; everything else stays flat."""
+    speedup = {"1": common.summarise([1.4, 1.5, 1.6]), "2": common.summarise([1.9, 1.8, 2.0])}
+    metrics = {"sync/wall_s": common.summarise([10.0, 11.0]), "speedup": speedup}
+    path = common.write_result("unit", {"a": 1}, metrics, None, tmp_path)
+    doc = json.loads(path.read_text())
+    common.validate_result(doc)
+    assert doc["metrics"]["speedup"]["2"]["median"] == pytest.approx(1.9)
+    assert "speedup/2" not in doc["metrics"]
+
+    def bad(value):
+        return {**doc, "metrics": {**doc["metrics"], "speedup": value}}
+
+    # a grouped value that is not a summary: the message names the sub-key
+    with pytest.raises(ValueError, match=r"metrics\.speedup\.2.*not a summary"):
+        common.validate_result(bad({**speedup, "2": 1.9}))
+    with pytest.raises(ValueError, match=r"metrics\.speedup\.2.*not a summary"):
+        common.validate_result(bad({**speedup, "2": {"median": 1.9, "min": 1.8}}))  # missing max, n
+    # only one level: a group inside a group is not a summary either
+    with pytest.raises(ValueError, match=r"metrics\.speedup\.2.*not a summary"):
+        common.validate_result(bad({**speedup, "2": {"x": common.summarise([1.0])}}))
+    # an empty group
+    with pytest.raises(ValueError, match=r"metrics\.speedup.*empty group"):
+        common.validate_result(bad({}))
+    # min <= median <= max is checked inside a group too
+    with pytest.raises(ValueError, match=r"metrics\.speedup\.1.*min <= median <= max"):
+        common.validate_result(bad({**speedup, "1": {"median": 2.0, "min": 1.0, "max": 1.5, "n": 3}}))
+    with pytest.raises(ValueError, match=r"metrics\.speedup\.1.*min <= median <= max"):
+        common.validate_result(bad({**speedup, "1": {"median": 0.5, "min": 1.0, "max": 1.5, "n": 3}}))
+    # a partial summary at the top level is still a broken summary, not a group
+    with pytest.raises(ValueError, match=r"metrics\.sync/wall_s.*not a summary"):
+        common.validate_result({**doc, "metrics": {"sync/wall_s": {"median": 1.0, "min": 1.0, "n": 1}}})
+    # write_result validates before writing
+    with pytest.raises(ValueError, match="empty group"):
+        common.write_result("unit2", {}, {"speedup": {}}, None, tmp_path)
+
+
 def test_dispatcher_rejects_unknown_and_unwritten_benchmarks(capsys):
     assert run.main(["no-such-bench"]) == 2
     err = capsys.readouterr().err

@@ -1,6 +1,6 @@
 import pytest
 
-from cluster.config import DEFAULT_CONFIG, CONFIG_DIR, Config, ConfigError, flatten, load_config, to_dict
+from cluster.config import DEFAULT_CONFIG, CONFIG_DIR, Config, ConfigError, flatten, inflight_budget, load_config, to_dict
 
 
 def test_default_config_loads_and_is_frozen():
@@ -82,3 +82,70 @@ def test_saved_config_redacts_url_credentials():
 
     text = to_yaml(load_config([], ["tracking.uri=https://alice:s3cret@mlflow.example:5000"]))
     assert "s3cret" not in text and "https://***@mlflow.example:5000" in text
+
+
+# -- replay.max_inflight_groups (async admission budget) ------------------------------------------
+
+_BASE = ["replay.max_policy_lag=2", "learner.groups_per_step=3", "replay.capacity_groups=8",
+         "rollout.groups_per_request=2"]
+
+
+@pytest.mark.parametrize("overrides, budget", [
+    (["cluster.mode=async"], 9),  # default -1: (max_policy_lag + 1) * groups_per_step
+    (["cluster.mode=async", "replay.max_inflight_groups=-1"], 9),
+    (["cluster.mode=async", "replay.max_policy_lag=0", "learner.broadcast_every=1"], 3),
+    (["cluster.mode=async", "replay.max_policy_lag=4", "learner.groups_per_step=5"], 25),
+    (["cluster.mode=async", "replay.max_inflight_groups=0"], 0),  # unlimited stays unlimited
+    (["cluster.mode=async", "replay.max_inflight_groups=3"], 3),  # positive: as is
+    (["cluster.mode=async", "replay.max_inflight_groups=40"], 40),
+    (["cluster.mode=sync"], 0),  # sync mode is never gated
+    (["cluster.mode=sync", "replay.max_inflight_groups=5"], 0),
+    (["cluster.mode=sync", "replay.max_inflight_groups=0"], 0),
+])
+def test_inflight_budget_resolves(overrides, budget):
+    cfg = load_config([], _BASE + overrides)
+    assert inflight_budget(cfg) == budget
+
+
+def test_inflight_budget_default_is_auto():
+    cfg = load_config([DEFAULT_CONFIG])
+    assert cfg.replay.max_inflight_groups == -1 and cfg.cluster.mode == "async"
+    assert inflight_budget(cfg) == (cfg.replay.max_policy_lag + 1) * cfg.learner.groups_per_step
+
+
+@pytest.mark.parametrize("value, others", [
+    (-2, []),
+    (-100, []),
+    (1, []),  # < learner.groups_per_step=3
+    (2, []),
+    (3, ["rollout.groups_per_request=4"]),  # >= groups_per_step but < groups_per_request
+    (-2, ["cluster.mode=sync"]),  # checked in sync mode too
+])
+def test_invalid_inflight_budget_names_the_key_and_value(value, others):
+    with pytest.raises(ValueError) as e:
+        load_config([], _BASE + others + [f"replay.max_inflight_groups={value}"])
+    assert f"replay.max_inflight_groups={value}" in str(e.value)
+
+
+@pytest.mark.parametrize("value, others", [
+    (-1, []), (0, []), (3, []), (4, ["rollout.groups_per_request=4"]), (100, []),
+])
+def test_valid_inflight_budgets_load(value, others):
+    cfg = load_config([], _BASE + others + [f"replay.max_inflight_groups={value}"])
+    assert cfg.replay.max_inflight_groups == value
+
+
+def test_invalid_inflight_budget_message_names_the_bound():
+    with pytest.raises(ValueError) as e:
+        load_config([], _BASE + ["rollout.groups_per_request=4", "replay.max_inflight_groups=3"])
+    msg = str(e.value)
+    assert "learner.groups_per_step=3" in msg and "rollout.groups_per_request=4" in msg
+
+
+def test_auto_inflight_budget_is_never_below_one_request():
+    from cluster.config import inflight_budget
+
+    ov = ["replay.max_policy_lag=0", "learner.groups_per_step=1", "replay.capacity_groups=1",
+          "rollout.groups_per_request=4"]
+    assert inflight_budget(load_config([], ov)) == 4
+    assert inflight_budget(load_config([], ov + ["rollout.groups_per_request=1"])) == 1

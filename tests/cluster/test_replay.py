@@ -1,4 +1,6 @@
 import asyncio
+import random
+import time
 
 import pytest
 
@@ -106,3 +108,333 @@ def test_closed_queue_requeues_the_producer_prompt():
         assert q.core.cursor.take(1) == [idx[1]]
 
     asyncio.run(scenario())
+
+
+# -- admission budget (replay.max_inflight_groups) ------------------------------------------------
+
+def test_budget_must_not_be_negative():
+    with pytest.raises(ValueError, match="max_inflight_groups=-1"):
+        ReplayCore(10, 2, "drop", 20, 0, max_inflight_groups=-1)
+    with pytest.raises(ValueError, match="max_inflight_groups=-3"):
+        ReplayQueue(10, 2, "drop", 20, 0, -3)
+
+
+def test_budget_counts_claims_and_queued_groups():
+    core = ReplayCore(capacity_groups=10, max_policy_lag=2, stale_policy="drop", num_prompts=50, seed=0,
+                      max_inflight_groups=4)
+    assert core.inflight() == 0 and core.may_claim(4) and core.may_claim(6)  # empty: anything goes
+    a = core.claim(0, 2)
+    assert core.inflight() == 2 and core.may_claim(2) and not core.may_claim(3)
+    b = core.claim(1, 2)
+    assert core.inflight() == 4 and not core.may_claim(1) and not core.may_claim(2)
+    # a put moves a group from "claimed" to "queued": still in the pipeline, the budget stays full
+    core.add(group(a[0], 0, worker=0))
+    assert core.inflight() == 4 and len(core.claims[0]) == 1 and not core.may_claim(1)
+    # the learner's take frees it
+    out, _ = core.take(1, learner_version=0)
+    assert [p for *_, p in out] == [a[0]]
+    assert core.inflight() == 3 and core.may_claim(1) and not core.may_claim(2)
+    # a stale group dropped by take frees its slot as well
+    core.add(group(a[1], 0, worker=0))
+    assert core.inflight() == 3
+    out, dropped = core.take(1, learner_version=5)
+    assert out == [] and dropped == 4 and core.inflight() == 2 and core.may_claim(2)
+    # release_worker (a dead worker) frees its outstanding claims
+    assert core.release_worker(1) == 2
+    assert core.inflight() == 0 and core.cursor.take(2) == b
+    # drain frees queued groups
+    c = core.claim(2, 2)
+    core.add(group(c[0], 0, worker=2))
+    core.add(group(c[1], 0, worker=2))
+    core.claim(2, 2)
+    assert core.inflight() == 4 and not core.may_claim(1)
+    assert core.drain() == 8
+    assert core.inflight() == 2 and core.may_claim(2) and not core.may_claim(3)
+    assert core.balance()["balanced"]
+
+
+def test_request_larger_than_budget_runs_only_alone():
+    core = ReplayCore(10, 2, "drop", 50, 0, max_inflight_groups=4)
+    core.claim(0, 1)
+    assert not core.may_claim(6)  # something in the pipeline: the oversized request waits
+    core.release_worker(0)
+    assert core.inflight() == 0 and core.may_claim(6)  # empty pipeline: it must run, or nothing ever would
+    idx = core.claim(0, 6)
+    assert core.inflight() == 6 and not core.may_claim(1)  # and it runs alone
+    for p in idx[:3]:
+        core.add(group(p, 0))
+    core.take(3, 0)
+    assert core.inflight() == 3 and core.may_claim(1) and not core.may_claim(2)
+    # a queued group alone also makes the pipeline non-empty
+    for p in idx[3:]:
+        core.add(group(p, 0))
+    core.take(2, 0)
+    assert core.inflight() == 1 and not core.may_claim(6) and core.may_claim(3)
+    core.take(1, 0)
+    assert core.inflight() == 0 and core.may_claim(6)
+    assert core.balance()["balanced"]
+
+
+def test_unlimited_budget_never_refuses():
+    core = ReplayCore(1000, 2, "drop", 50, 0)  # default: 0 = unlimited
+    assert core.max_inflight == 0
+    for w in range(20):
+        assert core.may_claim(100)
+        idx = core.claim(w % 3, 7)
+        for p in idx[:3]:
+            core.add(group(p, 0, worker=w % 3))
+    assert core.inflight() == 20 * 7 and core.may_claim(1) and core.may_claim(10_000)
+
+
+def test_accounting_balances_with_the_budget_on():
+    core = ReplayCore(10, 1, "drop", 30, 0, max_inflight_groups=6)
+    version, drained_groups, refused = 0, 0, 0
+    for round_ in range(30):
+        for w in range(3):
+            if not core.may_claim(2):
+                refused += 1
+                continue
+            for p in core.claim(w, 2)[: 1 + (round_ + w) % 2]:  # put one or both, keep the rest claimed
+                core.add(group(p, version - (round_ % 3), n=2 + w, worker=w))
+            assert core.balance()["balanced"] and core.inflight() <= 6
+        version += 1
+        core.take(2, version)
+        assert core.balance()["balanced"]
+        if round_ % 7 == 3:
+            core.release_worker(round_ % 3)
+        if round_ % 11 == 5:
+            drained_groups += len(core.groups)
+            core.drain()
+        assert core.balance()["balanced"] and core.inflight() <= 6
+    b = core.balance()
+    assert refused > 0  # the budget did hold producers back
+    assert b["dropped_stale"] > 0 and b["consumed"] > 0 and b["requeued"] > 0  # every path was exercised
+    assert b["produced_groups"] == b["consumed_groups"] + b["dropped_groups"] + drained_groups + len(core.groups)
+    assert core.inflight() == len(core.groups) + sum(len(v) for v in core.claims.values())
+
+
+def _queue(budget: int, capacity: int = 100) -> ReplayQueue:
+    return ReplayQueue(capacity_groups=capacity, max_policy_lag=100, stale_policy="drop", num_prompts=1000, seed=0,
+                       max_inflight_groups=budget)
+
+
+def test_blocked_claim_times_out_with_nothing():
+    async def scenario():
+        q = _queue(4)
+        await q.claim(0, 2)
+        await q.claim(1, 2)
+        t0 = time.monotonic()
+        assert await q.claim(2, 1) == []  # default wait_s=0: refused at once
+        assert time.monotonic() - t0 < 0.5
+        wait_s = 0.3
+        t0 = time.monotonic()
+        assert await q.claim(2, 1, wait_s) == []
+        elapsed = time.monotonic() - t0
+        assert wait_s * 0.9 <= elapsed < wait_s + 0.5
+        assert q.core.inflight() == 4 and 2 not in q.core.claims  # nothing was claimed on the way out
+        # a claim within the budget does not wait at all
+        q2 = _queue(4)
+        t0 = time.monotonic()
+        assert len(await q2.claim(0, 3, 5.0)) == 3 and time.monotonic() - t0 < 0.5
+
+    asyncio.run(scenario())
+
+
+def test_learner_get_wakes_a_blocked_claim():
+    async def scenario():
+        q = _queue(4)
+        a = await q.claim(0, 2)
+        b = await q.claim(1, 2)
+        for p in a:
+            assert await q.put(b"g", 0, 1, p, 0)  # queued: still in the pipeline
+        wait_s = 5.0
+        t0 = time.monotonic()
+        blocked = asyncio.create_task(q.claim(2, 2, wait_s))
+        await asyncio.sleep(0.1)
+        assert not blocked.done()  # put does not free budget
+        got = await q.get(2, 0, timeout_s=1.0)
+        assert got["prompts"] == a and not got["timed_out"]
+        t_get = time.monotonic()
+        idx = await asyncio.wait_for(blocked, 1.0)
+        assert len(idx) == 2 and not set(idx) & set(a + b)
+        assert time.monotonic() - t_get < 0.5 and time.monotonic() - t0 < wait_s / 4
+        assert q.core.claims[2] == idx and q.core.inflight() == 4
+
+    asyncio.run(scenario())
+
+
+def test_learner_get_wakes_a_claim_when_it_takes_stale_groups_too():
+    async def scenario():
+        q = ReplayQueue(100, 0, "drop", 100, 0, 2)
+        a = await q.claim(0, 2)
+        for p in a:
+            await q.put(b"g", 0, 1, p, 0)
+        blocked = asyncio.create_task(q.claim(1, 1, 5.0))
+        await asyncio.sleep(0.05)
+        assert not blocked.done()
+        got = await q.get(1, learner_version=3, timeout_s=0.2)  # both stale: dropped, the get times out
+        assert got["groups"] == [] and got["dropped"] == 2
+        assert len(await asyncio.wait_for(blocked, 1.0)) == 1
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("how", ["release_worker", "drain"])
+def test_release_and_drain_wake_a_blocked_claim(how):
+    async def scenario():
+        q = _queue(2)
+        a = await q.claim(0, 2)
+        if how == "drain":
+            for p in a:
+                await q.put(b"g", 0, 1, p, 0)
+        blocked = asyncio.create_task(q.claim(1, 2, 5.0))
+        await asyncio.sleep(0.05)
+        assert not blocked.done()
+        t0 = time.monotonic()
+        if how == "drain":
+            assert await q.drain() == 2
+        else:
+            assert await q.release_worker(0) == 2
+        idx = await asyncio.wait_for(blocked, 1.0)
+        assert time.monotonic() - t0 < 0.5
+        assert sorted(idx) == sorted(a)  # the requeued prompts come back first
+
+    asyncio.run(scenario())
+
+
+def test_closed_queue_refuses_claims_over_budget_at_once():
+    async def scenario():
+        q = _queue(4)
+        await q.claim(0, 4)
+        blocked = asyncio.create_task(q.claim(1, 1, 5.0))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        await q.close()
+        assert await asyncio.wait_for(blocked, 1.0) == [] and time.monotonic() - t0 < 0.5  # woken by close
+        t0 = time.monotonic()
+        assert await q.claim(1, 1, 5.0) == []  # after close: no waiting at all
+        assert time.monotonic() - t0 < 0.5
+        assert 1 not in q.core.claims and q.core.inflight() == 4
+        await q.release_worker(0)
+        assert len(await q.claim(1, 1, 5.0)) == 1  # within budget a closed queue still hands out prompts
+        await q.reopen()
+        assert len(await q.claim(1, 3, 0.0)) == 3
+
+    asyncio.run(scenario())
+
+
+# -- property: the budget holds under random producer/consumer interleavings ---------------------
+
+def _check_admission(core, budget: int, events: list):
+    """Wrap core.claim: every admitted request fits the budget, or runs alone in an empty pipeline."""
+    real = core.claim
+
+    def claim(worker_id, n):
+        before = core.inflight()
+        assert before + n <= budget or before == 0, (before, n, budget)
+        events.append((before, n))
+        return real(worker_id, n)
+
+    core.claim = claim
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_property_budget_holds_under_random_interleavings(seed):
+    rng = random.Random(seed)
+    budget, B = 6, 3
+    core = ReplayCore(capacity_groups=8, max_policy_lag=1, stale_policy="drop", num_prompts=40, seed=seed,
+                      max_inflight_groups=budget)
+    admitted: list = []
+    _check_admission(core, budget, admitted)
+    held = {w: [] for w in range(3)}  # the fake workers' view: claimed prompts not yet put
+    version, drained_groups, refused, oversized = 0, 0, 0, 0
+    wants = {w: 0 for w in range(3)}  # a refused oversized request is asked for again (a worker retrying)
+    limit = budget  # what inflight may reach: the budget, or an oversized request running alone
+    for _ in range(2000):
+        op = rng.random()
+        w = rng.randrange(3)
+        before, grew_alone = core.inflight(), False
+        if op < 0.40:  # a worker asks for 1-2 groups (rarely a request larger than the budget)
+            n = wants[w] or (rng.choice([1, 2]) if rng.random() > 0.02 else budget + 2)
+            if core.may_claim(n):
+                held[w].extend(core.claim(w, n))
+                wants[w] = 0
+                if n > budget:
+                    assert before == 0
+                    oversized += 1
+                    limit, grew_alone = n, True
+            else:
+                refused += 1
+                assert before + n > budget and before > 0
+                wants[w] = n if n > budget else 0
+        elif op < 0.75:  # a worker puts one of its groups (if the queue has room)
+            if held[w] and not core.full():
+                p = held[w].pop(rng.randrange(len(held[w])))
+                core.add(group(p, version - rng.choice([0, 0, 0, 2]), n=rng.randint(1, 4), worker=w))
+        elif op < 0.97:  # the learner takes B groups and steps
+            core.take(B, version)
+            version += rng.random() < 0.5
+        elif op < 0.99:  # a worker dies
+            core.release_worker(w)
+            held[w] = []
+        else:  # a stage ends
+            drained_groups += len(core.groups)
+            core.drain()
+        now = core.inflight()
+        assert now == len(core.groups) + sum(len(v) for v in held.values())  # the budget's count is honest
+        assert now <= limit, (now, limit)
+        if now > budget:
+            assert now <= before or grew_alone  # above the budget the pipeline only drains
+        else:
+            limit = budget
+    b = core.balance()
+    assert b["balanced"]
+    assert b["produced_groups"] == b["consumed_groups"] + b["dropped_groups"] + drained_groups + len(core.groups)
+    # the run exercised what it claims to: refusals, the budget reached, stale drops, an oversized request
+    assert refused > 50 and max(bf + n for bf, n in admitted) == budget + 2 and oversized >= 1
+    assert any(bf + n == budget for bf, n in admitted) and b["dropped_groups"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_property_budget_holds_with_concurrent_async_workers_and_learner():
+    """Three worker tasks (claim -> "generate" -> put) and a learner task (get B) on the async queue:
+    the admission check runs at every claim, and inflight is sampled after every step."""
+    budget, B = 6, 3
+
+    async def scenario():
+        rng = random.Random(7)
+        q = ReplayQueue(8, 100, "drop", 200, 0, budget)
+        admitted: list = []
+        _check_admission(q.core, budget, admitted)
+        peak, stop, taken = [0], asyncio.Event(), [0]
+
+        def sample():
+            peak[0] = max(peak[0], q.core.inflight())
+            assert q.core.inflight() <= budget
+
+        async def worker(w: int):
+            while not stop.is_set():
+                idx = await q.claim(w, rng.choice([1, 2]), 0.05)
+                sample()
+                if not idx:
+                    await asyncio.sleep(0)  # a real worker's claim is a remote call: it always yields
+                for p in idx:
+                    await asyncio.sleep(rng.random() * 0.004)
+                    assert await q.put(b"g", 0, 1, p, w) or stop.is_set()
+                    sample()
+
+        async def learner():
+            while taken[0] < 120:
+                got = await q.get(B, 0, timeout_s=1.0)
+                taken[0] += len(got["groups"])
+                sample()
+                await asyncio.sleep(rng.random() * 0.01)
+            stop.set()
+            await q.close()
+
+        await asyncio.wait_for(asyncio.gather(learner(), *(worker(w) for w in range(3))), 30.0)
+        assert peak[0] == budget and len(admitted) > 40
+        return q
+
+    q = asyncio.run(scenario())
+    assert q.core.balance()["balanced"]
