@@ -14,10 +14,17 @@ LM head, a final norm. Real layouts have many small tensors, and per-tensor push
 Variants, timed by the driver from issuing the calls to the last reply (what the training loop waits):
 
 - ``bucketed``: ``send_weights`` / ``recv_weights`` with ``plan_buckets`` at the default 128 MB bucket.
-  One Ray control call per rank, one collective per bucket. This is what Sonar does.
+  One Ray control call per rank, one collective per bucket. The learner's ``send_weights`` reuses its
+  flat send buffers (allocated on the first sync of a layout, inside that sync's timing); each worker
+  calls ``recv_weights`` without ``into=``, so it receives into fresh buffers on every sync. This is
+  Sonar's learner side with a worker that does not keep its receive buffers.
 - ``bucketed_reuse``: the same buckets, but the learner flattens into, and every worker receives into,
-  flat buffers allocated (and first touched) once, outside the timing. Not what ``cluster.weights`` does
-  today: it measures what fresh allocation costs (see "Fresh memory" below).
+  flat buffers allocated (and first touched) once per layout, outside the timing; the per-bucket copy,
+  broadcast and ``unflatten_bucket`` are those of ``send_weights`` / ``recv_weights(into=...)``, written
+  out in the actor. This is the path Sonar takes: ``send_weights`` on the learner, and
+  ``RolloutWorker.receive_weights`` calls ``recv_weights(..., into=...)`` on one of two buffer sets
+  allocated once with ``alloc_buffers`` (double buffering). The benchmark keeps one set per rank, which
+  costs the same once both of Sonar's sets have been received into once.
 - ``per_tensor``: one Ray control call per rank; each rank then loops over the tensors, one
   ``broadcast`` per tensor. Isolates the cost of many small collectives from Ray overhead.
 - ``per_tensor_ray``: one Ray call per tensor per rank (OpenRLHF-style: the driver announces each
@@ -25,9 +32,9 @@ Variants, timed by the driver from issuing the calls to the last reply (what the
 - ``ray_put``: the naive path: the learner ``ray.put``s its state dict and each worker ``ray.get``s it
   (plasma object store on the same node; no broadcast group at all).
 
-Every variant but ``bucketed_reuse`` lands in fresh receive buffers (as ``recv_weights`` does), and
-after every sync each receiver checks the first and last element of every tensor (untimed), so a fast
-wrong sync fails the benchmark.
+Every variant but ``bucketed_reuse`` lands in fresh receive buffers (as ``recv_weights`` without
+``into=`` does), and after every sync each receiver checks the first and last element of every tensor
+(untimed), so a fast wrong sync fails the benchmark.
 
 Reported per (size, workers, variant): seconds per sync, GB/s per receiver (bytes of the model / s),
 aggregate GB/s (N x bytes / s), Ray calls and collectives per sync; per (size, workers): the time
@@ -35,16 +42,18 @@ ratio bucketed / other variant, paired within a repeat (variants are interleaved
 so background load hits them alike); once: memcpy GB/s of ``torch.Tensor.copy_`` on one thread, and
 bucketed GB/s per receiver as a fraction of it.
 
-Fresh memory. ``flatten_bucket`` and ``recv_weights`` allocate new buffers on every sync, and on this
-VM filling fresh memory runs at about 1.5-3 GB/s against 9-18 GB/s for memcpy between warm buffers
-(``first_touch/gbps``, ``memcpy/gbps``, both measured at the start of the run). ``bucketed_reuse``
-shows what persistent buffers would save. Per-tensor receive buffers up to 32 MB are recycled by
-glibc's heap between syncs while 128 MB buckets are always fresh mmaps, which is why per-tensor can
-beat bucketed here once the model is large.
+Fresh memory. ``recv_weights`` without ``into=`` (the ``bucketed`` receivers) allocates new buffers
+on every sync, and on this VM filling fresh memory runs several times slower than memcpy between warm
+buffers (3.2 against 18.8 GB/s in the run in bench/README.md; ``first_touch/gbps`` and ``memcpy/gbps``
+are measured at the start of every run). That is why Sonar keeps persistent buffers on both sides
+(``send_weights``'s send buffers, the worker's two receive sets); ``bucketed`` / ``bucketed_reuse``
+measures what they save. Per-tensor receive buffers up to 32 MB are recycled by glibc's heap between
+syncs while 128 MB buckets are always fresh mmaps, which is why ``per_tensor`` can beat ``bucketed``
+(not ``bucketed_reuse``) here once the model is large.
 
 Repeats. 3 per point; at 500M parameters 2 for bucketed / bucketed_reuse / per_tensor and 1 for the
-slow per_tensor_ray and ray_put (one repeat of all variants at 4 workers takes over a minute), to keep
-the full run near 5 minutes. The variant order rotates from repeat to repeat so the first sync after
+slow per_tensor_ray and ray_put (2.7-13 s per sync at 500M in the last run), to keep the full run
+under about 5 minutes. The variant order rotates from repeat to repeat so the first sync after
 a layout change (often the slowest) does not always fall on the same variant. The load average at the
 start and end is recorded (``extra.loadavg``): other jobs on a 2-core machine move absolute numbers by
 2-5x; the paired ratios move less.
