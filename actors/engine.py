@@ -145,23 +145,8 @@ class HFEngine:
         Stops on ``params.stop_token_ids`` and on the engine's EOS id. The per-prompt caps
         (optional) are clipped to ``params.max_new_tokens``.
         """
-        params.validate()
-        n = len(prompts)
-        caps = resolve_caps(params, n, max_new_tokens_per_prompt)
-        seqs = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
-        for i, s in enumerate(seqs):
-            if s.size == 0:
-                raise ValueError(f"prompt {i} is empty: generation needs at least one context token")
-        stop = set(int(t) for t in params.stop_token_ids)
-        if self.eos_token_id is not None:
-            stop.add(int(self.eos_token_id))
-
-        gen = torch.Generator(device=self.device)
-        if params.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(int(params.seed))
-
+        seqs, caps, stop, gen = self._prepare_call(prompts, params, max_new_tokens_per_prompt)
+        n = len(seqs)
         out: list[Generation | None] = [None] * n
         order = sorted(range(n), key=lambda i: len(seqs[i]))
         with self._lock, torch.inference_mode():
@@ -173,6 +158,37 @@ class HFEngine:
                     out[i] = Generation(np.asarray(ids, dtype=np.int32), np.asarray(lps, dtype=np.float32),
                                         finish, version, stop_id)
         return out  # type: ignore[return-value]
+
+    def _prepare_call(self, prompts: Sequence[np.ndarray], params: SamplingParams,
+                      per_prompt: Sequence[int] | None):
+        """Validated (int64 prompts, per-prompt caps, stop ids incl. EOS, seeded torch.Generator) of one call."""
+        params.validate()
+        caps = resolve_caps(params, len(prompts), per_prompt)
+        seqs = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+        for i, s in enumerate(seqs):
+            if s.size == 0:
+                raise ValueError(f"prompt {i} is empty: generation needs at least one context token")
+        stop = set(int(t) for t in params.stop_token_ids)
+        if self.eos_token_id is not None:
+            stop.add(int(self.eos_token_id))
+        gen = torch.Generator(device=self.device)
+        if params.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(int(params.seed))
+        return seqs, caps, stop, gen
+
+    def _left_pad(self, seqs: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded ``[B, L]`` ids and mask on the device, and ``position_ids = cumsum(mask) - 1``, so a
+        padded row's first real token sits at position 0, exactly as in the learner's unpadded forward."""
+        L = max(len(x) for x in seqs)
+        ids = torch.full((len(seqs), L), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), L), dtype=torch.long)
+        for r, x in enumerate(seqs):
+            ids[r, L - len(x):] = torch.from_numpy(np.asarray(x, dtype=np.int64))
+            mask[r, L - len(x):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        return ids, mask, (mask.cumsum(-1) - 1).clamp_min(0)
 
     def _generate_chunk(self, seqs: list[np.ndarray], caps: list[int], params: SamplingParams,
                         stop: set[int], gen: torch.Generator):
@@ -188,15 +204,7 @@ class HFEngine:
             return [(ids_out[b], lps_out[b], finish[b], stop_ids[b]) for b in range(B)]
 
         dev = self.device
-        L = max(len(seqs[b]) for b in live)
-        input_ids = torch.full((len(live), L), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(live), L), dtype=torch.long)
-        for r, b in enumerate(live):
-            s = torch.from_numpy(seqs[b])
-            input_ids[r, L - len(s):] = s
-            mask[r, L - len(s):] = 1
-        input_ids, mask = input_ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        input_ids, mask, pos = self._left_pad([seqs[b] for b in live])
         cache = DynamicCache(config=self.model.config)  # per-layer types (sliding window etc.)
         rows = torch.tensor(live, dtype=torch.long)          # chunk row of each batch row
         cap_t = torch.tensor([caps[b] for b in live], dtype=torch.long)

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from actors.engine import Generation, HFEngine, SamplingParams, resolve_caps
+from actors.engine import Generation, HFEngine, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -127,21 +127,8 @@ class ContinuousHFEngine(HFEngine):
     # ------------------------------------------------------------ public
     def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams,
                  max_new_tokens_per_prompt: Sequence[int] | None = None) -> list[Generation]:
-        params.validate()
-        n = len(prompts)
-        caps = resolve_caps(params, n, max_new_tokens_per_prompt)
-        seqs = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
-        for i, s in enumerate(seqs):
-            if s.size == 0:
-                raise ValueError(f"prompt {i} is empty: generation needs at least one context token")
-        stop = set(int(t) for t in params.stop_token_ids)
-        if self.eos_token_id is not None:
-            stop.add(int(self.eos_token_id))
-        gen = torch.Generator(device=self.device)
-        if params.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(int(params.seed))
+        seqs, caps, stop, gen = self._prepare_call(prompts, params, max_new_tokens_per_prompt)
+        n = len(seqs)
         if n == 0:
             return []
         call = _Call(params, stop, gen, [None] * n, n)
@@ -263,16 +250,8 @@ class ContinuousHFEngine(HFEngine):
         to be fed) with the new weights. Later tokens are then exact samples of the new policy."""
         from transformers import DynamicCache
 
-        dev = self.device
         seqs = [np.concatenate([r.prompt, np.asarray(r.ids[:-1], dtype=np.int64)]) for r in self._rows]
-        L = max(len(x) for x in seqs)
-        ids = torch.full((len(seqs), L), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), L), dtype=torch.long)
-        for i, x in enumerate(seqs):
-            ids[i, L - len(x):] = torch.from_numpy(x)
-            mask[i, L - len(x):] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        ids, mask, pos = self._left_pad(seqs)
         cache = DynamicCache(config=self.model.config)
         self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
                    logits_to_keep=1)
@@ -292,16 +271,8 @@ class ContinuousHFEngine(HFEngine):
     def _prefill_and_merge(self, admit: list[_Row], finished: list[int]) -> None:
         from transformers import DynamicCache
 
-        dev = self.device
-        L = max(len(r.prompt) for r in admit)
-        ids = torch.full((len(admit), L), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(admit), L), dtype=torch.long)
-        for i, r in enumerate(admit):
-            s = torch.from_numpy(r.prompt)
-            ids[i, L - len(s):] = s
-            mask[i, L - len(s):] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        ids, mask, pos = self._left_pad([r.prompt for r in admit])
+        L = ids.shape[1]
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                             use_cache=True, logits_to_keep=1).logits[:, -1, :]

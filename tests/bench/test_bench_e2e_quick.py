@@ -62,6 +62,10 @@ def test_async_vs_sync_quick(tmp_path):
     assert m["sync/policy_lag_hist/0"]["median"] > 0 and m["sync/policy_lag_max"]["max"] == 0
     assert m["async_lag2/policy_lag_max"]["max"] <= 2
     assert extra["device"]["rollout_engine"] == "hf" and "pipeline_bound_speedup" in extra["analysis"]
+    # the default workload: continuous batching with simulated long-tailed decode, in both modes
+    assert extra["device"]["continuous_batching"] is True and extra["device"]["decode_ms_per_token"] > 0
+    for s in ("sync", "async_lag2"):
+        assert 0 < m[f"{s}/engine_mean_live_rows"]["median"] <= extra["device"]["engine_slots_per_worker"]
 
 
 def test_rollout_scaling_quick(tmp_path):
