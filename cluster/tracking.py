@@ -105,7 +105,8 @@ def _atomic_write():
         yield
         return
     got: list[int] = []
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # A signal the process ignores (SIGINT under `nohup ... &`) stays ignored.
+    handlers = {sig: h for sig in (signal.SIGINT, signal.SIGTERM) if (h := signal.getsignal(sig)) != signal.SIG_IGN}
     for sig in handlers:
         signal.signal(sig, lambda signum, frame: got.append(signum))
     try:
