@@ -95,7 +95,8 @@ class RolloutWorker:
         self.world = build_world(cfg.world)
         model, self.tokenizer = policy_and_tokenizer(cfg.model, self.world)
         self.tags = get_protocol(cfg.protocol.name)
-        if cfg.rollout.engine == "bench":
+        r = cfg.rollout
+        if r.engine == "bench":
             from actors.bench_engine import BenchEngine  # benchmarks only: sleeps instead of computing
 
             inner = BenchEngine(model, self.tokenizer, self.tags, token_ms=cfg.rollout.bench_token_ms,
@@ -107,14 +108,12 @@ class RolloutWorker:
         elif cfg.rollout.continuous_batching:
             from actors.engine_continuous import ContinuousHFEngine
 
-            r = cfg.rollout
             inner = ContinuousHFEngine(model, eos_token_id=self.tokenizer.eos_token_id, max_batch=r.max_batch_rows,
                                        step_ms=r.inject_decode_ms_per_token, median_tokens=r.inject_decode_median_tokens,
                                        sigma=r.inject_decode_sigma, max_tokens=r.inject_decode_max_tokens,
                                        seed=cfg.run.seed * 1009 + worker_id)
         else:
-            inner = HFEngine(model, eos_token_id=self.tokenizer.eos_token_id, max_batch=cfg.rollout.max_batch_rows)
-        r = cfg.rollout
+            inner = HFEngine(model, eos_token_id=self.tokenizer.eos_token_id, max_batch=r.max_batch_rows)
         if r.inject_decode_ms_per_token > 0 and not getattr(inner, "concurrent", False):
             from actors.decode_latency import DecodeLatencyEngine  # benchmarks only: long-tailed decode time
 

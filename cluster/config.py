@@ -165,8 +165,10 @@ class RolloutConfig:
     max_batch_rows: int = 64
     """Rows an engine decodes together at most (a continuous engine's live rows)."""
     inject_decode_ms_per_token: float = 0.0
-    """Benchmarks only (hf/vllm engines): decode time charged per token of a long-tailed reasoning
-    length drawn for every row of every generate call (actors/decode_latency.py). 0 disables."""
+    """Benchmarks only (hf/vllm engines): the simulated decode step of a real-size policy, in ms. Every
+    turn of every trajectory also reasons for a long-tailed number of extra steps (below) before it
+    returns. A static engine charges the time per call for its longest row (actors/decode_latency.py);
+    the continuous engine paces its steps and holds a batch slot per simulated token. 0 disables."""
     inject_decode_median_tokens: float = 16.0
     """Median of the lognormal reasoning length per turn, in tokens."""
     inject_decode_sigma: float = 0.7

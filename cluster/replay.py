@@ -14,6 +14,12 @@ Policy lag of a group = learner version when it is handed out - the oldest polic
 sampled any of its tokens. Groups with lag > max_policy_lag are dropped (and counted) under the
 ``drop`` policy; under ``downweight`` they are handed out and the learner weights them.
 
+Admission (async runs, ``max_inflight_groups`` > 0): a claim is granted only while the groups claimed
+and not yet put plus the groups queued stay within the budget, by default (max_policy_lag + 1) x
+groups_per_step (AReaL's staleness-aware rule): workers may start prompts for future learner steps,
+but not so many that they would be stale before they are trained. ``ReplayQueue.claim`` waits up to
+``wait_s`` for room and otherwise returns [] (the worker retries).
+
 Prompts: workers claim prompt indices from a seeded epoch permutation. A claim is released when its
 group is put; the claims of a dead worker are requeued at the front, so no prompt is lost.
 """
