@@ -82,7 +82,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import REPO_ROOT, base_parser, setup_env, summarise, write_result
+from bench.common import REPO_ROOT, bench_settings, driver_bench_parser, setup_env, summarise, write_result
 
 setup_env()
 
@@ -410,19 +410,14 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = base_parser(NAME, __doc__.splitlines()[0])
+    p = driver_bench_parser(NAME, __doc__.splitlines()[0], "configs/bench.yaml")
     p.add_argument("--lags", type=int, nargs="+", help="async max_policy_lag values (default 1 2 4; quick: 2)")
     p.add_argument("--steps", type=int, help="RL steps per setting (default: the config's)")
     p.add_argument("--engine", choices=["hf", "bench"], help="rollout engine (default: the config's, hf)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra config overrides on top of configs/bench.yaml (repeatable)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg = json.loads(json.dumps(QUICK if args.quick else FULL))
+    cfg = bench_settings(args, QUICK, FULL)
     if args.lags:
         cfg["lags"] = args.lags
-    if args.repeats:
-        cfg["repeats"] = args.repeats
     if args.steps:
         cfg["overrides"].append(f"stages.1.steps={args.steps}")
     if args.engine:

@@ -243,6 +243,27 @@ def base_parser(name: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
+def driver_bench_parser(name: str, description: str, config_hint: str) -> argparse.ArgumentParser:
+    """``base_parser`` plus ``--set KEY=VALUE`` (repeatable): for benchmarks that run Sonar's driver."""
+    p = base_parser(name, description)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"extra config overrides on top of {config_hint} (repeatable)")
+    return p
+
+
+def bench_settings(args: argparse.Namespace, quick: dict, full: dict) -> dict:
+    """A private copy of the benchmark's QUICK or FULL settings with ``--repeats`` applied; sets up
+    INFO logging (the benchmarks report progress through the log)."""
+    import copy
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    cfg = copy.deepcopy(quick if args.quick else full)
+    if args.repeats:
+        cfg["repeats"] = args.repeats
+    return cfg
+
+
 def init_ray_local(num_cpus: int | None = None, object_store_bytes: int | None = None) -> bool:
     """Start a local Ray on 127.0.0.1 unless one is running; returns True if this call started it
     (then the caller shuts it down). Never ``ray stop``: it kills every Ray process on the machine."""

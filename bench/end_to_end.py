@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import REPO_ROOT, base_parser, setup_env, summarise, write_result
+from bench.common import REPO_ROOT, bench_settings, driver_bench_parser, setup_env, summarise, write_result
 
 setup_env()
 
@@ -188,18 +188,13 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = base_parser(NAME, __doc__.splitlines()[0])
+    p = driver_bench_parser(NAME, __doc__.splitlines()[0], "the config")
     p.add_argument("--config", help="config file (default configs/tiny.yaml; quick: configs/smoke.yaml)")
     p.add_argument("--run-root", help="where run directories go (default: the config's run.root)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra config overrides (repeatable)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    bcfg = json.loads(json.dumps(QUICK if args.quick else FULL))
+    bcfg = bench_settings(args, QUICK, FULL)
     if args.config:
         bcfg["config"] = args.config
-    if args.repeats:
-        bcfg["repeats"] = args.repeats
     bcfg["overrides"] += args.overrides
     from bench.driver_harness import load_cfg
     from cluster.config import to_dict

@@ -50,14 +50,13 @@ The workers are the real ``RolloutWorker`` actors with ``rollout.engine=bench``;
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import REPO_ROOT, base_parser, setup_env, summarise, write_result
+from bench.common import REPO_ROOT, bench_settings, driver_bench_parser, setup_env, summarise, write_result
 
 setup_env()
 
@@ -297,23 +296,18 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = base_parser(NAME, __doc__.splitlines()[0])
+    p = driver_bench_parser(NAME, __doc__.splitlines()[0], "configs/bench.yaml")
     p.add_argument("--workers", type=int, nargs="+", help="worker counts (default 1 2 4 8; quick: 1 2)")
     p.add_argument("--token-ms", type=float, help="BenchEngine sleep per token (default 10)")
     p.add_argument("--window", type=float, help="measurement window per point, seconds")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra config overrides on top of configs/bench.yaml (repeatable)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    bcfg = json.loads(json.dumps(QUICK if args.quick else FULL))
+    bcfg = bench_settings(args, QUICK, FULL)
     if args.workers:
         bcfg["workers"] = sorted(set(args.workers))
     if args.token_ms is not None:
         bcfg["token_ms"] = args.token_ms
     if args.window:
         bcfg["window_s"] = args.window
-    if args.repeats:
-        bcfg["repeats"] = args.repeats
     import os
 
     n_max = max(bcfg["workers"])
