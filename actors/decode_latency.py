@@ -43,6 +43,27 @@ import numpy as np
 from actors.engine import Engine, Generation, SamplingParams
 
 
+class ReasoningLengths:
+    """Simulated reasoning tokens per turn: ``lognormal(ln median_tokens, sigma)``, rounded and clipped to
+    ``[1, max_tokens]``; shared by this wrapper and the continuous engine's pacing."""
+
+    def __init__(self, median_tokens: float, sigma: float, max_tokens: int, seed: int = 0):
+        if not math.isfinite(median_tokens) or median_tokens < 1:
+            raise ValueError(f"median_tokens={median_tokens} must be >= 1 (rollout.inject_decode_median_tokens)")
+        if not math.isfinite(sigma) or sigma < 0:
+            raise ValueError(f"sigma={sigma} must be a finite number >= 0 (rollout.inject_decode_sigma)")
+        if max_tokens < median_tokens:
+            raise ValueError(f"max_tokens={max_tokens} must be >= median_tokens={median_tokens} "
+                             "(rollout.inject_decode_max_tokens)")
+        self.median_tokens, self.sigma, self.max_tokens = float(median_tokens), float(sigma), int(max_tokens)
+        self._rng = np.random.default_rng(abs(int(seed)))
+
+    def draw(self, n: int) -> np.ndarray:
+        """n lengths (int64)."""
+        x = self._rng.lognormal(math.log(self.median_tokens), self.sigma, size=n)
+        return np.clip(np.rint(x), 1, self.max_tokens).astype(np.int64)
+
+
 class DecodeLatencyEngine:
     """An ``Engine`` that delegates to ``inner`` and then sleeps the decode time of long-tailed turns.
 
@@ -57,19 +78,11 @@ class DecodeLatencyEngine:
         if not math.isfinite(ms_per_token) or ms_per_token <= 0:
             raise ValueError(f"ms_per_token={ms_per_token} must be a finite number > 0 "
                              "(rollout.inject_decode_ms_per_token)")
-        if not math.isfinite(median_tokens) or median_tokens < 1:
-            raise ValueError(f"median_tokens={median_tokens} must be >= 1 (rollout.inject_decode_median_tokens)")
-        if not math.isfinite(sigma) or sigma < 0:
-            raise ValueError(f"sigma={sigma} must be a finite number >= 0 (rollout.inject_decode_sigma)")
-        if max_tokens < median_tokens:
-            raise ValueError(f"max_tokens={max_tokens} must be >= median_tokens={median_tokens} "
-                             "(rollout.inject_decode_max_tokens)")
+        self.lengths = ReasoningLengths(median_tokens, sigma, max_tokens, seed)
         self.inner = inner
         self.ms_per_token = float(ms_per_token)
-        self.median_tokens = float(median_tokens)
-        self.sigma = float(sigma)
-        self.max_tokens = int(max_tokens)
-        self._rng = np.random.default_rng(abs(int(seed)))
+        self.median_tokens, self.sigma, self.max_tokens = (self.lengths.median_tokens, self.lengths.sigma,
+                                                           self.lengths.max_tokens)
         self._lock = threading.Lock()  # the "device": one call at a time, weights swap between calls
         self._stats_lock = threading.Lock()
         self.calls = 0
@@ -83,8 +96,7 @@ class DecodeLatencyEngine:
 
     def draw_tokens(self, n: int) -> np.ndarray:
         """n reasoning lengths (int64), lognormal(ln median, sigma) rounded and clipped to [1, max_tokens]."""
-        x = self._rng.lognormal(math.log(self.median_tokens), self.sigma, size=n)
-        return np.clip(np.rint(x), 1, self.max_tokens).astype(np.int64)
+        return self.lengths.draw(n)
 
     def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams,
                  max_new_tokens_per_prompt: Sequence[int] | None = None) -> list[Generation]:

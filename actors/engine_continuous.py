@@ -51,6 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from actors.decode_latency import ReasoningLengths
 from actors.engine import Generation, HFEngine, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -95,12 +96,9 @@ class ContinuousHFEngine(HFEngine):
         super().__init__(model, eos_token_id, device=device, max_batch=max_batch)
         if not math.isfinite(step_ms) or step_ms < 0:
             raise ValueError(f"step_ms={step_ms} must be a finite number >= 0 (rollout.inject_decode_ms_per_token)")
-        if step_ms > 0 and not (1 <= median_tokens <= max_tokens and sigma >= 0):
-            raise ValueError(f"median_tokens={median_tokens}, max_tokens={max_tokens}, sigma={sigma}: need "
-                             "1 <= median <= max and sigma >= 0 (rollout.inject_decode_*)")
         self.step_ms = float(step_ms)
         self.median_tokens, self.sigma, self.max_tokens = float(median_tokens), float(sigma), int(max_tokens)
-        self._tail_rng = np.random.default_rng(abs(int(seed)))
+        self._tail = ReasoningLengths(median_tokens, sigma, max_tokens, seed) if step_ms > 0 else None
         self._cv = threading.Condition()
         self._queue: list[_Row] = []
         self._closed = False
@@ -319,9 +317,8 @@ class ContinuousHFEngine(HFEngine):
         keep = [i for i in range(len(self._rows)) if i not in gone]
         for i in sorted(gone):
             r = self._rows[i]
-            if self.step_ms > 0:
-                r.tail = int(np.clip(np.rint(self._tail_rng.lognormal(math.log(self.median_tokens), self.sigma)),
-                                     1, self.max_tokens))
+            if self._tail is not None:
+                r.tail = int(self._tail.draw(1)[0])
                 self._tailing.append(r)
             else:
                 self._finish(r)
