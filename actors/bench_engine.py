@@ -49,8 +49,8 @@ from typing import Sequence
 
 import numpy as np
 
-from actors.engine import Generation, HFEngine, SamplingParams, resolve_caps
-from actors.prompts import TagSet
+from sonar.actors.engine import Generation, HFEngine, SamplingParams, resolve_caps
+from sonar.actors.prompts import TagSet
 
 log = logging.getLogger(__name__)
 

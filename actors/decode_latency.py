@@ -40,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-from actors.engine import Engine, Generation, SamplingParams
+from sonar.actors.engine import Engine, Generation, SamplingParams
 
 
 class ReasoningLengths:

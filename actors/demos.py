@@ -34,8 +34,8 @@ from typing import Sequence
 
 import numpy as np
 
-from actors.prompts import TagSet, all_special_tokens, neutralise, render_documents, render_prompt
-from cluster.protocol import FinishReason, SearchCall, Segment, SegmentKind, Trajectory
+from sonar.actors.prompts import TagSet, all_special_tokens, neutralise, render_documents, render_prompt
+from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, Trajectory
 
 DEFAULT_STEP_THOUGHT = "search"
 DEFAULT_FINAL_THOUGHT = "answer"

@@ -51,8 +51,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from actors.decode_latency import ReasoningLengths
-from actors.engine import Generation, HFEngine, SamplingParams
+from sonar.actors.decode_latency import ReasoningLengths
+from sonar.actors.engine import Generation, HFEngine, SamplingParams
 
 log = logging.getLogger(__name__)
 

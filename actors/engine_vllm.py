@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from actors.engine import Generation, ParamSpec, SamplingParams, resolve_caps
+from sonar.actors.engine import Generation, ParamSpec, SamplingParams, resolve_caps
 
 
 class SonarWorkerExtension:
@@ -40,7 +40,7 @@ class VLLMEngine:
         self.llm = LLM(model=model_dir, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                        max_model_len=max_model_len, seed=seed, enable_prefix_caching=True,
                        logprobs_mode="processed_logprobs",
-                       worker_extension_cls="actors.engine_vllm.SonarWorkerExtension")
+                       worker_extension_cls="sonar.actors.engine_vllm.SonarWorkerExtension")
         self.version = 0
         self._lock = threading.Lock()
         self._specs = self._read_specs(model_dir)

@@ -82,6 +82,6 @@ def policy_and_tokenizer(cfg, world):
     """``cfg.path`` set: load that directory; else the world's word tokenizer + a random tiny Llama."""
     if cfg.path:
         return load_policy(os.path.expanduser(cfg.path))
-    from actors.tokenizer import build_tokenizer
+    from sonar.actors.tokenizer import build_tokenizer
     tokenizer = build_tokenizer(world.vocab())
     return build_policy(cfg, tokenizer), tokenizer

@@ -53,7 +53,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from actors.prompts import TagSet
+from sonar.actors.prompts import TagSet
 
 # ---------------------------------------------------------------- reasons (stable metric keys)
 NO_TAGS = "no tags"

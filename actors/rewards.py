@@ -67,11 +67,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Optional
 
-from cluster.protocol import FinishReason
+from sonar.cluster.wire.protocol import FinishReason
 
 if TYPE_CHECKING:  # config imports omegaconf; rewards only reads three fields
-    from cluster.config import RewardConfig
-    from cluster.protocol import Trajectory
+    from sonar.cluster.wire.config import RewardConfig
+    from sonar.cluster.wire.protocol import Trajectory
 
 PARTS = ("em", "f1", "cover_em", "format", "retrieval", "penalty", "num_searches", "failed_searches")
 REWARD_NAMES = ("answer_em", "answer_f1", "cover_em", "r1_stage1", "r1_stage2", "rag_r1")

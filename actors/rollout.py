@@ -47,11 +47,11 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from actors.engine import Engine, Generation, SamplingParams
-from actors.prompts import TagSet, render_documents, render_prompt
-from cluster.config import ProtocolConfig
-from cluster.protocol import FinishReason, SearchCall, Segment, SegmentKind, Trajectory
-from retrieval.base import Hit, RetrievalError
+from sonar.actors.engine import Engine, Generation, SamplingParams
+from sonar.actors.prompts import TagSet, render_documents, render_prompt
+from sonar.cluster.wire.config import ProtocolConfig
+from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, Trajectory
+from sonar.retrieval.base import Hit, RetrievalError
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
         raise ValueError(f"protocol.max_total_tokens={proto.max_total_tokens} and "
                          f"protocol.max_new_tokens_per_turn={proto.max_new_tokens_per_turn} must be >= 1")
     if parse_fn is None:
-        from actors.parsing import parse_turn as parse_fn  # noqa: N813
+        from sonar.actors.parsing import parse_turn as parse_fn  # noqa: N813
     if retriever is not None and _is_sync_retriever(retriever):
         retriever = ThreadedRetriever(retriever)
 

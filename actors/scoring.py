@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from actors.rewards import cover_em, exact_match, f1
+from sonar.actors.rewards import cover_em, exact_match, f1
 
 _MISSING = object()
 _SPLIT_STEMS = {"train", "dev", "test", "val", "valid", "validation", "predictions", "preds"}

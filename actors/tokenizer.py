@@ -22,7 +22,7 @@ from typing import Sequence
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from actors.prompts import all_special_tokens
+from sonar.actors.prompts import all_special_tokens
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<eos>"
 FRAME_WORDS = ("system", "user", "assistant", ":")

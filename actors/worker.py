@@ -21,9 +21,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from actors.engine import Engine, Generation, SamplingParams
-from cluster.config import Config, StageConfig
-from cluster.protocol import Trajectory, encode_group
+from sonar.actors.engine import Engine, Generation, SamplingParams
+from sonar.cluster.wire.config import Config, StageConfig
+from sonar.cluster.wire.protocol import Trajectory, encode_group
 
 
 class SwappingEngine:
@@ -85,10 +85,10 @@ def _set_threads(n: int = 1) -> None:
 class RolloutWorker:
     def __init__(self, worker_id: int, cfg: Config, retrieval_handles: list | None = None):
         _set_threads(1)
-        from actors.engine import HFEngine
-        from actors.model import policy_and_tokenizer
-        from actors.prompts import get_protocol
-        from actors.world import build_world
+        from sonar.actors.engine import HFEngine
+        from sonar.actors.model import policy_and_tokenizer
+        from sonar.actors.prompts import get_protocol
+        from sonar.actors.world import build_world
 
         self.worker_id = worker_id
         self.cfg = cfg
@@ -97,16 +97,16 @@ class RolloutWorker:
         self.tags = get_protocol(cfg.protocol.name)
         r = cfg.rollout
         if r.engine == "bench":
-            from actors.bench_engine import BenchEngine  # benchmarks only: sleeps instead of computing
+            from sonar.actors.bench_engine import BenchEngine  # benchmarks only: sleeps instead of computing
 
             inner = BenchEngine(model, self.tokenizer, self.tags, token_ms=cfg.rollout.bench_token_ms,
                                 seed=cfg.run.seed * 101 + worker_id)
         elif cfg.rollout.engine == "vllm":
-            from actors.engine_vllm import VLLMEngine
+            from sonar.actors.engine_vllm import VLLMEngine
 
             inner = VLLMEngine.from_model(model, self.tokenizer, cfg)
         elif cfg.rollout.continuous_batching:
-            from actors.engine_continuous import ContinuousHFEngine
+            from sonar.actors.engine_continuous import ContinuousHFEngine
 
             inner = ContinuousHFEngine(model, eos_token_id=self.tokenizer.eos_token_id, max_batch=r.max_batch_rows,
                                        step_ms=r.inject_decode_ms_per_token, median_tokens=r.inject_decode_median_tokens,
@@ -115,7 +115,7 @@ class RolloutWorker:
         else:
             inner = HFEngine(model, eos_token_id=self.tokenizer.eos_token_id, max_batch=r.max_batch_rows)
         if r.inject_decode_ms_per_token > 0 and not getattr(inner, "concurrent", False):
-            from actors.decode_latency import DecodeLatencyEngine  # benchmarks only: long-tailed decode time
+            from sonar.actors.decode_latency import DecodeLatencyEngine  # benchmarks only: long-tailed decode time
 
             inner = DecodeLatencyEngine(inner, r.inject_decode_ms_per_token, r.inject_decode_median_tokens,
                                         r.inject_decode_sigma, r.inject_decode_max_tokens,
@@ -135,7 +135,7 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ wiring
     def _make_retriever(self, handles):
-        from retrieval.service import RetrievalClient
+        from sonar.retrieval.service import RetrievalClient
 
         if handles:
             return RetrievalClient(handles, timeout_s=self.cfg.retrieval.timeout_s)
@@ -147,7 +147,7 @@ class RolloutWorker:
 
     def setup_broadcast(self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str,
                         prefix: str) -> bool:
-        from cluster.weights import BroadcastGroup, TensorSpec, layout_digest, plan_buckets
+        from sonar.cluster.wire.weights import BroadcastGroup, TensorSpec, layout_digest, plan_buckets
 
         self._group = BroadcastGroup(master_addr, master_port, rank, world_size, backend, prefix=prefix)
         specs = [TensorSpec(p.name, tuple(p.shape), p.dtype) for p in self.engine.parameter_specs()]
@@ -178,7 +178,7 @@ class RolloutWorker:
 
     def checksum(self) -> dict:
         """Same function as the learner's (cluster.weights.checksum), so the two can be compared."""
-        from cluster.weights import checksum
+        from sonar.cluster.wire.weights import checksum
 
         model = getattr(self.engine.inner, "model", None)
         if model is None:  # vLLM keeps its weights in its own worker processes
@@ -256,7 +256,7 @@ class RolloutWorker:
         return {"worker_id": self.worker_id, "groups": sum(sizes), "seconds": time.perf_counter() - t0}
 
     def _prompt_item(self, index: int):
-        from actors.rollout import PromptItem
+        from sonar.actors.rollout import PromptItem
 
         q = self.world.train[index]
         return PromptItem(prompt_id=q.qid, question=q.question, golds=list(q.golds))
@@ -280,7 +280,7 @@ class RolloutWorker:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, questions: list[dict], search_enabled: bool, stage: StageConfig) -> list[dict]:
         """Greedy rollouts over the given questions; returns one record per question with the trace."""
-        from actors.rollout import PromptItem
+        from sonar.actors.rollout import PromptItem
 
         self.engine.apply_staged()
         items = [PromptItem(prompt_id=q["qid"], question=q["question"], golds=list(q["golds"])) for q in questions]
@@ -321,8 +321,8 @@ async def _aproduce(w: "RolloutWorker", replay, stage_index: int, stage: StageCo
 
 async def _arollout(w: "RolloutWorker", items, stage_index: int, stage: StageConfig, temperature: float,
                     search_enabled: bool = True, seed: int | None = None):
-    from actors.rewards import trajectory_reward
-    from actors.rollout import rollout_groups
+    from sonar.actors.rewards import trajectory_reward
+    from sonar.actors.rollout import rollout_groups
 
     return await rollout_groups(
         items, engine=w.engine, retriever=w.retriever, tokenizer=w.tokenizer, tags=w.tags,

@@ -47,7 +47,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from actors import prompts
+from sonar.actors import prompts
 
 KINDS = ("country", "city", "company", "person")
 _KIND_SHARE = {"country": 0.05, "city": 0.17, "company": 0.23, "person": 0.55}

@@ -82,7 +82,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import REPO_ROOT, bench_settings, driver_bench_parser, setup_env, summarise, write_result
+from sonar.bench.common import REPO_ROOT, bench_settings, driver_bench_parser, setup_env, summarise, write_result
 
 setup_env()
 
@@ -137,9 +137,9 @@ def code_fingerprint() -> str:
 
 def sft_checkpoint(cfg, sft_stage) -> tuple[str | None, dict]:
     """Train (once) and cache the SFT policy every setting starts from; returns (model dir, info)."""
-    from cluster.config import to_dict
+    from sonar.cluster.wire.config import to_dict
 
-    from bench.driver_harness import run_training
+    from sonar.bench.driver_harness import run_training
 
     if sft_stage is None or cfg.model.path or cfg.rollout.engine == "bench":
         return cfg.model.path, {"sft": "skipped"}
@@ -172,7 +172,7 @@ def sft_checkpoint(cfg, sft_stage) -> tuple[str | None, dict]:
 # ------------------------------------------------------------------------------------ one setting
 def measure(res: dict, cfg) -> dict:
     """Per-setting numbers from one ``run_training`` result (see the module docstring for definitions)."""
-    from bench.driver_harness import lag_histogram, rl_stage, series
+    from sonar.bench.driver_harness import lag_histogram, rl_stage, series
 
     st = rl_stage(res)
     h = st["history"]
@@ -219,7 +219,7 @@ def measure(res: dict, cfg) -> dict:
 
 def run_setting(base_overrides: list[str], mode: str, lag: int | None, model_path: str | None, run_root: Path,
                 tag: str) -> dict:
-    from bench.driver_harness import load_cfg, run_training
+    from sonar.bench.driver_harness import load_cfg, run_training
 
     cfg0 = load_cfg([CONFIG], base_overrides)
     ov = list(base_overrides) + setting_overrides(mode, lag, cfg0.learner.groups_per_step)
@@ -237,7 +237,7 @@ def run_setting(base_overrides: list[str], mode: str, lag: int | None, model_pat
 
 # ------------------------------------------------------------------------------------ the benchmark
 def run(cfg_bench: dict) -> tuple[dict, dict]:
-    from bench.driver_harness import device_info, load_cfg, loadavg, start_ray
+    from sonar.bench.driver_harness import device_info, load_cfg, loadavg, start_ray
 
     overrides = list(cfg_bench["overrides"])
     base = load_cfg([CONFIG], overrides)
@@ -425,8 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.engine == "bench":  # it simulates decode time itself and serialises its calls
             cfg["overrides"] += ["rollout.continuous_batching=false", "rollout.inject_decode_ms_per_token=0.0"]
     cfg["overrides"] += args.overrides
-    from bench.driver_harness import load_cfg
-    from cluster.config import to_dict
+    from sonar.bench.driver_harness import load_cfg
+    from sonar.cluster.wire.config import to_dict
 
     resolved = load_cfg([CONFIG], cfg["overrides"])
     cfg.update(quick=args.quick, config_file=str(CONFIG.relative_to(REPO_ROOT)), resolved=to_dict(resolved),

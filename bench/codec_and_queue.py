@@ -41,7 +41,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from bench.common import base_parser, init_ray_local, setup_env, summarise, write_result
+from sonar.bench.common import base_parser, init_ray_local, setup_env, summarise, write_result
 
 setup_env()
 
@@ -73,7 +73,7 @@ def make_trajectory(n_tokens: int, rng, idx: int = 0, version: int = 3):
     """A search-agent trajectory of exactly ``n_tokens`` tokens (see the module docstring)."""
     import numpy as np
 
-    from cluster.protocol import FinishReason, SearchCall, Segment, SegmentKind, Trajectory
+    from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, Trajectory
 
     prompt = max(32, n_tokens // 8)
     rest = n_tokens - prompt
@@ -145,7 +145,7 @@ def _rate(fn, min_s: float) -> tuple[float, int]:
 
 
 def bench_codec(cfg: dict, metrics: dict, rows: list) -> None:
-    from cluster.protocol import decode_group, encode_group
+    from sonar.cluster.wire.protocol import decode_group, encode_group
 
     for n_tok in cfg["codec_tokens"]:
         group = make_group(n_tok, seed=n_tok)
@@ -240,8 +240,8 @@ def bench_queue(cfg: dict, metrics: dict, rows: list) -> None:
     import ray
     from ray.util.queue import Queue
 
-    from cluster.protocol import encode_group
-    from cluster.replay import ReplayQueue
+    from sonar.cluster.wire.protocol import encode_group
+    from sonar.cluster.wire.replay import ReplayQueue
 
     items, batch = cfg["queue_items"], cfg["batch"]
     q = ray.remote(ReplayQueue).options(num_cpus=0).remote(10 * items, 1_000_000, "downweight", 1000, 0)

@@ -1,6 +1,6 @@
 """Shared plumbing of the training benchmarks (async-vs-sync, rollout-scaling, end-to-end).
 
-``run_training(cfg)`` runs a config through the *production* driver functions of ``cluster.launch``
+``run_training(cfg)`` runs a config through the *production* driver functions of ``sonar.cluster.driver``
 (``start_run``, ``start_roles``, ``run_sft_stage``, ``run_rl_stage``, ``evaluate``...) in the order
 ``train()`` calls them, and adds only measurement around them: wall-clock per stage, the rollout
 workers' cumulative stats (``gen_s``, ``retrieve_s``, trajectories, searches) read from ``health()``
@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from bench.common import REPO_ROOT, setup_env
+from sonar.bench.common import REPO_ROOT, setup_env
 
 setup_env()
 log = logging.getLogger("sonar.bench")
@@ -37,15 +37,15 @@ CONFIG_DIR = REPO_ROOT / "configs"
 
 
 def load_cfg(paths: Sequence[str | Path], overrides: Sequence[str] = ()):
-    from cluster.config import load_config
+    from sonar.cluster.wire.config import load_config
 
     return load_config([Path(p) for p in paths], list(overrides))
 
 
 def start_ray(cfg) -> bool:
-    """Start Ray as the driver does (``cluster.launch.init_ray``: a private local cluster on 127.0.0.1
+    """Start Ray as the driver does (``sonar.cluster.driver.roles.init_ray``: a private local cluster on 127.0.0.1
     unless ``cluster.address`` / ``RAY_ADDRESS`` names one); True if this call started it."""
-    from cluster.launch import init_ray
+    from sonar.cluster.driver.roles import init_ray
 
     return init_ray(cfg)
 
@@ -54,7 +54,7 @@ def device_info(cfg) -> dict:
     """What generated and what trained: recorded in every result (the same command runs on a GPU box)."""
     import torch
 
-    from learner.deepspeed_config import resolve_backend
+    from sonar.learner.deepspeed_config import resolve_backend
 
     return {"rollout_engine": cfg.rollout.engine,
             "rollout_device": "cuda" if cfg.rollout.num_gpus_per_worker > 0 and torch.cuda.is_available() else "cpu",
@@ -116,14 +116,15 @@ def run_training(cfg, *, evaluate_after: bool = True, export: bool = False,
     """
     import ray
 
-    from cluster import launch as L
+    from sonar.cluster.driver import loop as D_loop, reports as D_reports, roles as D_roles, run as D_run  # noqa: F401
+
 
     t0 = time.monotonic()
-    run = L.start_run(cfg)
+    run = D_run.start_run(cfg)
     roles = None
     out: dict[str, Any] = {"run_dir": str(run.dir), "stages": []}
     try:
-        roles = L.start_roles(cfg, run)
+        roles = D_roles.start_roles(cfg, run)
         if on_roles is not None:
             on_roles(roles)
         out["startup_s"] = time.monotonic() - t0
@@ -132,9 +133,9 @@ def run_training(cfg, *, evaluate_after: bool = True, export: bool = False,
             first_step = len(run.history)
             ts = time.monotonic()
             if stage.kind == "sft":
-                L.run_sft_stage(cfg, roles, run, index, stage)
+                D_loop.run_sft_stage(cfg, roles, run, index, stage)
             else:
-                L.run_rl_stage(cfg, roles, run, index, stage)
+                D_loop.run_rl_stage(cfg, roles, run, index, stage)
             seconds = time.monotonic() - ts
             rec = {"index": index, "kind": stage.kind, "steps": stage.steps, "seconds": seconds,
                    "t_start": ts, "t_end": ts + seconds,
@@ -143,9 +144,9 @@ def run_training(cfg, *, evaluate_after: bool = True, export: bool = False,
                    "history": [h for h in run.history[first_step:] if h.get("stage") == index]}
             out["stages"].append(rec)
         out["replay"] = ray.get(roles.replay.stats.remote())
-        out["weights"] = L.verify_weights(roles)
-        out["eval"] = L.evaluate(cfg, roles, run, split="after") if evaluate_after else None
-        out["model_dir"] = L.export_model(cfg, roles, run) if export else None
+        out["weights"] = D_roles.verify_weights(roles)
+        out["eval"] = D_reports.evaluate(cfg, roles, run, split="after") if evaluate_after else None
+        out["model_dir"] = D_roles.export_model(cfg, roles, run) if export else None
         out["history"] = list(run.history)
         run.finish("FINISHED")
     except BaseException:
@@ -153,7 +154,7 @@ def run_training(cfg, *, evaluate_after: bool = True, export: bool = False,
         raise
     finally:
         try:
-            L.stop_roles(roles)
+            D_roles.stop_roles(roles)
         finally:
             _kill_roles(roles)
     out["total_s"] = time.monotonic() - t0

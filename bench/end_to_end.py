@@ -5,7 +5,7 @@ SFT, evaluation before RL, async GRPO, evaluation after, export) through the pro
 functions and report tokens/s, trajectories/s, the time per RL learner step split into generate,
 retrieve, train and sync, and the peak memory of all processes together.
 
-How it runs: ``bench.driver_harness.run_training`` calls ``cluster.launch``'s own functions in
+How it runs: ``bench.driver_harness.run_training`` calls the driver's own functions in
 ``train()``'s order (start_run, start_roles, run_sft_stage / run_rl_stage, verify_weights, evaluate,
 export_model) and reads the rollout workers' cumulative stats before and after each stage.
 
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import REPO_ROOT, bench_settings, driver_bench_parser, setup_env, summarise, write_result
+from sonar.bench.common import REPO_ROOT, bench_settings, driver_bench_parser, setup_env, summarise, write_result
 
 setup_env()
 
@@ -57,7 +57,7 @@ log = logging.getLogger("sonar.bench")
 
 
 def measure(res: dict, sampler: dict, cfg) -> dict:
-    from bench.driver_harness import series
+    from sonar.bench.driver_harness import series
 
     m: dict[str, float] = {"wall_s": res["total_s"], "startup_s": res["startup_s"]}
     for st in res["stages"]:
@@ -105,7 +105,7 @@ def measure(res: dict, sampler: dict, cfg) -> dict:
 
 
 def run(bcfg: dict, run_root: str | None) -> tuple[dict, dict]:
-    from bench.driver_harness import (ProcessTreeSampler, device_info, load_cfg, loadavg, run_training, start_ray)
+    from sonar.bench.driver_harness import (ProcessTreeSampler, device_info, load_cfg, loadavg, run_training, start_ray)
 
     ov = list(bcfg["overrides"]) + ([f"run.root={run_root}"] if run_root else [])
     reps, mems, extras = [], [], []
@@ -196,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.config:
         bcfg["config"] = args.config
     bcfg["overrides"] += args.overrides
-    from bench.driver_harness import load_cfg
-    from cluster.config import to_dict
+    from sonar.bench.driver_harness import load_cfg
+    from sonar.cluster.wire.config import to_dict
 
     bcfg.update(quick=args.quick, resolved=to_dict(load_cfg([REPO_ROOT / bcfg["config"]], bcfg["overrides"])))
     t0 = time.time()

@@ -40,10 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.common import REPO_ROOT, base_parser, setup_env, summarise, write_result  # noqa: E402
+from sonar.bench.common import REPO_ROOT, base_parser, setup_env, summarise, write_result  # noqa: E402
 
 setup_env()
 
@@ -64,7 +61,7 @@ VARIANT_P = np.array([0.5, 0.25, 0.12, 0.08, 0.05])
 
 def make_questions(corpus: Path, n: int, n_passages: int, seed: int) -> list[list[str]]:
     """n questions, each 5 query variants written from one passage (title words, text words, noise)."""
-    from retrieval.corpus import CorpusReader
+    from sonar.retrieval.corpus import CorpusReader
 
     rng = np.random.default_rng(seed)
     rows = set(rng.choice(n_passages, size=n, replace=False).tolist())
@@ -116,7 +113,7 @@ def timed_calls(fn, calls) -> np.ndarray:
 
 
 def run_workload(retriever, kind: str, stream: list[str], steps: list[list[str]], cfg: dict):
-    from retrieval.multiquery import dedupe_step, plan_step, step_depth
+    from sonar.retrieval.multiquery import dedupe_step, plan_step, step_depth
 
     if kind == "single":
         calls = [[q] for q in stream[: cfg["single_calls"]]]
@@ -193,12 +190,12 @@ class Noida:
 def bench_elastic(corpus: Path, stream: list[str], cfg: dict, repeats: int, work: Path) -> tuple[dict, dict]:
     """Returns (per-repeat metric samples, notes)."""
     try:
-        from retrieval.elastic import ElasticRetriever, bulk_index
+        from sonar.retrieval.elastic import ElasticRetriever, bulk_index
     except ImportError as e:
         return {}, {"elasticsearch": f"skipped: retrieval.elastic not importable ({e})"}
-    from cluster.config import ElasticConfig
-    from retrieval.corpus import CorpusReader
-    from retrieval.tantivy_index import TantivyRetriever, build_index
+    from sonar.cluster.wire.config import ElasticConfig
+    from sonar.retrieval.corpus import CorpusReader
+    from sonar.retrieval.tantivy_index import TantivyRetriever, build_index
 
     samples: dict[str, list[float]] = {}
     d = Path(tempfile.mkdtemp(prefix="sonar-es-", dir=work))
@@ -269,10 +266,10 @@ def main(argv=None) -> int:
     work = Path(args.work_dir or REPO_ROOT / "runs" / ("bench-retrieval-quick" if args.quick else "bench-retrieval"))
     work.mkdir(parents=True, exist_ok=True)
 
-    from retrieval.cache import CachedRetriever
-    from retrieval.corpus import corpus_fingerprint, write_synthetic_corpus
-    from retrieval.rerank import DenseEncoder, DenseReranker, PassageVectors, passage_text, vectors_dir
-    from retrieval.tantivy_index import TantivyRetriever, build_index
+    from sonar.retrieval.cache import CachedRetriever
+    from sonar.retrieval.corpus import corpus_fingerprint, write_synthetic_corpus
+    from sonar.retrieval.rerank import DenseEncoder, DenseReranker, PassageVectors, passage_text, vectors_dir
+    from sonar.retrieval.tantivy_index import TantivyRetriever, build_index
 
     samples: dict[str, list[float]] = {}
     add = lambda k, v: samples.setdefault(k, []).append(float(v))  # noqa: E731
@@ -304,14 +301,14 @@ def main(argv=None) -> int:
     if (vdir / "meta.json").exists():
         vectors = PassageVectors(vdir)
     else:
-        from retrieval.corpus import CorpusReader
+        from sonar.retrieval.corpus import CorpusReader
 
         ids = [x.doc_id for x in CorpusReader(corpus)]
         rng = np.random.default_rng(0)
         m = rng.standard_normal((len(ids), encoder.dim)).astype(np.float32)
         m /= np.linalg.norm(m, axis=1, keepdims=True)
         vectors = PassageVectors.write(vdir, ids, m, model=encoder.tag, fingerprint="random-stand-in")
-    from retrieval.corpus import CorpusReader
+    from sonar.retrieval.corpus import CorpusReader
 
     sample = [passage_text(x) for _, x in zip(range(cfg["encode_sample"]), CorpusReader(corpus))]
     encoder.encode(sample[:4])

@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import REPO_ROOT, bench_settings, driver_bench_parser, setup_env, summarise, write_result
+from sonar.bench.common import REPO_ROOT, bench_settings, driver_bench_parser, setup_env, summarise, write_result
 
 setup_env()
 
@@ -104,8 +104,8 @@ class Consumer:
     def run_for(self, seconds: float) -> None:
         import ray
 
-        from cluster.launch import push_weights
-        from cluster.protocol import decode_group
+        from sonar.cluster.driver.roles import push_weights
+        from sonar.cluster.wire.protocol import decode_group
 
         end = time.monotonic() + seconds
         while time.monotonic() < end:
@@ -133,11 +133,12 @@ class Consumer:
 def measure_point(cfg, roles, all_workers, n: int, warmup_s: float, window_s: float) -> dict:
     import ray
 
-    from cluster import launch as L
+    from sonar.cluster.driver import loop as D_loop, reports as D_reports, roles as D_roles, run as D_run  # noqa: F401
+
 
     roles.workers = all_workers[:n]
     roles.restarts = {i: 0 for i in range(n)}
-    L.connect_broadcast(cfg, roles)
+    D_roles.connect_broadcast(cfg, roles)
     ray.get(roles.replay.reopen.remote())
     stage = next(s for s in cfg.stages if s.kind == "rl")
     ray.get([w.start.remote(roles.replay, 0, stage) for w in roles.workers])
@@ -149,7 +150,7 @@ def measure_point(cfg, roles, all_workers, n: int, warmup_s: float, window_s: fl
         s1, c1, t1 = _stats(roles.workers), consumer.snapshot(), time.monotonic()
         depth = ray.get(roles.replay.stats.remote())["depth_groups"]
     finally:
-        L.stop_rollouts(roles)
+        D_roles.stop_rollouts(roles)
     # Batch-aligned accounting per worker: between its last put before t0 and its last put before t1.
     # The simulated share of gen_s comes from the engine's own ratio (sleep / time inside generate) over
     # the same window (the engine counts per call, the worker per batch; the ratio is stable).
@@ -197,29 +198,30 @@ def measure_point(cfg, roles, all_workers, n: int, warmup_s: float, window_s: fl
 def run(bcfg: dict) -> tuple[dict, dict]:
     import ray
 
-    from bench.driver_harness import device_info, load_cfg, loadavg, start_ray
-    from cluster import launch as L
-    from cluster.replay import ReplayQueue
-    from learner.worker import Learner
+    from sonar.bench.driver_harness import device_info, load_cfg, loadavg, start_ray
+    from sonar.cluster.driver import loop as D_loop, reports as D_reports, roles as D_roles, run as D_run  # noqa: F401
+
+    from sonar.cluster.wire.replay import ReplayQueue
+    from sonar.learner.worker import Learner
 
     cfg = load_cfg([CONFIG], bcfg["overrides"])
     owns = start_ray(cfg)
-    run_ = L.start_run(cfg)
+    run_ = D_run.start_run(cfg)
     handles: list = []
     per: dict[int, list[dict]] = {n: [] for n in bcfg["workers"]}
     load = {"start": loadavg()}
     try:
-        corpus = L.prepare_corpus(cfg, run_)
-        retrieval = L.start_retrieval(cfg, run_, corpus)
+        corpus = D_roles.prepare_corpus(cfg, run_)
+        retrieval = D_roles.start_retrieval(cfg, run_, corpus)
         handles += retrieval
         replay = ray.remote(num_cpus=0)(ReplayQueue).options(max_concurrency=1000).remote(
             cfg.replay.capacity_groups, cfg.replay.max_policy_lag, cfg.replay.stale_policy,
-            len(L._world(cfg).train), cfg.run.seed)
+            len(D_run.world_of(cfg).train), cfg.run.seed)
         learner = ray.remote(Learner).options(num_cpus=cfg.learner.num_cpus, num_gpus=cfg.learner.num_gpus).remote(cfg)
-        workers = [L.start_worker(cfg, i, retrieval) for i in range(max(bcfg["workers"]))]
+        workers = [D_roles.start_worker(cfg, i, retrieval) for i in range(max(bcfg["workers"]))]
         handles += [replay, learner, *workers]
         ray.get([learner.ping.remote()] + [w.ready.remote() for w in workers])
-        roles = L.Roles(retrieval, replay, learner, [], {}, corpus_path=corpus)
+        roles = D_roles.Roles(retrieval, replay, learner, [], {}, corpus_path=corpus)
         for rep in range(bcfg["repeats"]):
             for n in bcfg["workers"]:
                 m = measure_point(cfg, roles, workers, n, bcfg["warmup_s"], bcfg["window_s"])
@@ -315,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     bcfg["overrides"] = (BASE_OVERRIDES + (QUICK_OVERRIDES if args.quick else [])
                          + [f"rollout.bench_token_ms={bcfg['token_ms']}", f"cluster.num_cpus={cpus}",
                             f"rollout.num_workers={n_max}"] + args.overrides)
-    from bench.driver_harness import load_cfg
-    from cluster.config import to_dict
+    from sonar.bench.driver_harness import load_cfg
+    from sonar.cluster.wire.config import to_dict
 
     bcfg.update(quick=args.quick, config_file=str(CONFIG.relative_to(REPO_ROOT)),
                 resolved=to_dict(load_cfg([CONFIG], bcfg["overrides"])))

@@ -15,7 +15,7 @@ import importlib
 import importlib.util
 import sys
 
-from bench.common import setup_env
+from sonar.bench.common import setup_env
 
 BENCHMARKS = {
     "async-vs-sync": "async vs synchronous training: learner and rollout utilisation, tokens/s",

@@ -6,7 +6,7 @@ the machine's memcpy bandwidth measured in the same run.
 
 Set-up. One Ray actor plays the learner (rank 0, the source) and N actors play rollout workers
 (ranks 1..N). They build a ``cluster.weights.BroadcastGroup`` concurrently (group creation blocks until
-every rank has joined), exactly as ``cluster.launch.connect_broadcast`` does. The parameters are a
+every rank has joined), exactly as ``sonar.cluster.driver.roles.connect_broadcast`` does. The parameters are a
 transformer-like list of fp32 tensors (``transformer_specs``): per layer q/k/v/o and gate/up/down
 matrices plus two RMSNorm weights and q/k/v biases (5 small tensors out of 12), untied embedding and
 LM head, a final norm. Real layouts have many small tensors, and per-tensor pushes pay per tensor.
@@ -71,7 +71,7 @@ import os
 import time
 from pathlib import Path
 
-from bench.common import (base_parser, init_ray_local, mem_available_bytes, setup_env, summarise,
+from sonar.bench.common import (base_parser, init_ray_local, mem_available_bytes, setup_env, summarise,
                           write_result)
 
 setup_env()
@@ -152,7 +152,7 @@ class SyncRank:
     def join(self, addr: str, port: int, world_size: int, prefix: str) -> int:
         import torch
 
-        from cluster.weights import BroadcastGroup
+        from sonar.cluster.wire.weights import BroadcastGroup
 
         self.group = BroadcastGroup(addr, port, self.rank, world_size, "gloo", prefix=prefix, timeout_s=600)
         self.group.broadcast(torch.zeros(16), 0)  # first collective opens the gloo pairs: not timed
@@ -162,7 +162,7 @@ class SyncRank:
         """Install the tensor layout; the learner (re)allocates its source tensors. Returns bytes."""
         import torch
 
-        from cluster.weights import TensorSpec, plan_buckets
+        from sonar.cluster.wire.weights import TensorSpec, plan_buckets
 
         self.src, self.out, self.flats = {}, None, None
         gc.collect()
@@ -202,7 +202,7 @@ class SyncRank:
         return 0
 
     def recv_bucketed_reuse(self) -> int:
-        from cluster.weights import unflatten_bucket
+        from sonar.cluster.wire.weights import unflatten_bucket
 
         self.out = None
         out = {}
@@ -314,7 +314,7 @@ class _Driver:
     """Holds the actors of one group size and runs one sync of a variant, counting Ray calls."""
 
     def __init__(self, ray, n_workers: int):
-        from learner.worker import free_port
+        from sonar.learner.worker import free_port
 
         self.ray = ray
         cls = ray.remote(num_cpus=0, max_concurrency=1)(SyncRank)
@@ -535,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats:  # an explicit count applies to every point and variant
         cfg["repeats"] = cfg["repeats_large"] = args.repeats
         cfg["large_single"] = []
-    from cluster.weights import DEFAULT_BUCKET_BYTES
+    from sonar.cluster.wire.weights import DEFAULT_BUCKET_BYTES
 
     cfg.update(quick=args.quick, bucket_bytes=DEFAULT_BUCKET_BYTES, backend="gloo", dtype="float32",
                variants=list(VARIANTS), timing="driver wall clock from issuing the calls to the last reply",

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from cluster.protocol import Trajectory
-from learner.algo.losses import AggDenominators
+from sonar.cluster.wire.protocol import Trajectory
+from sonar.learner.algo.losses import AggDenominators
 
 
 @dataclass

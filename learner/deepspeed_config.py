@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from cluster.config import LearnerConfig
+from sonar.cluster.wire.config import LearnerConfig
 
 
 def resolve_precision(cfg: LearnerConfig, on_gpu: bool) -> str:

@@ -18,12 +18,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from cluster.config import AlgoConfig, LearnerConfig, ReplayConfig
-from cluster.protocol import Trajectory
-from learner.algo.advantages import compute_advantages, dynamic_sampling_mask
-from learner.algo.losses import LossInputs, entropy_from_logits, kl_estimate, policy_loss, sft_loss, token_logprobs
-from learner.algo.staleness import importance_weight_histogram, lag_histogram, staleness_decision
-from learner.batching import Batch, collate, pack_micro_batches
+from sonar.cluster.wire.config import AlgoConfig, LearnerConfig, ReplayConfig
+from sonar.cluster.wire.protocol import Trajectory
+from sonar.learner.algo.advantages import compute_advantages, dynamic_sampling_mask
+from sonar.learner.algo.losses import LossInputs, entropy_from_logits, kl_estimate, policy_loss, sft_loss, token_logprobs
+from sonar.learner.algo.staleness import importance_weight_histogram, lag_histogram, staleness_decision
+from sonar.learner.batching import Batch, collate, pack_micro_batches
 
 
 IS_EDGES = (0.5, 0.8, 0.95, 1.05, 1.25, 2.0)

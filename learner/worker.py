@@ -17,7 +17,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from cluster.config import Config, StageConfig
+from sonar.cluster.wire.config import Config, StageConfig
 
 
 def free_port() -> int:
@@ -53,10 +53,10 @@ class Learner:
         import torch
 
         torch.set_num_threads(1)
-        from actors.model import policy_and_tokenizer
-        from actors.prompts import get_protocol
-        from actors.world import build_world
-        from learner.deepspeed_config import deepspeed_config, resolve_backend
+        from sonar.actors.model import policy_and_tokenizer
+        from sonar.actors.prompts import get_protocol
+        from sonar.actors.world import build_world
+        from sonar.learner.deepspeed_config import deepspeed_config, resolve_backend
 
         self.cfg = cfg
         self.on_gpu = torch.cuda.is_available() and cfg.learner.num_gpus > 0
@@ -78,7 +78,7 @@ class Learner:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=opt, config=deepspeed_config(cfg.learner, self.on_gpu))
         self.device = self.engine.device
-        from learner.train_step import DeepSpeedStepper
+        from sonar.learner.train_step import DeepSpeedStepper
 
         self.stepper = DeepSpeedStepper(self.engine, cfg.learner.zero_stage)
         self.ref_module = None
@@ -105,12 +105,12 @@ class Learner:
             return {n: p.detach().to("cpu" if not self.on_gpu else p.device).clone() for n, p in params}
 
     def param_specs(self) -> list:
-        from cluster.weights import TensorSpec
+        from sonar.cluster.wire.weights import TensorSpec
 
         return [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in self.named_tensors().items()]
 
     def setup_broadcast(self, master_addr: str, master_port: int, world_size: int, backend: str, prefix: str) -> str:
-        from cluster.weights import BroadcastGroup, layout_digest, plan_buckets
+        from sonar.cluster.wire.weights import BroadcastGroup, layout_digest, plan_buckets
 
         specs = self.param_specs()
         self._buckets = plan_buckets(specs)
@@ -118,7 +118,7 @@ class Learner:
         return layout_digest(specs)
 
     def layout_digest(self) -> str:
-        from cluster.weights import layout_digest
+        from sonar.cluster.wire.weights import layout_digest
 
         return layout_digest(self.param_specs())
 
@@ -129,7 +129,7 @@ class Learner:
         return {"version": self.version, "bytes": nbytes, "seconds": dt, "buckets": len(self._buckets)}
 
     def checksum(self) -> dict:
-        from cluster.weights import checksum
+        from sonar.cluster.wire.weights import checksum
 
         return {"version": self.version, "checksum": checksum(self.named_tensors().items())}
 
@@ -143,7 +143,7 @@ class Learner:
         # KL reference = the policy at the start of the stage (frozen); skipped when the coefficient is 0.
         self.ref_module = None
         if stage.kind == "rl" and stage.algo.kl_coef > 0:
-            from actors.model import policy_and_tokenizer
+            from sonar.actors.model import policy_and_tokenizer
 
             # A fresh module loaded with the gathered weights (a deepcopy of a ZeRO-3 module would
             # copy empty partitions).
@@ -155,8 +155,8 @@ class Learner:
         return info
 
     def _prepare_demos(self, retrieval_handles) -> int:
-        from actors.demos import make_demonstrations
-        from retrieval.service import RetrievalClient
+        from sonar.actors.demos import make_demonstrations
+        from sonar.retrieval.service import RetrievalClient
 
         client = RetrievalClient(retrieval_handles, timeout_s=self.cfg.retrieval.timeout_s)
         retriever = _SyncRetriever(client)
@@ -182,7 +182,7 @@ class Learner:
         return out
 
     def _set_lr(self, stage: StageConfig) -> float:
-        from learner.deepspeed_config import lr_at
+        from sonar.learner.deepspeed_config import lr_at
 
         base = stage.lr if stage.lr is not None else self.cfg.learner.lr
         lr = lr_at(self.stage_step, base, self.cfg.learner.warmup_steps, self.cfg.learner.lr_decay, stage.steps)
@@ -191,7 +191,7 @@ class Learner:
         return lr
 
     def sft_step(self, stage: StageConfig) -> dict:
-        from learner.train_step import sft_step
+        from sonar.learner.train_step import sft_step
 
         lr = self._set_lr(stage)
         metrics = sft_step(self.stepper, self._next_demos(stage.batch_size), self.cfg.learner,
@@ -203,8 +203,8 @@ class Learner:
         within ``timeout_s``, so the driver can check the workers' health instead of hanging."""
         import ray
 
-        from cluster.protocol import decode_group
-        from learner.train_step import rl_step
+        from sonar.cluster.wire.protocol import decode_group
+        from sonar.learner.train_step import rl_step
 
         t_wait = time.perf_counter()
         res = ray.get(replay.get.remote(self.cfg.learner.groups_per_step, self.version, timeout_s))
@@ -235,7 +235,7 @@ class Learner:
 
     # ------------------------------------------------------------------ export / checkpoint
     def export_hf(self, path: str) -> str:
-        from actors.model import policy_and_tokenizer, save_policy
+        from sonar.actors.model import policy_and_tokenizer, save_policy
 
         model, _ = policy_and_tokenizer(self.cfg.model, self.world)  # gathered weights: works for ZeRO 0-3
         missing, unexpected = model.load_state_dict(self.named_tensors(), strict=False)
@@ -245,7 +245,7 @@ class Learner:
         return path
 
     def save_checkpoint(self, path: str, client_state: dict) -> str:
-        from learner.checkpoint import save_checkpoint
+        from sonar.learner.checkpoint import save_checkpoint
 
         state = dict(client_state)
         state.update(version=self.version, global_step=self.global_step, stage_step=self.stage_step,
@@ -255,7 +255,7 @@ class Learner:
         return save_checkpoint(self.engine, path, state, write_extra=lambda tmp: self.export_hf(str(tmp / "hf")))
 
     def load_checkpoint(self, path: str) -> dict:
-        from learner.checkpoint import load_checkpoint
+        from sonar.learner.checkpoint import load_checkpoint
 
         state = load_checkpoint(self.engine, path)
         self.version = state["version"]

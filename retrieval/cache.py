@@ -27,8 +27,8 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Sequence
 
-from retrieval.base import Hit, Retriever
-from retrieval.corpus import normalise_query
+from sonar.retrieval.base import Hit, Retriever
+from sonar.retrieval.corpus import normalise_query
 
 Key = tuple[str, str, int, str]
 

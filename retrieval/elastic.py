@@ -42,7 +42,7 @@ from collections import Counter
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
-from retrieval.base import Hit, RetrievalError
+from sonar.retrieval.base import Hit, RetrievalError
 
 log = logging.getLogger(__name__)
 

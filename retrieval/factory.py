@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from retrieval.base import Retriever
-from retrieval.corpus import CorpusReader, corpus_fingerprint
+from sonar.retrieval.base import Retriever
+from sonar.retrieval.corpus import CorpusReader, corpus_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def build_retriever(cfg, corpus_path: str, index_root: str, *, progress: bool = 
     idx_dir = index_dir_for(cfg, corpus_path, index_root)
 
     if cfg.backend == "tantivy":
-        from retrieval.tantivy_index import TantivyRetriever, build_index
+        from sonar.retrieval.tantivy_index import TantivyRetriever, build_index
 
         build_index(corpus_path, idx_dir, progress=progress)
         r: Retriever = TantivyRetriever(idx_dir, title_boost=cfg.elastic.title_boost,
@@ -60,38 +60,38 @@ def build_retriever(cfg, corpus_path: str, index_root: str, *, progress: bool = 
     else:
         r = _elastic(cfg, corpus_path, progress)
         if resilient:
-            from retrieval.resilient import ResilientRetriever
+            from sonar.retrieval.resilient import ResilientRetriever
 
             r = ResilientRetriever(r, cfg.max_retries, cfg.backoff_s, cfg.breaker_failures, cfg.breaker_reset_s)
 
     if cfg.inject_latency_ms > 0:
-        from retrieval.latency import LatencyInjectingRetriever
+        from sonar.retrieval.latency import LatencyInjectingRetriever
 
         r = LatencyInjectingRetriever(r, cfg.inject_latency_ms, cfg.inject_latency_sigma)
 
     rerank_tag = "none"
     if cfg.rerank == "dense":
-        from retrieval.rerank import DenseEncoder, DenseReranker, build_passage_vectors
+        from sonar.retrieval.rerank import DenseEncoder, DenseReranker, build_passage_vectors
 
         encoder = DenseEncoder(cfg.rerank_model)
         vectors = build_passage_vectors(corpus_path, idx_dir, encoder, progress=progress)
         r = DenseReranker(r, vectors, encoder, n=cfg.rerank_candidates)
         rerank_tag = f"dense:{encoder.tag}@{cfg.rerank_candidates}"
     elif cfg.rerank == "cross":
-        from retrieval.rerank import CrossEncoderReranker
+        from sonar.retrieval.rerank import CrossEncoderReranker
 
         r = CrossEncoderReranker(r, cfg.rerank_model, n=cfg.rerank_candidates)
         rerank_tag = f"cross:{Path(cfg.rerank_model).resolve().name}@{cfg.rerank_candidates}"
 
     if cfg.cache_size > 0:
-        from retrieval.cache import CachedRetriever
+        from sonar.retrieval.cache import CachedRetriever
 
         r = CachedRetriever(r, cfg.cache_size, rerank_tag, max_query_chars=cfg.max_query_chars)
     return r
 
 
 def _elastic(cfg, corpus_path: str, progress: bool) -> Retriever:
-    from retrieval.elastic import ElasticRetriever, bulk_index  # lazy: the client is heavy
+    from sonar.retrieval.elastic import ElasticRetriever, bulk_index  # lazy: the client is heavy
 
     r = ElasticRetriever.from_config(cfg.elastic)
     try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from retrieval.base import Hit
+from sonar.retrieval.base import Hit
 
 _WS = re.compile(r"\s+")
 

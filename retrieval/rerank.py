@@ -38,8 +38,8 @@ from typing import Sequence
 
 import numpy as np
 
-from retrieval.base import Hit, Retriever
-from retrieval.corpus import CorpusReader, Passage, corpus_fingerprint, normalise_query
+from sonar.retrieval.base import Hit, Retriever
+from sonar.retrieval.corpus import CorpusReader, Passage, corpus_fingerprint, normalise_query
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ import time
 from collections import Counter
 from typing import Any, Awaitable, Callable, Sequence
 
-from retrieval.base import Hit, RetrievalError, Retriever
+from sonar.retrieval.base import Hit, RetrievalError, Retriever
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 

@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence
 import ray
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, TaskCancelledError
 
-from retrieval.base import Hit, RetrievalError, Retriever
+from sonar.retrieval.base import Hit, RetrievalError, Retriever
 
 log = logging.getLogger(__name__)
 

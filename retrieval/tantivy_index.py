@@ -44,8 +44,8 @@ from typing import Sequence
 
 import tantivy
 
-from retrieval.base import Hit, RetrievalError
-from retrieval.corpus import CorpusReader, corpus_fingerprint, normalise_query
+from sonar.retrieval.base import Hit, RetrievalError
+from sonar.retrieval.corpus import CorpusReader, corpus_fingerprint, normalise_query
 
 log = logging.getLogger(__name__)
 

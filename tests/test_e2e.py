@@ -9,8 +9,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-    from cluster.config import CONFIG_DIR, load_config
-    from cluster.launch import train
+    from sonar.cluster.wire.config import CONFIG_DIR, load_config
+    from sonar.cluster.driver.loop import train
 
     root = tmp_path_factory.mktemp("runs")
     cfg = load_config([CONFIG_DIR / "smoke.yaml"], [f"run.root={root}", f"run.run_dir={root / 'smoke'}"])

@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from actors.model import policy_and_tokenizer, save_policy
-    from actors.world import build_world, write_questions_jsonl
-    from cluster.config import CONFIG_DIR, load_config
+    from sonar.actors.model import policy_and_tokenizer, save_policy
+    from sonar.actors.world import build_world, write_questions_jsonl
+    from sonar.cluster.wire.config import CONFIG_DIR, load_config
 
     tmp = tmp_path_factory.mktemp("eval")
     cfg = load_config([CONFIG_DIR / "smoke.yaml"], [f"run.root={tmp}", "eval.batch_size=8"])
@@ -26,7 +26,7 @@ def setup(tmp_path_factory):
 
 
 def test_eval_writes_predictions_table_and_mlflow(setup):
-    from cluster.evaluate import run_eval
+    from sonar.cluster.driver.evaluate import run_eval
 
     cfg, tmp = setup
     table = run_eval(cfg, str(tmp / "hf"), [str(tmp / "heldout.jsonl"), str(tmp / "train.jsonl")], str(tmp / "out"))
@@ -43,14 +43,14 @@ def test_eval_writes_predictions_table_and_mlflow(setup):
 
 def test_score_cli_rescoring_matches(setup):
     cfg, tmp = setup
-    out = subprocess.run([sys.executable, "-m", "cluster", "score", str(tmp / "out" / "predictions-heldout.jsonl")],
+    out = subprocess.run([sys.executable, "-m", "sonar", "score", str(tmp / "out" / "predictions-heldout.jsonl")],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "predictions-heldout" in out.stdout and "EM" in out.stdout.upper()
 
 
 def test_eval_refuses_a_directory_without_a_model(setup, tmp_path):
-    from cluster.evaluate import resolve_model_dir
+    from sonar.cluster.driver.evaluate import resolve_model_dir
 
     with pytest.raises(FileNotFoundError, match="no Hugging Face model directory"):
         resolve_model_dir(str(tmp_path))

@@ -33,7 +33,7 @@ def test_kill_and_resume_trains_every_prompt_once(tmp_path):
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
     common = ["--config", str(ROOT / "configs" / "smoke.yaml"), f"run.root={tmp_path}", "eval.before=false",
               "eval.no_search=false", "world.num_heldout_eval=4", "run.checkpoint_every=3"]
-    proc = subprocess.Popen([sys.executable, "-m", "cluster", "train", *common, f"run.run_dir={a_dir}",
+    proc = subprocess.Popen([sys.executable, "-m", "sonar", "train", *common, f"run.run_dir={a_dir}",
                              "stages.1.steps=1000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     log, ckpt = [], None
@@ -51,21 +51,21 @@ def test_kill_and_resume_trains_every_prompt_once(tmp_path):
     finally:
         kill_tree(proc.pid)
     assert ckpt, "".join(log[-40:])
-    from learner.checkpoint import resolve_checkpoint
+    from sonar.learner.checkpoint import resolve_checkpoint
 
     ckpt = resolve_checkpoint(str(a_dir), str(tmp_path))  # the killed run may have saved more since
     state = json.loads((Path(ckpt) / "state.json").read_text())
     v0, step0 = state["version"], state["resume_step"]
     in_flight = state["replay"]["requeued_on_save"]
 
-    resumed = subprocess.run([sys.executable, "-m", "cluster", "train", *common, f"run.run_dir={b_dir}",
+    resumed = subprocess.run([sys.executable, "-m", "sonar", "train", *common, f"run.run_dir={b_dir}",
                               f"run.resume={a_dir}", f"stages.1.steps={step0 + 8}"], cwd=ROOT, capture_output=True,
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
     summary = json.loads((b_dir / "summary.json").read_text())
 
     # versions continue from the checkpoint: one per remaining step of this stage and the later ones
-    from cluster.config import load_config
+    from sonar.cluster.wire.config import load_config
 
     later = sum(st.steps for st in load_config([ROOT / "configs" / "smoke.yaml"]).stages[2:])
     assert summary["weights"]["learner"]["version"] == v0 + 8 + later

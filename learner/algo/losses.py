@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from cluster.config import AlgoConfig
+from sonar.cluster.wire.config import AlgoConfig
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_sum_norm")
 OFF_POLICY = ("none", "tis", "decoupled", "vtrace")

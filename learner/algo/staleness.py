@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from cluster.config import ReplayConfig
+from sonar.cluster.wire.config import ReplayConfig
 
 STALE_POLICIES = ("drop", "downweight")
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.datasets import DatasetError, QAItem, load_dataset
+from sonar.actors.datasets import DatasetError, QAItem, load_dataset
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "datasets"
 

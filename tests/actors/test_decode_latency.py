@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import actors.decode_latency as dl
-from actors.decode_latency import DecodeLatencyEngine
-from actors.engine import Generation, SamplingParams
-from cluster.config import load_config
+import sonar.actors.decode_latency as dl
+from sonar.actors.decode_latency import DecodeLatencyEngine
+from sonar.actors.engine import Generation, SamplingParams
+from sonar.cluster.wire.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_YAML = str(ROOT / "configs" / "tiny.yaml")  # decode injection is off there
@@ -122,7 +122,7 @@ def test_model_is_none_when_inner_has_none():
 
 def test_works_behind_swapping_engine():
     """The worker wraps it in SwappingEngine, which always passes caps (None) positionally."""
-    from actors.worker import SwappingEngine
+    from sonar.actors.worker import SwappingEngine
 
     inner = FakeEngine(version=1)
     eng = make(inner, ms=1.0, median=2)

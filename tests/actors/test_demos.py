@@ -5,13 +5,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from actors import world as W
-from actors.demos import make_demonstration, make_demonstrations, search_steps
-from actors.prompts import all_special_tokens, get_protocol, render_prompt
-from actors.tokenizer import build_tokenizer
-from cluster.config import ProtocolConfig, WorldConfig
-from cluster.protocol import SegmentKind, decode_trajectory, encode_trajectory
-from retrieval.base import Hit
+from sonar.actors import world as W
+from sonar.actors.demos import make_demonstration, make_demonstrations, search_steps
+from sonar.actors.prompts import all_special_tokens, get_protocol, render_prompt
+from sonar.actors.tokenizer import build_tokenizer
+from sonar.cluster.wire.config import ProtocolConfig, WorldConfig
+from sonar.cluster.wire.protocol import SegmentKind, decode_trajectory, encode_trajectory
+from sonar.retrieval.base import Hit
 from tests.actors.test_world import TinyBM25
 
 PROTOS = ("rag_r1_multi", "search_r1", "r1_searcher")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.engine import Engine, HFEngine, ParamSpec, SamplingParams
+from sonar.actors.engine import Engine, HFEngine, ParamSpec, SamplingParams
 
 VOCAB = 50
 

@@ -19,8 +19,8 @@ import time
 import numpy as np
 import pytest
 
-from actors.engine import SamplingParams
-from actors.engine_continuous import ContinuousHFEngine
+from sonar.actors.engine import SamplingParams
+from sonar.actors.engine_continuous import ContinuousHFEngine
 from tests.actors.test_engine import PROMPTS, VOCAB, greedy_reference, teacher_forced_logprobs, tiny_model
 
 JOIN_S = 30.0  # generous: a hang fails the test instead of blocking the suite
@@ -485,7 +485,7 @@ def test_engine_surface():
 # ---------------------------------------------------------------- 10. config wiring
 
 def test_config_validation():
-    from cluster.config import load_config
+    from sonar.cluster.wire.config import load_config
 
     cfg = load_config(["configs/tiny.yaml"], ["rollout.continuous_batching=true"])
     assert cfg.rollout.continuous_batching and cfg.rollout.engine == "hf"

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from actors import parsing as P
-from actors.parsing import Answer, Malformed, Search, format_ok, is_terminal, parse_turn, searched
-from actors.prompts import PROTOCOLS, all_special_tokens, neutralise
+from sonar.actors import parsing as P
+from sonar.actors.parsing import Answer, Malformed, Search, format_ok, is_terminal, parse_turn, searched
+from sonar.actors.prompts import PROTOCOLS, all_special_tokens, neutralise
 
 SEP = "<|sep|>"
 SINGLE = ("r1_searcher", "search_r1")

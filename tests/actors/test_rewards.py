@@ -1,10 +1,10 @@
 """Closed-form tests of actors.rewards: normalisation, EM / F1 / cover-EM, trajectory rewards."""
 import pytest
 
-from actors.rewards import (PARTS, RewardBreakdown, cover_em, cover_em_substring, exact_match, f1,
+from sonar.actors.rewards import (PARTS, RewardBreakdown, cover_em, cover_em_substring, exact_match, f1,
                             normalize_answer, trajectory_reward)
-from cluster.config import RewardConfig
-from cluster.protocol import FinishReason, SearchCall, Trajectory
+from sonar.cluster.wire.config import RewardConfig
+from sonar.cluster.wire.protocol import FinishReason, SearchCall, Trajectory
 
 NORMALISE = [
     ("The Beatles", "beatles"),

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from actors.engine import Generation, HFEngine, SamplingParams
-from actors.prompts import all_special_tokens, get_protocol, render_documents, render_prompt
-from actors.rollout import PromptItem, RolloutStats, ThreadedRetriever, rollout_groups
-from cluster.config import ProtocolConfig
-from cluster.protocol import FinishReason, SegmentKind, decode_group, encode_group
-from retrieval.base import Hit, RetrievalError
+from sonar.actors.engine import Generation, HFEngine, SamplingParams
+from sonar.actors.prompts import all_special_tokens, get_protocol, render_documents, render_prompt
+from sonar.actors.rollout import PromptItem, RolloutStats, ThreadedRetriever, rollout_groups
+from sonar.cluster.wire.config import ProtocolConfig
+from sonar.cluster.wire.protocol import FinishReason, SegmentKind, decode_group, encode_group
+from sonar.retrieval.base import Hit, RetrievalError
 
 TAGS = get_protocol("rag_r1_multi")
 WORDS = ("question : what is the capital of france germany paris berlin city country river "
@@ -414,8 +414,8 @@ def test_end_to_end_with_hfengine_and_word_tokenizer():
 
 
 def test_real_reward_function_plugs_in():
-    from actors.rewards import trajectory_reward
-    from cluster.config import RewardConfig
+    from sonar.actors.rewards import trajectory_reward
+    from sonar.cluster.wire.config import RewardConfig
 
     groups, _ = run(engine=ScriptedEngine(search_then_answer), retriever=FakeRetriever(),
                     reward_fn=lambda t: trajectory_reward(RewardConfig(name="answer_em", format_weight=0.1), t))

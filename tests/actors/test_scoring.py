@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from actors.scoring import ScoreError, ScoreReport, main, markdown_table, score_predictions
+from sonar.actors.scoring import ScoreError, ScoreReport, main, markdown_table, score_predictions
 
 
 def write_jsonl(path, recs):

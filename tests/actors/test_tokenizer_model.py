@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors import world as W
-from actors.model import build_policy, load_policy, policy_and_tokenizer, save_policy
-from actors.prompts import PROTOCOLS, all_special_tokens
-from actors.tokenizer import build_tokenizer
-from cluster.config import ModelConfig, WorldConfig
+from sonar.actors import world as W
+from sonar.actors.model import build_policy, load_policy, policy_and_tokenizer, save_policy
+from sonar.actors.prompts import PROTOCOLS, all_special_tokens
+from sonar.actors.tokenizer import build_tokenizer
+from sonar.cluster.wire.config import ModelConfig, WorldConfig
 
 
 @pytest.fixture(scope="module")

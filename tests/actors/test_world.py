@@ -7,8 +7,8 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 
-from actors import world as W
-from cluster.config import WorldConfig
+from sonar.actors import world as W
+from sonar.cluster.wire.config import WorldConfig
 
 SMALL = WorldConfig(seed=3, num_entities=120)
 
@@ -22,7 +22,7 @@ class TinyBM25:
     name = "tiny-bm25"
 
     def __init__(self, corpus, k1=1.2, b=0.75):
-        from retrieval.base import Hit
+        from sonar.retrieval.base import Hit
         self._hit = Hit
         self.docs = corpus
         toks = [W.words_of(f"{d['title']} {d['text']}") for d in corpus]

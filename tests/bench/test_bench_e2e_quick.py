@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import common, run
+from sonar.bench import common, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import common, run
+from sonar.bench import common, run
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -102,7 +102,7 @@ def test_dispatcher_rejects_unknown_and_unwritten_benchmarks(capsys):
 
 def test_sonar_cli_routes_bench():
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "--list"], cwd=REPO, env=env,
+    r = subprocess.run([sys.executable, "-m", "sonar", "bench", "--list"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "weight-sync" in r.stdout and "codec-and-queue" in r.stdout

@@ -23,20 +23,20 @@ import numpy as np
 import pytest
 import torch
 
-from actors.bench_engine import BenchEngine
-from actors.engine import Engine, HFEngine, SamplingParams
-from actors.prompts import get_protocol
-from cluster.protocol import SegmentKind
-from retrieval.base import Hit
-from retrieval.latency import LatencyInjectingRetriever
+from sonar.actors.bench_engine import BenchEngine
+from sonar.actors.engine import Engine, HFEngine, SamplingParams
+from sonar.actors.prompts import get_protocol
+from sonar.cluster.wire.protocol import SegmentKind
+from sonar.retrieval.base import Hit
+from sonar.retrieval.latency import LatencyInjectingRetriever
 
 
 # ------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def world_model():
-    from actors.model import policy_and_tokenizer
-    from actors.world import build_world
-    from cluster.config import ModelConfig, WorldConfig
+    from sonar.actors.model import policy_and_tokenizer
+    from sonar.actors.world import build_world
+    from sonar.cluster.wire.config import ModelConfig, WorldConfig
 
     world = build_world(WorldConfig(num_entities=120))
     model, tok = policy_and_tokenizer(ModelConfig(), world)
@@ -44,8 +44,8 @@ def world_model():
 
 
 def make_engine(world_model, **kw) -> BenchEngine:
-    from actors.model import policy_and_tokenizer
-    from cluster.config import ModelConfig
+    from sonar.actors.model import policy_and_tokenizer
+    from sonar.cluster.wire.config import ModelConfig
 
     world, _, _ = world_model
     model, tok = policy_and_tokenizer(ModelConfig(), world)  # a fresh model per engine
@@ -65,9 +65,9 @@ class FakeRetriever:
 
 
 def rollout(engine, tok, world, n_items=4, group_size=8, seed=3, proto=None, retriever=None):
-    from actors.rewards import trajectory_reward
-    from actors.rollout import PromptItem, rollout_groups
-    from cluster.config import ProtocolConfig, RewardConfig
+    from sonar.actors.rewards import trajectory_reward
+    from sonar.actors.rollout import PromptItem, rollout_groups
+    from sonar.cluster.wire.config import ProtocolConfig, RewardConfig
 
     items = [PromptItem(q.qid, q.question, list(q.golds)) for q in world.train[:n_items]]
     return asyncio.run(rollout_groups(
@@ -259,9 +259,9 @@ def test_concurrent_calls_overlap_like_independent_requests():
 
 
 def test_factory_puts_the_wrapper_below_the_cache(tmp_path):
-    from cluster.config import RetrievalConfig
-    from retrieval.cache import CachedRetriever
-    from retrieval.factory import build_retriever
+    from sonar.cluster.wire.config import RetrievalConfig
+    from sonar.retrieval.cache import CachedRetriever
+    from sonar.retrieval.factory import build_retriever
 
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps(d) + "\n" for d in [

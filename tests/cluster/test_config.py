@@ -1,6 +1,6 @@
 import pytest
 
-from cluster.config import DEFAULT_CONFIG, CONFIG_DIR, Config, ConfigError, flatten, inflight_budget, load_config, to_dict
+from sonar.cluster.wire.config import DEFAULT_CONFIG, CONFIG_DIR, Config, ConfigError, flatten, inflight_budget, load_config, to_dict
 
 
 def test_default_config_loads_and_is_frozen():
@@ -78,7 +78,7 @@ def test_credentials_in_urls_never_reach_mlflow_params():
 
 
 def test_saved_config_redacts_url_credentials():
-    from cluster.config import to_yaml
+    from sonar.cluster.wire.config import to_yaml
 
     text = to_yaml(load_config([], ["tracking.uri=https://alice:s3cret@mlflow.example:5000"]))
     assert "s3cret" not in text and "https://***@mlflow.example:5000" in text
@@ -143,7 +143,7 @@ def test_invalid_inflight_budget_message_names_the_bound():
 
 
 def test_auto_inflight_budget_is_never_below_one_request():
-    from cluster.config import inflight_budget
+    from sonar.cluster.wire.config import inflight_budget
 
     ov = ["replay.max_policy_lag=0", "learner.groups_per_step=1", "replay.capacity_groups=1",
           "rollout.groups_per_request=4"]

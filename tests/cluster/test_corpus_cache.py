@@ -1,7 +1,7 @@
 from dataclasses import replace
 
-from cluster.config import load_config
-from cluster.launch import prepare_corpus
+from sonar.cluster.wire.config import load_config
+from sonar.cluster.driver.roles import prepare_corpus
 
 
 def test_world_corpus_file_is_named_by_content(tmp_path):

@@ -11,8 +11,9 @@ def roles_for(tmp_path):
     made = []
 
     def make(restarts: int):
-        from cluster.config import CONFIG_DIR, load_config
-        from cluster.launch import start_roles, start_run
+        from sonar.cluster.wire.config import CONFIG_DIR, load_config
+        from sonar.cluster.driver.roles import start_roles
+        from sonar.cluster.driver.run import start_run
 
         cfg = load_config([CONFIG_DIR / "smoke.yaml"],
                           [f"run.root={tmp_path}", f"cluster.max_worker_restarts={restarts}", "tracking.enabled=false",
@@ -23,7 +24,7 @@ def roles_for(tmp_path):
         return cfg, run, roles
 
     yield make
-    from cluster.launch import stop_roles
+    from sonar.cluster.driver.roles import stop_roles
 
     for r in made:
         stop_roles(r)
@@ -37,21 +38,21 @@ def _start_rl(cfg, roles):
 
 
 def test_dead_worker_without_restarts_fails_the_run_naming_it(roles_for):
-    from cluster.launch import WorkerFailed, check_workers
+    from sonar.cluster.driver.roles import WorkerFailed, check_workers
 
     cfg, run, roles = roles_for(0)
     stage = _start_rl(cfg, roles)
     ray.kill(roles.workers[1], no_restart=True)
     with pytest.raises(WorkerFailed, match=r"rollout worker 1 failed .*max_worker_restarts=0"):
         check_workers(cfg, roles, 1, stage)
-    from cluster.launch import stop_rollouts
+    from sonar.cluster.driver.roles import stop_rollouts
 
     roles.workers.pop(1)
     stop_rollouts(roles)
 
 
 def test_dead_worker_is_restarted_and_rejoins_the_broadcast(roles_for):
-    from cluster.launch import check_workers, push_weights
+    from sonar.cluster.driver.roles import check_workers, push_weights
 
     cfg, run, roles = roles_for(1)
     stage = _start_rl(cfg, roles)
@@ -64,7 +65,7 @@ def test_dead_worker_is_restarted_and_rejoins_the_broadcast(roles_for):
     learner = ray.get(roles.learner.checksum.remote())["checksum"]
     for w in roles.workers:
         assert ray.get(w.checksum.remote())["checksum"] == pytest.approx(learner, rel=1e-12)
-    from cluster.launch import stop_rollouts
+    from sonar.cluster.driver.roles import stop_rollouts
 
     stop_rollouts(roles)
     assert ray.get(roles.replay.stats.remote())["balanced"]

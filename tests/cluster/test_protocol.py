@@ -2,7 +2,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from cluster.protocol import (SCHEMA_VERSION, ProtocolError, SearchCall, Segment, SegmentKind, Trajectory,
+from sonar.cluster.wire.protocol import (SCHEMA_VERSION, ProtocolError, SearchCall, Segment, SegmentKind, Trajectory,
                               decode_group, decode_trajectory, encode_group, encode_trajectory)
 
 

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from cluster.replay import PromptCursor, QueuedGroup, ReplayCore, ReplayQueue
+from sonar.cluster.wire.replay import PromptCursor, QueuedGroup, ReplayCore, ReplayQueue
 
 
 def group(prompt, version, n=4, worker=0):

@@ -3,7 +3,7 @@ import signal
 
 import pytest
 
-from cluster.tracking import _atomic_write
+from sonar.cluster.driver.tracking import _atomic_write
 
 
 @pytest.fixture

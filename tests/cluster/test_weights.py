@@ -3,8 +3,8 @@ import threading
 import pytest
 import torch
 
-from cluster.weights import BroadcastGroup, TensorSpec, checksum, layout_digest, plan_buckets
-from learner.worker import free_port
+from sonar.cluster.wire.weights import BroadcastGroup, TensorSpec, checksum, layout_digest, plan_buckets
+from sonar.learner.worker import free_port
 
 
 def specs_of(tensors):

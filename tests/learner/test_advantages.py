@@ -4,7 +4,7 @@ import statistics
 import pytest
 import torch
 
-from learner.algo.advantages import (compute_advantages, dr_grpo_advantages, dynamic_sampling_mask,
+from sonar.learner.algo.advantages import (compute_advantages, dr_grpo_advantages, dynamic_sampling_mask,
                                      group_advantages, reinforce_pp_advantages, zero_signal_groups)
 
 torch.set_num_threads(1)

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.config import AlgoConfig
-from cluster.protocol import Segment, SegmentKind, Trajectory
-from learner.algo.advantages import compute_advantages
-from learner.algo.losses import LossInputs, policy_loss, token_logprobs
-from learner.batching import Batch, collate, microbatch_loss_scale, pack_micro_batches
+from sonar.cluster.wire.config import AlgoConfig
+from sonar.cluster.wire.protocol import Segment, SegmentKind, Trajectory
+from sonar.learner.algo.advantages import compute_advantages
+from sonar.learner.algo.losses import LossInputs, policy_loss, token_logprobs
+from sonar.learner.batching import Batch, collate, microbatch_loss_scale, pack_micro_batches
 
 torch.set_num_threads(1)
 P, M, R = SegmentKind.PROMPT, SegmentKind.MODEL, SegmentKind.RETRIEVAL

@@ -6,14 +6,14 @@ import os
 import pytest
 import torch
 
-from learner.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint, save_checkpoint
+from sonar.learner.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint, save_checkpoint
 from tests.learner.test_train_step import init_deepspeed, tiny_model
 
 
 def make_engine(seed=0):
     ds = init_deepspeed()
-    from cluster.config import LearnerConfig
-    from learner.deepspeed_config import deepspeed_config
+    from sonar.cluster.wire.config import LearnerConfig
+    from sonar.learner.deepspeed_config import deepspeed_config
 
     model = tiny_model(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from cluster.config import AlgoConfig
-from learner.algo.losses import (AggDenominators, LossInputs, aggregate, entropy_from_logits, kl_estimate,
+from sonar.cluster.wire.config import AlgoConfig
+from sonar.learner.algo.losses import (AggDenominators, LossInputs, aggregate, entropy_from_logits, kl_estimate,
                                  policy_loss, sft_loss, token_logprobs, vtrace_returns, vtrace_token_advantages)
-from learner.batching import microbatch_loss_scale
+from sonar.learner.batching import microbatch_loss_scale
 
 torch.set_num_threads(1)
 D = torch.float64

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.config import ReplayConfig
-from learner.algo.staleness import (apply_staleness, importance_weight_histogram, lag_histogram, policy_lag,
+from sonar.cluster.wire.config import ReplayConfig
+from sonar.learner.algo.staleness import (apply_staleness, importance_weight_histogram, lag_histogram, policy_lag,
                                     staleness_decision)
 
 

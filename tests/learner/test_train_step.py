@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cluster.config import AlgoConfig, LearnerConfig, ReplayConfig
-from cluster.protocol import Segment, SegmentKind, Trajectory
-from learner.train_step import DeepSpeedStepper, TorchStepper, rl_step, sft_step
+from sonar.cluster.wire.config import AlgoConfig, LearnerConfig, ReplayConfig
+from sonar.cluster.wire.protocol import Segment, SegmentKind, Trajectory
+from sonar.learner.train_step import DeepSpeedStepper, TorchStepper, rl_step, sft_step
 
 VOCAB = 40
 
@@ -45,7 +45,7 @@ def groups(seed=0):
 
 def init_deepspeed():
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    from learner.worker import _import_deepspeed_without_shm_jit, free_port
+    from sonar.learner.worker import _import_deepspeed_without_shm_jit, free_port
 
     os.environ["MASTER_PORT"] = str(free_port())
     ds = _import_deepspeed_without_shm_jit()
@@ -57,7 +57,7 @@ def init_deepspeed():
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_deepspeed_step_matches_plain_pytorch(zero_stage):
     ds = init_deepspeed()
-    from learner.deepspeed_config import deepspeed_config
+    from sonar.learner.deepspeed_config import deepspeed_config
 
     lcfg = LearnerConfig(lr=1e-2, grad_clip=1.0, zero_stage=zero_stage, micro_batch_tokens=40)
     algo, rcfg = AlgoConfig(), ReplayConfig()
@@ -95,7 +95,7 @@ def test_micro_batch_packing_does_not_change_the_update():
 def test_gradient_reaches_only_model_tokens(kind):
     """The gradient on the logits is exactly 0 at every position whose target is a PROMPT,
     RETRIEVAL or padding token, and non-zero at MODEL targets."""
-    from learner.batching import collate
+    from sonar.learner.batching import collate
 
     model = tiny_model()
     captured = {}

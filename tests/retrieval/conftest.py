@@ -280,7 +280,7 @@ def unique_index(prefix: str = "sonar-test") -> str:
 def make_es_config():
     """ElasticConfig for a URL with a unique index name; with SONAR_ES_URL, the indices named through
     it are deleted at the end of the module."""
-    from cluster.config import ElasticConfig
+    from sonar.cluster.wire.config import ElasticConfig
 
     made: list[tuple[str, str]] = []
 
@@ -296,8 +296,8 @@ def make_es_config():
 def _cleanup_indices(made: list[tuple[str, str]]) -> None:
     if not EXTERNAL_URL or not made:
         return  # noida-db data dirs are temporary
-    from cluster.config import ElasticConfig
-    from retrieval.elastic import ElasticRetriever
+    from sonar.cluster.wire.config import ElasticConfig
+    from sonar.retrieval.elastic import ElasticRetriever
 
     for url, index in made:
         r = None

@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from retrieval.base import Hit, RetrievalError, Retriever
-from retrieval.cache import CachedRetriever
-from retrieval.multiquery import dedupe_step, plan_step, step_depth
+from sonar.retrieval.base import Hit, RetrievalError, Retriever
+from sonar.retrieval.cache import CachedRetriever
+from sonar.retrieval.multiquery import dedupe_step, plan_step, step_depth
 
 
 class CountingInner:

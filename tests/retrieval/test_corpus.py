@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from retrieval.corpus import (CorpusError, CorpusReader, Passage, corpus_fingerprint, iter_corpus, normalise_query,
+from sonar.retrieval.corpus import (CorpusError, CorpusReader, Passage, corpus_fingerprint, iter_corpus, normalise_query,
                               split_contents, write_synthetic_corpus)
 
 

@@ -15,9 +15,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from cluster.config import ElasticConfig
-from retrieval.base import Hit, RetrievalError
-from retrieval.elastic import (
+from sonar.cluster.wire.config import ElasticConfig
+from sonar.retrieval.base import Hit, RetrievalError
+from sonar.retrieval.elastic import (
     SIMILARITY,
     VECTOR_FIELD,
     BulkIndexError,
@@ -28,7 +28,7 @@ from retrieval.elastic import (
     index_similarity,
     map_exception,
 )
-from retrieval.resilient import ResilientRetriever
+from sonar.retrieval.resilient import ResilientRetriever
 
 EXTERNAL = bool(os.environ.get("SONAR_ES_URL"))
 

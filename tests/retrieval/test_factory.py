@@ -6,12 +6,12 @@ import types
 
 import pytest
 
-from cluster.config import ElasticConfig, RetrievalConfig
-from retrieval.base import Retriever
-from retrieval.cache import CachedRetriever
-from retrieval.corpus import corpus_fingerprint
-from retrieval.factory import build_retriever, index_dir_for
-from retrieval.tantivy_index import MARKER, TantivyRetriever
+from sonar.cluster.wire.config import ElasticConfig, RetrievalConfig
+from sonar.retrieval.base import Retriever
+from sonar.retrieval.cache import CachedRetriever
+from sonar.retrieval.corpus import corpus_fingerprint
+from sonar.retrieval.factory import build_retriever, index_dir_for
+from sonar.retrieval.tantivy_index import MARKER, TantivyRetriever
 
 DOCS = [
     {"id": "paris", "title": "Paris", "text": "Paris is the capital and largest city of France."},
@@ -99,9 +99,9 @@ def test_elasticsearch_is_imported_lazily_and_indexed_when_missing(tmp_path, cor
         seen["bulk"] = [d["id"] for d in docs]
         return len(seen["bulk"])
 
-    fake = types.ModuleType("retrieval.elastic")
+    fake = types.ModuleType("sonar.retrieval.elastic")
     fake.ElasticRetriever, fake.bulk_index = FakeES, bulk_index
-    monkeypatch.setitem(sys.modules, "retrieval.elastic", fake)
+    monkeypatch.setitem(sys.modules, "sonar.retrieval.elastic", fake)
     ec = ElasticConfig(hosts=["http://127.0.0.1:1"], index="sonar-x")
     r = build_retriever(cfg(backend="elasticsearch", elastic=ec), corpus, str(tmp_path))
     assert seen["cfg"] is ec and seen["exists"] == "sonar-x" and seen["created"]

@@ -4,9 +4,9 @@ import json
 import numpy as np
 import pytest
 
-from retrieval.base import Hit, Retriever
-from retrieval.corpus import iter_corpus
-from retrieval.rerank import (MISSING_SCORE, CrossEncoderReranker, DenseEncoder, DenseReranker, PassageVectors,
+from sonar.retrieval.base import Hit, Retriever
+from sonar.retrieval.corpus import iter_corpus
+from sonar.retrieval.rerank import (MISSING_SCORE, CrossEncoderReranker, DenseEncoder, DenseReranker, PassageVectors,
                               build_passage_vectors, passage_text, vectors_dir)
 
 DOCS = [
@@ -153,7 +153,7 @@ def tiny_cross_dirs(tmp_path_factory):
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from retrieval.rerank import packaged_minilm_dir
+    from sonar.retrieval.rerank import packaged_minilm_dir
 
     tok = AutoTokenizer.from_pretrained(str(packaged_minilm_dir()))
     dirs = {}

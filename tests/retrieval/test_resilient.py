@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from retrieval.base import Hit, RetrievalError
-from retrieval.resilient import ResilientRetriever
+from sonar.retrieval.base import Hit, RetrievalError
+from sonar.retrieval.resilient import ResilientRetriever
 
 
 class FakeClock:

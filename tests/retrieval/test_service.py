@@ -14,9 +14,9 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.config import RetrievalConfig
-from retrieval.base import Hit, RetrievalError
-from retrieval.service import RetrievalServerImpl, _percentile
+from sonar.cluster.wire.config import RetrievalConfig
+from sonar.retrieval.base import Hit, RetrievalError
+from sonar.retrieval.service import RetrievalServerImpl, _percentile
 
 
 class EchoRetriever:
@@ -163,7 +163,7 @@ CFG = RetrievalConfig(timeout_s=10.0, batch_window_ms=20.0, max_batch=64, max_co
 
 @pytest.mark.ray
 def test_service_orders_results_across_concurrent_callers_and_merges_requests(ray_local):
-    from retrieval.service import start_retrieval_service, stop
+    from sonar.retrieval.service import start_retrieval_service, stop
 
     client = start_retrieval_service(CFG, lambda: EchoRetriever(delay_s=0.02))
     try:
@@ -189,7 +189,7 @@ def test_service_orders_results_across_concurrent_callers_and_merges_requests(ra
 
 @pytest.mark.ray
 def test_service_errors_come_back_as_retrieval_errors_with_kinds(ray_local):
-    from retrieval.service import start_retrieval_service, stop
+    from sonar.retrieval.service import start_retrieval_service, stop
 
     client = start_retrieval_service(replace(CFG, batch_window_ms=0.0), lambda: EchoRetriever())
     try:
@@ -213,7 +213,7 @@ def test_service_errors_come_back_as_retrieval_errors_with_kinds(ray_local):
 
 @pytest.mark.ray
 def test_service_timeout_becomes_timeout_error(ray_local):
-    from retrieval.service import start_retrieval_service, stop
+    from sonar.retrieval.service import start_retrieval_service, stop
 
     # Two slow calls keep two inner slots busy after their callers time out (a thread cannot be
     # cancelled); the third slot still serves.
@@ -237,7 +237,7 @@ def test_service_timeout_becomes_timeout_error(ray_local):
 def test_dead_replica_is_reported_then_skipped(ray_local):
     import ray
 
-    from retrieval.service import start_retrieval_service, stop
+    from sonar.retrieval.service import start_retrieval_service, stop
 
     client = start_retrieval_service(replace(CFG, batch_window_ms=0.0), lambda: EchoRetriever(), num_replicas=2)
     client.recheck_s = 0.2
@@ -282,7 +282,7 @@ def test_dead_replica_is_reported_then_skipped(ray_local):
 def test_client_travels_to_other_workers(ray_local):
     import ray
 
-    from retrieval.service import start_retrieval_service, stop
+    from sonar.retrieval.service import start_retrieval_service, stop
 
     client = start_retrieval_service(CFG, lambda: EchoRetriever())
     try:
@@ -299,7 +299,7 @@ def test_client_travels_to_other_workers(ray_local):
 
 @pytest.mark.ray
 def test_factory_failure_fails_start_loudly(ray_local):
-    from retrieval.service import start_retrieval_service
+    from sonar.retrieval.service import start_retrieval_service
 
     def bad_factory():
         raise FileNotFoundError("no index at /nowhere")
@@ -315,9 +315,9 @@ def test_factory_failure_fails_start_loudly(ray_local):
 def test_service_over_elasticsearch_uses_the_async_client(ray_local, es_url, make_es_config):
     """The full stack in the actor: ResilientRetriever(ElasticRetriever) built by the factory inside
     the actor; the server awaits its abatch_search (AsyncElasticsearch on the actor's event loop)."""
-    from retrieval.elastic import ElasticRetriever, bulk_index
-    from retrieval.resilient import ResilientRetriever
-    from retrieval.service import start_retrieval_service, stop
+    from sonar.retrieval.elastic import ElasticRetriever, bulk_index
+    from sonar.retrieval.resilient import ResilientRetriever
+    from sonar.retrieval.service import start_retrieval_service, stop
 
     ecfg = make_es_config(es_url)
     driver_side = ElasticRetriever.from_config(ecfg)

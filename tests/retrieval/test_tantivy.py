@@ -5,10 +5,10 @@ import threading
 import pytest
 import tantivy
 
-import retrieval.tantivy_index as ti
-from retrieval.base import Hit, Retriever
-from retrieval.corpus import CorpusReader, write_synthetic_corpus
-from retrieval.tantivy_index import IndexBuildError, TantivyRetriever, build_index, index_is_complete
+import sonar.retrieval.tantivy_index as ti
+from sonar.retrieval.base import Hit, Retriever
+from sonar.retrieval.corpus import CorpusReader, write_synthetic_corpus
+from sonar.retrieval.tantivy_index import IndexBuildError, TantivyRetriever, build_index, index_is_complete
 
 DOCS = [
     {"id": "paris", "title": "Paris", "text": "Paris is the capital and largest city of France."},

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.config import Config, StageConfig, flatten, to_dict, to_yaml
+from sonar.cluster.wire.config import Config, StageConfig, flatten, to_dict, to_yaml
 
 log = logging.getLogger("sonar.eval")
 
@@ -35,7 +35,7 @@ def resolve_model_dir(checkpoint: str) -> Path:
 
 
 def _default_corpus(cfg: Config) -> str:
-    from cluster.launch import prepare_corpus
+    from sonar.cluster.driver.roles import prepare_corpus
 
     return prepare_corpus(cfg, None)
 
@@ -43,15 +43,15 @@ def _default_corpus(cfg: Config) -> str:
 def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str | None = None) -> dict:
     from tqdm import tqdm
 
-    from actors.datasets import load_dataset
-    from actors.engine import HFEngine
-    from actors.model import load_policy
-    from actors.prompts import get_protocol
-    from actors.rewards import cover_em, exact_match, f1, trajectory_reward
-    from actors.rollout import PromptItem, ThreadedRetriever, rollout_groups
-    from actors.worker import trajectory_record
-    from cluster import tracking
-    from retrieval.factory import build_retriever
+    from sonar.actors.datasets import load_dataset
+    from sonar.actors.engine import HFEngine
+    from sonar.actors.model import load_policy
+    from sonar.actors.prompts import get_protocol
+    from sonar.actors.rewards import cover_em, exact_match, f1, trajectory_reward
+    from sonar.actors.rollout import PromptItem, ThreadedRetriever, rollout_groups
+    from sonar.actors.worker import trajectory_record
+    from sonar.cluster.driver import tracking
+    from sonar.retrieval.factory import build_retriever
 
     model_dir = resolve_model_dir(checkpoint)
     model, tokenizer = load_policy(model_dir)

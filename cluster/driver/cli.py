@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from cluster.config import DEFAULT_CONFIG, ConfigError, load_config
+from sonar.cluster.wire.config import DEFAULT_CONFIG, ConfigError, load_config
 
 
 def _env_defaults() -> None:
@@ -46,11 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "score":
-        from actors.scoring import main as score_main
+        from sonar.actors.scoring import main as score_main
 
         return score_main(argv[1:])
     if argv and argv[0] == "bench":
-        from bench.run import main as bench_main
+        from sonar.bench.run import main as bench_main
 
         return bench_main(argv[1:])
     p = argparse.ArgumentParser(prog="sonar")
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cfg = _load(args)
     if args.cmd == "train":
-        from cluster.launch import train
+        from sonar.cluster.driver.loop import train
 
         try:
             train(cfg)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         return 0
     if args.cmd == "eval":
-        from cluster.evaluate import run_eval
+        from sonar.cluster.driver.evaluate import run_eval
 
         run_eval(cfg, args.checkpoint, args.data, args.out)
         return 0

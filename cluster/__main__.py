@@ -1,3 +1,0 @@
-from cluster.cli import main
-
-raise SystemExit(main())

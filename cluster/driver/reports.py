@@ -1,0 +1,155 @@
+"""What the driver reports: per-step metric dicts from the roles, held-out evaluation, the summary.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import numpy as np
+
+from sonar.cluster.driver.run import Run, world_of
+from sonar.cluster.wire import metrics as K
+from sonar.cluster.wire.config import Config
+
+log = logging.getLogger("sonar")
+
+def record_prompts(run: Run, m: dict) -> None:
+    """Append which prompts this step trained or dropped as stale to trained_prompts.jsonl (a resume
+    is checked against it: no prompt trained twice, none skipped)."""
+    prompts, dropped = m.pop("_prompts", []), m.pop("_dropped_prompts", [])
+    if prompts or dropped:
+        with open(run.dir / "trained_prompts.jsonl", "a") as fh:
+            fh.write(json.dumps({"version": m.get("learner/version"), "trained": prompts, "dropped": dropped}) + "\n")
+
+
+def rollout_metrics(recent: list[dict]) -> dict:
+    if not recent:
+        return {}
+    m = {K.ROLLOUT_REWARD_MEAN: float(np.mean([r["reward"] for r in recent])),
+         K.ROLLOUT_SEARCH_CALLS_MEAN: float(np.mean([r["searches"] for r in recent])),
+         K.ROLLOUT_TOKENS_MEAN: float(np.mean([r["model_tokens"] for r in recent]))}
+    for part in recent[0]["parts"]:
+        m[K.ROLLOUT_REWARD_PART.format(part=part)] = float(np.mean([r["parts"].get(part, 0.0) for r in recent]))
+    for reason in ("answered", "max_turns", "max_tokens", "malformed", "retrieval_error"):
+        m[K.ROLLOUT_FINISH.format(reason=reason)] = float(np.mean([r["finish"] == reason for r in recent]))
+    lat = [x for r in recent for x in r["latency_ms"]]
+    if lat:
+        m[K.RETRIEVAL_LATENCY_P50] = float(np.percentile(lat, 50))
+        m[K.RETRIEVAL_LATENCY_P99] = float(np.percentile(lat, 99))
+    m[K.RETRIEVAL_ERRORS] = float(sum(r["failed_searches"] for r in recent))
+    m["rollout/trajectories"] = float(len(recent))
+    return m
+
+
+class Throughput:
+    """Rollout throughput between consecutive learner steps, from the replay's produced counter."""
+
+    def __init__(self):
+        self.t, self.produced = time.monotonic(), None
+
+    def tick(self, m: dict) -> dict:
+        now, produced = time.monotonic(), m.get(K.REPLAY_PRODUCED, 0)
+        out = {}
+        if self.produced is not None and now > self.t:
+            out[K.ROLLOUT_TRAJ_PER_S] = (produced - self.produced) / (now - self.t)
+            if K.ROLLOUT_TOKENS_MEAN in m:
+                out[K.ROLLOUT_TOKENS_PER_S] = out[K.ROLLOUT_TRAJ_PER_S] * m[K.ROLLOUT_TOKENS_MEAN]
+        self.t, self.produced = now, produced
+        return out
+
+
+def retrieval_metrics(roles: Roles) -> dict:
+    """Service-side retrieval metrics (QPS, latency, batch size, cache hit rate, errors by kind)."""
+    import ray
+
+    stats = [s for s in ray.get([h.stats.remote() for h in roles.retrieval]) if s]
+    if not stats:
+        return {}
+    m = {"retrieval/qps": sum(s["qps"] for s in stats),
+         "retrieval/service/latency_ms/p50": max(s["latency_ms"]["p50"] for s in stats),
+         "retrieval/service/latency_ms/p99": max(s["latency_ms"]["p99"] for s in stats),
+         "retrieval/batch_size/mean": float(np.mean([s["mean_batch_size"] for s in stats]))}
+    for s in stats:
+        for kind, n in s["errors"].items():
+            m[f"retrieval/errors/{kind}"] = m.get(f"retrieval/errors/{kind}", 0) + n
+        cache = s.get("inner", {})
+        if "hit_rate" in cache:
+            m[K.RETRIEVAL_CACHE_HIT_RATE] = cache["hit_rate"]
+    return m
+
+
+def replay_metrics(roles: Roles) -> dict:
+    import ray
+
+    s = ray.get(roles.replay.stats.remote())
+    return {K.REPLAY_DEPTH: s["depth_groups"], K.REPLAY_PRODUCED: s["produced"], K.REPLAY_CONSUMED: s["consumed"],
+            K.REPLAY_DROPPED_STALE: s["dropped_stale"], K.REPLAY_REQUEUED: s["requeued_prompts"]}
+
+
+def evaluate(cfg: Config, roles: Roles, run: Run, split: str) -> dict:
+    """Greedy held-out eval, with search and (optionally) without, sharded across the workers."""
+    import ray
+
+    from sonar.actors.rewards import exact_match, f1
+
+    world = world_of(cfg)
+    qs = world.heldout[: cfg.world.num_heldout_eval or None]
+    questions = [{"qid": q.qid, "question": q.question, "golds": list(q.golds)} for q in qs]
+    stage = cfg.stages[-1]
+    out = {}
+    for mode in (["search", "no_search"] if cfg.eval.no_search else ["search"]):
+        shards = [questions[i::len(roles.workers)] for i in range(len(roles.workers))]
+        recs = [r for rs in ray.get([w.evaluate.remote(s, mode == "search", stage)
+                                     for w, s in zip(roles.workers, shards) if s]) for r in rs]
+        em = float(np.mean([exact_match(r["prediction"] or "", r["golden_answers"]) for r in recs]))
+        f = float(np.mean([f1(r["prediction"] or "", r["golden_answers"]) for r in recs]))
+        searches = float(np.mean([r["num_searches"] for r in recs]))
+        out[mode] = {"em": em, "f1": f, "searches": searches, "n": len(recs)}
+        key = f"{split}_{mode}"
+        run.log({K.EVAL_EM.format(split=key): em, K.EVAL_F1.format(split=key): f,
+                 K.EVAL_SEARCHES.format(split=key): searches})
+        path = run.dir / f"predictions-{key}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        log.info("eval %s: EM %.3f F1 %.3f searches/q %.2f (n=%d)", key, em, f, searches, len(recs))
+    return out
+
+
+def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
+    import ray
+
+    before = run.results.get("before", {})
+    after = run.results.get("final", {})
+    stats = ray.get(roles.replay.stats.remote())
+    lags = [h.get(K.LEARNER_POLICY_LAG_MAX, 0) for h in run.history]
+    rl_hist = [h for h in run.history if "rollout/trajectories" in h]
+    wall = time.monotonic() - run.t0
+    summary = {
+        "run_dir": str(run.dir), "mlflow_run_id": run.sink.run_id, "wall_s": wall,
+        "em_before_search": before.get("search", {}).get("em"), "em_after_search": after.get("search", {}).get("em"),
+        "f1_before_search": before.get("search", {}).get("f1"), "f1_after_search": after.get("search", {}).get("f1"),
+        "em_after_no_search": after.get("no_search", {}).get("em"),
+        "searches_per_question": after.get("search", {}).get("searches"),
+        "trajectories_per_s": stats["consumed"] / max(1e-9, sum(v["seconds"] for v in run.results.get("rl", {}).values()) or wall),
+        "tokens_per_s": float(np.mean([h.get(K.LEARNER_TOKENS_PER_S, 0) for h in rl_hist])) if rl_hist else None,
+        "policy_lag_max": max(lags) if lags else 0, "replay": stats, "weights": run.results.get("weights"),
+        "learner_steps": sum(1 for h in run.history if "learner/version" in h),
+    }
+    (run.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    rows = [("held-out EM (search) before RL", summary["em_before_search"]),
+            ("held-out EM (search) after RL", summary["em_after_search"]),
+            ("held-out F1 (search) before / after", f"{_fmt(summary['f1_before_search'])} / {_fmt(summary['f1_after_search'])}"),
+            ("held-out EM (no search) after RL", summary["em_after_no_search"]),
+            ("searches per question", summary["searches_per_question"]),
+            ("trajectories/s (RL)", summary["trajectories_per_s"]),
+            ("learner tokens/s", summary["tokens_per_s"]), ("policy lag (max)", summary["policy_lag_max"]),
+            ("accounting balanced", stats["balanced"]), ("wall clock (s)", wall),
+            ("MLflow run id", run.sink.run_id), ("run directory", run.dir)]
+    width = max(len(r[0]) for r in rows)
+    print("\n" + "\n".join(f"  {k.ljust(width)}  {_fmt(v)}" for k, v in rows) + "\n", flush=True)
+    return summary
+
+
+def _fmt(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+

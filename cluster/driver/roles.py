@@ -1,0 +1,289 @@
+"""The roles and their lifecycle: Ray, retrieval service, replay queue, learner, rollout workers.
+
+Starting, health-checking, restarting and stopping them; the weight push; checkpoints and export.
+The driver holds only handles and small dicts: trajectories go worker -> replay -> learner, weights
+go over the broadcast group.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from sonar.cluster.driver.reports import rollout_metrics
+from sonar.cluster.driver.run import Run, world_of
+from sonar.cluster.wire import metrics as K
+from sonar.cluster.wire.config import Config, StageConfig, inflight_budget
+
+log = logging.getLogger("sonar")
+
+@dataclass
+class Roles:
+    retrieval: list
+    replay: object
+    learner: object
+    workers: list
+    restarts: dict
+    bcast_gen: int = 0
+    corpus_path: str = ""
+    owns_ray: bool = False
+
+
+def init_ray(cfg: Config) -> bool:
+    """Join RAY_ADDRESS / cluster.address (ray job submit sets it) or start a local cluster on loopback."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    env = {"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                        "HF_HUB_OFFLINE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}}
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=True)
+    else:
+        # address="local": always a new private cluster, never a stray one found in /tmp/ray.
+        # Logical CPUs: enough for every role's request, so a local run never waits for resources
+        # (the processes share the physical cores; each uses one thread).
+        needed = cfg.learner.num_cpus + cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker
+        ray.init(address="local", num_cpus=cfg.cluster.num_cpus or int(max(4, os.cpu_count() or 1, needed + 0.999)),
+                 include_dashboard=False, _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=True)
+    return True
+
+
+def start_roles(cfg: Config, run: Run) -> Roles:
+    import ray
+
+    from sonar.cluster.wire.replay import ReplayQueue
+    from sonar.learner.worker import Learner
+
+    owns = init_ray(cfg)
+    corpus = prepare_corpus(cfg, run)
+    retrieval = start_retrieval(cfg, run, corpus)
+    num_train = len(world_of(cfg).train)
+    replay = ray.remote(num_cpus=0)(ReplayQueue).options(max_concurrency=1000).remote(
+        cfg.replay.capacity_groups, cfg.replay.max_policy_lag, cfg.replay.stale_policy, num_train, cfg.run.seed,
+        inflight_budget(cfg))
+    learner = ray.remote(Learner).options(num_cpus=cfg.learner.num_cpus, num_gpus=cfg.learner.num_gpus).remote(cfg)
+    workers = [start_worker(cfg, i, retrieval) for i in range(cfg.rollout.num_workers)]
+    try:
+        ray.get([learner.ping.remote()] + [w.ready.remote() for w in workers], timeout=cfg.cluster.step_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(
+            f"the learner and {len(workers)} rollout workers did not start within cluster.step_timeout_s="
+            f"{cfg.cluster.step_timeout_s}s: the cluster lacks the CPUs/GPUs they ask for "
+            f"(learner.num_cpus={cfg.learner.num_cpus}, learner.num_gpus={cfg.learner.num_gpus}, "
+            f"rollout.num_cpus_per_worker={cfg.rollout.num_cpus_per_worker}, "
+            f"rollout.num_gpus_per_worker={cfg.rollout.num_gpus_per_worker}; available {ray.available_resources()})"
+        ) from None
+    roles = Roles(retrieval, replay, learner, workers, {i: 0 for i in range(len(workers))}, corpus_path=corpus,
+                  owns_ray=owns)
+    connect_broadcast(cfg, roles)
+    return roles
+
+
+def prepare_corpus(cfg: Config, run: Run) -> str:
+    if cfg.retrieval.corpus:
+        return cfg.retrieval.corpus
+    import hashlib
+
+    from sonar.actors.world import write_corpus_jsonl
+
+    # Named by content, not by seed: a changed world generator must never reuse a stale corpus/index.
+    world = world_of(cfg)
+    digest = hashlib.sha1(json.dumps(world.corpus, sort_keys=True).encode()).hexdigest()[:12]
+    path = Path(cfg.run.root).resolve() / "corpus" / f"world-{cfg.world.seed}-{digest}.jsonl"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        write_corpus_jsonl(world, tmp)
+        tmp.replace(path)
+    return str(path)
+
+
+def start_retrieval(cfg: Config, run: Run, corpus: str) -> list:
+    from sonar.retrieval.factory import build_retriever
+    from sonar.retrieval.service import start_retrieval_service
+
+    rcfg = cfg.retrieval
+    index_root = str(Path(cfg.run.root).resolve() / "index")
+    build_retriever(rcfg, corpus, index_root)  # builds the index once, before replicas open it
+    client = start_retrieval_service(rcfg, lambda: build_retriever(rcfg, corpus, index_root), max(1, rcfg.replicas))
+    return list(client.handles)
+
+
+def start_worker(cfg: Config, i: int, retrieval: list):
+    import ray
+
+    from sonar.actors.worker import RolloutWorker
+
+    return ray.remote(RolloutWorker).options(
+        num_cpus=cfg.rollout.num_cpus_per_worker, num_gpus=cfg.rollout.num_gpus_per_worker,
+        max_concurrency=4, name=None).remote(i, cfg, retrieval)
+
+
+def connect_broadcast(cfg: Config, roles: Roles) -> None:
+    """(Re)build the broadcast group: every rank must join concurrently; layouts must agree."""
+    import ray
+
+    from sonar.learner.deepspeed_config import resolve_backend
+    from sonar.learner.worker import free_port
+
+    roles.bcast_gen += 1
+    prefix = f"sonar-weights-{roles.bcast_gen}"
+    port, n = free_port(), len(roles.workers) + 1
+    backend = resolve_backend(cfg.learner, cfg.learner.num_gpus > 0)
+    refs = [roles.learner.setup_broadcast.remote("127.0.0.1", port, n, backend, prefix)]
+    refs += [w.setup_broadcast.remote("127.0.0.1", port, i + 1, n, backend, prefix) for i, w in enumerate(roles.workers)]
+    digests = ray.get(refs, timeout=cfg.cluster.health_timeout_s)
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"weight layouts differ between the learner and the workers: {digests} "
+                           "(model.* config or model.path must be the same for every role)")
+    push_weights(roles)
+
+
+def push_weights(roles: Roles) -> dict:
+    """One collective push: learner -> every worker. Only the version number crosses Ray."""
+    import ray
+
+    v = ray.get(roles.learner.ping.remote())["version"]
+    out = ray.get([roles.learner.broadcast.remote()] + [w.receive_weights.remote(v) for w in roles.workers])
+    sent = out[0]
+    return {K.WEIGHTS_SYNC_S: sent["seconds"], K.WEIGHTS_GBPS: sent["bytes"] / max(sent["seconds"], 1e-9) / 1e9}
+
+
+def stop_roles(roles: Roles | None) -> None:
+    import ray
+
+    if roles is not None:
+        for w in roles.workers:
+            try:
+                ray.get(w.stop.remote(timeout_s=5), timeout=10)
+            except Exception:
+                pass
+    if ray.is_initialized() and (roles is None or roles.owns_ray):
+        ray.shutdown()
+
+
+def check_workers(cfg: Config, roles: Roles, stage_index: int, stage: StageConfig) -> dict:
+    """Health check every iteration: a dead or silent worker is restarted or fails the run loudly."""
+    import ray
+
+    recent: list[dict] = []
+    for i, w in enumerate(list(roles.workers)):
+        try:
+            h = ray.get(w.health.remote(), timeout=cfg.cluster.health_timeout_s)
+            err = h["error"] or (None if h["alive"] or cfg.cluster.mode == "sync" else "rollout loop is not running")
+            if err is None and cfg.cluster.mode == "async" and h["idle_s"] > cfg.cluster.step_timeout_s:
+                err = f"no progress for {h['idle_s']:.0f}s"
+        except Exception as e:  # actor died (RayActorError) or health timed out
+            h, err = None, f"{type(e).__name__}: {e}"
+        if err is None:
+            recent.extend(h["recent"])
+            continue
+        restart_worker(cfg, roles, i, err, stage_index, stage)
+    return rollout_metrics(recent)
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+def restart_worker(cfg: Config, roles: Roles, i: int, err: str, stage_index: int, stage: StageConfig) -> None:
+    import ray
+
+    requeued = ray.get(roles.replay.release_worker.remote(i))
+    if roles.restarts[i] >= cfg.cluster.max_worker_restarts:
+        raise WorkerFailed(f"rollout worker {i} failed ({requeued} prompts requeued) and "
+                           f"cluster.max_worker_restarts={cfg.cluster.max_worker_restarts} is used up:\n{err}")
+    roles.restarts[i] += 1
+    log.warning("restarting rollout worker %d (restart %d): %s", i, roles.restarts[i], err.splitlines()[-1] if err else err)
+    try:
+        ray.kill(roles.workers[i], no_restart=True)
+    except Exception:
+        pass
+    roles.workers[i] = start_worker(cfg, i, roles.retrieval)
+    ray.get(roles.workers[i].ready.remote())
+    # The broadcast group includes every rank, so it is rebuilt: pause the others first (closing the
+    # queue releases a producer blocked on backpressure; its prompt is requeued), then resume all.
+    ray.get(roles.replay.close.remote())
+    ray.get([w.stop.remote() for j, w in enumerate(roles.workers) if j != i])
+    ray.get(roles.replay.reopen.remote())
+    connect_broadcast(cfg, roles)
+    if cfg.cluster.mode == "async":
+        ray.get([w.start.remote(roles.replay, stage_index, stage) for w in roles.workers])
+
+
+def stop_rollouts(roles: Roles) -> None:
+    import ray
+
+    ray.get(roles.replay.close.remote())
+    ray.get([w.stop.remote() for w in roles.workers])
+    ray.get(roles.replay.drain.remote())
+
+
+def verify_weights(roles: Roles) -> dict:
+    """After a final push, every worker must hold exactly the learner's weights (checksums equal)."""
+    import ray
+
+    push_weights(roles)
+    ray.get([w.apply_staged_weights.remote() for w in roles.workers])
+    learner = ray.get(roles.learner.checksum.remote())
+    workers = ray.get([w.checksum.remote() for w in roles.workers])
+    produced = [ray.get(w.health.remote())["stats"]["trajectories"] for w in roles.workers]
+    ok = all(w["version"] == learner["version"] and
+             (w["checksum"] is None or abs(w["checksum"] - learner["checksum"]) <= 1e-9 * abs(learner["checksum"]))
+             for w in workers)
+    if not ok:
+        raise RuntimeError(f"weights diverged after the final push: learner {learner}, workers {workers}")
+    return {"learner": learner, "workers": workers, "worker_trajectories": produced}
+
+
+def maybe_checkpoint(cfg: Config, roles: Roles, run: Run, stage_index: int, steps: int) -> None:
+    if cfg.run.checkpoint_every and steps % cfg.run.checkpoint_every == 0 and steps < cfg.stages[stage_index].steps:
+        save_checkpoint(roles, run, stage_index, steps, tag=f"step{run.step}")
+
+
+def save_checkpoint(roles: Roles, run: Run, resume_stage: int, resume_step: int, tag: str) -> str:
+    """Learner state + replay accounting and prompt cursor. Groups still queued are not saved: their
+    prompts are requeued in the cursor, so after a resume nothing is lost and nothing trained twice."""
+    import ray
+
+    replay_state = ray.get(roles.replay.state_dict.remote())
+    path = str(run.dir / "checkpoints" / tag)
+    path = ray.get(roles.learner.save_checkpoint.remote(
+        path, {"resume_stage": resume_stage, "resume_step": resume_step, "replay": replay_state,
+               "run_step": run.step}))
+    log.info("checkpoint saved: %s", path)
+    return path
+
+
+def maybe_resume(cfg: Config, roles: Roles, run: Run) -> tuple[int, int]:
+    if not cfg.run.resume:
+        return 0, 0
+    import ray
+
+    from sonar.learner.checkpoint import resolve_checkpoint
+
+    path = resolve_checkpoint(cfg.run.resume, cfg.run.root)
+    state = ray.get(roles.learner.load_checkpoint.remote(path))
+    ray.get(roles.replay.load_state_dict.remote(state["replay"]))
+    run.step = state.get("run_step", 0)
+    push_weights(roles)
+    run.sink.log_params({"run.resumed_from": path})
+    log.info("resumed from %s at version %d, stage %d step %d", path, state["version"], state["resume_stage"],
+             state["resume_step"])
+    return int(state["resume_stage"]), int(state["resume_step"])
+
+
+def export_model(cfg: Config, roles: Roles, run: Run) -> str:
+    import ray
+
+    path = ray.get(roles.learner.export_hf.remote(str(run.dir / "model")))
+    if cfg.tracking.log_model:
+        run.sink.log_artifacts(path, "model")
+    return path
+
