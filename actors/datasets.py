@@ -24,12 +24,13 @@ Formats (``fmt``) and where the real files come from
 Test files without answers (HotpotQA fullwiki test, MuSiQue test) cannot be loaded: there is
 nothing to score against.
 
-Pointing Sonar at them: set a stage's ``data`` to the file (``stages.0.data=/data/hotpotqa/dev.jsonl``)
-or score predictions with ``sonar score``; ``fmt="auto"`` detects the format from the content
-(``golden_answers`` -> flashrag, ``answer_aliases``/``question_decomposition``/``paragraphs`` ->
-musique, ``Question``/``Answer`` or a ``.csv`` -> bamboogle, ``evidences`` -> 2wiki, ``level`` ->
-hotpotqa) and, for a JSON list with only ``_id/question/answer``, from the file name ("2wiki" ->
-2wiki, else hotpotqa). ``.gz`` files are read transparently.
+Pointing Sonar at them: evaluate a checkpoint on the file (``sonar eval --data /data/hotpotqa/dev.jsonl``)
+or score predictions with ``sonar score`` (training reads the synthetic world's questions only);
+``fmt="auto"`` detects the format from the content (``golden_answers`` -> flashrag,
+``answer_aliases``/``question_decomposition``/``paragraphs`` -> musique, ``Question``/``Answer`` or a
+``.csv`` -> bamboogle, ``evidences`` -> 2wiki, ``level`` -> hotpotqa) and, for a JSON list with only
+``_id/question/answer``, from the file name ("2wiki" -> 2wiki, else hotpotqa). ``.gz`` files are read
+transparently.
 
 Every item gets ``source``: the dataset name (the ``source=`` argument, else the parent folder for
 FlashRAG-style ``<dataset>/<split>.jsonl`` paths, else the format name). ``qid`` is the record's id,

@@ -28,6 +28,7 @@ def train(cfg: Config) -> dict:
             if index < start_stage:
                 continue
             first = start_step if index == start_stage else 0
+            log.info("stage %d %r (%s): steps %d..%d", index, stage.name, stage.kind, first, stage.steps)
             if stage.kind == "sft":
                 run_sft_stage(cfg, roles, run, index, stage, first)
             else:

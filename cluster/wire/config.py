@@ -52,11 +52,18 @@ class ModelConfig:
     path: Optional[str] = None
     """Local HF model directory (weights + tokenizer). None builds the tiny model below."""
     hidden_size: int = 128
+    """Tiny model only (ignored when ``path`` is set): hidden width, divisible by ``num_heads``.
+    Read by ``actors/model.py:build_policy``, like the four fields below."""
     num_layers: int = 2
+    """Tiny model only: decoder layers (>= 1)."""
     num_heads: int = 4
+    """Tiny model only: attention heads, also the key/value heads (no grouped-query attention)."""
     intermediate_size: int = 384
+    """Tiny model only: width of the SwiGLU MLP (>= 1)."""
     max_position_embeddings: int = 1024
+    """Tiny model only: the longest sequence in tokens; must be >= ``protocol.max_total_tokens``."""
     tie_word_embeddings: bool = True
+    """Tiny model only: the output head shares the input embedding matrix (one tensor on the wire)."""
     seed: int = 0
     """Init seed of the random model (identical on every process that builds it)."""
 
@@ -76,6 +83,8 @@ class ProtocolConfig:
     docs_per_query: int = 1
     """Documents injected per query (R1-Searcher's default is 3)."""
     max_new_tokens_per_turn: int = 48
+    """Tokens the policy may generate in one turn (>= 1); each row is also capped by what is left of
+    ``max_total_tokens``. Read by the rollout loop (``actors/rollout.py``)."""
     max_total_tokens: int = 512
     """Budget for the whole trajectory, prompt and documents included."""
     max_doc_tokens: int = 96
@@ -87,17 +96,29 @@ class ElasticConfig:
     """Connection to an Elasticsearch cluster. Credentials come from the environment only."""
 
     hosts: List[str] = field(default_factory=lambda: ["http://127.0.0.1:9200"])
+    """Node URLs. A URL with ``user:password@`` is refused: credentials come from the env vars below."""
     index: str = "sonar"
+    """Index name; created from ``retrieval.corpus`` (mapping, BM25 settings) when it does not exist."""
     api_key_env: str = "SONAR_ES_API_KEY"
     """Name of the env var holding the API key (the key itself never enters the config)."""
     username_env: str = "SONAR_ES_USERNAME"
+    """Name of the env var holding the basic-auth user (used when the API-key variable is unset)."""
     password_env: str = "SONAR_ES_PASSWORD"
+    """Name of the env var holding the basic-auth password."""
     ca_certs: Optional[str] = None
+    """CA bundle file for https hosts; None: the system's certificate store."""
     verify_certs: bool = True
+    """Verify the server's TLS certificate (turn off only for a local test cluster)."""
     request_timeout_s: float = 10.0
+    """Client timeout of one HTTP request, in seconds (> 0). ``retrieval.timeout_s`` bounds a whole
+    search call through the service, retries included."""
     bm25_k1: float = 1.2
+    """BM25 term-frequency saturation (>= 0), set in the index's similarity when it is created."""
     bm25_b: float = 0.75
+    """BM25 length normalisation in [0, 1], set in the index's similarity when it is created."""
     title_boost: float = 2.0
+    """Weight of a title match relative to a text match (> 0). Read by both backends: the
+    Elasticsearch ``multi_match`` and the tantivy query (``retrieval/factory.py``)."""
     store_vectors: bool = False
     """Index MiniLM passage vectors as dense_vector so reranking can run server-side."""
 
@@ -113,6 +134,8 @@ class RetrievalConfig:
     index_dir: Optional[str] = None
     """Where the tantivy index (and passage vectors) live; None: <run.root>/index/<corpus hash>."""
     k: int = 1
+    """Hits requested per query (>= ``protocol.docs_per_query``; the extra hits replace documents that
+    another query of the same step already returned). Read by the rollout worker and ``sonar eval``."""
     rerank: str = "none"
     """none | dense | cross"""
     rerank_candidates: int = 20
@@ -124,22 +147,37 @@ class RetrievalConfig:
     max_query_chars: int = 512
     """Longer queries are truncated (counted in retrieval/truncated)."""
     timeout_s: float = 10.0
+    """Bound on one search call through the retrieval service, in seconds (> 0); on expiry the turn's
+    searches fail with error ``timeout`` (data, not a crash). Read by every ``RetrievalClient``."""
     max_retries: int = 2
+    """Elasticsearch only: retries of a call that failed with a retryable error (timeout, 5xx, 429,
+    connection) in ``ResilientRetriever``; 0 disables. The in-process tantivy backend is not wrapped."""
     backoff_s: float = 0.1
+    """Elasticsearch only: delay before the first retry, in seconds (>= 0); it doubles per retry, is
+    capped at 2 s and jittered."""
     breaker_failures: int = 5
     """Consecutive failures that open the circuit breaker."""
     breaker_reset_s: float = 5.0
+    """Elasticsearch only: seconds an open breaker fails calls at once before one probe call may try."""
     replicas: int = 1
-    """Ray retrieval-service actors shared by all rollout workers (0: in-process per worker)."""
+    """RetrievalServer Ray actors shared by all rollout workers (>= 1); each worker's client sends a call
+    to the least-loaded healthy replica. The driver starts them (``cluster/driver/roles.py``)."""
     batch_window_ms: float = 2.0
+    """Service micro-batching: how long a replica collects requests after the oldest one arrived before
+    it calls the backend, in ms (>= 0; 0: send what is queued at once)."""
     max_batch: int = 64
+    """Service micro-batching: queries merged into one backend call at most (>= 1); a larger request is
+    sent alone, never split."""
     max_concurrency: int = 16
+    """Backend calls a replica keeps in flight at most (>= 1; its thread pool's size). While every slot is
+    busy, queued requests keep merging, so batches grow with load."""
     inject_latency_ms: float = 0.0
     """Benchmarks only: median extra latency per backend call (lognormal), to model a remote search
     cluster. 0 disables. Applied below the cache, so cache hits stay fast."""
     inject_latency_sigma: float = 0.0
     """Lognormal sigma of the injected latency (0: constant)."""
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    """Connection and index settings, read when ``backend`` is elasticsearch (``title_boost``: always)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +185,7 @@ class RolloutConfig:
     """Rollout workers and sampling."""
 
     num_workers: int = 2
+    """Rollout worker actors (>= 1), each holding its own engine copy of the policy (driver roles)."""
     group_size: int = 8
     """Samples per prompt (a GRPO group)."""
     groups_per_request: int = 2
@@ -154,7 +193,17 @@ class RolloutConfig:
     batches_in_flight: int = 1
     """Batches a worker keeps going at once: while one waits on retrieval, another generates."""
     temperature: float = 1.0
+    """Sampling temperature of training rollouts (>= 0; > 0 for an RL stage). The learner divides its
+    logits by the same value, so its logprobs are comparable with the recorded ones. Evaluation is greedy."""
     top_p: float = 1.0
+    """Nucleus sampling of training rollouts, in (0, 1]: per row and step, the sampler keeps the most
+    likely tokens until their probability under ``softmax(logits / temperature)`` reaches ``top_p``
+    (the token that crosses it included) and draws from that set renormalised. The *recorded* logprob
+    is still ``log_softmax(logits / temperature)`` of the drawn token over the full vocabulary, which is
+    what the learner recomputes: it is not the sampler's own probability, which is higher by
+    ``-log(nucleus mass)``. So with top_p < 1 the importance weights cannot see the truncation, and the
+    policy gradient is biased toward it; 1 (default) samples the full distribution and the recorded
+    logprob is exactly the behaviour policy's. Read by the transformers engines (via the rollout loop)."""
     engine: str = "hf"
     """hf (transformers, CPU/GPU) | vllm (GPU) | bench (sleeps per token: measures Sonar's own overhead)"""
     bench_token_ms: float = 2.0
@@ -176,7 +225,9 @@ class RolloutConfig:
     inject_decode_max_tokens: int = 256
     """Reasoning lengths are clipped to this (the turn budget a real model would hit)."""
     num_cpus_per_worker: float = 1.0
+    """Ray CPUs reserved per rollout worker (placement; torch runs one thread per worker)."""
     num_gpus_per_worker: float = 0.0
+    """Ray GPUs reserved per rollout worker (placement; the vLLM engine runs on the GPU Ray assigns)."""
 
 
 @dataclass(frozen=True)
@@ -188,12 +239,17 @@ class AlgoConfig:
     std_normalize: bool = False
     """GRPO: divide group-centred rewards by the group std (Dr.GRPO: never)."""
     clip_low: float = 0.2
+    """Lower PPO clip: the ratio's lower bound is 1 - clip_low, clip_low in [0, 1)."""
     clip_high: float = 0.28
     """Asymmetric PPO clip: ratio in [1-clip_low, 1+clip_high] (clip-higher)."""
     loss_agg: str = "token_mean"
     """token_mean | seq_mean_token_mean | seq_sum_norm (sum / loss_norm_const)."""
     loss_norm_const: float = 512.0
+    """seq_sum_norm only: the constant (in tokens, > 0) a sequence's summed token losses are divided by,
+    as Dr.GRPO does with the generation budget."""
     kl_coef: float = 0.0
+    """Coefficient of the KL to the reference policy (the weights at the start of the stage, frozen);
+    0 disables it and no reference copy is kept. Applied per ``kl_mode``."""
     kl_estimator: str = "k3"
     """k1 | k2 | k3"""
     kl_mode: str = "loss"
@@ -201,8 +257,12 @@ class AlgoConfig:
     off_policy: str = "tis"
     """none | tis | decoupled | vtrace"""
     tis_cap: float = 2.0
+    """Importance weight cap (> 0): ``tis`` truncates the weight exp(proximal - behaviour) to it;
+    ``decoupled`` drops the tokens whose weight exceeds it."""
     vtrace_rho_bar: float = 1.0
+    """vtrace only: truncation rho_bar of the per-token importance weight (> 0)."""
     vtrace_c_bar: float = 1.0
+    """vtrace only: truncation c_bar of the trace coefficients (> 0; IMPALA takes c_bar <= rho_bar)."""
     dynamic_sampling: bool = True
     """Drop groups whose rewards are all equal (no signal); counted in learner/groups_zero_signal."""
 
@@ -212,13 +272,20 @@ class LearnerConfig:
     """The DeepSpeed learner."""
 
     lr: float = 3e-4
+    """Learning rate of a stage whose ``lr`` is unset."""
     weight_decay: float = 0.0
+    """AdamW decoupled weight decay (>= 0)."""
     betas: List[float] = field(default_factory=lambda: [0.9, 0.99])
+    """AdamW [beta1, beta2], each in [0, 1)."""
     warmup_steps: int = 5
+    """Linear warmup at the start of every stage, in optimizer steps (>= 0): step s of the stage runs at
+    lr * (s + 1) / warmup_steps until s reaches it."""
     lr_decay: str = "constant"
     """constant | cosine | linear (after warmup, over the stage length)"""
     grad_clip: float = 1.0
+    """Clip of the global gradient L2 norm (>= 0; 0 disables), DeepSpeed's ``gradient_clipping``."""
     zero_stage: int = 0
+    """DeepSpeed ZeRO stage, 0-3 (3 partitions the parameters; the weight push gathers them first)."""
     precision: str = "auto"
     """auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16"""
     groups_per_step: int = 8
@@ -226,12 +293,16 @@ class LearnerConfig:
     micro_batch_tokens: int = 8192
     """Micro-batches are packed by token budget (padded length x rows)."""
     gradient_checkpointing: bool = False
+    """Recompute activations during the backward pass: less activation memory for one more forward."""
     broadcast_every: int = 1
     """Push weights to the rollout workers every k learner steps."""
     dist_backend: str = "auto"
     """auto (nccl on GPU, gloo on CPU) | gloo | nccl"""
     num_gpus: float = 0.0
+    """Ray GPUs for the learner actor; > 0 with CUDA present trains on the GPU (then ``precision=auto``
+    means bf16 and ``dist_backend=auto`` means nccl)."""
     num_cpus: float = 1.0
+    """Ray CPUs reserved for the learner actor (placement)."""
 
 
 @dataclass(frozen=True)
@@ -245,6 +316,8 @@ class ReplayConfig:
     stale_policy: str = "drop"
     """drop (and count) | downweight (keep, weight gamma**(lag - bound))"""
     stale_downweight: float = 0.5
+    """stale_policy=downweight: gamma in (0, 1]; a group past the bound keeps the loss weight
+    gamma ** (lag - max_policy_lag)."""
     max_inflight_groups: int = -1
     """Async admission budget: a worker may claim prompts only while groups claimed-but-not-put plus
     groups queued stay within this. -1: (max_policy_lag + 1) * learner.groups_per_step, at least
@@ -269,6 +342,7 @@ class StageConfig:
     """One stage of a run; the next stage starts from this one's weights."""
 
     name: str = "rl"
+    """Label of the stage in the driver's log lines."""
     kind: str = "rl"
     """sft | rl"""
     steps: int = 60
@@ -277,36 +351,45 @@ class StageConfig:
     """Overrides learner.lr for this stage."""
     batch_size: int = 64
     """SFT only: demonstrations per step."""
-    data: str = "world"
-    """world (synthetic questions) or a dataset file for the loaders."""
     difficulty: List[float] = field(default_factory=lambda: [0.0, 1.0])
     """RL only: train a group only if its measured success rate (mean EM of its samples) lies in
     [lo, hi]; e.g. [0.0, 0.75] keeps R1-Searcher's medium and hard prompts. Filtered groups are counted."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward of this stage's rollouts; the last stage's also scores held-out evaluation."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Policy-gradient algorithm of an RL stage (unused by SFT)."""
 
 
 @dataclass(frozen=True)
 class EvalConfig:
+    """Held-out evaluation (greedy, the policy writing its own queries, retrieval in the loop)."""
+
     before: bool = True
     """Evaluate held-out EM before RL (after SFT) as well as after."""
     no_search: bool = True
     """Also evaluate with search disabled (every search returns no documents)."""
     batch_size: int = 64
+    """Questions per batched greedy rollout call (>= 1), in training evaluation and ``sonar eval``."""
 
 
 @dataclass(frozen=True)
 class TrackingConfig:
+    """MLflow: where the run's params, metrics and artifacts go (only the driver writes)."""
+
     uri: Optional[str] = None
     """MLflow tracking URI; None: sqlite in the run directory. Tokens come from MLFLOW_TRACKING_TOKEN."""
     experiment: str = "sonar"
+    """MLflow experiment name (created when missing)."""
     enabled: bool = True
+    """False: no MLflow run; metrics still land in <run_dir>/metrics.jsonl."""
     log_model: bool = True
     """Save the final policy in Hugging Face format as a run artifact."""
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
+    """Ray: which cluster, how roles are placed, and how failures and timeouts are handled."""
+
     address: Optional[str] = None
     """Ray address to join; None: RAY_ADDRESS if set, else a local cluster on 127.0.0.1."""
     num_cpus: Optional[int] = None
@@ -324,8 +407,14 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
+    """Naming, seeding, directories, checkpoints and resume of one run."""
+
     name: str = "tiny"
+    """Prefix of the run directory and the MLflow run name."""
     seed: int = 0
+    """Seed of what is random at run time: the learner's torch RNG, the SFT batch order, the prompt
+    order of the replay cursor and the rollout workers' sampling seeds. The world (``world.seed``) and
+    the random model's init (``model.seed``) have their own."""
     root: str = "runs"
     """Run directories are created under this folder."""
     run_dir: Optional[str] = None
@@ -335,22 +424,38 @@ class RunConfig:
     checkpoint_every: int = 0
     """Learner steps between checkpoints (0: only at the end of each stage)."""
     log_every: int = 1
+    """SFT stages: send the learner's metrics to MLflow every this many steps (>= 1). RL steps are
+    always logged (the run summary reads every one)."""
 
 
 @dataclass(frozen=True)
 class Config:
+    """A whole run. Each component receives only its own section."""
+
     run: RunConfig = field(default_factory=RunConfig)
+    """Naming, seeding, directories, checkpoints, resume."""
     world: WorldConfig = field(default_factory=WorldConfig)
+    """The synthetic world: corpus and questions."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy."""
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    """Tags, turn and token budgets of a trajectory."""
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    """Search backend, reranker, cache and the retrieval service."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout workers, engines and sampling."""
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    """Optimizer, DeepSpeed and batching of the learner."""
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    """The queue between workers and learner: backpressure, staleness, admission."""
     stages: List[StageConfig] = field(default_factory=lambda: [StageConfig()])
+    """Stages in order (at least one); each starts from the previous one's weights."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation before and after RL."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """MLflow."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Ray cluster, placement, fault handling, timeouts."""
 
 
 _CHOICES = {
@@ -393,11 +498,131 @@ def inflight_budget(cfg: "Config") -> int:
 
 
 def validate(cfg: Config) -> Config:
-    """Cross-field checks. Raises ValueError naming the fields and values."""
+    """Every check, one function per section; each raises ValueError naming the fields and values.
+
+    A check that relates two sections lives with the field it constrains (e.g. ``replay.capacity_groups``
+    against ``learner.groups_per_step`` in :func:`_check_replay`)."""
+    _check_world(cfg)
+    _check_model(cfg)
+    _check_protocol(cfg)
+    _check_retrieval(cfg)
+    _check_rollout(cfg)
+    _check_learner(cfg)
+    _check_replay(cfg)
+    _check_stages(cfg)
+    _check_eval(cfg)
+    _check_cluster(cfg)
+    _check_run(cfg)
+    return cfg
+
+
+def _check_choices(cfg: Config, section: str) -> None:
     for key, allowed in _CHOICES.items():
-        value = _get(cfg, key)
-        if value not in allowed:
-            raise ValueError(f"{key}={value!r} is not one of {list(allowed)}")
+        if key.startswith(section + "."):
+            value = _get(cfg, key)
+            if value not in allowed:
+                raise ValueError(f"{key}={value!r} is not one of {list(allowed)}")
+
+
+def _check_world(cfg: Config) -> None:
+    w = cfg.world
+    if w.heldout_fraction <= 0 or w.heldout_fraction >= 1:
+        raise ValueError(f"world.heldout_fraction={w.heldout_fraction} must be in (0, 1)")
+
+
+def _check_model(cfg: Config) -> None:
+    m = cfg.model
+    if m.path is None and (m.num_heads < 1 or m.hidden_size % m.num_heads):
+        raise ValueError(f"model.hidden_size={m.hidden_size} must be a multiple of model.num_heads={m.num_heads} (>= 1)")
+
+
+def _check_protocol(cfg: Config) -> None:
+    _check_choices(cfg, "protocol")
+    p = cfg.protocol
+    if p.max_queries_per_step < 1 or p.max_turns < 0:
+        raise ValueError(f"protocol.max_queries_per_step={p.max_queries_per_step} / protocol.max_turns={p.max_turns} out of range")
+    if p.max_total_tokens > cfg.model.max_position_embeddings and cfg.model.path is None:
+        raise ValueError(
+            f"protocol.max_total_tokens={p.max_total_tokens} > model.max_position_embeddings={cfg.model.max_position_embeddings}")
+
+
+def _check_retrieval(cfg: Config) -> None:
+    _check_choices(cfg, "retrieval")
+    r = cfg.retrieval
+    if r.rerank != "none" and r.rerank_candidates < r.k:
+        raise ValueError(f"retrieval.rerank_candidates={r.rerank_candidates} < retrieval.k={r.k}")
+    if r.k < cfg.protocol.docs_per_query:
+        raise ValueError(f"retrieval.k={r.k} < protocol.docs_per_query={cfg.protocol.docs_per_query}")
+    if r.replicas < 1:
+        raise ValueError(f"retrieval.replicas={r.replicas} must be >= 1: the retrieval service's Ray actors serve "
+                         "every rollout worker (there is no in-process mode)")
+    if not r.timeout_s > 0:
+        raise ValueError(f"retrieval.timeout_s={r.timeout_s} must be > 0")
+
+
+def _check_rollout(cfg: Config) -> None:
+    _check_choices(cfg, "rollout")
+    r = cfg.rollout
+    if r.num_workers < 1:
+        raise ValueError(f"rollout.num_workers={r.num_workers} must be >= 1")
+    if r.group_size < 1 or r.groups_per_request < 1 or r.batches_in_flight < 1:
+        raise ValueError(f"rollout.group_size={r.group_size}, rollout.groups_per_request={r.groups_per_request} and "
+                         f"rollout.batches_in_flight={r.batches_in_flight} must be >= 1")
+    if not (0.0 <= r.temperature):
+        raise ValueError(f"rollout.temperature={r.temperature} must be >= 0")
+    if not (0.0 < r.top_p <= 1.0):
+        raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    if r.continuous_batching and r.engine != "hf":
+        raise ValueError(f"rollout.continuous_batching=True needs rollout.engine='hf', got {r.engine!r} "
+                         "(the offline vLLM engine and the bench engine serialise calls)")
+    if r.max_batch_rows < 1:
+        raise ValueError(f"rollout.max_batch_rows={r.max_batch_rows} must be >= 1")
+    if not (r.inject_decode_ms_per_token >= 0 and math.isfinite(r.inject_decode_ms_per_token)):
+        raise ValueError(f"rollout.inject_decode_ms_per_token={r.inject_decode_ms_per_token} must be a finite number >= 0")
+    if r.inject_decode_ms_per_token > 0:
+        if r.engine == "bench":
+            raise ValueError("rollout.inject_decode_ms_per_token > 0 with rollout.engine='bench': the bench engine "
+                             "already simulates decode time (rollout.bench_token_ms); use one or the other")
+        if not (1 <= r.inject_decode_median_tokens <= r.inject_decode_max_tokens) or not r.inject_decode_sigma >= 0:
+            raise ValueError(f"rollout.inject_decode_median_tokens={r.inject_decode_median_tokens}, "
+                             f"rollout.inject_decode_max_tokens={r.inject_decode_max_tokens}, "
+                             f"rollout.inject_decode_sigma={r.inject_decode_sigma}: need 1 <= median <= max and sigma >= 0")
+
+
+def _check_learner(cfg: Config) -> None:
+    _check_choices(cfg, "learner")
+    L = cfg.learner
+    if L.groups_per_step < 1:
+        raise ValueError(f"learner.groups_per_step={L.groups_per_step} must be >= 1")
+    if L.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"learner.zero_stage={L.zero_stage} must be 0, 1, 2 or 3")
+    if L.broadcast_every < 1:
+        raise ValueError(f"learner.broadcast_every={L.broadcast_every} must be >= 1")
+    if L.broadcast_every > cfg.replay.max_policy_lag + 1:
+        raise ValueError(
+            f"learner.broadcast_every={L.broadcast_every} > replay.max_policy_lag+1={cfg.replay.max_policy_lag + 1}: "
+            "every trajectory would be stale before the workers saw new weights")
+
+
+def _check_replay(cfg: Config) -> None:
+    _check_choices(cfg, "replay")
+    q, L, r = cfg.replay, cfg.learner, cfg.rollout
+    if q.capacity_groups < L.groups_per_step:
+        raise ValueError(
+            f"replay.capacity_groups={q.capacity_groups} < learner.groups_per_step={L.groups_per_step}: "
+            "the learner could never fill a batch")
+    if q.max_inflight_groups < -1 or 0 < q.max_inflight_groups < max(L.groups_per_step, r.groups_per_request):
+        raise ValueError(f"replay.max_inflight_groups={q.max_inflight_groups} must be -1 (auto), 0 (unlimited) "
+                         f"or >= max(learner.groups_per_step={L.groups_per_step}, "
+                         f"rollout.groups_per_request={r.groups_per_request}): a smaller budget could never fill a step")
+    if q.max_policy_lag < 0:
+        raise ValueError(f"replay.max_policy_lag={q.max_policy_lag} must be >= 0")
+    if q.stale_policy == "downweight" and not (0.0 < q.stale_downweight <= 1.0):
+        raise ValueError(f"replay.stale_downweight={q.stale_downweight} must be in (0, 1] "
+                         "with replay.stale_policy='downweight'")
+
+
+def _check_stages(cfg: Config) -> None:
     if not cfg.stages:
         raise ValueError("stages=[] : a run needs at least one stage")
     for i, stage in enumerate(cfg.stages):
@@ -416,68 +641,27 @@ def validate(cfg: Config) -> Config:
                 f"stages[{i}].algo.clip_low={a.clip_low} / clip_high={a.clip_high}: need 0<=clip_low<1, clip_high>=0")
         if a.name == "dr_grpo" and a.std_normalize:
             raise ValueError(f"stages[{i}].algo.name='dr_grpo' with stages[{i}].algo.std_normalize=True: Dr.GRPO has no std normalisation")
-        if stage.kind == "rl" and stage.algo.name in ("grpo", "dr_grpo") and cfg.rollout.group_size < 2:
+        if stage.kind == "rl" and a.name in ("grpo", "dr_grpo") and cfg.rollout.group_size < 2:
             raise ValueError(f"stages[{i}].algo.name={a.name!r} needs rollout.group_size >= 2, got {cfg.rollout.group_size}")
-    r = cfg.rollout
-    if r.num_workers < 1:
-        raise ValueError(f"rollout.num_workers={r.num_workers} must be >= 1")
-    if r.group_size < 1 or r.groups_per_request < 1 or r.batches_in_flight < 1:
-        raise ValueError(f"rollout.group_size={r.group_size}, rollout.groups_per_request={r.groups_per_request} and "
-                         f"rollout.batches_in_flight={r.batches_in_flight} must be >= 1")
-    if not (0.0 <= r.temperature):
-        raise ValueError(f"rollout.temperature={r.temperature} must be >= 0")
-    if r.continuous_batching and r.engine != "hf":
-        raise ValueError(f"rollout.continuous_batching=True needs rollout.engine='hf', got {r.engine!r} "
-                         "(the offline vLLM engine and the bench engine serialise calls)")
-    if r.max_batch_rows < 1:
-        raise ValueError(f"rollout.max_batch_rows={r.max_batch_rows} must be >= 1")
-    if not (r.inject_decode_ms_per_token >= 0 and math.isfinite(r.inject_decode_ms_per_token)):
-        raise ValueError(f"rollout.inject_decode_ms_per_token={r.inject_decode_ms_per_token} must be a finite number >= 0")
-    if r.inject_decode_ms_per_token > 0:
-        if r.engine == "bench":
-            raise ValueError("rollout.inject_decode_ms_per_token > 0 with rollout.engine='bench': the bench engine "
-                             "already simulates decode time (rollout.bench_token_ms); use one or the other")
-        if not (1 <= r.inject_decode_median_tokens <= r.inject_decode_max_tokens) or not r.inject_decode_sigma >= 0:
-            raise ValueError(f"rollout.inject_decode_median_tokens={r.inject_decode_median_tokens}, "
-                             f"rollout.inject_decode_max_tokens={r.inject_decode_max_tokens}, "
-                             f"rollout.inject_decode_sigma={r.inject_decode_sigma}: need 1 <= median <= max and sigma >= 0")
-    L = cfg.learner
-    if L.groups_per_step < 1:
-        raise ValueError(f"learner.groups_per_step={L.groups_per_step} must be >= 1")
-    if cfg.replay.capacity_groups < L.groups_per_step:
-        raise ValueError(
-            f"replay.capacity_groups={cfg.replay.capacity_groups} < learner.groups_per_step={L.groups_per_step}: "
-            "the learner could never fill a batch")
-    if L.zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"learner.zero_stage={L.zero_stage} must be 0, 1, 2 or 3")
-    if L.broadcast_every < 1:
-        raise ValueError(f"learner.broadcast_every={L.broadcast_every} must be >= 1")
-    if cfg.replay.max_inflight_groups < -1 or 0 < cfg.replay.max_inflight_groups < max(L.groups_per_step, r.groups_per_request):
-        raise ValueError(f"replay.max_inflight_groups={cfg.replay.max_inflight_groups} must be -1 (auto), 0 (unlimited) "
-                         f"or >= max(learner.groups_per_step={L.groups_per_step}, "
-                         f"rollout.groups_per_request={r.groups_per_request}): a smaller budget could never fill a step")
-    if cfg.replay.max_policy_lag < 0:
-        raise ValueError(f"replay.max_policy_lag={cfg.replay.max_policy_lag} must be >= 0")
-    if L.broadcast_every > cfg.replay.max_policy_lag + 1:
-        raise ValueError(
-            f"learner.broadcast_every={L.broadcast_every} > replay.max_policy_lag+1={cfg.replay.max_policy_lag + 1}: "
-            "every trajectory would be stale before the workers saw new weights")
-    p = cfg.protocol
-    if p.max_queries_per_step < 1 or p.max_turns < 0:
-        raise ValueError(f"protocol.max_queries_per_step={p.max_queries_per_step} / protocol.max_turns={p.max_turns} out of range")
-    if p.max_total_tokens > cfg.model.max_position_embeddings and cfg.model.path is None:
-        raise ValueError(
-            f"protocol.max_total_tokens={p.max_total_tokens} > model.max_position_embeddings={cfg.model.max_position_embeddings}")
-    if p.name == "r1_searcher" or p.name == "search_r1":
-        pass
-    if cfg.retrieval.rerank != "none" and cfg.retrieval.rerank_candidates < cfg.retrieval.k:
-        raise ValueError(
-            f"retrieval.rerank_candidates={cfg.retrieval.rerank_candidates} < retrieval.k={cfg.retrieval.k}")
-    if cfg.retrieval.k < p.docs_per_query:
-        raise ValueError(f"retrieval.k={cfg.retrieval.k} < protocol.docs_per_query={p.docs_per_query}")
-    if cfg.world.heldout_fraction <= 0 or cfg.world.heldout_fraction >= 1:
-        raise ValueError(f"world.heldout_fraction={cfg.world.heldout_fraction} must be in (0, 1)")
-    return cfg
+        if stage.kind == "rl" and stage.steps > 0 and cfg.rollout.temperature == 0:
+            raise ValueError(f"stages[{i}].kind='rl' with rollout.temperature=0: greedy rollouts have no sampling "
+                             "logprobs for the learner to match (use a temperature > 0)")
+
+
+def _check_eval(cfg: Config) -> None:
+    if cfg.eval.batch_size < 1:
+        raise ValueError(f"eval.batch_size={cfg.eval.batch_size} must be >= 1")
+
+
+def _check_cluster(cfg: Config) -> None:
+    _check_choices(cfg, "cluster")
+
+
+def _check_run(cfg: Config) -> None:
+    if cfg.run.log_every < 1:
+        raise ValueError(f"run.log_every={cfg.run.log_every} must be >= 1")
+    if cfg.run.checkpoint_every < 0:
+        raise ValueError(f"run.checkpoint_every={cfg.run.checkpoint_every} must be >= 0 (0: only at stage ends)")
 
 
 def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ()) -> Config:
