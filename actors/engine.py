@@ -7,9 +7,11 @@ vLLM (``engine_vllm.py``, GPU only):
   ``params.stop_token_ids`` (the stop token is included in the output) or after ``max_new_tokens``.
   An optional per-prompt cap (``max_new_tokens_per_prompt``) lets the rollout loop respect each
   trajectory's remaining token budget inside one batched call.
-- Logprobs are those of the *sampling* distribution: raw logits / temperature, full vocabulary
-  (no top-k), so the learner recomputes the same numbers. Greedy (temperature 0) reports the
-  logprob of the argmax under the temperature-1 distribution.
+- Logprobs are ``log_softmax(raw logits / temperature)`` of the sampled token over the full
+  vocabulary (no top-k), so the learner recomputes the same numbers. With ``top_p`` < 1 the sampler
+  draws from the renormalised nucleus, but the logprob stays the full distribution's (see
+  ``SamplingParams.top_p``). Greedy (temperature 0) reports the logprob of the argmax under the
+  temperature-1 distribution.
 - ``load_weights(named_tensors, version)`` swaps weights by name; ``parameter_specs()`` gives the
   order, shapes and dtypes the weight-broadcast buckets follow; ``state_checksum()`` lets tests and
   the driver check that every worker holds the learner's weights.
@@ -35,9 +37,11 @@ class SamplingParams:
     temperature: float = 1.0
     """0 = greedy; > 0 samples from softmax(logits / temperature) over the full vocabulary."""
     top_p: float = 1.0
-    """Nucleus truncation of the *sampler* only; reported logprobs stay those of the full
-    temperature-scaled distribution (what the learner recomputes). Keep 1.0 for RL: with top_p < 1
-    the reported logprob is not the true behaviour probability of the truncated sampler."""
+    """Nucleus sampling, per row and step: draw from the most likely tokens whose probability under
+    softmax(logits / temperature) reaches top_p (the crossing token included), renormalised. Only the
+    *sampler* is truncated: the reported logprob stays log_softmax(logits / temperature) over the full
+    vocabulary (what the learner recomputes), which is lower than the truncated sampler's own logprob
+    by -log(nucleus mass). 1.0 (no truncation) keeps reported and behaviour logprobs identical."""
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     """Seeds the sampler's torch.Generator for this call; None draws a fresh random seed."""

@@ -326,7 +326,7 @@ async def _arollout(w: "RolloutWorker", items, stage_index: int, stage: StageCon
 
     return await rollout_groups(
         items, engine=w.engine, retriever=w.retriever, tokenizer=w.tokenizer, tags=w.tags,
-        proto=w.cfg.protocol, temperature=temperature,
+        proto=w.cfg.protocol, temperature=temperature, top_p=w.cfg.rollout.top_p,  # greedy ignores top_p
         group_size=w.cfg.rollout.group_size if temperature > 0 else 1,
         k=w.cfg.retrieval.k, reward_fn=lambda t: trajectory_reward(stage.reward, t),
         actor_id=w.worker_id, stage=stage_index, search_enabled=search_enabled, seed=seed)
