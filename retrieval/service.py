@@ -511,7 +511,7 @@ def start_retrieval_service(cfg: Any, factory: Callable[[], Retriever], num_repl
         raise RuntimeError("start_retrieval_service: call ray.init() first")
     n = cfg.replicas if num_replicas is None else num_replicas
     if n < 1:
-        raise ValueError(f"num_replicas={n} must be >= 1 (retrieval.replicas=0 means an in-process retriever)")
+        raise ValueError(f"num_replicas={n} must be >= 1 (retrieval.replicas counts the service's Ray actors)")
     opts = {"num_cpus": num_cpus, "max_concurrency": 1000, "max_restarts": max_restarts}
     opts.update(actor_options or {})
     handles = [RetrievalServer.options(**opts).remote(factory, cfg.batch_window_ms, cfg.max_batch, cfg.max_concurrency)

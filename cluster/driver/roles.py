@@ -111,7 +111,7 @@ def start_retrieval(cfg: Config, run: Run, corpus: str) -> list:
     rcfg = cfg.retrieval
     index_root = str(Path(cfg.run.root).resolve() / "index")
     build_retriever(rcfg, corpus, index_root)  # builds the index once, before replicas open it
-    client = start_retrieval_service(rcfg, lambda: build_retriever(rcfg, corpus, index_root), max(1, rcfg.replicas))
+    client = start_retrieval_service(rcfg, lambda: build_retriever(rcfg, corpus, index_root))  # retrieval.replicas actors
     return list(client.handles)
 
 
