@@ -23,7 +23,7 @@ import numpy as np
 
 from sonar.actors.engine import Engine, Generation, SamplingParams
 from sonar.cluster.wire.config import Config, StageConfig
-from sonar.cluster.wire.protocol import Trajectory, encode_group
+from sonar.cluster.wire.protocol import Trajectory, encode_group, group_min_version
 
 
 class SwappingEngine:
@@ -311,7 +311,7 @@ async def _aproduce(w: "RolloutWorker", replay, stage_index: int, stage: StageCo
     groups, rstats = await _arollout(w, items, stage_index, stage, w.cfg.rollout.temperature, seed=seed)
     for i, group in zip(idx, groups):
         ok = await asyncio.wrap_future(replay.put.remote(
-            encode_group(group), min(t.min_version() for t in group), len(group), i, w.worker_id).future())
+            encode_group(group), group_min_version(group), len(group), i, w.worker_id).future())
         w._record(group, ok)
     with w._lock:
         w._stats["gen_s"] += rstats.generate_s

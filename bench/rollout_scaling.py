@@ -221,7 +221,7 @@ def run(bcfg: dict) -> tuple[dict, dict]:
         workers = [D_roles.start_worker(cfg, i, retrieval) for i in range(max(bcfg["workers"]))]
         handles += [replay, learner, *workers]
         ray.get([learner.ping.remote()] + [w.ready.remote() for w in workers])
-        roles = D_roles.Roles(retrieval, replay, learner, [], {}, corpus_path=corpus)
+        roles = D_roles.Roles(retrieval, replay, learner, [], {})
         for rep in range(bcfg["repeats"]):
             for n in bcfg["workers"]:
                 m = measure_point(cfg, roles, workers, n, bcfg["warmup_s"], bcfg["window_s"])

@@ -62,9 +62,6 @@ class Batch:
     def size(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def num_loss_tokens(self) -> int:
-        return int(self.loss_mask.sum())
-
     def denominators(self) -> AggDenominators:
         """Aggregation counts of this batch (pass the full batch's to every micro-batch)."""
         return AggDenominators.from_mask(self.loss_mask)

@@ -12,7 +12,6 @@ Notation: B sequences, T tokens; token tensors are [B, T-1], aligned to predicte
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
@@ -22,7 +21,7 @@ from sonar.cluster.wire.config import AlgoConfig, LearnerConfig, ReplayConfig
 from sonar.cluster.wire.protocol import Trajectory
 from sonar.learner.algo.advantages import compute_advantages, dynamic_sampling_mask
 from sonar.learner.algo.losses import LossInputs, entropy_from_logits, kl_estimate, policy_loss, sft_loss, token_logprobs
-from sonar.learner.algo.staleness import importance_weight_histogram, lag_histogram, staleness_decision
+from sonar.learner.algo.staleness import apply_staleness, importance_weight_histogram, lag_histogram
 from sonar.learner.batching import Batch, collate, pack_micro_batches
 
 
@@ -146,16 +145,6 @@ def sft_step(stepper: Stepper, trajs: list[Trajectory], lcfg: LearnerConfig, pad
     tokens = int(batch.lengths.sum())
     return {"learner/loss": loss_total, "learner/grad_norm": gn, "learner/tokens_per_s": tokens / dt,
             "learner/step_time_s": dt, "learner/micro_batches": len(mbs), "learner/trained_tokens": denom.tokens}
-
-
-def apply_staleness(groups: list[list[Trajectory]], lags: list[int], rcfg: ReplayConfig) -> list[list[Trajectory]]:
-    """Set each trajectory's sample weight from its group's lag; drop groups past the bound."""
-    kept = []
-    for g, lag in zip(groups, lags):
-        keep, w = staleness_decision(lag, rcfg.max_policy_lag, rcfg.stale_policy, rcfg.stale_downweight)
-        if keep:
-            kept.append([replace(t, weight=w) for t in g])
-    return kept
 
 
 def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], algo: AlgoConfig,

@@ -117,11 +117,6 @@ class Learner:
         self._group = BroadcastGroup(master_addr, master_port, 0, world_size, backend, prefix=prefix)
         return layout_digest(specs)
 
-    def layout_digest(self) -> str:
-        from sonar.cluster.wire.weights import layout_digest
-
-        return layout_digest(self.param_specs())
-
     def broadcast(self) -> dict:
         t0 = time.perf_counter()
         nbytes = self._group.send_weights(self._buckets, self.named_tensors())

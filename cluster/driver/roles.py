@@ -27,7 +27,6 @@ class Roles:
     workers: list
     restarts: dict
     bcast_gen: int = 0
-    corpus_path: str = ""
     owns_ray: bool = False
 
 
@@ -79,7 +78,7 @@ def start_roles(cfg: Config, run: Run) -> Roles:
             f"rollout.num_cpus_per_worker={cfg.rollout.num_cpus_per_worker}, "
             f"rollout.num_gpus_per_worker={cfg.rollout.num_gpus_per_worker}; available {ray.available_resources()})"
         ) from None
-    roles = Roles(retrieval, replay, learner, workers, {i: 0 for i in range(len(workers))}, corpus_path=corpus,
+    roles = Roles(retrieval, replay, learner, workers, {i: 0 for i in range(len(workers))},
                   owns_ray=owns)
     connect_broadcast(cfg, roles)
     return roles

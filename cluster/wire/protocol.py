@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, Sequence
 
 import msgpack
 import numpy as np
@@ -131,13 +131,12 @@ class Trajectory:
         return sum(len(s) for s in self.segments if s.kind == SegmentKind.MODEL)
 
 
-@dataclass
-class WeightsReady:
-    """The only weight-related message that travels through Ray; tensors go over the broadcast group."""
-
-    version: int
-    num_buckets: int
-    num_bytes: int
+def group_min_version(group: Sequence[Trajectory]) -> int:
+    """The oldest policy version that sampled a token of the group (what its policy lag is measured
+    from); trajectories without a MODEL token (``min_version() == -1``) do not count, and a group with
+    none at all gives -1 (lag 0: nothing to correct)."""
+    vs = [v for v in (t.min_version() for t in group) if v >= 0]
+    return min(vs) if vs else -1
 
 
 # ---------------------------------------------------------------- codec

@@ -33,6 +33,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+def policy_lag(learner_version: int, min_version: int) -> int:
+    """Learner versions between the oldest policy that sampled a group and the learner (>= 0).
+
+    ``min_version < 0``: no MODEL token (``protocol.group_min_version``), nothing to correct: lag 0.
+    A group sampled by a policy newer than the learner is a protocol error (the learner makes every
+    version, so a worker can never hold a newer one)."""
+    if min_version < 0:
+        return 0
+    if min_version > learner_version:
+        raise ValueError(f"min_version={min_version} > learner_version={learner_version}: a group cannot be "
+                         "sampled by a policy newer than the learner")
+    return int(learner_version - min_version)
+
+
 @dataclass
 class QueuedGroup:
     payload: bytes
@@ -102,7 +116,6 @@ class ReplayCore:
         self.learner_version = 0
         self.counts = {"produced": 0, "consumed": 0, "dropped_stale": 0, "requeued": 0, "requeued_prompts": 0,
                        "produced_groups": 0, "consumed_groups": 0, "dropped_groups": 0}
-        self.lags: list[int] = []
         self.dropped_prompts: list[int] = []
         """Prompt indices of groups dropped as stale since the last ``get`` (handed to the learner's log)."""
 
@@ -148,7 +161,7 @@ class ReplayCore:
         self.counts["produced_groups"] += 1
 
     def lag(self, g: QueuedGroup) -> int:
-        return max(0, self.learner_version - g.min_version)
+        return policy_lag(self.learner_version, g.min_version)
 
     def take(self, n_groups: int, learner_version: int) -> tuple[list[tuple[bytes, int, int]], int]:
         """Pop up to n fresh groups; stale ones are dropped and counted.
@@ -167,7 +180,6 @@ class ReplayCore:
                 continue
             self.counts["consumed"] += g.num_trajs
             self.counts["consumed_groups"] += 1
-            self.lags.append(lag)
             out.append((g.payload, lag, g.prompt_index))
         return out, dropped
 

@@ -83,14 +83,14 @@ def layout_digest(specs: Sequence[TensorSpec]) -> str:
     return h.hexdigest()[:16]
 
 
-def flatten_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
-    flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
+def flatten_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Copy the bucket's tensors, in spec order, into the flat buffer ``out`` ([bucket.numel]) and return
+    it; :func:`unflatten_bucket` is the inverse. ``out`` is reused across syncs by the sender."""
     off = 0
     for spec in bucket.specs:
-        t = tensors[spec.name]
-        flat[off:off + spec.numel].copy_(t.detach().reshape(-1))
+        out[off:off + spec.numel].copy_(tensors[spec.name].detach().reshape(-1))
         off += spec.numel
-    return flat
+    return out
 
 
 def unflatten_bucket(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -143,11 +143,7 @@ class BroadcastGroup:
             self._send_key, self._send_bufs = key, self.alloc_buffers(buckets)
         sent = 0
         for b, flat in zip(buckets, self._send_bufs):
-            off = 0
-            for spec in b.specs:
-                flat[off:off + spec.numel].copy_(tensors[spec.name].detach().reshape(-1))
-                off += spec.numel
-            self.broadcast(flat, 0)
+            self.broadcast(flatten_bucket(b, tensors, flat), 0)
             sent += b.nbytes
         return sent
 

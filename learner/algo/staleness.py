@@ -2,7 +2,7 @@
 
 A trajectory sampled by policy version v (``Trajectory.min_version()``: the oldest MODEL segment,
 since a multi-turn trajectory can straddle a weight swap) is consumed by a learner at version
-``current``; its *policy lag* is ``current - v``. ``ReplayConfig.max_policy_lag`` bounds it:
+``current``; its *policy lag* is ``current - v`` (computed by the replay, ``replay.policy_lag``). ``ReplayConfig.max_policy_lag`` bounds it:
 beyond the bound the trajectory is dropped (and counted) or kept with a geometric weight
 ``stale_downweight ** (lag - max_policy_lag)`` that multiplies its per-token losses
 (``LossInputs.sample_weight``). The importance weights of ``losses.policy_loss`` correct the
@@ -11,33 +11,20 @@ beyond the bound the trajectory is dropped (and counted) or kept with a geometri
 Histogram helpers return ``dict[str, int]`` with MLflow-safe keys (MLflow metric names allow only
 alphanumerics, ``_ - . / : `` and space, so no brackets or ``+``).
 
-Pure module: stdlib, numpy and torch only.
+Pure module: stdlib, numpy, torch and the wire types only.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
 from sonar.cluster.wire.config import ReplayConfig
+from sonar.cluster.wire.protocol import Trajectory
 
 STALE_POLICIES = ("drop", "downweight")
-
-
-def policy_lag(current_version: int, min_version: int) -> int:
-    """Learner versions between the oldest sampling policy and the consuming learner (>= 0).
-
-    ``min_version < 0`` means the trajectory has no MODEL token (``Trajectory.min_version()``
-    returns -1): nothing to correct, lag 0. A sample newer than the learner is a protocol error.
-    """
-    if min_version < 0:
-        return 0
-    if min_version > current_version:
-        raise ValueError(
-            f"min_version={min_version} > current_version={current_version}: a trajectory cannot be sampled by a "
-            "policy newer than the learner")
-    return int(current_version - min_version)
 
 
 def staleness_decision(lag: int, max_lag: int, policy: str, downweight: float) -> tuple[bool, float]:
@@ -59,11 +46,18 @@ def staleness_decision(lag: int, max_lag: int, policy: str, downweight: float) -
     return True, float(downweight ** (lag - max_lag))
 
 
-def apply_staleness(current_version: int, min_version: int, cfg: ReplayConfig) -> tuple[bool, float, int]:
-    """``staleness_decision`` from a ``ReplayConfig``: returns (keep, weight, lag)."""
-    lag = policy_lag(current_version, min_version)
-    keep, weight = staleness_decision(lag, cfg.max_policy_lag, cfg.stale_policy, cfg.stale_downweight)
-    return keep, weight, lag
+def apply_staleness(groups: list[list[Trajectory]], lags: Sequence[int], cfg: ReplayConfig) -> list[list[Trajectory]]:
+    """Each group's ``staleness_decision`` (lags from the replay, ``replay.policy_lag``): groups past the
+    bound are dropped (``drop``) or kept with every trajectory's ``weight`` set (``downweight``).
+    Returns new trajectories; the inputs are not modified."""
+    if len(groups) != len(lags):
+        raise ValueError(f"{len(groups)} groups but {len(lags)} lags")
+    kept = []
+    for g, lag in zip(groups, lags):
+        keep, w = staleness_decision(int(lag), cfg.max_policy_lag, cfg.stale_policy, cfg.stale_downweight)
+        if keep:
+            kept.append([replace(t, weight=w) for t in g])
+    return kept
 
 
 def lag_histogram(lags: Iterable[int], max_bins: int) -> dict[str, int]:

@@ -78,3 +78,14 @@ def test_segment_invariants():
         Segment(SegmentKind.MODEL, [1, 2], [0.1])
     with pytest.raises(ProtocolError, match="must not carry"):
         Segment(SegmentKind.RETRIEVAL, [1, 2], [0.1, 0.2])
+
+
+def test_group_min_version_ignores_trajectories_without_model_tokens():
+    from sonar.cluster.wire.protocol import group_min_version
+
+    sampled = [make_traj(0, n_model=(4, 3)), make_traj(1, n_model=(2,))]  # versions {3, 4} and {3}
+    unsampled = make_traj(2, n_model=())  # prompt only: min_version() == -1
+    assert unsampled.min_version() == -1
+    assert group_min_version(sampled) == 3
+    assert group_min_version(sampled + [unsampled]) == 3  # -1 must not make a stale group look fresh
+    assert group_min_version([unsampled]) == -1

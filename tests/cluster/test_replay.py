@@ -46,6 +46,24 @@ def test_staleness_bound_drops_and_counts():
     assert core.balance()["balanced"]
 
 
+def test_policy_lag():
+    from sonar.cluster.wire.replay import policy_lag
+
+    assert policy_lag(10, 10) == 0
+    assert policy_lag(10, 7) == 3
+    assert policy_lag(5, -1) == 0  # no MODEL token: nothing to correct
+    with pytest.raises(ValueError, match="min_version=6 > learner_version=5"):
+        policy_lag(5, 6)
+
+
+def test_a_group_without_model_tokens_is_never_stale():
+    """min_version -1 is lag 0 (it was learner_version + 1, so such a group was dropped as stale)."""
+    core = ReplayCore(10, 1, "drop", 20, 0)
+    core.add(group(0, -1))
+    out, dropped = core.take(1, learner_version=5)
+    assert dropped == 0 and [lag for _, lag, _ in out] == [0]
+
+
 def test_downweight_policy_keeps_stale_groups():
     core = ReplayCore(10, 1, "downweight", 20, 0)
     core.add(group(0, 0))

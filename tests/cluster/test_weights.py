@@ -61,3 +61,17 @@ def test_gloo_broadcast_delivers_every_tensor_to_every_rank():
         for k in src:
             assert torch.equal(received[r][k], src[k])
         assert checksum(received[r].items()) == pytest.approx(checksum(src.items()))
+
+
+def test_flatten_bucket_is_the_inverse_of_unflatten_and_fills_the_given_buffer():
+    from sonar.cluster.wire.weights import flatten_bucket, unflatten_bucket
+
+    torch.manual_seed(1)
+    src = {"a": torch.randn(3, 4), "b": torch.randn(5), "c": torch.randn(2, 2, 2)}
+    (bucket,) = plan_buckets(specs_of(src))
+    out = torch.full((bucket.numel,), float("nan"))
+    flat = flatten_bucket(bucket, src, out)
+    assert flat is out and bucket.numel == 12 + 5 + 8
+    assert torch.equal(flat, torch.cat([src[s.name].reshape(-1) for s in bucket.specs]))  # spec order
+    back = dict(unflatten_bucket(bucket, flat))
+    assert all(torch.equal(back[k], v) for k, v in src.items())

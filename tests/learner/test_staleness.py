@@ -4,16 +4,7 @@ import pytest
 import torch
 
 from sonar.cluster.wire.config import ReplayConfig
-from sonar.learner.algo.staleness import (apply_staleness, importance_weight_histogram, lag_histogram, policy_lag,
-                                    staleness_decision)
-
-
-def test_policy_lag():
-    assert policy_lag(10, 10) == 0
-    assert policy_lag(10, 7) == 3
-    assert policy_lag(5, -1) == 0  # no MODEL token
-    with pytest.raises(ValueError, match="min_version=6 > current_version=5"):
-        policy_lag(5, 6)
+from sonar.learner.algo.staleness import apply_staleness, importance_weight_histogram, lag_histogram, staleness_decision
 
 
 @pytest.mark.parametrize("lag,max_lag,policy,gamma,expect", [
@@ -40,11 +31,22 @@ def test_staleness_errors_name_values():
         staleness_decision(-1, 0, "drop", 0.5)
 
 
-def test_apply_staleness_from_config():
-    cfg = ReplayConfig(max_policy_lag=1, stale_policy="downweight", stale_downweight=0.25)
-    assert apply_staleness(10, 7, cfg) == (True, 0.0625, 3)
-    assert apply_staleness(10, 9, cfg) == (True, 1.0, 1)
-    assert apply_staleness(10, 7, ReplayConfig(max_policy_lag=2)) == (False, 0.0, 3)
+def _groups(n_groups: int, size: int = 2):
+    from sonar.cluster.wire.protocol import Trajectory
+
+    return [[Trajectory(traj_id=f"g{g}-{j}", group_id=f"g{g}", prompt_id=f"p{g}", actor_id=0, segments=[])
+             for j in range(size)] for g in range(n_groups)]
+
+
+def test_apply_staleness_weights_or_drops_whole_groups_from_config():
+    groups, lags = _groups(4), [0, 1, 2, 3]
+    down = apply_staleness(groups, lags, ReplayConfig(max_policy_lag=1, stale_policy="downweight", stale_downweight=0.25))
+    assert [[t.weight for t in g] for g in down] == [[1.0, 1.0], [1.0, 1.0], [0.25, 0.25], [0.0625, 0.0625]]
+    drop = apply_staleness(groups, lags, ReplayConfig(max_policy_lag=1, stale_policy="drop"))
+    assert [g[0].group_id for g in drop] == ["g0", "g1"] and all(t.weight == 1.0 for g in drop for t in g)
+    assert all(t.weight == 1.0 for g in groups for t in g)  # the inputs are untouched
+    with pytest.raises(ValueError, match="3 groups but 2 lags"):
+        apply_staleness(groups[:3], [0, 1], ReplayConfig())
 
 
 def test_lag_histogram():
