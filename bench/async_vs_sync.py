@@ -83,6 +83,7 @@ from pathlib import Path
 import numpy as np
 
 from sonar.bench.common import REPO_ROOT, bench_settings, driver_bench_parser, setup_env, summarise, write_result
+from sonar.cluster.wire import metrics as K
 
 setup_env()
 
@@ -177,18 +178,18 @@ def measure(res: dict, cfg) -> dict:
     st = rl_stage(res)
     h = st["history"]
     wall = float(st["loop_seconds"])
-    steps = len(series(h, "learner/version"))
-    train_s = sum(series(h, "learner/step_time_s"))
-    sync_s = sum(series(h, "weights/sync_s"))
-    wait_s = sum(series(h, "learner/wait_s"))
+    steps = len(series(h, K.LEARNER_VERSION))
+    train_s = sum(series(h, K.LEARNER_STEP_TIME))
+    sync_s = sum(series(h, K.WEIGHTS_SYNC_S))
+    wait_s = sum(series(h, K.LEARNER_WAIT_S))
     workers = st["workers"]
     busy = sum(w.get("gen_s", 0.0) + w.get("retrieve_s", 0.0) for w in workers)
     gen = sum(w.get("gen_s", 0.0) for w in workers)
     ret = sum(w.get("retrieve_s", 0.0) for w in workers)
     n_w = max(1, len(workers))
     consumed = float(res["replay"]["consumed"])
-    rewards = series(h, "rollout/reward/mean")
-    lreward = series(h, "learner/reward/mean")
+    rewards = series(h, K.ROLLOUT_REWARD_MEAN)
+    lreward = series(h, K.LEARNER_REWARD_MEAN)
     tail = max(1, len(rewards) // 3)
     ltail = max(1, len(lreward) // 3)
     m = {
@@ -203,9 +204,9 @@ def measure(res: dict, cfg) -> dict:
         "reward_last": float(np.mean(rewards[-tail:])) if rewards else float("nan"),
         "reward_last_se": (float(np.std(rewards[-tail:], ddof=1) / np.sqrt(tail)) if tail > 1 else float("nan")),
         "learner_reward_last": float(np.mean(lreward[-ltail:])) if lreward else float("nan"),
-        "searches_per_traj": float(np.mean(series(h, "rollout/search_calls/mean") or [float("nan")])),
-        "model_tokens_per_traj": float(np.mean(series(h, "rollout/model_tokens/mean") or [float("nan")])),
-        "policy_lag_max": max(series(h, "learner/policy_lag/max") or [0.0]),
+        "searches_per_traj": float(np.mean(series(h, K.ROLLOUT_SEARCH_CALLS_MEAN) or [float("nan")])),
+        "model_tokens_per_traj": float(np.mean(series(h, K.ROLLOUT_TOKENS_MEAN) or [float("nan")])),
+        "policy_lag_max": max(series(h, K.LEARNER_POLICY_LAG_MAX) or [0.0]),
         # continuous engine only: mean rows holding a batch slot per decode step (real + simulated)
         "engine_mean_live_rows": (sum(w.get("engine_live_row_steps", 0.0) for w in workers)
                                   / max(1.0, sum(w.get("engine_steps", 0.0) for w in workers))
@@ -395,7 +396,7 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
             smooth = np.convolve(r, np.ones(k) / k, mode="valid")
             ax[1, 1].plot(x[k - 1:], smooth, label=f"{n} ({k}-step mean)", color=colors[i])
     ax[1, 1].set_xlabel("learner step")
-    ax[1, 1].set_ylabel("rollout/reward/mean")
+    ax[1, 1].set_ylabel(K.ROLLOUT_REWARD_MEAN)
     ax[1, 1].legend(fontsize=8)
     ax[1, 1].set_title("rollout reward per step (last repeat; dots: per step)")
     dev = extra["device"]

@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from sonar.bench.common import REPO_ROOT, setup_env
+from sonar.cluster.wire import metrics as K
 
 setup_env()
 log = logging.getLogger("sonar.bench")
@@ -175,7 +176,7 @@ def series(history: list[dict], key: str) -> list[float]:
 
 def lag_histogram(history: list[dict]) -> dict[str, float]:
     """Sum of the per-step ``learner/policy_lag/hist/*`` counts (groups trained at each lag)."""
-    prefix = "learner/policy_lag/hist/"
+    prefix = K.LEARNER_POLICY_LAG_HIST.format(bin="")
     out: dict[str, float] = {}
     for h in history:
         for k, v in h.items():

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from sonar.bench.common import REPO_ROOT, bench_settings, driver_bench_parser, setup_env, summarise, write_result
+from sonar.cluster.wire import metrics as K
 
 setup_env()
 
@@ -65,17 +66,17 @@ def measure(res: dict, sampler: dict, cfg) -> dict:
         if st["kind"] == "sft":
             m["sft/seconds"] = st["seconds"]
             m["sft/seconds_per_step"] = st["seconds"] / max(1, st["steps"])
-            if series(h, "learner/tokens_per_s"):
-                m["sft/tokens_per_s"] = float(np.mean(series(h, "learner/tokens_per_s")))
+            if series(h, K.LEARNER_TOKENS_PER_S):
+                m["sft/tokens_per_s"] = float(np.mean(series(h, K.LEARNER_TOKENS_PER_S)))
             continue
         loop = float(st["loop_seconds"])
-        steps = max(1, len(series(h, "learner/version")))
+        steps = max(1, len(series(h, K.LEARNER_VERSION)))
         w = st["workers"]
         n_w = max(1, len(w))
         step = loop / steps
-        train = float(np.mean(series(h, "learner/step_time_s") or [0.0]))
-        sync = float(np.sum(series(h, "weights/sync_s"))) / steps
-        wait = float(np.mean(series(h, "learner/wait_s") or [0.0]))
+        train = float(np.mean(series(h, K.LEARNER_STEP_TIME) or [0.0]))
+        sync = float(np.sum(series(h, K.WEIGHTS_SYNC_S))) / steps
+        wait = float(np.mean(series(h, K.LEARNER_WAIT_S) or [0.0]))
         gen = sum(x.get("gen_s", 0.0) for x in w) / n_w / steps
         ret = sum(x.get("retrieve_s", 0.0) for x in w) / n_w / steps
         m.update({
@@ -92,10 +93,10 @@ def measure(res: dict, sampler: dict, cfg) -> dict:
         })
         # Steps whose groups all had equal rewards are skipped (dynamic sampling) and report no tokens/s;
         # 0.0 then means "no step trained", as in an untrained --quick policy.
-        m["rl/learner_tokens_per_s"] = float(np.mean(series(h, "learner/tokens_per_s") or [0.0]))
-        m["rl/learner_skipped_steps"] = float(sum(series(h, "learner/skipped_step")))
-        if series(h, "rollout/reward/mean"):
-            m["rl/reward_last"] = float(np.mean(series(h, "rollout/reward/mean")[-max(1, steps // 5):]))
+        m["rl/learner_tokens_per_s"] = float(np.mean(series(h, K.LEARNER_TOKENS_PER_S) or [0.0]))
+        m["rl/learner_skipped_steps"] = float(sum(series(h, K.LEARNER_SKIPPED_STEP)))
+        if series(h, K.ROLLOUT_REWARD_MEAN):
+            m["rl/reward_last"] = float(np.mean(series(h, K.ROLLOUT_REWARD_MEAN)[-max(1, steps // 5):]))
     m["eval_and_export_s"] = max(0.0, res["total_s"] - res["startup_s"] - sum(s["seconds"] for s in res["stages"]))
     if res.get("eval"):
         m["eval/after_search_em"] = float(res["eval"]["search"]["em"])

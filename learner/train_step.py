@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import AlgoConfig, LearnerConfig, ReplayConfig
 from sonar.cluster.wire.protocol import Trajectory
 from sonar.learner.algo.advantages import compute_advantages, dynamic_sampling_mask
@@ -143,8 +144,8 @@ def sft_step(stepper: Stepper, trajs: list[Trajectory], lcfg: LearnerConfig, pad
     gn = stepper.step()
     dt = time.perf_counter() - t0
     tokens = int(batch.lengths.sum())
-    return {"learner/loss": loss_total, "learner/grad_norm": gn, "learner/tokens_per_s": tokens / dt,
-            "learner/step_time_s": dt, "learner/micro_batches": len(mbs), "learner/trained_tokens": denom.tokens}
+    return {K.LEARNER_LOSS: loss_total, K.LEARNER_GRAD_NORM: gn, K.LEARNER_TOKENS_PER_S: tokens / dt,
+            K.LEARNER_STEP_TIME: dt, K.LEARNER_MICRO_BATCHES: len(mbs), K.LEARNER_TRAINED_TOKENS: denom.tokens}
 
 
 def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], algo: AlgoConfig,
@@ -160,25 +161,25 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
     kept = [g for g in groups if difficulty[0] <= success_rate(g) <= difficulty[1]]
     n_filtered, groups = len(groups) - len(kept), kept
     trajs = [t for g in groups for t in g]
-    m: dict[str, float] = {"learner/groups": n_groups, "learner/groups_difficulty_filtered": n_filtered,
-                           "learner/groups_stale_dropped": n_groups - len(groups) - n_filtered}
+    m: dict[str, float] = {K.LEARNER_GROUPS: n_groups, K.LEARNER_GROUPS_DIFFICULTY_FILTERED: n_filtered,
+                           K.LEARNER_GROUPS_STALE_DROPPED: n_groups - len(groups) - n_filtered}
     if lags:
-        m["learner/policy_lag/max"] = float(max(lags))
-        m["learner/policy_lag/mean"] = float(np.mean(lags))
+        m[K.LEARNER_POLICY_LAG_MAX] = float(max(lags))
+        m[K.LEARNER_POLICY_LAG_MEAN] = float(np.mean(lags))
         for k, v in lag_histogram(lags, rcfg.max_policy_lag + 2).items():
-            m[f"learner/policy_lag/hist/{k}"] = float(v)
+            m[K.LEARNER_POLICY_LAG_HIST.format(bin=k)] = float(v)
     if trajs:
         rewards = torch.tensor([t.reward for t in trajs])
-        m["learner/reward/mean"] = float(rewards.mean())
-        m["learner/data_stage/min"] = float(min(t.stage for t in trajs))  # = the current stage after a switch
-        m["learner/data_stage/max"] = float(max(t.stage for t in trajs))
+        m[K.LEARNER_REWARD_MEAN] = float(rewards.mean())
+        m[K.LEARNER_DATA_STAGE_MIN] = float(min(t.stage for t in trajs))  # = the current stage after a switch
+        m[K.LEARNER_DATA_STAGE_MAX] = float(max(t.stage for t in trajs))
     if trajs and algo.dynamic_sampling:
         gidx = torch.tensor(_group_index(trajs))
         keep = dynamic_sampling_mask(rewards, gidx)
-        m["learner/groups_zero_signal"] = float(len(set(gidx.tolist())) - len(set(gidx[keep].tolist())))
+        m[K.LEARNER_GROUPS_ZERO_SIGNAL] = float(len(set(gidx.tolist())) - len(set(gidx[keep].tolist())))
         trajs = [t for t, k in zip(trajs, keep.tolist()) if k]
     if not trajs:
-        m.update({"learner/skipped_step": 1.0, "learner/step_time_s": time.perf_counter() - t0})
+        m.update({K.LEARNER_SKIPPED_STEP: 1.0, K.LEARNER_STEP_TIME: time.perf_counter() - t0})
         return m
     batch = collate(trajs, None, pad_id)
     kl = None
@@ -189,7 +190,7 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
             cur, _ = forward_logprobs(stepper.module, full, temperature)
             ref, _ = forward_logprobs(ref_module, full, temperature)
             kl = (kl_estimate(cur, ref, algo.kl_estimator) * full.loss_mask).cpu()
-            m["learner/kl_reward_penalty"] = float(algo.kl_coef * kl.sum() / max(1.0, float(full.loss_mask.sum())))
+            m[K.LEARNER_KL_REWARD_PENALTY] = float(algo.kl_coef * kl.sum() / max(1.0, float(full.loss_mask.sum())))
     batch.advantages = compute_advantages(algo.name, batch.rewards, batch.group_index, batch.loss_mask,
                                           algo.std_normalize, kl=kl,
                                           kl_coef=algo.kl_coef if kl is not None else 0.0).float()
@@ -217,12 +218,12 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
         for k, v in importance_weight_histogram(ratio, IS_EDGES, mb.loss_mask).items():
             is_hist[k] = is_hist.get(k, 0) + v
     gn = stepper.step()
-    m.update({f"learner/is_weight/hist/{k}": float(v) for k, v in is_hist.items()})
+    m.update({K.LEARNER_IS_WEIGHT_HIST.format(bin=k): float(v) for k, v in is_hist.items()})
     dt = time.perf_counter() - t0
-    m.update({f"learner/{k}": v for k, v in _weighted(parts).items()})
-    m.update({"learner/loss": loss_total, "learner/grad_norm": gn, "learner/step_time_s": dt,
-              "learner/tokens_per_s": float(batch.lengths.sum()) / dt, "learner/micro_batches": len(mbs),
-              "learner/trajectories": float(len(trajs)), "learner/trained_tokens": denom.tokens})
+    m.update({K.LEARNER_LOSS_PART.format(part=k): v for k, v in _weighted(parts).items()})
+    m.update({K.LEARNER_LOSS: loss_total, K.LEARNER_GRAD_NORM: gn, K.LEARNER_STEP_TIME: dt,
+              K.LEARNER_TOKENS_PER_S: float(batch.lengths.sum()) / dt, K.LEARNER_MICRO_BATCHES: len(mbs),
+              K.LEARNER_TRAJECTORIES: float(len(trajs)), K.LEARNER_TRAINED_TOKENS: denom.tokens})
     return m
 
 

@@ -17,6 +17,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
+from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, StageConfig
 
 
@@ -212,10 +213,10 @@ class Learner:
         metrics = rl_step(self.stepper, groups, res["lags"], stage.algo, self.cfg.learner, self.cfg.replay,
                           temperature=self.cfg.rollout.temperature, pad_id=self.tokenizer.pad_token_id,
                           device=self.device, ref_module=self.ref_module, difficulty=tuple(stage.difficulty))
-        metrics["learner/wait_s"] = wait_s
+        metrics[K.LEARNER_WAIT_S] = wait_s
         metrics["_prompts"] = res["prompts"]
         metrics["_dropped_prompts"] = res["dropped_prompts"]
-        metrics["replay/dropped_in_get"] = res["dropped"]
+        metrics[K.REPLAY_DROPPED_IN_GET] = res["dropped"]
         out = self._finish_step(metrics, lr)
         ray.get(replay.set_learner_version.remote(self.version))
         return out
@@ -224,8 +225,8 @@ class Learner:
         self.version += 1
         self.global_step += 1
         self.stage_step += 1
-        metrics["learner/lr"] = lr
-        metrics["learner/version"] = self.version
+        metrics[K.LEARNER_LR] = lr
+        metrics[K.LEARNER_VERSION] = self.version
         return metrics
 
     # ------------------------------------------------------------------ export / checkpoint

@@ -61,8 +61,8 @@ def run_sft_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageC
         if run.step % cfg.run.log_every == 0:
             run.log({**m, "stage": index})
         if (step + 1) % 25 == 0:
-            log.info("sft step %d/%d loss %.3f (%.0f tok/s)", step + 1, stage.steps, m["learner/loss"],
-                     m["learner/tokens_per_s"])
+            log.info("sft step %d/%d loss %.3f (%.0f tok/s)", step + 1, stage.steps, m[K.LEARNER_LOSS],
+                     m[K.LEARNER_TOKENS_PER_S])
         maybe_checkpoint(cfg, roles, run, index, step + 1)
     run.log(push_weights(roles))
 
@@ -101,7 +101,7 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
         run.log(m)
         if steps % 5 == 0 or steps == stage.steps:
             log.info("rl step %d/%d reward %.3f lag max %s searches/traj %.2f dropped %s", steps, stage.steps,
-                     m.get("learner/reward/mean", float("nan")), m.get("learner/policy_lag/max"),
+                     m.get(K.LEARNER_REWARD_MEAN, float("nan")), m.get(K.LEARNER_POLICY_LAG_MAX),
                      m.get(K.ROLLOUT_SEARCH_CALLS_MEAN, float("nan")), m.get(K.REPLAY_DROPPED_STALE))
         maybe_checkpoint(cfg, roles, run, index, steps)
     stop_rollouts(roles)

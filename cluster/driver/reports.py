@@ -20,7 +20,7 @@ def record_prompts(run: Run, m: dict) -> None:
     prompts, dropped = m.pop("_prompts", []), m.pop("_dropped_prompts", [])
     if prompts or dropped:
         with open(run.dir / "trained_prompts.jsonl", "a") as fh:
-            fh.write(json.dumps({"version": m.get("learner/version"), "trained": prompts, "dropped": dropped}) + "\n")
+            fh.write(json.dumps({"version": m.get(K.LEARNER_VERSION), "trained": prompts, "dropped": dropped}) + "\n")
 
 
 def rollout_metrics(recent: list[dict]) -> dict:
@@ -38,7 +38,7 @@ def rollout_metrics(recent: list[dict]) -> dict:
         m[K.RETRIEVAL_LATENCY_P50] = float(np.percentile(lat, 50))
         m[K.RETRIEVAL_LATENCY_P99] = float(np.percentile(lat, 99))
     m[K.RETRIEVAL_ERRORS] = float(sum(r["failed_searches"] for r in recent))
-    m["rollout/trajectories"] = float(len(recent))
+    m[K.ROLLOUT_TRAJECTORIES] = float(len(recent))
     return m
 
 
@@ -66,13 +66,14 @@ def retrieval_metrics(roles: Roles) -> dict:
     stats = [s for s in ray.get([h.stats.remote() for h in roles.retrieval]) if s]
     if not stats:
         return {}
-    m = {"retrieval/qps": sum(s["qps"] for s in stats),
-         "retrieval/service/latency_ms/p50": max(s["latency_ms"]["p50"] for s in stats),
-         "retrieval/service/latency_ms/p99": max(s["latency_ms"]["p99"] for s in stats),
-         "retrieval/batch_size/mean": float(np.mean([s["mean_batch_size"] for s in stats]))}
+    m = {K.RETRIEVAL_QPS: sum(s["qps"] for s in stats),
+         K.RETRIEVAL_SERVICE_LATENCY_P50: max(s["latency_ms"]["p50"] for s in stats),
+         K.RETRIEVAL_SERVICE_LATENCY_P99: max(s["latency_ms"]["p99"] for s in stats),
+         K.RETRIEVAL_BATCH_SIZE_MEAN: float(np.mean([s["mean_batch_size"] for s in stats]))}
     for s in stats:
         for kind, n in s["errors"].items():
-            m[f"retrieval/errors/{kind}"] = m.get(f"retrieval/errors/{kind}", 0) + n
+            key = K.RETRIEVAL_ERRORS_KIND.format(kind=kind)
+            m[key] = m.get(key, 0) + n
         cache = s.get("inner", {})
         if "hit_rate" in cache:
             m[K.RETRIEVAL_CACHE_HIT_RATE] = cache["hit_rate"]
@@ -122,7 +123,7 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
     after = run.results.get("final", {})
     stats = ray.get(roles.replay.stats.remote())
     lags = [h.get(K.LEARNER_POLICY_LAG_MAX, 0) for h in run.history]
-    rl_hist = [h for h in run.history if "rollout/trajectories" in h]
+    rl_hist = [h for h in run.history if K.ROLLOUT_TRAJECTORIES in h]
     wall = time.monotonic() - run.t0
     summary = {
         "run_dir": str(run.dir), "mlflow_run_id": run.sink.run_id, "wall_s": wall,
@@ -133,7 +134,7 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
         "trajectories_per_s": stats["consumed"] / max(1e-9, sum(v["seconds"] for v in run.results.get("rl", {}).values()) or wall),
         "tokens_per_s": float(np.mean([h.get(K.LEARNER_TOKENS_PER_S, 0) for h in rl_hist])) if rl_hist else None,
         "policy_lag_max": max(lags) if lags else 0, "replay": stats, "weights": run.results.get("weights"),
-        "learner_steps": sum(1 for h in run.history if "learner/version" in h),
+        "learner_steps": sum(1 for h in run.history if K.LEARNER_VERSION in h),
     }
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     rows = [("held-out EM (search) before RL", summary["em_before_search"]),

@@ -1,7 +1,8 @@
 """Metric keys: slash-namespaced constants, defined here and nowhere else.
 
 Every role returns small metric dicts keyed by these names; only the driver writes them to MLflow.
-Templated keys (``{part}``, ``{reason}``, ``{split}``) are filled with ``str.format``.
+Templated keys (``{part}``, ``{reason}``, ``{split}``, ``{bin}``, ``{kind}``) are filled with
+``str.format``. Production code never spells a key itself (``tests/test_metric_keys.py`` checks).
 """
 
 # rollout
@@ -12,11 +13,18 @@ ROLLOUT_FINISH = "rollout/finish/{reason}"
 ROLLOUT_TOKENS_MEAN = "rollout/model_tokens/mean"
 ROLLOUT_TRAJ_PER_S = "rollout/trajectories_per_s"
 ROLLOUT_TOKENS_PER_S = "rollout/tokens_per_s"
+ROLLOUT_TRAJECTORIES = "rollout/trajectories"
+"""Trajectories the workers reported since the previous step (present only on RL steps)."""
 # retrieval
 RETRIEVAL_LATENCY_P50 = "retrieval/latency_ms/p50"
 RETRIEVAL_LATENCY_P99 = "retrieval/latency_ms/p99"
 RETRIEVAL_ERRORS = "retrieval/errors"
 RETRIEVAL_CACHE_HIT_RATE = "retrieval/cache/hit_rate"
+RETRIEVAL_QPS = "retrieval/qps"
+RETRIEVAL_SERVICE_LATENCY_P50 = "retrieval/service/latency_ms/p50"
+RETRIEVAL_SERVICE_LATENCY_P99 = "retrieval/service/latency_ms/p99"
+RETRIEVAL_BATCH_SIZE_MEAN = "retrieval/batch_size/mean"
+RETRIEVAL_ERRORS_KIND = "retrieval/errors/{kind}"
 # learner
 LEARNER_LOSS = "learner/loss"
 LEARNER_GRAD_NORM = "learner/grad_norm"
@@ -26,12 +34,32 @@ LEARNER_POLICY_LAG_MAX = "learner/policy_lag/max"
 LEARNER_POLICY_LAG_MEAN = "learner/policy_lag/mean"
 LEARNER_VERSION = "learner/version"
 LEARNER_STEP_TIME = "learner/step_time_s"
+LEARNER_POLICY_LAG_HIST = "learner/policy_lag/hist/{bin}"
+LEARNER_IS_WEIGHT_HIST = "learner/is_weight/hist/{bin}"
+LEARNER_LOSS_PART = "learner/{part}"
+"""The policy loss's own metrics (pg_loss, kl_loss, clip_fraction, entropy, ...), token-weighted over micro-batches."""
+LEARNER_MICRO_BATCHES = "learner/micro_batches"
+LEARNER_TRAINED_TOKENS = "learner/trained_tokens"
+LEARNER_TRAJECTORIES = "learner/trajectories"
+LEARNER_GROUPS = "learner/groups"
+LEARNER_GROUPS_DIFFICULTY_FILTERED = "learner/groups_difficulty_filtered"
+LEARNER_GROUPS_STALE_DROPPED = "learner/groups_stale_dropped"
+LEARNER_GROUPS_ZERO_SIGNAL = "learner/groups_zero_signal"
+LEARNER_REWARD_MEAN = "learner/reward/mean"
+LEARNER_DATA_STAGE_MIN = "learner/data_stage/min"
+LEARNER_DATA_STAGE_MAX = "learner/data_stage/max"
+LEARNER_SKIPPED_STEP = "learner/skipped_step"
+LEARNER_KL_REWARD_PENALTY = "learner/kl_reward_penalty"
+LEARNER_WAIT_S = "learner/wait_s"
+"""Seconds the learner waited on the replay queue for its batch."""
 # replay
 REPLAY_DEPTH = "replay/depth"
 REPLAY_PRODUCED = "replay/produced"
 REPLAY_CONSUMED = "replay/consumed"
 REPLAY_DROPPED_STALE = "replay/dropped_stale"
 REPLAY_REQUEUED = "replay/requeued"
+REPLAY_DROPPED_IN_GET = "replay/dropped_in_get"
+"""Trajectories dropped as stale while the learner's get collected its batch."""
 # weights
 WEIGHTS_SYNC_S = "weights/sync_s"
 WEIGHTS_GBPS = "weights/gb_per_s"
