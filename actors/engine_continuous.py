@@ -25,12 +25,11 @@ Mechanics (notation: R rows in the running batch, L the KV length, V the vocabul
   exact sample of one version's policy given its prefix, and its logprob is that policy's;
   ``Generation.version`` is the version at the row's admission, the *oldest* weights that
   contributed, so staleness checks stay conservative.
-- Benchmark pacing (``step_ms`` > 0, ``rollout.inject_decode_*``): each step lasts at least
-  ``step_ms`` (the decode step of a large model on an accelerator, memory-bound: the same for 1 or
-  ``max_batch`` rows), and each row, after its real tokens, stays in the batch for ``L`` more steps
-  with ``L ~ lognormal(ln median_tokens, sigma)`` clipped to ``[1, max_tokens]``: the long-tailed
-  reasoning a real policy would decode. Those steps hold a slot but run no forward (their tokens are
-  not returned and not trained).
+- Extension points for subclasses: a row that produced its last token leaves the KV cache and goes
+  to ``_release`` (here: back to its caller at once); rows a subclass keeps after that are reported by
+  ``_held`` and go on holding a batch slot (admission and the idle wait count them). The benchmarks'
+  paced engine (``sonar.bench.sim.paced_engine``) uses both, and overrides ``_step``, to simulate a
+  larger model's decode time.
 - If the decode thread fails, every waiting call raises the error (no silent hang); ``close()``
   stops the thread and fails calls still waiting.
 
@@ -41,9 +40,7 @@ refused at construction). Determinism: a call's samples depend on which other ro
 from __future__ import annotations
 
 import logging
-import math
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -51,7 +48,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sonar.actors.decode_latency import ReasoningLengths
 from sonar.actors.engine import Generation, HFEngine, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -79,34 +75,23 @@ class _Row:
     version: int = -1
     finish: str = "length"
     stop_id: int | None = None
-    tail: int = 0
-    """Simulated reasoning steps still to hold a slot for (pacing only)."""
 
 
 class ContinuousHFEngine(HFEngine):
-    """``HFEngine`` with continuous batching; ``step_ms``/``median_tokens``/``sigma``/``max_tokens``
-    are the benchmark pacing of the module docstring (``step_ms=0``: no pacing, no simulated tail)."""
+    """``HFEngine`` with continuous batching (module docstring); ``max_batch`` bounds the live rows."""
 
     concurrent = True
     """Concurrent ``generate`` calls share decode steps (wrappers must not serialise them)."""
 
-    def __init__(self, model, eos_token_id: int | None, device: str | torch.device = "cpu", max_batch: int = 64,
-                 step_ms: float = 0.0, median_tokens: float = 16.0, sigma: float = 0.7, max_tokens: int = 256,
-                 seed: int = 0):
+    def __init__(self, model, eos_token_id: int | None, device: str | torch.device = "cpu", max_batch: int = 64):
         super().__init__(model, eos_token_id, device=device, max_batch=max_batch)
-        if not math.isfinite(step_ms) or step_ms < 0:
-            raise ValueError(f"step_ms={step_ms} must be a finite number >= 0 (rollout.inject_decode_ms_per_token)")
-        self.step_ms = float(step_ms)
-        self.median_tokens, self.sigma, self.max_tokens = float(median_tokens), float(sigma), int(max_tokens)
-        self._tail = ReasoningLengths(median_tokens, sigma, max_tokens, seed) if step_ms > 0 else None
         self._cv = threading.Condition()
         self._queue: list[_Row] = []
         self._closed = False
         self._failed: BaseException | None = None
         self._thread: threading.Thread | None = None
-        # Decode-thread state: rows in the KV cache (in cache order) and rows only holding a slot.
+        # Decode-thread state: rows in the KV cache, in cache order.
         self._rows: list[_Row] = []
-        self._tailing: list[_Row] = []
         self._cache = None
         self._mask: torch.Tensor | None = None       # [R, L] long
         self._last_pos: torch.Tensor | None = None   # [R] long: position of each row's last fed token
@@ -117,7 +102,6 @@ class ContinuousHFEngine(HFEngine):
         self.steps = 0
         self.forward_steps = 0
         self.rows_done = 0
-        self.simulated_s = 0.0
         self.max_live = 0
         self.live_row_steps = 0
         """Sum over steps of the rows holding a slot: / steps = the mean batch occupancy."""
@@ -169,13 +153,26 @@ class ContinuousHFEngine(HFEngine):
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    def bench_stats(self) -> dict:
+    def engine_stats(self) -> dict:
+        """Counters so far: decode steps (``forward_steps`` ran the model), rows returned, the most rows
+        holding a slot in one step, the sum over steps of those rows (/ steps = mean occupancy), and
+        KV-cache recomputes after a weight swap."""
         with self._cv:
             return {"engine": "hf-continuous", "steps": self.steps, "forward_steps": self.forward_steps,
-                    "rows": self.rows_done, "simulated_s": self.simulated_s, "max_live_rows": self.max_live,
-                    "live_row_steps": self.live_row_steps, "cache_recomputes": self.cache_recomputes,
-                    "token_ms": self.step_ms, "median_tokens": self.median_tokens, "sigma": self.sigma,
-                    "max_tokens": self.max_tokens}
+                    "rows": self.rows_done, "max_live_rows": self.max_live,
+                    "live_row_steps": self.live_row_steps, "cache_recomputes": self.cache_recomputes}
+
+    # ------------------------------------------------------------ extension points
+    def _release(self, r: _Row) -> None:
+        """Row ``r`` produced its last token and left the KV cache (decode thread, inside a step). Here
+        it goes back to its caller at once; a subclass may keep it (then ``_held`` must list it, and
+        the subclass hands it back with ``_finish`` later)."""
+        self._finish(r)
+
+    def _held(self) -> list[_Row]:
+        """Rows out of the KV cache that still hold a batch slot: none here. Read by the decode thread
+        only (admission room, idle wait, occupancy counters, failing every waiting call)."""
+        return []
 
     # ------------------------------------------------------------ decode thread
     def _run(self) -> None:
@@ -183,25 +180,18 @@ class ContinuousHFEngine(HFEngine):
         try:
             while True:
                 with self._cv:
-                    while self._swaps_waiting or not (self._closed or self._queue or self._rows or self._tailing):
+                    while self._swaps_waiting or not (self._closed or self._queue or self._rows or self._held()):
                         self._cv.wait()
                     if self._closed:
                         raise RuntimeError("ContinuousHFEngine closed with calls in flight")
-                    room = self.max_batch - len(self._rows) - len(self._tailing)
+                    room = self.max_batch - len(self._rows) - len(self._held())
                     admit, self._queue = self._queue[:max(0, room)], self._queue[max(0, room):]
-                t0 = time.perf_counter()
                 self._step(admit)
-                if self.step_ms > 0:
-                    spare = self.step_ms / 1000.0 - (time.perf_counter() - t0)
-                    if spare > 0:
-                        time.sleep(spare)
-                    with self._cv:
-                        self.simulated_s += self.step_ms / 1000.0
         except BaseException as e:  # noqa: BLE001 -- every waiting caller must hear about it
             with self._cv:
                 self._failed = e
-                waiting = self._queue + admit + self._rows + self._tailing  # admit: taken, maybe not merged
-                self._queue, self._rows, self._tailing = [], [], []
+                waiting = self._queue + admit + self._rows + self._held()  # admit: taken, maybe not merged
+                self._queue, self._rows = [], []
                 for r in waiting:
                     if not r.call.done.is_set():
                         r.call.error = e
@@ -210,11 +200,8 @@ class ContinuousHFEngine(HFEngine):
                 log.exception("ContinuousHFEngine decode thread failed")
 
     def _step(self, admit: list[_Row]) -> None:
-        # Rows tailing at the start of this step each spend it on one simulated token; a row whose
-        # real tokens end in this step starts tailing at the next one. A slot frees at the end of
-        # the step that consumed the last tail token, before the next step's admission.
-        tailing = list(self._tailing)
-        live = len(self._rows) + len(admit) + len(tailing)
+        """One decode step: the running rows feed their last token, ``admit`` is prefilled and merged."""
+        live = len(self._rows) + len(admit) + len(self._held())
         forward = bool(self._rows or admit)
         with self._lock, torch.inference_mode():  # weights swap only between steps
             version = self.version
@@ -229,14 +216,6 @@ class ContinuousHFEngine(HFEngine):
                 self._prefill_and_merge(admit, finished)
             self._drop(finished)
             self.forward_steps += forward
-        still: list[_Row] = []
-        for r in tailing:
-            r.tail -= 1
-            if r.tail <= 0:
-                self._finish(r)
-            else:
-                still.append(r)
-        self._tailing = still + self._tailing[len(tailing):]  # + rows whose real tokens ended this step
         with self._cv:
             self.steps += 1
             self.live_row_steps += live
@@ -316,12 +295,7 @@ class ContinuousHFEngine(HFEngine):
         gone = set(finished)
         keep = [i for i in range(len(self._rows)) if i not in gone]
         for i in sorted(gone):
-            r = self._rows[i]
-            if self._tail is not None:
-                r.tail = int(self._tail.draw(1)[0])
-                self._tailing.append(r)
-            else:
-                self._finish(r)
+            self._release(self._rows[i])
         if not keep:
             self._rows, self._cache, self._mask, self._last_pos, self._next_tok = [], None, None, None, None
             return

@@ -83,9 +83,14 @@ def _set_threads(n: int = 1) -> None:
 
 
 class RolloutWorker:
-    def __init__(self, worker_id: int, cfg: Config, retrieval_handles: list | None = None):
+    """The rollout actor (module docstring). ``engine_wrap`` goes to ``build_engine`` (``actors/engines.py``):
+    the hook through which code outside production (the benchmarks' simulators) wraps or replaces the
+    engine; it crosses into the actor, so it must be picklable. None: the production engine as is."""
+
+    def __init__(self, worker_id: int, cfg: Config, retrieval_handles: list | None = None, *,
+                 engine_wrap=None):
         _set_threads(1)
-        from sonar.actors.engine import HFEngine
+        from sonar.actors.engines import build_engine
         from sonar.actors.model import policy_and_tokenizer
         from sonar.actors.prompts import get_protocol
         from sonar.actors.world import build_world
@@ -95,32 +100,7 @@ class RolloutWorker:
         self.world = build_world(cfg.world)
         model, self.tokenizer = policy_and_tokenizer(cfg.model, self.world)
         self.tags = get_protocol(cfg.protocol.name)
-        r = cfg.rollout
-        if r.engine == "bench":
-            from sonar.actors.bench_engine import BenchEngine  # benchmarks only: sleeps instead of computing
-
-            inner = BenchEngine(model, self.tokenizer, self.tags, token_ms=cfg.rollout.bench_token_ms,
-                                seed=cfg.run.seed * 101 + worker_id)
-        elif cfg.rollout.engine == "vllm":
-            from sonar.actors.engine_vllm import VLLMEngine
-
-            inner = VLLMEngine.from_model(model, self.tokenizer, cfg)
-        elif cfg.rollout.continuous_batching:
-            from sonar.actors.engine_continuous import ContinuousHFEngine
-
-            inner = ContinuousHFEngine(model, eos_token_id=self.tokenizer.eos_token_id, max_batch=r.max_batch_rows,
-                                       step_ms=r.inject_decode_ms_per_token, median_tokens=r.inject_decode_median_tokens,
-                                       sigma=r.inject_decode_sigma, max_tokens=r.inject_decode_max_tokens,
-                                       seed=cfg.run.seed * 1009 + worker_id)
-        else:
-            inner = HFEngine(model, eos_token_id=self.tokenizer.eos_token_id, max_batch=r.max_batch_rows)
-        if r.inject_decode_ms_per_token > 0 and not getattr(inner, "concurrent", False):
-            from sonar.actors.decode_latency import DecodeLatencyEngine  # benchmarks only: long-tailed decode time
-
-            inner = DecodeLatencyEngine(inner, r.inject_decode_ms_per_token, r.inject_decode_median_tokens,
-                                        r.inject_decode_sigma, r.inject_decode_max_tokens,
-                                        seed=cfg.run.seed * 1009 + worker_id)
-        self.engine = SwappingEngine(inner)
+        self.engine = SwappingEngine(build_engine(cfg, model, self.tokenizer, worker_id=worker_id, wrap=engine_wrap))
         self.retriever = self._make_retriever(retrieval_handles)
         self._group = None
         self._buckets = None
@@ -171,10 +151,10 @@ class RolloutWorker:
         self.engine.apply_staged()
         return self.engine.version
 
-    def bench_stats(self) -> dict:
-        """The engine's own counters (the benchmark engine reports its simulated seconds)."""
+    def engine_stats(self) -> dict:
+        """The engine's own counters (``engine_stats()``) where it keeps any, else just its type name."""
         inner = self.engine.inner
-        return inner.bench_stats() if hasattr(inner, "bench_stats") else {"engine": type(inner).__name__}
+        return inner.engine_stats() if hasattr(inner, "engine_stats") else {"engine": type(inner).__name__}
 
     def checksum(self) -> dict:
         """Same function as the learner's (cluster.weights.checksum), so the two can be compared."""

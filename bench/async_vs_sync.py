@@ -13,12 +13,13 @@ The workload (``configs/bench.yaml``, read its header): the 0.5M-parameter polic
 (so it searches and answers in the protocol: 1-4 search turns per trajectory), real transformers
 generation on CPU in the continuous-batching engine (``actors/engine_continuous.py``), the real
 tantivy index behind the Ray retrieval service, the real DeepSpeed learner and gloo broadcast, plus
-the two long tails the issue asks for, each drawn from a configurable distribution:
+the two long tails the issue asks for, each drawn from a configurable distribution (the ``sim:``
+section of bench.yaml, ``bench/sim/``, put into the production driver through its hooks):
 
-- retrieval latency of a remote cluster, injected below the cache (``retrieval.inject_latency_*``,
-  ``retrieval/latency.py``): lognormal per batched call, median 100 ms, sigma 0.8;
-- generation lengths of a real-size policy (``rollout.inject_decode_*``): each decode step of the
-  engine lasts 10 ms, and each turn of each trajectory reasons for lognormal(16 tokens, sigma 0.7)
+- retrieval latency of a remote cluster, injected below the cache (``sim.retrieval_latency_*``,
+  ``bench/sim/retrieval_latency.py``): lognormal per batched call, median 100 ms, sigma 0.8;
+- generation lengths of a real-size policy (``sim.decode_*``, ``bench/sim/paced_engine.py``): each
+  decode step of the engine lasts 10 ms, and each turn of each trajectory reasons for lognormal(16 tokens, sigma 0.7)
   extra steps (clipped at 256) holding a batch slot. The visible tokens are the tiny policy's own,
   sampled, rewarded and trained for real, so the final reward is a real learning outcome.
 
@@ -67,7 +68,7 @@ Metrics that are derived, not measured directly (the driver and workers do not e
 
 ``--quick`` (CI smoke test, < 1 minute): the 120-entity world, no SFT (the untrained policy: it
 checks the plumbing and the JSON, not the workload), 3 RL steps, sync vs async lag 2 only.
-``--engine bench`` swaps in the BENCHMARK engine (``actors/bench_engine.py``: long-tailed lognormal
+``--engine bench`` swaps in the BENCHMARK engine (``bench/sim/bench_engine.py``: long-tailed lognormal
 turn lengths, sleeps per token, no model, static batches): rewards are meaningless.
 """
 from __future__ import annotations
@@ -93,8 +94,8 @@ FULL = {"lags": [1, 2, 4], "repeats": 2, "overrides": []}
 QUICK = {"lags": [2], "repeats": 1,
          "overrides": ["world.num_entities=120", "world.num_heldout_eval=8", "rollout.group_size=4",
                        "rollout.groups_per_request=2", "learner.groups_per_step=4", "replay.capacity_groups=8",
-                       "protocol.max_total_tokens=256", "retrieval.inject_latency_ms=20.0",
-                       "rollout.inject_decode_ms_per_token=2.0",
+                       "protocol.max_total_tokens=256", "sim.retrieval_latency_ms=20.0",
+                       "sim.decode_ms_per_token=2.0",
                        "stages.0.steps=0", "stages.1.steps=3"]}
 log = logging.getLogger("sonar.bench")
 
@@ -136,13 +137,14 @@ def code_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-def sft_checkpoint(cfg, sft_stage) -> tuple[str | None, dict]:
-    """Train (once) and cache the SFT policy every setting starts from; returns (model dir, info)."""
+def sft_checkpoint(cfg, sim, sft_stage) -> tuple[str | None, dict]:
+    """Train (once) and cache the SFT policy every setting starts from; returns (model dir, info).
+    ``sim`` is simulated during the run too (it shapes only its closing evaluation, not the weights)."""
     from sonar.cluster.wire.config import to_dict
 
     from sonar.bench.driver_harness import run_training
 
-    if sft_stage is None or cfg.model.path or cfg.rollout.engine == "bench":
+    if sft_stage is None or cfg.model.path or sim.engine == "bench":
         return cfg.model.path, {"sft": "skipped"}
     d = to_dict(cfg)
     key_parts = {k: d[k] for k in ("world", "model", "protocol")}
@@ -161,7 +163,7 @@ def sft_checkpoint(cfg, sft_stage) -> tuple[str | None, dict]:
     shutil.rmtree(run_dir, ignore_errors=True)
     scfg = dataclasses.replace(cfg, stages=[sft_stage], run=dataclasses.replace(cfg.run, run_dir=str(run_dir)))
     log.info("%s: training the SFT checkpoint (%d steps), cached at %s", NAME, sft_stage.steps, cache)
-    res = run_training(scfg, evaluate_after=True, export=True)
+    res = run_training(scfg, sim, evaluate_after=True, export=True)
     info = {"steps": sft_stage.steps, "seconds": res["stages"][0]["seconds"], "eval": res["eval"], "key": key,
             "cached": False}
     (run_dir / "sft.json").write_text(json.dumps(info, indent=2))
@@ -222,15 +224,15 @@ def run_setting(base_overrides: list[str], mode: str, lag: int | None, model_pat
                 tag: str) -> dict:
     from sonar.bench.driver_harness import load_cfg, run_training
 
-    cfg0 = load_cfg([CONFIG], base_overrides)
+    cfg0, _ = load_cfg([CONFIG], base_overrides)
     ov = list(base_overrides) + setting_overrides(mode, lag, cfg0.learner.groups_per_step)
     ov += [f"run.root={run_root}", f"run.name={NAME}-{tag}"]
     if model_path:
         ov.append(f"model.path={model_path}")
-    cfg = load_cfg([CONFIG], ov)
+    cfg, sim = load_cfg([CONFIG], ov)
     _, rl = split_stages(cfg)
     cfg = dataclasses.replace(cfg, stages=[rl])
-    res = run_training(cfg, evaluate_after=True)
+    res = run_training(cfg, sim, evaluate_after=True)
     out = measure(res, cfg)
     out["overrides"] = ov
     return out
@@ -241,13 +243,13 @@ def run(cfg_bench: dict) -> tuple[dict, dict]:
     from sonar.bench.driver_harness import device_info, load_cfg, loadavg, start_ray
 
     overrides = list(cfg_bench["overrides"])
-    base = load_cfg([CONFIG], overrides)
+    base, sim = load_cfg([CONFIG], overrides)
     sft_stage, rl_stage_cfg = split_stages(base)
     owns = start_ray(base)
     import ray
 
     try:
-        model_path, sft_info = sft_checkpoint(base, sft_stage)
+        model_path, sft_info = sft_checkpoint(base, sim, sft_stage)
         run_root = Path(base.run.root).resolve() / "bench-async-vs-sync"
         settings = [("sync", None)] + [("async", lag) for lag in cfg_bench["lags"]]
         per: dict[str, list[dict]] = {setting_name(m, l): [] for m, l in settings}
@@ -327,7 +329,7 @@ def run(cfg_bench: dict) -> tuple[dict, dict]:
                              "workers": r["workers"], "startup_s": r["startup_s"], "loadavg_after": r["loadavg_after"],
                              "overrides": r["overrides"]} for r in reps] for name, reps in per.items()},
         "reward_curves": {name: reps[-1]["rewards"] for name, reps in per.items()},
-        "device": device_info(base),
+        "device": device_info(base, sim),
         "machine_note": "shared 2-core VM; other jobs ran during the measurement (see loadavg)",
     }
     return metrics, extra
@@ -402,10 +404,11 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
     dev = extra["device"]
     dec = (f", decode {dev['decode_ms_per_token']:.0f} ms/step + lognormal({dev['decode_median_tokens']:.0f} tok, "
            f"sigma {dev['decode_sigma']}) per turn" if dev.get("decode_ms_per_token") else "")
-    fig.suptitle(f"async vs sync -- engine={dev['rollout_engine']}"
+    engine = "bench (BENCHMARK engine)" if dev["sim_engine"] == "bench" else dev["rollout_engine"]
+    fig.suptitle(f"async vs sync -- engine={engine}"
                  f"{' (continuous batching)' if dev.get('continuous_batching') else ''} on {dev['rollout_device']}, "
-                 f"learner on {dev['learner_device']}, retrieval +{dev['retrieval_inject_latency_ms']:.0f} ms median "
-                 f"(sigma {dev['retrieval_inject_latency_sigma']}){dec}\n{extra['machine_note']}", fontsize=9)
+                 f"learner on {dev['learner_device']}, retrieval +{dev['retrieval_latency_ms']:.0f} ms median "
+                 f"(sigma {dev['retrieval_latency_sigma']}){dec}\n{extra['machine_note']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
@@ -414,23 +417,25 @@ def main(argv: list[str] | None = None) -> int:
     p = driver_bench_parser(NAME, __doc__.splitlines()[0], "configs/bench.yaml")
     p.add_argument("--lags", type=int, nargs="+", help="async max_policy_lag values (default 1 2 4; quick: 2)")
     p.add_argument("--steps", type=int, help="RL steps per setting (default: the config's)")
-    p.add_argument("--engine", choices=["hf", "bench"], help="rollout engine (default: the config's, hf)")
+    p.add_argument("--engine", choices=["hf", "bench"],
+                   help="hf: the config's transformers engine (default); bench: the BENCHMARK engine (sim.engine=bench)")
     args = p.parse_args(argv)
     cfg = bench_settings(args, QUICK, FULL)
     if args.lags:
         cfg["lags"] = args.lags
     if args.steps:
         cfg["overrides"].append(f"stages.1.steps={args.steps}")
-    if args.engine:
-        cfg["overrides"].append(f"rollout.engine={args.engine}")
-        if args.engine == "bench":  # it simulates decode time itself and serialises its calls
-            cfg["overrides"] += ["rollout.continuous_batching=false", "rollout.inject_decode_ms_per_token=0.0"]
+    if args.engine == "bench":  # it simulates decode time itself and serialises its calls
+        cfg["overrides"] += ["sim.engine=bench", "rollout.continuous_batching=false", "sim.decode_ms_per_token=0.0"]
+    elif args.engine:
+        cfg["overrides"] += [f"rollout.engine={args.engine}", "sim.engine=real"]
     cfg["overrides"] += args.overrides
     from sonar.bench.driver_harness import load_cfg
     from sonar.cluster.wire.config import to_dict
 
-    resolved = load_cfg([CONFIG], cfg["overrides"])
+    resolved, sim = load_cfg([CONFIG], cfg["overrides"])
     cfg.update(quick=args.quick, config_file=str(CONFIG.relative_to(REPO_ROOT)), resolved=to_dict(resolved),
+               sim=sim.to_dict(),
                timed_span="driver RL loop: workers' start to the end of stop_rollouts")
     t0 = time.time()
     metrics, extra = run(cfg)

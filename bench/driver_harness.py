@@ -1,8 +1,10 @@
 """Shared plumbing of the training benchmarks (async-vs-sync, rollout-scaling, end-to-end).
 
-``run_training(cfg)`` runs a config through the *production* driver functions of ``sonar.cluster.driver``
-(``start_run``, ``start_roles``, ``run_sft_stage``, ``run_rl_stage``, ``evaluate``...) in the order
-``train()`` calls them, and adds only measurement around them: wall-clock per stage, the rollout
+``run_training(cfg, sim)`` runs a config through the *production* driver functions of
+``sonar.cluster.driver`` (``start_run``, ``start_roles``, ``run_sft_stage``, ``run_rl_stage``,
+``evaluate``...) in the order ``train()`` calls them, with the simulators of ``sim`` (a
+``sonar.bench.sim.SimConfig``) put in through the driver's hooks (``sonar.bench.sim.hooks``), and
+adds only measurement around them: wall-clock per stage, the rollout
 workers' cumulative stats (``gen_s``, ``retrieve_s``, trajectories, searches) read from ``health()``
 before and after each stage, the replay accounting, the driver's per-step metric history, and the
 held-out evaluation. Why not ``train()`` itself: it returns a summary without the workers' stats or
@@ -38,9 +40,11 @@ CONFIG_DIR = REPO_ROOT / "configs"
 
 
 def load_cfg(paths: Sequence[str | Path], overrides: Sequence[str] = ()):
-    from sonar.cluster.wire.config import load_config
+    """``(Config, SimConfig)``: the files' production part and ``sim:`` sections, each with its overrides
+    (``sim.KEY=VALUE`` ones go to the SimConfig; ``sonar.bench.sim.config.load_bench_config``)."""
+    from sonar.bench.sim.config import load_bench_config
 
-    return load_config([Path(p) for p in paths], list(overrides))
+    return load_bench_config([Path(p) for p in paths], list(overrides))
 
 
 def start_ray(cfg) -> bool:
@@ -51,29 +55,27 @@ def start_ray(cfg) -> bool:
     return init_ray(cfg)
 
 
-def device_info(cfg) -> dict:
-    """What generated and what trained: recorded in every result (the same command runs on a GPU box)."""
+def device_info(cfg, sim) -> dict:
+    """What generated and what trained, and what was simulated: recorded in every result (the same
+    command runs on a GPU box)."""
     import torch
 
     from sonar.learner.deepspeed_config import resolve_backend
 
-    return {"rollout_engine": cfg.rollout.engine,
+    return {"rollout_engine": cfg.rollout.engine, "sim_engine": sim.engine,
             "rollout_device": "cuda" if cfg.rollout.num_gpus_per_worker > 0 and torch.cuda.is_available() else "cpu",
             "learner_device": "cuda" if cfg.learner.num_gpus > 0 and torch.cuda.is_available() else "cpu",
             "broadcast_backend": resolve_backend(cfg.learner, cfg.learner.num_gpus > 0),
             "cuda_available": torch.cuda.is_available(),
             "retrieval_backend": cfg.retrieval.backend,
-            "retrieval_inject_latency_ms": cfg.retrieval.inject_latency_ms,
-            "retrieval_inject_latency_sigma": cfg.retrieval.inject_latency_sigma,
+            "retrieval_latency_ms": sim.retrieval_latency_ms,
+            "retrieval_latency_sigma": sim.retrieval_latency_sigma,
             "continuous_batching": cfg.rollout.continuous_batching,
             "engine_slots_per_worker": cfg.rollout.max_batch_rows,
-            "decode_ms_per_token": cfg.rollout.inject_decode_ms_per_token,
-            "decode_median_tokens": cfg.rollout.inject_decode_median_tokens,
-            "decode_sigma": cfg.rollout.inject_decode_sigma,
-            "decode_max_tokens": cfg.rollout.inject_decode_max_tokens}
-
-
-# ---------------------------------------------------------------------------------------- bench workers
+            "decode_ms_per_token": sim.decode_ms_per_token,
+            "decode_median_tokens": sim.decode_median_tokens,
+            "decode_sigma": sim.decode_sigma,
+            "decode_max_tokens": sim.decode_max_tokens}
 
 
 # ---------------------------------------------------------------------------------------- runs
@@ -81,7 +83,7 @@ def _worker_stats(roles) -> list[dict]:
     import ray
 
     health = ray.get([w.health.remote() for w in roles.workers])
-    engine = ray.get([w.bench_stats.remote() for w in roles.workers])
+    engine = ray.get([w.engine_stats.remote() for w in roles.workers])
     return [{**dict(h["stats"]), **{f"engine_{k}": v for k, v in e.items() if isinstance(v, (int, float))}}
             for h, e in zip(health, engine)]
 
@@ -103,9 +105,10 @@ def _kill_roles(roles) -> None:
             pass
 
 
-def run_training(cfg, *, evaluate_after: bool = True, export: bool = False,
+def run_training(cfg, sim=None, *, evaluate_after: bool = True, export: bool = False,
                  on_roles: Callable[[Any], None] | None = None) -> dict:
-    """Run ``cfg``'s stages through the driver's own functions; return measurements.
+    """Run ``cfg``'s stages through the driver's own functions, with ``sim``'s simulators (None: none);
+    return measurements.
 
     Returns ``{"run_dir", "stages": [{"index", "kind", "steps", "seconds", "loop_seconds",
     "workers": [per-worker stat deltas]}], "history": [per-step metric dicts], "replay": stats,
@@ -117,15 +120,17 @@ def run_training(cfg, *, evaluate_after: bool = True, export: bool = False,
     """
     import ray
 
-    from sonar.cluster.driver import loop as D_loop, reports as D_reports, roles as D_roles, run as D_run  # noqa: F401
+    from sonar.bench.sim.config import SimConfig
+    from sonar.bench.sim.hooks import sim_hooks
+    from sonar.cluster.driver import loop as D_loop, reports as D_reports, roles as D_roles, run as D_run
 
-
+    hooks = sim_hooks((sim or SimConfig()).validate(cfg))
     t0 = time.monotonic()
     run = D_run.start_run(cfg)
     roles = None
     out: dict[str, Any] = {"run_dir": str(run.dir), "stages": []}
     try:
-        roles = D_roles.start_roles(cfg, run)
+        roles = D_roles.start_roles(cfg, run, hooks)
         if on_roles is not None:
             on_roles(roles)
         out["startup_s"] = time.monotonic() - t0

@@ -112,13 +112,13 @@ def run(bcfg: dict, run_root: str | None) -> tuple[dict, dict]:
     reps, mems, extras = [], [], []
     load = {"start": loadavg()}
     for rep in range(bcfg["repeats"]):
-        cfg = load_cfg([REPO_ROOT / bcfg["config"]], ov + [f"run.name={NAME}-r{rep}"])
+        cfg, sim = load_cfg([REPO_ROOT / bcfg["config"]], ov + [f"run.name={NAME}-r{rep}"])
         import ray
 
         owns = start_ray(cfg)
         try:
             with ProcessTreeSampler(interval_s=0.5) as sampler:
-                res = run_training(cfg, evaluate_after=True, export=True)
+                res = run_training(cfg, sim, evaluate_after=True, export=True)
             mem = sampler.result()
             t_origin = sampler.t0
             series_ = [(round(t, 2), round(p / 2**30, 3)) for t, _, p in sampler.series]
@@ -132,7 +132,7 @@ def run(bcfg: dict, run_root: str | None) -> tuple[dict, dict]:
                        "stages": [{k: v for k, v in s.items() if k != "history"} | {
                            "t_start_rel": s["t_start"] - t_origin, "t_end_rel": s["t_end"] - t_origin}
                            for s in res["stages"]],
-                       "memory": mem, "memory_series_gb": series_, "device": device_info(cfg)})
+                       "memory": mem, "memory_series_gb": series_, "device": device_info(cfg, sim)})
         log.info("%s rep %d: %s", NAME, rep, json.dumps({k: round(v, 3) for k, v in m.items()}))
     load["end"] = loadavg()
     keys = sorted({k for m in reps for k in m})
@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     from sonar.bench.driver_harness import load_cfg
     from sonar.cluster.wire.config import to_dict
 
-    bcfg.update(quick=args.quick, resolved=to_dict(load_cfg([REPO_ROOT / bcfg["config"]], bcfg["overrides"])))
+    resolved, sim = load_cfg([REPO_ROOT / bcfg["config"]], bcfg["overrides"])
+    bcfg.update(quick=args.quick, resolved=to_dict(resolved), sim=sim.to_dict())
     t0 = time.time()
     metrics, extra = run(bcfg, args.run_root)
     extra["wall_s"] = round(time.time() - t0, 1)

@@ -2,8 +2,9 @@
 Sonar itself cost per trajectory?
 
 Question (issue 6, item 2). On a 2-core machine real generation would measure the CPU, so the
-workers run the BENCHMARK engine (``rollout.engine=bench``, ``actors/bench_engine.py``): it sleeps
-``bench_token_ms`` per token of the longest row of each batched call (rows overlap, as on a GPU),
+workers run the BENCHMARK engine (``sim.engine=bench``, ``bench/sim/bench_engine.py``, put in through
+the driver's engine hook): it sleeps ``sim.token_ms`` per token of the longest row of each batched
+call (rows overlap, as on a GPU),
 writes long-tailed protocol-shaped turns (1-3 searches, then an answer) and never runs the model.
 Everything else is real and is what gets measured: the rollout loop (parse, inject, reward), the Ray
 retrieval service over the real tantivy index (no injected latency here: its own cost is the
@@ -40,11 +41,11 @@ Reported per n (median/min/max over repeats):
   Note: with n workers on 2 cores the per-trajectory overhead includes CPU queueing; that is the
   point of the measurement (it is where scaling stops on this machine).
 
-Default ``bench_token_ms`` = 10 ms: a batched decode step of a 1-8B model under vLLM on one modern
+Default ``sim.token_ms`` = 10 ms: a batched decode step of a 1-8B model under vLLM on one modern
 GPU takes roughly 10-30 ms; the fast end makes Sonar's overhead look as large as it can.
 
-The workers are the real ``RolloutWorker`` actors with ``rollout.engine=bench``; their
-``bench_stats()`` method reports the engine's simulated seconds.
+The workers are the real ``RolloutWorker`` actors with the bench engine behind their engine hook;
+their ``engine_stats()`` method reports the engine's simulated seconds.
 
 ``--quick`` (CI smoke test, < 1 minute): 1 and 2 workers, a 2 s warm-up and a 5 s window.
 """
@@ -64,12 +65,12 @@ NAME = "rollout-scaling"
 CONFIG = REPO_ROOT / "configs" / "bench.yaml"
 FULL = {"workers": [1, 2, 4, 8], "warmup_s": 6.0, "window_s": 20.0, "repeats": 2, "token_ms": 10.0}
 QUICK = {"workers": [1, 2], "warmup_s": 2.0, "window_s": 5.0, "repeats": 1, "token_ms": 10.0}
-BASE_OVERRIDES = ["rollout.engine=bench", "retrieval.inject_latency_ms=0.0", "rollout.num_cpus_per_worker=0.25",
+BASE_OVERRIDES = ["sim.engine=bench", "sim.retrieval_latency_ms=0.0", "rollout.num_cpus_per_worker=0.25",
                   "replay.capacity_groups=64", "replay.max_policy_lag=2", "cluster.mode=async",
                   "tracking.enabled=false", "stages.0.steps=0",
                   # the bench engine simulates decode itself, one batch per worker, no admission budget:
                   # this benchmark measures raw rollout throughput, not async-vs-sync concurrency
-                  "rollout.continuous_batching=false", "rollout.inject_decode_ms_per_token=0.0",
+                  "rollout.continuous_batching=false", "sim.decode_ms_per_token=0.0",
                   "rollout.batches_in_flight=1", "rollout.groups_per_request=4", "replay.max_inflight_groups=0"]
 QUICK_OVERRIDES = ["world.num_entities=120"]
 log = logging.getLogger("sonar.bench")
@@ -83,7 +84,7 @@ def _stats(workers) -> list[dict]:
 
     hs = ray.get([w.health.remote() for w in workers])
     now = time.monotonic()
-    bs = ray.get([w.bench_stats.remote() for w in workers])
+    bs = ray.get([w.engine_stats.remote() for w in workers])
     for h in hs:
         if h["error"]:
             raise RuntimeError(f"rollout worker {h['worker_id']} failed:\n{h['error']}")
@@ -199,12 +200,13 @@ def run(bcfg: dict) -> tuple[dict, dict]:
     import ray
 
     from sonar.bench.driver_harness import device_info, load_cfg, loadavg, start_ray
-    from sonar.cluster.driver import loop as D_loop, reports as D_reports, roles as D_roles, run as D_run  # noqa: F401
-
+    from sonar.bench.sim.hooks import sim_hooks
+    from sonar.cluster.driver import roles as D_roles, run as D_run
     from sonar.cluster.wire.replay import ReplayQueue
     from sonar.learner.worker import Learner
 
-    cfg = load_cfg([CONFIG], bcfg["overrides"])
+    cfg, sim = load_cfg([CONFIG], bcfg["overrides"])
+    hooks = sim_hooks(sim)
     owns = start_ray(cfg)
     run_ = D_run.start_run(cfg)
     handles: list = []
@@ -212,16 +214,16 @@ def run(bcfg: dict) -> tuple[dict, dict]:
     load = {"start": loadavg()}
     try:
         corpus = D_roles.prepare_corpus(cfg, run_)
-        retrieval = D_roles.start_retrieval(cfg, run_, corpus)
+        retrieval = D_roles.start_retrieval(cfg, run_, corpus, hooks.retriever_wrap)
         handles += retrieval
         replay = ray.remote(num_cpus=0)(ReplayQueue).options(max_concurrency=1000).remote(
             cfg.replay.capacity_groups, cfg.replay.max_policy_lag, cfg.replay.stale_policy,
             len(D_run.world_of(cfg).train), cfg.run.seed)
         learner = ray.remote(Learner).options(num_cpus=cfg.learner.num_cpus, num_gpus=cfg.learner.num_gpus).remote(cfg)
-        workers = [D_roles.start_worker(cfg, i, retrieval) for i in range(max(bcfg["workers"]))]
+        workers = [D_roles.start_worker(cfg, i, retrieval, hooks.engine_wrap) for i in range(max(bcfg["workers"]))]
         handles += [replay, learner, *workers]
         ray.get([learner.ping.remote()] + [w.ready.remote() for w in workers])
-        roles = D_roles.Roles(retrieval, replay, learner, [], {})
+        roles = D_roles.Roles(retrieval, replay, learner, [], {}, hooks=hooks)
         for rep in range(bcfg["repeats"]):
             for n in bcfg["workers"]:
                 m = measure_point(cfg, roles, workers, n, bcfg["warmup_s"], bcfg["window_s"])
@@ -249,7 +251,7 @@ def run(bcfg: dict) -> tuple[dict, dict]:
             metrics[f"workers={n}/{k}"] = summarise([r[k] for r in reps])
         eff = [r["trajectories_per_s"] / (n / n0 * b["trajectories_per_s"]) for r, b in zip(reps, base)]
         metrics[f"workers={n}/efficiency_vs_linear"] = summarise(eff)
-    extra = {"points": {str(n): reps for n, reps in per.items()}, "loadavg": load, "device": device_info(cfg),
+    extra = {"points": {str(n): reps for n, reps in per.items()}, "loadavg": load, "device": device_info(cfg, sim),
              "engine": "bench (BENCHMARK engine: sleeps per token, does not run the model)",
              "note": "shared 2-core VM; other jobs ran during the measurement (see loadavg)"}
     return metrics, extra
@@ -300,7 +302,7 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = driver_bench_parser(NAME, __doc__.splitlines()[0], "configs/bench.yaml")
     p.add_argument("--workers", type=int, nargs="+", help="worker counts (default 1 2 4 8; quick: 1 2)")
-    p.add_argument("--token-ms", type=float, help="BenchEngine sleep per token (default 10)")
+    p.add_argument("--token-ms", type=float, help="BenchEngine sleep per token, sim.token_ms (default 10)")
     p.add_argument("--window", type=float, help="measurement window per point, seconds")
     args = p.parse_args(argv)
     bcfg = bench_settings(args, QUICK, FULL)
@@ -315,13 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     n_max = max(bcfg["workers"])
     cpus = max(4, os.cpu_count() or 1, int(np.ceil(n_max * 0.25 + 2)))
     bcfg["overrides"] = (BASE_OVERRIDES + (QUICK_OVERRIDES if args.quick else [])
-                         + [f"rollout.bench_token_ms={bcfg['token_ms']}", f"cluster.num_cpus={cpus}",
+                         + [f"sim.token_ms={bcfg['token_ms']}", f"cluster.num_cpus={cpus}",
                             f"rollout.num_workers={n_max}"] + args.overrides)
     from sonar.bench.driver_harness import load_cfg
     from sonar.cluster.wire.config import to_dict
 
-    bcfg.update(quick=args.quick, config_file=str(CONFIG.relative_to(REPO_ROOT)),
-                resolved=to_dict(load_cfg([CONFIG], bcfg["overrides"])))
+    resolved, sim = load_cfg([CONFIG], bcfg["overrides"])
+    bcfg.update(quick=args.quick, config_file=str(CONFIG.relative_to(REPO_ROOT)), resolved=to_dict(resolved),
+                sim=sim.to_dict())
     t0 = time.time()
     metrics, extra = run(bcfg)
     extra["wall_s"] = round(time.time() - t0, 1)

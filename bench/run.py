@@ -30,7 +30,7 @@ USAGE = "usage: sonar bench NAME [--quick] [--out DIR] [options of NAME]   (sona
 
 def module_candidates(name: str) -> list[str]:
     base = name.replace("-", "_")
-    return [f"bench.{base}", f"bench.{base}_bench"]
+    return [f"sonar.bench.{base}", f"sonar.bench.{base}_bench"]
 
 
 def find_module(name: str) -> str | None:
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     mod = find_module(name)
     if mod is None:
-        files = " or ".join(m.replace(".", "/") + ".py" for m in module_candidates(name))
+        files = " or ".join(m.removeprefix("sonar.").replace(".", "/") + ".py" for m in module_candidates(name))
         print(f"sonar bench: benchmark {name!r} is not written yet (no {files}). "
               f"Available: {', '.join(available()) or 'none'}", file=sys.stderr)
         return 2

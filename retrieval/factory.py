@@ -4,6 +4,7 @@ Composition, innermost first::
 
     backend            TantivyRetriever (index built if needed) | ElasticRetriever (imported lazily)
     [resilient]        ResilientRetriever around the Elasticsearch backend (retries, breaker)
+    [wrap_backend]     a hook for code outside production, e.g. the benchmarks' latency simulator
     [reranker]         DenseReranker (passage vectors built if needed) | CrossEncoderReranker
     [cache]            CachedRetriever when cfg.cache_size > 0
 
@@ -18,11 +19,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 from sonar.retrieval.base import Retriever
 from sonar.retrieval.corpus import CorpusReader, corpus_fingerprint
 
 log = logging.getLogger(__name__)
+
+RetrieverWrap = Callable[[Retriever], Retriever]
+"""``wrap_backend(backend) -> Retriever``: see ``build_retriever``."""
 
 
 def index_dir_for(cfg, corpus_path: str, index_root: str) -> Path:
@@ -33,12 +38,16 @@ def index_dir_for(cfg, corpus_path: str, index_root: str) -> Path:
 
 
 def build_retriever(cfg, corpus_path: str, index_root: str, *, progress: bool = False,
-                    resilient: bool = True) -> Retriever:
+                    resilient: bool = True, wrap_backend: RetrieverWrap | None = None) -> Retriever:
     """Build the retriever ``cfg`` (a ``RetrievalConfig``) describes over ``corpus_path``.
 
     ``progress``: tqdm bars while building indexes/vectors. ``resilient``: wrap the Elasticsearch
     backend in ``ResilientRetriever`` with ``cfg.max_retries / backoff_s / breaker_*`` (the in-process
-    tantivy backend has no transient failures to retry).
+    tantivy backend has no transient failures to retry). ``wrap_backend``: the hook through which
+    code outside production changes the backend (the benchmarks inject a remote cluster's latency):
+    called once with the (resilient) backend, it returns the retriever the reranker and the cache are
+    built on, so cache hits never reach it. It must keep the backend's ``name`` (cache keys) and, when
+    the factory runs inside a Ray actor, be picklable.
     """
     if cfg.backend not in ("tantivy", "elasticsearch"):
         raise ValueError(f"retrieval.backend={cfg.backend!r} is not one of ['tantivy', 'elasticsearch']")
@@ -64,10 +73,8 @@ def build_retriever(cfg, corpus_path: str, index_root: str, *, progress: bool = 
 
             r = ResilientRetriever(r, cfg.max_retries, cfg.backoff_s, cfg.breaker_failures, cfg.breaker_reset_s)
 
-    if cfg.inject_latency_ms > 0:
-        from sonar.retrieval.latency import LatencyInjectingRetriever
-
-        r = LatencyInjectingRetriever(r, cfg.inject_latency_ms, cfg.inject_latency_sigma)
+    if wrap_backend is not None:
+        r = wrap_backend(r)
 
     rerank_tag = "none"
     if cfg.rerank == "dense":

@@ -9,20 +9,21 @@ import time
 
 from sonar.cluster.driver.reports import (Throughput, evaluate, print_summary, record_prompts, replay_metrics,
                                          retrieval_metrics)
-from sonar.cluster.driver.roles import (Roles, check_workers, export_model, maybe_checkpoint, maybe_resume,
-                                       push_weights, save_checkpoint, start_roles, stop_roles, stop_rollouts,
-                                       verify_weights)
+from sonar.cluster.driver.roles import (Hooks, Roles, check_workers, export_model, maybe_checkpoint,
+                                       maybe_resume, push_weights, save_checkpoint, start_roles, stop_roles,
+                                       stop_rollouts, verify_weights)
 from sonar.cluster.driver.run import Run, start_run
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, StageConfig
 
 log = logging.getLogger("sonar")
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, hooks: Hooks | None = None) -> dict:
+    """``hooks``: extension points for code outside production (``roles.Hooks``); None for a real run."""
     run = start_run(cfg)
     roles = None
     try:
-        roles = start_roles(cfg, run)
+        roles = start_roles(cfg, run, hooks)
         start_stage, start_step = maybe_resume(cfg, roles, run)
         for index, stage in enumerate(cfg.stages):
             if index < start_stage:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from sonar.cluster.driver.reports import rollout_metrics
 from sonar.cluster.driver.run import Run, world_of
@@ -18,6 +19,22 @@ from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, StageConfig, inflight_budget
 
 log = logging.getLogger("sonar")
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """Extension points for code outside production: the benchmarks (``sonar.bench.sim``) put their
+    simulators into this driver through them, and production never imports the benchmarks. Both are
+    sent into Ray actors, so both must be picklable (a top-level function, or an instance of a
+    top-level class). None: production as it is."""
+
+    engine_wrap: Callable | None = None
+    """Handed to every rollout worker's ``build_engine`` (``actors/engines.py``): wraps or replaces
+    the engine ``rollout.*`` describes."""
+    retriever_wrap: Callable | None = None
+    """Handed to ``build_retriever`` (``retrieval/factory.py``) in every retrieval replica: wraps the
+    search backend, below the reranker and the cache."""
+
 
 @dataclass
 class Roles:
@@ -28,6 +45,8 @@ class Roles:
     restarts: dict
     bcast_gen: int = 0
     owns_ray: bool = False
+    hooks: Hooks = field(default_factory=Hooks)
+    """What the roles were started with; a restarted worker gets the same engine hook."""
 
 
 def init_ray(cfg: Config) -> bool:
@@ -53,21 +72,22 @@ def init_ray(cfg: Config) -> bool:
     return True
 
 
-def start_roles(cfg: Config, run: Run) -> Roles:
+def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
     import ray
 
     from sonar.cluster.wire.replay import ReplayQueue
     from sonar.learner.worker import Learner
 
+    hooks = hooks or Hooks()
     owns = init_ray(cfg)
     corpus = prepare_corpus(cfg, run)
-    retrieval = start_retrieval(cfg, run, corpus)
+    retrieval = start_retrieval(cfg, run, corpus, hooks.retriever_wrap)
     num_train = len(world_of(cfg).train)
     replay = ray.remote(num_cpus=0)(ReplayQueue).options(max_concurrency=1000).remote(
         cfg.replay.capacity_groups, cfg.replay.max_policy_lag, cfg.replay.stale_policy, num_train, cfg.run.seed,
         inflight_budget(cfg))
     learner = ray.remote(Learner).options(num_cpus=cfg.learner.num_cpus, num_gpus=cfg.learner.num_gpus).remote(cfg)
-    workers = [start_worker(cfg, i, retrieval) for i in range(cfg.rollout.num_workers)]
+    workers = [start_worker(cfg, i, retrieval, hooks.engine_wrap) for i in range(cfg.rollout.num_workers)]
     try:
         ray.get([learner.ping.remote()] + [w.ready.remote() for w in workers], timeout=cfg.cluster.step_timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -79,7 +99,7 @@ def start_roles(cfg: Config, run: Run) -> Roles:
             f"rollout.num_gpus_per_worker={cfg.rollout.num_gpus_per_worker}; available {ray.available_resources()})"
         ) from None
     roles = Roles(retrieval, replay, learner, workers, {i: 0 for i in range(len(workers))},
-                  owns_ray=owns)
+                  owns_ray=owns, hooks=hooks)
     connect_broadcast(cfg, roles)
     return roles
 
@@ -103,25 +123,27 @@ def prepare_corpus(cfg: Config, run: Run) -> str:
     return str(path)
 
 
-def start_retrieval(cfg: Config, run: Run, corpus: str) -> list:
+def start_retrieval(cfg: Config, run: Run, corpus: str, wrap_backend: Callable | None = None) -> list:
+    """The retrieval replicas; each builds ``build_retriever(..., wrap_backend=wrap_backend)``."""
     from sonar.retrieval.factory import build_retriever
     from sonar.retrieval.service import start_retrieval_service
 
     rcfg = cfg.retrieval
     index_root = str(Path(cfg.run.root).resolve() / "index")
     build_retriever(rcfg, corpus, index_root)  # builds the index once, before replicas open it
-    client = start_retrieval_service(rcfg, lambda: build_retriever(rcfg, corpus, index_root))  # retrieval.replicas actors
+    client = start_retrieval_service(
+        rcfg, lambda: build_retriever(rcfg, corpus, index_root, wrap_backend=wrap_backend))  # retrieval.replicas actors
     return list(client.handles)
 
 
-def start_worker(cfg: Config, i: int, retrieval: list):
+def start_worker(cfg: Config, i: int, retrieval: list, engine_wrap: Callable | None = None):
     import ray
 
     from sonar.actors.worker import RolloutWorker
 
     return ray.remote(RolloutWorker).options(
         num_cpus=cfg.rollout.num_cpus_per_worker, num_gpus=cfg.rollout.num_gpus_per_worker,
-        max_concurrency=4, name=None).remote(i, cfg, retrieval)
+        max_concurrency=4, name=None).remote(i, cfg, retrieval, engine_wrap=engine_wrap)
 
 
 def connect_broadcast(cfg: Config, roles: Roles) -> None:
@@ -204,7 +226,7 @@ def restart_worker(cfg: Config, roles: Roles, i: int, err: str, stage_index: int
         ray.kill(roles.workers[i], no_restart=True)
     except Exception:
         pass
-    roles.workers[i] = start_worker(cfg, i, roles.retrieval)
+    roles.workers[i] = start_worker(cfg, i, roles.retrieval, roles.hooks.engine_wrap)
     ray.get(roles.workers[i].ready.remote())
     # The broadcast group includes every rank, so it is rebuilt: pause the others first (closing the
     # queue releases a producer blocked on backpressure; its prompt is requeued), then resume all.

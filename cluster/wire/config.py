@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,11 +170,6 @@ class RetrievalConfig:
     max_concurrency: int = 16
     """Backend calls a replica keeps in flight at most (>= 1; its thread pool's size). While every slot is
     busy, queued requests keep merging, so batches grow with load."""
-    inject_latency_ms: float = 0.0
-    """Benchmarks only: median extra latency per backend call (lognormal), to model a remote search
-    cluster. 0 disables. Applied below the cache, so cache hits stay fast."""
-    inject_latency_sigma: float = 0.0
-    """Lognormal sigma of the injected latency (0: constant)."""
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     """Connection and index settings, read when ``backend`` is elasticsearch (``title_boost``: always)."""
 
@@ -205,25 +199,12 @@ class RolloutConfig:
     policy gradient is biased toward it; 1 (default) samples the full distribution and the recorded
     logprob is exactly the behaviour policy's. Read by the transformers engines (via the rollout loop)."""
     engine: str = "hf"
-    """hf (transformers, CPU/GPU) | vllm (GPU) | bench (sleeps per token: measures Sonar's own overhead)"""
-    bench_token_ms: float = 2.0
-    """bench engine: simulated time per generated token (per row, batched rows overlap)."""
+    """hf (transformers, CPU/GPU) | vllm (GPU); actors/engines.py builds it."""
     continuous_batching: bool = False
     """hf engine: concurrent generate calls of a worker's lanes share decode steps, rows join and leave
     the running batch every step, weights swap between steps (actors/engine_continuous.py)."""
     max_batch_rows: int = 64
     """Rows an engine decodes together at most (a continuous engine's live rows)."""
-    inject_decode_ms_per_token: float = 0.0
-    """Benchmarks only (hf/vllm engines): the simulated decode step of a real-size policy, in ms. Every
-    turn of every trajectory also reasons for a long-tailed number of extra steps (below) before it
-    returns. A static engine charges the time per call for its longest row (actors/decode_latency.py);
-    the continuous engine paces its steps and holds a batch slot per simulated token. 0 disables."""
-    inject_decode_median_tokens: float = 16.0
-    """Median of the lognormal reasoning length per turn, in tokens."""
-    inject_decode_sigma: float = 0.7
-    """Lognormal sigma of the reasoning length (0: constant)."""
-    inject_decode_max_tokens: int = 256
-    """Reasoning lengths are clipped to this (the turn budget a real model would hit)."""
     num_cpus_per_worker: float = 1.0
     """Ray CPUs reserved per rollout worker (placement; torch runs one thread per worker)."""
     num_gpus_per_worker: float = 0.0
@@ -463,7 +444,7 @@ _CHOICES = {
     "protocol.template": ("base", "chat"),
     "retrieval.backend": ("tantivy", "elasticsearch"),
     "retrieval.rerank": ("none", "dense", "cross"),
-    "rollout.engine": ("hf", "vllm", "bench"),
+    "rollout.engine": ("hf", "vllm"),
     "cluster.mode": ("async", "sync"),
     "learner.lr_decay": ("constant", "cosine", "linear"),
     "learner.precision": ("auto", "fp32", "bf16"),
@@ -574,19 +555,9 @@ def _check_rollout(cfg: Config) -> None:
         raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
     if r.continuous_batching and r.engine != "hf":
         raise ValueError(f"rollout.continuous_batching=True needs rollout.engine='hf', got {r.engine!r} "
-                         "(the offline vLLM engine and the bench engine serialise calls)")
+                         "(the offline vLLM engine serialises calls)")
     if r.max_batch_rows < 1:
         raise ValueError(f"rollout.max_batch_rows={r.max_batch_rows} must be >= 1")
-    if not (r.inject_decode_ms_per_token >= 0 and math.isfinite(r.inject_decode_ms_per_token)):
-        raise ValueError(f"rollout.inject_decode_ms_per_token={r.inject_decode_ms_per_token} must be a finite number >= 0")
-    if r.inject_decode_ms_per_token > 0:
-        if r.engine == "bench":
-            raise ValueError("rollout.inject_decode_ms_per_token > 0 with rollout.engine='bench': the bench engine "
-                             "already simulates decode time (rollout.bench_token_ms); use one or the other")
-        if not (1 <= r.inject_decode_median_tokens <= r.inject_decode_max_tokens) or not r.inject_decode_sigma >= 0:
-            raise ValueError(f"rollout.inject_decode_median_tokens={r.inject_decode_median_tokens}, "
-                             f"rollout.inject_decode_max_tokens={r.inject_decode_max_tokens}, "
-                             f"rollout.inject_decode_sigma={r.inject_decode_sigma}: need 1 <= median <= max and sigma >= 0")
 
 
 def _check_learner(cfg: Config) -> None:

@@ -3,15 +3,15 @@
 Covered: greedy == no-cache reference with queueing; sampled logprobs == teacher forcing while calls with
 different seeds/temperatures/stops join and leave one running batch (cache merge, left padding,
 compaction); concurrent calls really share decode steps; per-prompt caps; seeds; weights swapped
-between decode steps; benchmark pacing (step_ms + simulated tail); loud failure; validation; config.
+between decode steps; loud failure; validation; config. (The benchmarks' paced subclass is tested in
+tests/bench/test_sim_paced_engine.py.)
 
-Counters (``bench_stats``) are updated by the decode thread *after* the step in which a call's last row
+Counters (``engine_stats``) are updated by the decode thread *after* the step in which a call's last row
 finished (``generate`` may return first), so tests read them through ``_wait_idle``, which waits until
 the decode thread is parked in its ``Condition.wait`` with nothing to do (no sleeps-and-hope).
 """
 from __future__ import annotations
 
-import math
 import sys
 import threading
 import time
@@ -56,16 +56,16 @@ def _stack(thread: threading.Thread) -> list[str]:
 
 
 def _wait_idle(eng: ContinuousHFEngine, timeout: float = JOIN_S) -> dict:
-    """bench_stats once the decode thread is parked in ``_run``'s Condition.wait with no work left."""
+    """engine_stats once the decode thread is parked in ``_run``'s Condition.wait with no work left."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         t = eng._thread
         if t is None:
-            return eng.bench_stats()
+            return eng.engine_stats()
         if _stack(t)[:2] == ["wait", "_run"]:
             with eng._cv:
-                if not (eng._queue or eng._rows or eng._tailing):
-                    return eng.bench_stats()
+                if not (eng._queue or eng._rows or eng._held()):
+                    return eng.engine_stats()
         time.sleep(0.001)
     raise AssertionError(f"decode thread not idle after {timeout}s: {_stack(eng._thread)}")
 
@@ -340,48 +340,7 @@ def test_tokens_after_swap_are_exact_for_the_new_weights(make_engine):
     np.testing.assert_allclose(g.logprobs[30:], lp_new[30:], atol=1e-5, rtol=0)
 
 
-# ---------------------------------------------------------------- 7. pacing
-
-def _paced_run(make_engine, model, prompts, max_batch):
-    eng = make_engine(model, max_batch=max_batch, step_ms=5.0, median_tokens=10, sigma=0.0, max_tokens=20)
-    t0 = time.perf_counter()
-    gens = eng.generate(prompts, SamplingParams(max_new_tokens=5, temperature=0.0))
-    wall = time.perf_counter() - t0
-    return gens, wall, _wait_idle(eng)
-
-
-def test_pacing_holds_slots_for_the_simulated_tail(make_engine):
-    model = tiny_model(seed=1)
-    plain = make_engine(model).generate(PROMPTS * 2, SamplingParams(max_new_tokens=5, temperature=0.0))
-
-    # 4 rows: steps 1..5 produce the 5 real tokens (rows leave the cache at step 5 with tail = 10),
-    # steps 6..15 consume the tail (from the step after the row's last real token): 15 steps.
-    gens4, wall4, st4 = _paced_run(make_engine, model, PROMPTS, max_batch=4)
-    assert [g.token_ids.tolist() for g in gens4] == [g.token_ids.tolist() for g in plain[:4]]
-    for g, q in zip(gens4, plain):
-        np.testing.assert_allclose(g.logprobs, q.logprobs, atol=1e-6, rtol=0)
-    assert st4["steps"] == 15 and st4["forward_steps"] == 5  # tail steps run no forward
-    assert st4["simulated_s"] == pytest.approx(15 * 0.005)
-    # a row holds its slot in every one of the 15 steps (5 real + 10 tail); it is released at the end
-    # of step 15, so a queued row can be admitted at step 16
-    assert st4["live_row_steps"] == 15 * 4 and st4["max_live_rows"] == 4 and st4["rows"] == 4
-    # generate returns inside step 15 (before its pacing sleep): 14 full steps of >= 5 ms precede it
-    assert wall4 >= 14 * 0.005
-
-    # 8 rows, 4 slots: the second 4 are admitted only when the first 4 release their slots after
-    # their tails (step 16): twice the steps, twice the (simulated and real) time.
-    gens8, wall8, st8 = _paced_run(make_engine, model, PROMPTS * 2, max_batch=4)
-    assert [g.token_ids.tolist() for g in gens8] == [g.token_ids.tolist() for g in plain]
-    assert st8["steps"] == 30 and st8["forward_steps"] == 10 and st8["max_live_rows"] == 4
-    assert st8["live_row_steps"] == 15 * 8
-    assert st8["simulated_s"] == pytest.approx(2 * st4["simulated_s"])
-    assert wall8 >= 29 * 0.005
-    # Wall-clock ratio with a generous band (the lower bounds above are the exact part; the machine
-    # may be loaded, which only stretches steps, so only a gross violation fails).
-    assert wall8 > 1.3 * (15 * 0.005), (wall4, wall8)
-
-
-# ---------------------------------------------------------------- 8. failure is loud
+# ---------------------------------------------------------------- 7. failure is loud
 
 def test_step_failure_mid_flight_raises_in_waiting_and_later_calls(make_engine):
     eng = make_engine(tiny_model())
@@ -453,28 +412,13 @@ def test_close_fails_calls_in_flight(make_engine):
         eng.generate(PROMPTS, SamplingParams(max_new_tokens=2))
 
 
-# ---------------------------------------------------------------- 9. validation
-
-@pytest.mark.parametrize("step_ms", [-1.0, math.nan, math.inf])
-def test_bad_step_ms_raises(step_ms):
-    with pytest.raises(ValueError, match=r"rollout\.inject_decode_ms_per_token"):
-        ContinuousHFEngine(tiny_model(), eos_token_id=None, step_ms=step_ms)
-
-
-@pytest.mark.parametrize("kw", [dict(median_tokens=30, max_tokens=20), dict(median_tokens=0.5),
-                                dict(sigma=-0.1)])
-def test_bad_tail_distribution_raises_when_paced(kw):
-    with pytest.raises(ValueError, match=r"inject_decode_"):
-        ContinuousHFEngine(tiny_model(), eos_token_id=None, step_ms=1.0, **kw)
-    # unpaced: the tail parameters are unused and not checked
-    ContinuousHFEngine(tiny_model(), eos_token_id=None, step_ms=0.0, **kw).close()
-
+# ---------------------------------------------------------------- 8. validation
 
 def test_engine_surface():
     eng = ContinuousHFEngine(tiny_model(), eos_token_id=None)
     try:
         assert ContinuousHFEngine.concurrent is True
-        st = eng.bench_stats()
+        st = eng.engine_stats()
         assert st["engine"] == "hf-continuous" and st["steps"] == st["forward_steps"] == 0
         with pytest.raises(ValueError, match="max_batch"):
             ContinuousHFEngine(tiny_model(), eos_token_id=None, max_batch=0)
@@ -482,7 +426,7 @@ def test_engine_surface():
         eng.close()
 
 
-# ---------------------------------------------------------------- 10. config wiring
+# ---------------------------------------------------------------- 9. config wiring
 
 def test_config_validation():
     from sonar.cluster.wire.config import load_config

@@ -32,7 +32,8 @@ def load_result(out: Path, name: str) -> dict:
     doc = json.loads(files[0].read_text())
     common.validate_result(doc)
     assert doc["name"] == name and doc["config"]["quick"] is True
-    assert doc["config"]["resolved"]["rollout"]["engine"] in ("hf", "bench", "vllm")  # resolved config recorded
+    assert doc["config"]["resolved"]["rollout"]["engine"] in ("hf", "vllm")  # resolved config recorded
+    assert doc["config"]["sim"]["engine"] in ("real", "bench")  # and what was simulated
     assert doc["hardware"]["cpu_count"] >= 1 and "gpu" in doc["hardware"]
     assert doc["versions"]["torch"] and doc["versions"]["ray"] and doc["commit"] and doc["timestamp"]
     assert files[0].name == f"{name}-{common._safe(doc['hardware']['host'])}-{common._safe(doc['commit'])}.json"
@@ -64,6 +65,7 @@ def test_async_vs_sync_quick(tmp_path):
     assert extra["device"]["rollout_engine"] == "hf" and "pipeline_bound_speedup" in extra["analysis"]
     # the default workload: continuous batching with simulated long-tailed decode, in both modes
     assert extra["device"]["continuous_batching"] is True and extra["device"]["decode_ms_per_token"] > 0
+    assert doc["config"]["sim"]["retrieval_latency_ms"] > 0
     for s in ("sync", "async_lag2"):
         assert 0 < m[f"{s}/engine_mean_live_rows"]["median"] <= extra["device"]["engine_slots_per_worker"]
 
@@ -73,7 +75,7 @@ def test_rollout_scaling_quick(tmp_path):
                      "--set", f"run.root={tmp_path / 'runs'}"]) == 0
     doc = load_result(tmp_path, "rollout-scaling")
     m = doc["metrics"]
-    assert doc["config"]["resolved"]["rollout"]["engine"] == "bench" and "BENCHMARK" in doc["extra"]["engine"]
+    assert doc["config"]["sim"]["engine"] == "bench" and "BENCHMARK" in doc["extra"]["engine"]
     for n in (1, 2):
         for k in ("trajectories_per_s", "searches_per_s", "overhead_ms_per_traj", "efficiency_vs_linear",
                   "model_time_fraction"):

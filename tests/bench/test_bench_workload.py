@@ -1,5 +1,5 @@
-"""The benchmark workload pieces, fast and without Ray: ``BenchEngine`` (actors/bench_engine.py) and
-``LatencyInjectingRetriever`` (retrieval/latency.py).
+"""The benchmark workload pieces, fast and without Ray: ``BenchEngine`` (bench/sim/bench_engine.py) and
+``LatencyInjectingRetriever`` (bench/sim/retrieval_latency.py).
 
 What must hold for the benchmarks to mean anything:
 - BenchEngine turns parse under the protocol (searches then an answer), so retrieval, parsing, rewards
@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 import torch
 
-from sonar.actors.bench_engine import BenchEngine
 from sonar.actors.engine import Engine, HFEngine, SamplingParams
 from sonar.actors.prompts import get_protocol
+from sonar.bench.sim.bench_engine import BenchEngine
+from sonar.bench.sim.retrieval_latency import LatencyInjectingRetriever
 from sonar.cluster.wire.protocol import SegmentKind
 from sonar.retrieval.base import Hit
-from sonar.retrieval.latency import LatencyInjectingRetriever
 
 
 # ------------------------------------------------------------------------------------ fixtures
@@ -177,7 +177,7 @@ def test_sleeps_token_ms_per_token_of_the_longest_row(world_model):
     dt = time.perf_counter() - t0
     assert all(len(g.token_ids) == 25 for g in gens)
     assert 0.050 <= dt < 0.050 + 0.5  # 25 x 2 ms once, not 16 x 25 x 2 ms
-    s = eng.bench_stats()
+    s = eng.engine_stats()
     assert s["calls"] == 1 and s["generated_tokens"] == 16 * 25
     assert s["simulated_s"] == pytest.approx(0.050) and s["engine"] == "bench"
     assert s["simulated_s"] <= s["wall_s"] <= dt
@@ -259,6 +259,9 @@ def test_concurrent_calls_overlap_like_independent_requests():
 
 
 def test_factory_puts_the_wrapper_below_the_cache(tmp_path):
+    """Through the production hook (``build_retriever(..., wrap_backend=)``), as the benchmarks wire it."""
+    from sonar.bench.sim.config import SimConfig
+    from sonar.bench.sim.hooks import sim_hooks
     from sonar.cluster.wire.config import RetrievalConfig
     from sonar.retrieval.cache import CachedRetriever
     from sonar.retrieval.factory import build_retriever
@@ -267,8 +270,8 @@ def test_factory_puts_the_wrapper_below_the_cache(tmp_path):
     corpus.write_text("".join(json.dumps(d) + "\n" for d in [
         {"id": "tokyo", "title": "Tokyo", "text": "Tokyo is the capital of Japan."},
         {"id": "nile", "title": "Nile", "text": "The Nile is a river in Africa."}]))
-    cfg = dataclasses.replace(RetrievalConfig(), inject_latency_ms=30.0, inject_latency_sigma=0.0)
-    r = build_retriever(cfg, str(corpus), str(tmp_path / "ix"))
+    wrap = sim_hooks(SimConfig(retrieval_latency_ms=30.0, retrieval_latency_sigma=0.0)).retriever_wrap
+    r = build_retriever(RetrievalConfig(), str(corpus), str(tmp_path / "ix"), wrap_backend=wrap)
     assert isinstance(r, CachedRetriever) and isinstance(r.inner, LatencyInjectingRetriever)
     t0 = time.perf_counter()
     assert r.batch_search(["capital of Japan"], 1)[0][0].doc_id == "tokyo"

@@ -4,8 +4,8 @@ Why: the embedded tantivy index answers in about a millisecond, so on one machin
 stalls a rollout. A real search agent talks to a search cluster (Elasticsearch, a web-search API)
 whose latency is tens to hundreds of milliseconds with a long right tail. Asynchronous RL exists
 largely to hide that kind of wait, so the async-vs-sync benchmark needs it to be present and
-configurable (``retrieval.inject_latency_ms`` / ``retrieval.inject_latency_sigma``, wired in by
-``retrieval.factory.build_retriever``).
+configurable (``sim.retrieval_latency_ms`` / ``sim.retrieval_latency_sigma``, wired in by
+``hooks.SimRetrieverWrap`` through the production hook ``build_retriever(..., wrap_backend=)``).
 
 Model: every ``batch_search`` call (one batched request to the "cluster", whatever the number of
 queries in it) first sleeps ``lognormal(ln median_ms, sigma)`` milliseconds, then delegates to the
@@ -14,7 +14,7 @@ mean of 1.38x and a p99 of about 6.4x the median. An empty query list makes no r
 sleep. The sleep runs outside any lock, so concurrent calls (the retrieval service runs up to
 ``retrieval.max_concurrency`` inner calls in threads) overlap, as independent requests to a cluster do.
 
-The factory puts this wrapper *below* the cache, so cache hits stay fast, as they would in front of a
+The factory puts this wrapper *below* the reranker and the cache, so cache hits stay fast, as they would in front of a
 remote cluster. It is not a model of server-side queueing: latency does not grow with load.
 
 Pure module: standard library only (``math``, ``random``, ``threading``, ``time``).
@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 
 class LatencyInjectingRetriever:
-    """A ``retrieval.base.Retriever`` that sleeps a lognormal time per call, then delegates to ``inner``.
+    """A ``sonar.retrieval.base.Retriever`` that sleeps a lognormal time per call, then delegates to ``inner``.
 
     ``median_ms``: median injected delay in milliseconds (>= 0; 0 injects nothing).
     ``sigma``: lognormal shape (>= 0; 0 = constant ``median_ms``).
@@ -39,9 +39,9 @@ class LatencyInjectingRetriever:
 
     def __init__(self, inner: Any, median_ms: float, sigma: float, seed: int | None = None):
         if not math.isfinite(median_ms) or median_ms < 0:
-            raise ValueError(f"median_ms={median_ms} must be a finite number >= 0 (retrieval.inject_latency_ms)")
+            raise ValueError(f"median_ms={median_ms} must be a finite number >= 0 (sim.retrieval_latency_ms)")
         if not math.isfinite(sigma) or sigma < 0:
-            raise ValueError(f"sigma={sigma} must be a finite number >= 0 (retrieval.inject_latency_sigma)")
+            raise ValueError(f"sigma={sigma} must be a finite number >= 0 (sim.retrieval_latency_sigma)")
         self.inner = inner
         self.name = getattr(inner, "name", type(inner).__name__)
         self.median_ms = float(median_ms)

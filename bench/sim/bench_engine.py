@@ -1,12 +1,13 @@
 """``BenchEngine``: a BENCHMARK-ONLY generation engine. It does NOT run the model. Never train with it.
 
 What it is for. On a 2-core machine a real forward pass is the bottleneck, so a throughput benchmark
-of rollout workers would measure the CPU, not Sonar. ``rollout.engine=bench`` swaps in this engine:
-it *sleeps* ``token_ms`` per generated token and emits syntactically valid, protocol-shaped turns, so
-everything around generation runs for real and is what gets measured: the rollout loop, parsing,
+of rollout workers would measure the CPU, not Sonar. ``sim.engine=bench`` swaps in this engine (through
+the production engine hook, ``hooks.SimEngineWrap``): it *sleeps* ``token_ms`` per generated token and
+emits syntactically valid, protocol-shaped turns, so everything around generation runs for real and
+is what gets measured: the rollout loop, parsing,
 the retrieval service (real index, real hits), reward computation, the msgpack codec, the replay
 queue, and the weight broadcast (``.model`` is the real policy; ``load_weights`` copies into it by
-name, exactly like :class:`actors.engine.HFEngine`, and bumps ``version``; checksums are real).
+name, exactly like :class:`sonar.actors.engine.HFEngine`, and bumps ``version``; checksums are real).
 
 What it generates, per row of a ``generate`` call (rows are independent draws from a seeded
 ``numpy`` generator; with ``params.seed`` set the call is reproducible):
@@ -72,7 +73,7 @@ class BenchEngine(HFEngine):
                  median_tokens: float = 16.0, sigma: float = 0.7,
                  logprob_range: tuple[float, float] = (-2.5, -0.05)):
         if not math.isfinite(token_ms) or token_ms < 0:
-            raise ValueError(f"token_ms={token_ms} must be >= 0 (rollout.bench_token_ms)")
+            raise ValueError(f"token_ms={token_ms} must be >= 0 (sim.token_ms)")
         if median_tokens < 1 or sigma < 0:
             raise ValueError(f"median_tokens={median_tokens} must be >= 1 and sigma={sigma} >= 0")
         lo, hi = logprob_range
@@ -158,7 +159,7 @@ class BenchEngine(HFEngine):
             self.wall_s += time.perf_counter() - t_call
         return out
 
-    def bench_stats(self) -> dict:
+    def engine_stats(self) -> dict:
         """Calls, generated tokens, simulated (slept) seconds and wall seconds inside ``generate`` so far."""
         with self._stats_lock:
             return {"engine": self.engine_kind, "calls": self.calls, "generated_tokens": self.generated_tokens,

@@ -1,4 +1,5 @@
-"""Tests for ``actors.decode_latency.DecodeLatencyEngine`` (the benchmark decode-time wrapper).
+"""Tests for ``sonar.bench.sim.decode_latency.DecodeLatencyEngine`` (the benchmark decode-time wrapper)
+and its settings, the ``sim.decode_*`` fields of ``SimConfig`` (which the production schema does not have).
 
 The inner engine is a tiny in-file fake: the wrapper is what is under test (delegation, the timing
 model, the lock, the length draws, validation) and none of that depends on a real model. Timings use
@@ -14,13 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import sonar.actors.decode_latency as dl
-from sonar.actors.decode_latency import DecodeLatencyEngine
+import sonar.bench.sim.decode_latency as dl
 from sonar.actors.engine import Generation, SamplingParams
-from sonar.cluster.wire.config import load_config
+from sonar.bench.sim.config import load_bench_config
+from sonar.bench.sim.decode_latency import DecodeLatencyEngine
+from sonar.cluster.wire.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG_YAML = str(ROOT / "configs" / "tiny.yaml")  # decode injection is off there
+CONFIG_YAML = str(ROOT / "configs" / "tiny.yaml")  # a production config: no sim: section, nothing simulated
 PARAMS = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
 
 
@@ -281,15 +283,15 @@ def test_concurrent_calls_queue_on_the_lock():
 # ------------------------------------------------------------------ validation
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"ms": 0.0}, "rollout.inject_decode_ms_per_token"),
-    ({"ms": -1.0}, "rollout.inject_decode_ms_per_token"),
-    ({"ms": float("nan")}, "rollout.inject_decode_ms_per_token"),
-    ({"ms": float("inf")}, "rollout.inject_decode_ms_per_token"),
-    ({"median": 0.5}, "rollout.inject_decode_median_tokens"),
-    ({"median": float("nan")}, "rollout.inject_decode_median_tokens"),
-    ({"sigma": -0.1}, "rollout.inject_decode_sigma"),
-    ({"sigma": float("nan")}, "rollout.inject_decode_sigma"),
-    ({"median": 32, "max_tokens": 16}, "rollout.inject_decode_max_tokens"),
+    ({"ms": 0.0}, "sim.decode_ms_per_token"),
+    ({"ms": -1.0}, "sim.decode_ms_per_token"),
+    ({"ms": float("nan")}, "sim.decode_ms_per_token"),
+    ({"ms": float("inf")}, "sim.decode_ms_per_token"),
+    ({"median": 0.5}, "sim.decode_median_tokens"),
+    ({"median": float("nan")}, "sim.decode_median_tokens"),
+    ({"sigma": -0.1}, "sim.decode_sigma"),
+    ({"sigma": float("nan")}, "sim.decode_sigma"),
+    ({"median": 32, "max_tokens": 16}, "sim.decode_max_tokens"),
 ])
 def test_invalid_knobs_name_the_config_field(kwargs, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
@@ -305,60 +307,69 @@ def test_boundary_values_are_accepted():
 # ------------------------------------------------------------------ config
 
 def test_config_enables_wrapper():
-    cfg = load_config([CONFIG_YAML], ["rollout.inject_decode_ms_per_token=10"])
-    r = cfg.rollout
-    assert r.inject_decode_ms_per_token == 10.0
-    assert (r.inject_decode_median_tokens, r.inject_decode_sigma, r.inject_decode_max_tokens) == (16.0, 0.7, 256)
-    assert load_config([CONFIG_YAML]).rollout.inject_decode_ms_per_token == 0.0  # off by default
+    _, sim = load_bench_config([CONFIG_YAML], ["sim.decode_ms_per_token=10"])
+    assert sim.decode_ms_per_token == 10.0
+    assert (sim.decode_median_tokens, sim.decode_sigma, sim.decode_max_tokens) == (16.0, 0.7, 256)
+    assert load_bench_config([CONFIG_YAML])[1].decode_ms_per_token == 0.0  # off by default
+
+
+def test_production_schema_has_no_simulation_knobs():
+    """The knobs moved out of production: its schema refuses them, and the bench engine is no engine kind."""
+    for o in ("rollout.inject_decode_ms_per_token=10", "rollout.bench_token_ms=2", "retrieval.inject_latency_ms=5",
+              "sim.decode_ms_per_token=10"):
+        with pytest.raises(ConfigError):
+            load_config([CONFIG_YAML], [o])
+    with pytest.raises(ValueError, match=r"rollout\.engine='bench'"):
+        load_config([CONFIG_YAML], ["rollout.engine=bench"])
 
 
 def test_config_rejects_wrapper_with_bench_engine():
     with pytest.raises(ValueError) as e:
-        load_config([CONFIG_YAML], ["rollout.inject_decode_ms_per_token=10", "rollout.engine=bench"])
+        load_bench_config([CONFIG_YAML], ["sim.decode_ms_per_token=10", "sim.engine=bench"])
     msg = str(e.value)
-    assert "rollout.inject_decode_ms_per_token" in msg and "rollout.engine" in msg
+    assert "sim.decode_ms_per_token" in msg and "sim.engine" in msg
     # the bench engine alone is fine
-    assert load_config([CONFIG_YAML], ["rollout.engine=bench"]).rollout.engine == "bench"
+    assert load_bench_config([CONFIG_YAML], ["sim.engine=bench"])[1].engine == "bench"
 
 
 @pytest.mark.parametrize("overrides, fields", [
-    (["rollout.inject_decode_ms_per_token=-1"], ["rollout.inject_decode_ms_per_token"]),
-    (["rollout.inject_decode_ms_per_token=.nan"], ["rollout.inject_decode_ms_per_token"]),
-    (["rollout.inject_decode_ms_per_token=10", "rollout.inject_decode_median_tokens=500"],
-     ["rollout.inject_decode_median_tokens=500", "rollout.inject_decode_max_tokens=256"]),
-    (["rollout.inject_decode_ms_per_token=10", "rollout.inject_decode_median_tokens=0.5"],
-     ["rollout.inject_decode_median_tokens=0.5"]),
-    (["rollout.inject_decode_ms_per_token=10", "rollout.inject_decode_sigma=-0.5"],
-     ["rollout.inject_decode_sigma=-0.5"]),
+    (["sim.decode_ms_per_token=-1"], ["sim.decode_ms_per_token"]),
+    (["sim.decode_ms_per_token=.nan"], ["sim.decode_ms_per_token"]),
+    (["sim.decode_ms_per_token=10", "sim.decode_median_tokens=500"],
+     ["sim.decode_median_tokens=500", "sim.decode_max_tokens=256"]),
+    (["sim.decode_ms_per_token=10", "sim.decode_median_tokens=0.5"],
+     ["sim.decode_median_tokens=0.5"]),
+    (["sim.decode_ms_per_token=10", "sim.decode_sigma=-0.5"],
+     ["sim.decode_sigma=-0.5"]),
 ])
-def test_config_rejects_bad_inject_decode_values(overrides, fields):
+def test_config_rejects_bad_decode_values(overrides, fields):
     with pytest.raises(ValueError) as e:
-        load_config([CONFIG_YAML], overrides)
+        load_bench_config([CONFIG_YAML], overrides)
     for f in fields:
         assert f in str(e.value)
 
 
 def test_config_shape_knobs_unchecked_while_disabled():
-    cfg = load_config([CONFIG_YAML], ["rollout.inject_decode_median_tokens=500"])
-    assert cfg.rollout.inject_decode_ms_per_token == 0.0 and cfg.rollout.inject_decode_median_tokens == 500
+    _, sim = load_bench_config([CONFIG_YAML], ["sim.decode_median_tokens=500"])
+    assert sim.decode_ms_per_token == 0.0 and sim.decode_median_tokens == 500
 
 
 def test_config_knobs_build_a_valid_engine():
-    r = load_config([CONFIG_YAML], ["rollout.inject_decode_ms_per_token=10"]).rollout
-    eng = DecodeLatencyEngine(FakeEngine(), r.inject_decode_ms_per_token, r.inject_decode_median_tokens,
-                              r.inject_decode_sigma, r.inject_decode_max_tokens, seed=1009)
+    _, sim = load_bench_config([CONFIG_YAML], ["sim.decode_ms_per_token=10"])
+    eng = DecodeLatencyEngine(FakeEngine(), sim.decode_ms_per_token, sim.decode_median_tokens,
+                              sim.decode_sigma, sim.decode_max_tokens, seed=1009)
     assert eng.ms_per_token == 10.0 and eng.max_tokens == 256
 
 
 # ------------------------------------------------------------------ stats
 
-def test_bench_stats_reports_counters_and_engine_name():
+def test_engine_stats_reports_counters_and_engine_name():
     eng = make(ms=2.0, median=5, sigma=0.0, max_tokens=30)
-    s0 = eng.bench_stats()
+    s0 = eng.engine_stats()
     assert s0["calls"] == 0 and s0["rows"] == 0 and s0["simulated_tokens"] == 0 and s0["simulated_s"] == 0.0
     eng.generate(prompts(3), PARAMS)
     eng.generate(prompts(2), PARAMS)
-    s = eng.bench_stats()
+    s = eng.engine_stats()
     assert "decode_latency" in s["engine"] and "FakeEngine" in s["engine"]
     assert s["engine"] == "decode_latency(FakeEngine)"
     assert s["calls"] == 2 and s["rows"] == 5
@@ -388,6 +399,6 @@ def test_load_weights_waits_for_the_simulated_decode():
     t.start()
     time.sleep(0.05)
     t0 = time.perf_counter()
-    eng.bench_stats()
+    eng.engine_stats()
     assert time.perf_counter() - t0 < 0.1
     t.join()

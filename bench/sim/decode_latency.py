@@ -20,14 +20,15 @@ without the wrapper), so this wrapper charges *time*, not tokens:
   Generation keeps the version it was sampled with, so its policy lag on arrival includes the
   simulated decode time (the conservative choice).
 
-Knobs (``rollout.inject_decode_*``, wired in by ``actors.worker.RolloutWorker``): ``ms_per_token``
-(0 disables the wrapper), ``median_tokens``, ``sigma``, ``max_tokens``. With the bench.yaml values
+Knobs (``sim.decode_*``, wired in by ``hooks.SimEngineWrap`` through the production engine hook):
+``ms_per_token`` (``sim.decode_ms_per_token``; 0: no wrapper), ``median_tokens``, ``sigma``,
+``max_tokens``. With the bench.yaml values
 (10 ms, median 16, sigma 0.7, max 256) one row's turn is 160 ms at the median, p99 ~ 810 ms, and a
 16-row call waits ~550 ms for its longest row. The hidden reasoning tokens are not trained: the
 learner's cost is that of the visible tokens.
 
-Static engines only: ``actors.engine_continuous.ContinuousHFEngine`` (``rollout.continuous_batching``)
-implements the same knobs inside its own decode loop, where simulated rows hold batch slots.
+Static engines only: for ``ContinuousHFEngine`` (``rollout.continuous_batching``) the same knobs drive
+``paced_engine.PacedContinuousHFEngine``, where the simulated tokens hold batch slots.
 
 Pure module: numpy and the standard library.
 """
@@ -45,16 +46,16 @@ from sonar.actors.engine import Engine, Generation, SamplingParams
 
 class ReasoningLengths:
     """Simulated reasoning tokens per turn: ``lognormal(ln median_tokens, sigma)``, rounded and clipped to
-    ``[1, max_tokens]``; shared by this wrapper and the continuous engine's pacing."""
+    ``[1, max_tokens]``; shared by this wrapper and the paced continuous engine."""
 
     def __init__(self, median_tokens: float, sigma: float, max_tokens: int, seed: int = 0):
         if not math.isfinite(median_tokens) or median_tokens < 1:
-            raise ValueError(f"median_tokens={median_tokens} must be >= 1 (rollout.inject_decode_median_tokens)")
+            raise ValueError(f"median_tokens={median_tokens} must be >= 1 (sim.decode_median_tokens)")
         if not math.isfinite(sigma) or sigma < 0:
-            raise ValueError(f"sigma={sigma} must be a finite number >= 0 (rollout.inject_decode_sigma)")
+            raise ValueError(f"sigma={sigma} must be a finite number >= 0 (sim.decode_sigma)")
         if max_tokens < median_tokens:
             raise ValueError(f"max_tokens={max_tokens} must be >= median_tokens={median_tokens} "
-                             "(rollout.inject_decode_max_tokens)")
+                             "(sim.decode_max_tokens)")
         self.median_tokens, self.sigma, self.max_tokens = float(median_tokens), float(sigma), int(max_tokens)
         self._rng = np.random.default_rng(abs(int(seed)))
 
@@ -77,7 +78,7 @@ class DecodeLatencyEngine:
                  max_tokens: int, seed: int = 0):
         if not math.isfinite(ms_per_token) or ms_per_token <= 0:
             raise ValueError(f"ms_per_token={ms_per_token} must be a finite number > 0 "
-                             "(rollout.inject_decode_ms_per_token)")
+                             "(sim.decode_ms_per_token)")
         self.lengths = ReasoningLengths(median_tokens, sigma, max_tokens, seed)
         self.inner = inner
         self.ms_per_token = float(ms_per_token)
@@ -138,7 +139,7 @@ class DecodeLatencyEngine:
         with self._lock:
             return self.inner.state_checksum()
 
-    def bench_stats(self) -> dict:
+    def engine_stats(self) -> dict:
         """Calls, rows, simulated tokens and seconds, and wall seconds inside ``generate`` so far."""
         with self._stats_lock:
             return {"engine": f"{self.engine_kind}({type(self.inner).__name__})", "calls": self.calls,

@@ -1,0 +1,155 @@
+"""``SimConfig``: the benchmark-only settings of the simulators, and how a benchmark loads them.
+
+A benchmark config file (``configs/bench.yaml``) is a production config plus a ``sim:`` section. The
+production schema (``sonar.cluster.wire.config``) has no simulation knobs, so ``load_bench_config``
+splits the two: the production part goes through ``load_config`` as it is (the ``sim:`` sections
+removed), the ``sim:`` sections and the ``sim.KEY=VALUE`` overrides become a ``SimConfig``. A
+benchmark's ``--set`` therefore takes both kinds of override (``--set sim.decode_ms_per_token=0``).
+
+All defaults simulate nothing: a config without a ``sim:`` section runs production as it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+SECTION = "sim"
+ENGINES = ("real", "bench")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """What the benchmarks simulate around the real system (``sonar.bench.sim.hooks`` applies it)."""
+
+    engine: str = "real"
+    """real: the engine ``rollout.*`` describes generates (``decode_*`` below may add a larger model's
+    decode time). bench: ``BenchEngine`` (``bench_engine.py``) replaces it: it sleeps ``token_ms`` per
+    token of each call's longest row and writes protocol-shaped turns without running the model, so
+    rewards and logprobs are meaningless. bench needs rollout.engine=hf and
+    rollout.continuous_batching=false (it serialises its calls)."""
+    token_ms: float = 2.0
+    """engine=bench: simulated decode time per generated token, in ms (>= 0); the rows of one call
+    decode together, so a call sleeps ``token_ms`` x its longest row."""
+    decode_ms_per_token: float = 0.0
+    """engine=real: one decode step of a real-size policy, in ms (>= 0; 0 simulates nothing). Every
+    turn of every trajectory also reasons for a long-tailed number of hidden tokens (below), each one
+    decode step, before it returns. A static engine is wrapped in ``DecodeLatencyEngine`` (a call
+    sleeps for its longest row, ``decode_latency.py``); the continuous engine is replaced by
+    ``PacedContinuousHFEngine`` (every step lasts this long, and a hidden token holds a batch slot,
+    ``paced_engine.py``). The hidden tokens are not returned and not trained."""
+    decode_median_tokens: float = 16.0
+    """Median of the lognormal hidden reasoning length per turn, in tokens (1 <= median <= max)."""
+    decode_sigma: float = 0.7
+    """Lognormal sigma of the hidden reasoning length (>= 0; 0: always the median)."""
+    decode_max_tokens: int = 256
+    """Hidden reasoning lengths are clipped to this (the turn budget a real model would hit)."""
+    retrieval_latency_ms: float = 0.0
+    """Median extra latency of every backend search call, in ms (lognormal; >= 0, 0 simulates
+    nothing): a remote search cluster in front of the local index (``retrieval_latency.py``). It sits
+    below the reranker and the cache, so cache hits stay fast."""
+    retrieval_latency_sigma: float = 0.0
+    """Lognormal sigma of the extra search latency (>= 0; 0: always the median)."""
+
+    def validate(self, cfg: Any = None) -> "SimConfig":
+        """Raise ValueError naming the ``sim.*`` field and its value; with ``cfg`` (the production
+        ``Config``), also the combinations with ``rollout.*`` that cannot run."""
+        if self.engine not in ENGINES:
+            raise ValueError(f"sim.engine={self.engine!r} is not one of {list(ENGINES)}")
+        for name in ("token_ms", "decode_ms_per_token", "retrieval_latency_ms", "retrieval_latency_sigma"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"sim.{name}={v} must be a finite number >= 0")
+        if self.decode_ms_per_token > 0:  # the length distribution is read only when decode time is simulated
+            if self.engine == "bench":
+                raise ValueError(f"sim.decode_ms_per_token={self.decode_ms_per_token} > 0 with sim.engine='bench': "
+                                 "the bench engine already simulates decode time (sim.token_ms); use one or the other")
+            m, s, mx = self.decode_median_tokens, self.decode_sigma, self.decode_max_tokens
+            if not (math.isfinite(m) and 1 <= m <= mx) or not (math.isfinite(s) and s >= 0):
+                raise ValueError(f"sim.decode_median_tokens={m}, sim.decode_max_tokens={mx}, sim.decode_sigma={s}: "
+                                 "need 1 <= median <= max and a finite sigma >= 0")
+        if cfg is not None and self.engine == "bench":
+            r = cfg.rollout
+            if r.engine != "hf" or r.continuous_batching:
+                raise ValueError(f"sim.engine='bench' needs rollout.engine='hf' and rollout.continuous_batching=false, "
+                                 f"got rollout.engine={r.engine!r}, rollout.continuous_batching={r.continuous_batching} "
+                                 "(the bench engine is a static-batch transformers engine)")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(production overrides, ``sim.*`` overrides with the ``sim.`` prefix removed)."""
+    prod, sim = [], []
+    for o in overrides:
+        key = o.partition("=")[0].strip()
+        if key == SECTION or key.startswith(SECTION + "."):
+            sim.append(o.strip()[len(SECTION) + 1:])
+        else:
+            prod.append(o)
+    return prod, sim
+
+
+def load_sim(sections: Sequence[tuple[str, Any]], overrides: Sequence[str] = ()) -> SimConfig:
+    """``SimConfig`` <- each ``(file name, sim: section)`` in order <- ``KEY=VALUE`` overrides (no prefix);
+    unknown keys and wrong types raise ValueError naming the file or the override. Not validated."""
+    merged = OmegaConf.structured(SimConfig)
+    for name, section in sections:
+        try:
+            merged = OmegaConf.merge(merged, section)
+        except OmegaConfBaseException as e:
+            raise ValueError(f"{name}: sim.{getattr(e, 'full_key', '')}: {str(e).splitlines()[0]}") from None
+    for o in overrides:
+        key, eq, raw = o.partition("=")
+        if not eq or not key.strip() or "." in key:
+            raise ValueError(f"override 'sim.{o}' is not of the form sim.KEY=VALUE")
+        try:
+            merged = OmegaConf.merge(merged, {key.strip(): yaml.safe_load(raw) if raw != "" else ""})
+        except (OmegaConfBaseException, yaml.YAMLError) as e:
+            raise ValueError(f"override 'sim.{o}': {str(e).splitlines()[0]}") from None
+    return OmegaConf.to_object(merged)
+
+
+def load_bench_config(paths: Sequence[str | Path], overrides: Sequence[str] = ()):
+    """``(Config, SimConfig)`` from config files that may hold a ``sim:`` section and overrides that may
+    be ``sim.KEY=VALUE``; both validated, and checked together (``SimConfig.validate(cfg)``)."""
+    from sonar.cluster.wire.config import ConfigError, load_config
+
+    prod_overrides, sim_overrides = split_overrides(overrides)
+    sections: list[tuple[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="sonar-bench-config-") as tmp:
+        prod_paths, copies = [], {}
+        for i, p in enumerate(Path(x) for x in paths):
+            if not p.is_file():
+                raise ConfigError(f"config file {str(p)!r} does not exist")
+            try:
+                doc = OmegaConf.load(p)
+            except (OmegaConfBaseException, yaml.YAMLError) as e:
+                raise ConfigError(f"{p}: {str(e).splitlines()[0]}") from None
+            if not (OmegaConf.is_dict(doc) and SECTION in doc):
+                prod_paths.append(p)
+                continue
+            # load_config reads files: hand it a copy without the section (same name, so messages read alike)
+            sections.append((str(p), doc.pop(SECTION)))
+            copy = Path(tmp) / str(i) / p.name
+            copy.parent.mkdir()
+            OmegaConf.save(doc, copy)
+            prod_paths.append(copy)
+            copies[str(copy)] = str(p)
+        try:
+            cfg = load_config(prod_paths, prod_overrides)
+        except ConfigError as e:
+            msg = str(e)
+            for copy, original in copies.items():
+                msg = msg.replace(copy, original)
+            raise ConfigError(msg) from None
+    return cfg, load_sim(sections, sim_overrides).validate(cfg)

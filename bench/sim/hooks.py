@@ -1,0 +1,77 @@
+"""The simulators enter the production driver here, through the hooks production offers.
+
+``sim_hooks(sim)`` -> ``sonar.cluster.driver.roles.Hooks``:
+
+- ``engine_wrap = SimEngineWrap(sim)`` for ``build_engine`` (``actors/engines.py``) in every rollout
+  worker: ``sim.engine=bench`` replaces the engine with ``BenchEngine``; ``sim.decode_ms_per_token`` > 0
+  replaces a ``ContinuousHFEngine`` with ``PacedContinuousHFEngine`` and wraps any other engine in
+  ``DecodeLatencyEngine``;
+- ``retriever_wrap = SimRetrieverWrap(...)`` for ``build_retriever`` (``retrieval/factory.py``) in every
+  retrieval replica: ``sim.retrieval_latency_ms`` > 0 wraps the backend in ``LatencyInjectingRetriever``.
+
+A hook that would change nothing is None, so a ``SimConfig()`` runs production untouched. Both are
+instances of top-level classes holding plain values: Ray pickles them into the actors.
+
+Per-worker seeds (as before the move): the bench engine ``run.seed * 101 + worker``, the decode
+lengths ``run.seed * 1009 + worker``.
+"""
+from __future__ import annotations
+
+from sonar.bench.sim.config import SimConfig
+from sonar.cluster.driver.roles import Hooks
+
+
+class SimEngineWrap:
+    """The engine hook: ``wrap(engine, *, cfg, model, tokenizer, worker_id) -> Engine``."""
+
+    def __init__(self, sim: SimConfig):
+        self.sim = sim.validate()
+
+    def __call__(self, engine, *, cfg, model, tokenizer, worker_id: int):
+        s = self.sim
+        if s.engine == "bench":
+            from sonar.actors.prompts import get_protocol
+            from sonar.bench.sim.bench_engine import BenchEngine
+
+            return BenchEngine(model, tokenizer, get_protocol(cfg.protocol.name), token_ms=s.token_ms,
+                               seed=cfg.run.seed * 101 + worker_id)
+        if s.decode_ms_per_token <= 0:
+            return engine
+        pacing = dict(median_tokens=s.decode_median_tokens, sigma=s.decode_sigma, max_tokens=s.decode_max_tokens,
+                      seed=cfg.run.seed * 1009 + worker_id)
+        from sonar.actors.engine_continuous import ContinuousHFEngine
+
+        if isinstance(engine, ContinuousHFEngine):  # concurrent calls: pace its steps, never serialise them
+            from sonar.bench.sim.paced_engine import PacedContinuousHFEngine
+
+            return PacedContinuousHFEngine.like(engine, step_ms=s.decode_ms_per_token, **pacing)
+        from sonar.bench.sim.decode_latency import DecodeLatencyEngine
+
+        return DecodeLatencyEngine(engine, s.decode_ms_per_token, **pacing)
+
+    def __repr__(self) -> str:
+        return f"SimEngineWrap({self.sim})"
+
+
+class SimRetrieverWrap:
+    """The retriever hook: ``wrap(backend) -> LatencyInjectingRetriever(backend, median_ms, sigma)``."""
+
+    def __init__(self, median_ms: float, sigma: float):
+        self.median_ms, self.sigma = float(median_ms), float(sigma)
+
+    def __call__(self, backend):
+        from sonar.bench.sim.retrieval_latency import LatencyInjectingRetriever
+
+        return LatencyInjectingRetriever(backend, self.median_ms, self.sigma)
+
+    def __repr__(self) -> str:
+        return f"SimRetrieverWrap(median_ms={self.median_ms}, sigma={self.sigma})"
+
+
+def sim_hooks(sim: SimConfig) -> Hooks:
+    """The production driver's ``Hooks`` that apply ``sim`` (None where it simulates nothing)."""
+    sim.validate()
+    engine = SimEngineWrap(sim) if sim.engine == "bench" or sim.decode_ms_per_token > 0 else None
+    retriever = (SimRetrieverWrap(sim.retrieval_latency_ms, sim.retrieval_latency_sigma)
+                 if sim.retrieval_latency_ms > 0 else None)
+    return Hooks(engine_wrap=engine, retriever_wrap=retriever)
