@@ -1,23 +1,26 @@
 """The multi-turn generate -> search -> inject loop. Async, no Ray: it takes an engine and a retriever.
 
-Shape of one call (``rollout_groups``): every item becomes ``group_size`` trajectories, and all
-trajectories of the call advance *in lockstep, turn by turn*:
+Shape of one call (``rollout_groups``): every item becomes ``group_size`` trajectories
+(``_prepare``), and all trajectories of the call advance *in lockstep, turn by turn*:
 
-1. one batched ``engine.generate`` over every active trajectory (run in a thread via
+1. ``_generate``: one batched ``engine.generate`` over every active trajectory (run in a thread via
    ``asyncio.to_thread`` so the event loop stays free), stopping on the ids of ``tags.query_close``,
    ``tags.answer_close`` and EOS; each row is capped at ``min(max_new_tokens_per_turn, budget left)``;
-2. each row's new ids become a MODEL segment (ids, sampling logprobs, engine version); ONLY those ids
-   are decoded (special tokens kept) and parsed with ``actors.parsing.parse_turn``;
-3. every query of every trajectory that searched this turn goes out in ONE ``retriever.batch_search``
-   call (identical query strings are sent once), then per trajectory the documents are de-duplicated
+2. ``_act``: each row's new ids become a MODEL segment (ids, sampling logprobs, engine version); ONLY
+   those ids are decoded (special tokens kept) and parsed with ``actors.parsing.parse_turn``;
+3. ``_search``: every query of every trajectory that searched this turn goes out in ONE batched
+   search (identical query strings are sent once; ``retrieval.base.search_async`` awaits any
+   retriever, blocking or not), then ``_inject``, per trajectory: the documents are de-duplicated
    across its queries of this step, ``docs_per_query`` kept per query, and the block
    ``render_documents(...)`` is appended as a RETRIEVAL segment (neutralised there, so a document can
    never produce a tag id).
 
+``_finish`` then labels and rewards each trajectory.
+
 Token in, token out: the next turn's context is the concatenation of the segments' ids; text is
 decoded only to parse an action and is never re-tokenised.
 
-Finish rules (``cluster.protocol.FinishReason``), decided per trajectory:
+Finish rules (``cluster.wire.protocol.FinishReason``), decided per trajectory:
 
 - ``Answer`` -> ANSWERED, ``prediction`` = the answer text.
 - ``Search`` when ``proto.max_turns`` searches were already made -> MAX_TURNS (not executed).
@@ -43,7 +46,7 @@ import inspect
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
@@ -51,7 +54,7 @@ from sonar.actors.engine import Engine, Generation, SamplingParams
 from sonar.actors.prompts import TagSet, render_documents, render_prompt
 from sonar.cluster.wire.config import ProtocolConfig
 from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, Trajectory
-from sonar.retrieval.base import Hit, RetrievalError
+from sonar.retrieval.base import AsyncRetriever, Hit, RetrievalError, Retriever, check_retriever, search_async
 
 
 @dataclass(frozen=True)
@@ -59,27 +62,6 @@ class PromptItem:
     prompt_id: str
     question: str
     golds: list[str]
-
-
-class AsyncRetriever(Protocol):
-    async def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
-        """One hit list per query, in input order (``retrieval.base`` contract)."""
-        ...
-
-
-class ThreadedRetriever:
-    """Adapts a synchronous ``retrieval.base.Retriever`` to ``AsyncRetriever`` (``asyncio.to_thread``).
-
-    A timeout (``asyncio.wait_for`` in the rollout) abandons the await, not the thread: the blocking
-    call runs to completion in the background and its result is discarded.
-    """
-
-    def __init__(self, retriever: Any):
-        self.retriever = retriever
-        self.name = getattr(retriever, "name", type(retriever).__name__)
-
-    async def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
-        return await asyncio.to_thread(self.retriever.batch_search, list(queries), k)
 
 
 @dataclass
@@ -142,6 +124,28 @@ class _State:
         self.done = True
 
 
+@dataclass
+class _Call:
+    """What every step of one ``rollout_groups`` call shares: its arguments, resolved once."""
+
+    engine: Engine
+    retriever: Retriever | AsyncRetriever | None
+    """None when search is disabled (every search then gets no documents, without a call)."""
+    tokenizer: Any
+    tags: TagSet
+    proto: ProtocolConfig
+    temperature: float
+    top_p: float
+    k: int
+    seed: int | None
+    parse_fn: Callable[[str, TagSet, int], Any]
+    retrieval_timeout_s: float | None
+    stop_ids: tuple[int, ...]
+    caps_ok: bool
+    """The engine takes per-prompt caps (``max_new_tokens_per_prompt``)."""
+    stats: RolloutStats
+
+
 def _token_id(tokenizer, token: str) -> int:
     tid = tokenizer.convert_tokens_to_ids(token)
     unk = getattr(tokenizer, "unk_token_id", None)
@@ -158,11 +162,16 @@ def _accepts_caps(engine: Engine) -> bool:
     return "max_new_tokens_per_prompt" in ps or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps.values())
 
 
-def _is_sync_retriever(retriever: Any) -> bool:
-    return not inspect.iscoroutinefunction(getattr(retriever, "batch_search", None))
+def _stop_ids(tokenizer, tags: TagSet) -> tuple[int, ...]:
+    """Generation stops on the closing query and answer tags, and on EOS (duplicates removed)."""
+    ids = [_token_id(tokenizer, tags.query_close), _token_id(tokenizer, tags.answer_close)]
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None:
+        ids.append(int(eos))
+    return tuple(dict.fromkeys(ids))
 
 
-async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: AsyncRetriever | None,
+async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: Retriever | AsyncRetriever | None,
                          tokenizer, tags: TagSet, proto: ProtocolConfig, temperature: float, group_size: int,
                          k: int, reward_fn: Callable[[Trajectory], Any], actor_id: int = 0, stage: int = 0,
                          search_enabled: bool = True, seed: int | None = None,
@@ -171,8 +180,9 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
                          top_p: float = 1.0) -> tuple[list[list[Trajectory]], RolloutStats]:
     """Roll out ``group_size`` trajectories per item; returns (groups in item order, stats).
 
-    ``retriever``: an ``AsyncRetriever``; a synchronous ``retrieval.base.Retriever`` is wrapped in
-    :class:`ThreadedRetriever`. It may be None only with ``search_enabled=False``.
+    ``retriever``: any retriever of ``retrieval.base`` (a blocking ``batch_search`` runs in a thread,
+    a coroutine ``abatch_search`` is awaited; ``base.search_async``). It may be None only with
+    ``search_enabled=False``.
     ``k``: hits requested per query (>= ``proto.docs_per_query``; extra hits backfill de-duplication).
     ``seed``: turn t samples with seed ``seed + t`` (None: unseeded).
     ``parse_fn``: defaults to ``actors.parsing.parse_turn(text, tags, max_queries)``; actions are
@@ -190,25 +200,40 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
     if proto.max_total_tokens < 1 or proto.max_new_tokens_per_turn < 1:
         raise ValueError(f"protocol.max_total_tokens={proto.max_total_tokens} and "
                          f"protocol.max_new_tokens_per_turn={proto.max_new_tokens_per_turn} must be >= 1")
+    if retriever is not None:
+        check_retriever(retriever)
     if parse_fn is None:
         from sonar.actors.parsing import parse_turn as parse_fn  # noqa: N813
-    if retriever is not None and _is_sync_retriever(retriever):
-        retriever = ThreadedRetriever(retriever)
 
     t_start = time.perf_counter()
-    stats = RolloutStats()
-    stop_ids = [_token_id(tokenizer, tags.query_close), _token_id(tokenizer, tags.answer_close)]
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is not None:
-        stop_ids.append(int(eos))
-    stop_ids = tuple(dict.fromkeys(stop_ids))
-    caps_ok = _accepts_caps(engine)
+    call = _Call(engine, retriever if search_enabled else None, tokenizer, tags, proto, temperature, top_p, k,
+                 seed, parse_fn, retrieval_timeout_s, _stop_ids(tokenizer, tags), _accepts_caps(engine),
+                 RolloutStats())
+    groups, states = _prepare(items, group_size, call, actor_id, stage)
+    turn = 0
+    while active := [s for s in states if not s.done]:
+        gens, caps = await _generate(call, active, turn)
+        searching = _act(call, active, gens, caps)
+        if searching:
+            await _search_and_inject(call, searching, turn)
+        turn += 1
+    for s in states:
+        _finish(call, s.traj, reward_fn)
+    call.stats.trajectories = len(states)
+    call.stats.wall_s = time.perf_counter() - t_start
+    return groups, call.stats
 
+
+def _prepare(items: list[PromptItem], group_size: int, call: _Call, actor_id: int,
+             stage: int) -> tuple[list[list[Trajectory]], list[_State]]:
+    """Render each prompt once and open ``group_size`` trajectories on it (ids unique per call).
+    A prompt that alone fills ``proto.max_total_tokens`` finishes at once with MAX_TOKENS."""
     call_uid = uuid.uuid4().hex[:10]
     groups: list[list[Trajectory]] = []
     states: list[_State] = []
     for gi, item in enumerate(items):
-        prompt = [int(t) for t in render_prompt(tags, item.question, tokenizer, template=proto.template)]
+        prompt = [int(t) for t in render_prompt(call.tags, item.question, call.tokenizer,
+                                                template=call.proto.template)]
         group_id = f"a{actor_id}-{call_uid}-g{gi}"
         group = []
         for j in range(group_size):
@@ -216,137 +241,159 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
                               actor_id=actor_id, segments=[Segment(SegmentKind.PROMPT, np.asarray(prompt, np.int32))],
                               question=item.question, golds=list(item.golds), stage=stage)
             st = _State(traj, list(prompt))
-            if len(prompt) >= proto.max_total_tokens:
+            if len(prompt) >= call.proto.max_total_tokens:
                 st.finish(FinishReason.MAX_TOKENS)
             group.append(traj)
             states.append(st)
         groups.append(group)
+    return groups, states
 
-    turn = 0
-    while True:
-        active = [s for s in states if not s.done]
-        if not active:
-            break
-        # ---- 1. one batched generate; each row capped at the budget it has left (>= 1 here)
-        caps = [min(proto.max_new_tokens_per_turn, proto.max_total_tokens - len(s.ctx)) for s in active]
-        params = SamplingParams(max_new_tokens=max(caps), temperature=temperature, top_p=top_p,
-                                stop_token_ids=stop_ids, seed=None if seed is None else seed + turn)
-        prompts = [np.asarray(s.ctx, dtype=np.int32) for s in active]
-        kwargs = {"max_new_tokens_per_prompt": caps} if caps_ok and min(caps) < max(caps) else {}
-        t0 = time.perf_counter()
-        gens: list[Generation] = await asyncio.to_thread(engine.generate, prompts, params, **kwargs)
-        stats.generate_s += time.perf_counter() - t0
-        stats.engine_calls += 1
-        if len(gens) != len(active):
-            raise RuntimeError(f"engine returned {len(gens)} generations for {len(active)} prompts")
 
-        # ---- 2. MODEL segments, decode this turn only, parse
-        searching: list[tuple[_State, list[str], int]] = []
-        for s, g, cap in zip(active, gens, caps):
-            # Defensive truncation (an engine without per-prompt caps generated up to max(caps)): a
-            # prefix of an autoregressive sample is itself a valid sample, logprobs unchanged.
-            ids = np.asarray(g.token_ids, dtype=np.int32)[:cap]
-            lps = np.asarray(g.logprobs, dtype=np.float32)[:cap]
-            if len(ids):
-                s.traj.segments.append(Segment(SegmentKind.MODEL, ids, lps, int(g.version)))
-                s.ctx.extend(int(t) for t in ids)
-                stats.turns += 1
-                stats.generated_tokens += len(ids)
-            text = tokenizer.decode(ids.tolist(), skip_special_tokens=False)
-            action = parse_fn(text, tags, proto.max_queries_per_step)
-            kind = type(action).__name__
-            if kind == "Answer":
-                s.traj.prediction = action.text
-                s.finish(FinishReason.ANSWERED)
-            elif kind == "Search":
-                if s.searches_done >= proto.max_turns:
-                    s.finish(FinishReason.MAX_TURNS)
-                else:
-                    searching.append((s, list(action.queries), int(getattr(action, "dropped", 0))))
-            elif kind == "Malformed":
-                s.finish(FinishReason.MAX_TOKENS if len(s.ctx) >= proto.max_total_tokens else FinishReason.MALFORMED)
+async def _generate(call: _Call, active: list[_State], turn: int) -> tuple[list[Generation], list[int]]:
+    """One turn of generation: ONE batched ``engine.generate`` over every active trajectory, in a
+    thread (the event loop stays free); each row capped at the budget it has left (>= 1 here).
+    Returns the generations and the caps, row for row."""
+    proto = call.proto
+    caps = [min(proto.max_new_tokens_per_turn, proto.max_total_tokens - len(s.ctx)) for s in active]
+    params = SamplingParams(max_new_tokens=max(caps), temperature=call.temperature, top_p=call.top_p,
+                            stop_token_ids=call.stop_ids, seed=None if call.seed is None else call.seed + turn)
+    prompts = [np.asarray(s.ctx, dtype=np.int32) for s in active]
+    kwargs = {"max_new_tokens_per_prompt": caps} if call.caps_ok and min(caps) < max(caps) else {}
+    t0 = time.perf_counter()
+    gens: list[Generation] = await asyncio.to_thread(call.engine.generate, prompts, params, **kwargs)
+    call.stats.generate_s += time.perf_counter() - t0
+    call.stats.engine_calls += 1
+    if len(gens) != len(active):
+        raise RuntimeError(f"engine returned {len(gens)} generations for {len(active)} prompts")
+    return gens, caps
+
+
+def _act(call: _Call, active: list[_State], gens: list[Generation],
+         caps: list[int]) -> list[tuple[_State, list[str], int]]:
+    """Each row's new ids become a MODEL segment; ONLY those ids are decoded (special tokens kept) and
+    parsed. An answer, a malformed turn or a search past ``max_turns`` finishes the trajectory.
+    Returns the trajectories that search this turn: (state, queries, queries dropped by the budget)."""
+    proto = call.proto
+    searching: list[tuple[_State, list[str], int]] = []
+    for s, g, cap in zip(active, gens, caps):
+        # Defensive truncation (an engine without per-prompt caps generated up to max(caps)): a
+        # prefix of an autoregressive sample is itself a valid sample, logprobs unchanged.
+        ids = np.asarray(g.token_ids, dtype=np.int32)[:cap]
+        lps = np.asarray(g.logprobs, dtype=np.float32)[:cap]
+        if len(ids):
+            s.traj.segments.append(Segment(SegmentKind.MODEL, ids, lps, int(g.version)))
+            s.ctx.extend(int(t) for t in ids)
+            call.stats.turns += 1
+            call.stats.generated_tokens += len(ids)
+        text = call.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+        action = call.parse_fn(text, call.tags, proto.max_queries_per_step)
+        kind = type(action).__name__
+        if kind == "Answer":
+            s.traj.prediction = action.text
+            s.finish(FinishReason.ANSWERED)
+        elif kind == "Search":
+            if s.searches_done >= proto.max_turns:
+                s.finish(FinishReason.MAX_TURNS)
             else:
-                raise TypeError(f"parse_fn returned {action!r}; expected Search, Answer or Malformed")
-
-        # ---- 3. one batched retrieval for the whole turn, then per-trajectory injection
-        if searching:
-            await _search_and_inject(searching, turn, retriever if search_enabled else None, k, tokenizer,
-                                     tags, proto, retrieval_timeout_s, stats)
-        turn += 1
-
-    for s in states:
-        t = s.traj
-        if (t.finish_reason != FinishReason.ANSWERED and t.searches
-                and all(c.error is not None for c in t.searches)):
-            t.finish_reason = FinishReason.RETRIEVAL_ERROR
-        rb = reward_fn(t)
-        t.reward = float(rb.total)
-        t.reward_parts = {str(n): float(v) for n, v in dict(rb.parts).items()}
-        stats.finish_reasons[t.finish_reason] = stats.finish_reasons.get(t.finish_reason, 0) + 1
-    stats.trajectories = len(states)
-    stats.wall_s = time.perf_counter() - t_start
-    return groups, stats
+                searching.append((s, list(action.queries), int(getattr(action, "dropped", 0))))
+        elif kind == "Malformed":
+            s.finish(FinishReason.MAX_TOKENS if len(s.ctx) >= proto.max_total_tokens else FinishReason.MALFORMED)
+        else:
+            raise TypeError(f"parse_fn returned {action!r}; expected Search, Answer or Malformed")
+    return searching
 
 
-async def _search_and_inject(searching: list[tuple[_State, list[str], int]], turn: int,
-                             retriever: AsyncRetriever | None, k: int, tokenizer, tags: TagSet,
-                             proto: ProtocolConfig, timeout_s: float | None, stats: RolloutStats) -> None:
-    """One ``batch_search`` over the unique queries of every searching trajectory, then inject.
-
-    ``retriever=None`` means search disabled: no call, every query gets no documents (no error).
-    A failure of the batched call fails every search of this turn (they shared the call).
-    """
+async def _search_and_inject(call: _Call, searching: list[tuple[_State, list[str], int]], turn: int) -> None:
+    """One batched retrieval for the whole turn, then per trajectory its search call and documents."""
     uniq = list(dict.fromkeys(q for _, qs, _ in searching for q in qs))
-    results: dict[str, list[Hit]] = {}
-    error: str | None = None
-    latency_ms = 0.0
-    if retriever is not None and uniq:
-        t0 = time.perf_counter()
-        try:
-            coro = retriever.batch_search(uniq, k)
-            hits = await (asyncio.wait_for(coro, timeout_s) if timeout_s is not None else coro)
-            if len(hits) != len(uniq):
-                raise RetrievalError("internal", f"retriever returned {len(hits)} result lists for {len(uniq)} queries")
-            results = dict(zip(uniq, hits))
-        except asyncio.TimeoutError:
-            error = "timeout"
-        except RetrievalError as e:
-            error = e.kind
-        except Exception:  # any backend bug is still data for the rollout, counted as internal
-            error = "internal"
-        latency_ms = (time.perf_counter() - t0) * 1000.0
-        stats.retrieve_s += latency_ms / 1000.0
-        stats.retrieval_latency_ms.append(latency_ms)
-        stats.retriever_calls += 1
-
+    results, error, latency_ms = await _search(call, uniq)
     for s, queries, dropped in searching:
-        seen: set[str] = set()
-        per_query_docs: list[list[tuple[str, str]]] = []
-        doc_ids: list[list[str]] = []
-        for q in queries:
-            chosen: list[Hit] = []
-            if error is None:
-                for h in results.get(q, []):
-                    if h.doc_id in seen:
-                        continue
-                    seen.add(h.doc_id)
-                    chosen.append(h)
-                    if len(chosen) >= proto.docs_per_query:
-                        break
-            per_query_docs.append([(h.title, h.text) for h in chosen])
-            doc_ids.append([h.doc_id for h in chosen])
-        s.traj.searches.append(SearchCall(turn=turn, queries=list(queries), doc_ids=doc_ids, latency_ms=latency_ms,
-                                          error=error, dropped_queries=dropped))
-        s.searches_done += 1
-        stats.searches += 1
-        stats.queries += len(queries)
-        if error is not None:
-            stats.failed_searches += 1
-        block = render_documents(tags, per_query_docs, tokenizer, proto.max_doc_tokens, error=error)
-        if len(s.ctx) + len(block) > proto.max_total_tokens:
-            s.finish(FinishReason.MAX_TOKENS)
-            continue
-        s.traj.segments.append(Segment(SegmentKind.RETRIEVAL, np.asarray(block, np.int32)))
-        s.ctx.extend(int(t) for t in block)
-        if len(s.ctx) >= proto.max_total_tokens:
-            s.finish(FinishReason.MAX_TOKENS)
+        _inject(call, s, queries, dropped, results, error, latency_ms, turn)
+
+
+async def _search(call: _Call, uniq: list[str]) -> tuple[dict[str, list[Hit]], str | None, float]:
+    """ONE ``batch_search`` over the unique queries of every searching trajectory (identical query
+    strings are sent once). Returns (hits by query, error kind or None, latency in ms).
+
+    No retriever (search disabled): no call, every query gets no documents, no error. A failure of
+    the batched call -- a ``RetrievalError``, the timeout, any exception -- fails every search of this
+    turn (they shared the call): failed searches are data, not crashes.
+    """
+    if call.retriever is None or not uniq:
+        return {}, None, 0.0
+    error: str | None = None
+    results: dict[str, list[Hit]] = {}
+    t0 = time.perf_counter()
+    try:
+        coro = search_async(call.retriever, uniq, call.k)
+        timeout_s = call.retrieval_timeout_s
+        hits = await (asyncio.wait_for(coro, timeout_s) if timeout_s is not None else coro)
+        if len(hits) != len(uniq):
+            raise RetrievalError("internal", f"retriever returned {len(hits)} result lists for {len(uniq)} queries")
+        results = dict(zip(uniq, hits))
+    except asyncio.TimeoutError:
+        error = "timeout"
+    except RetrievalError as e:
+        error = e.kind
+    except Exception:  # any backend bug is still data for the rollout, counted as internal
+        error = "internal"
+    latency_ms = (time.perf_counter() - t0) * 1000.0
+    call.stats.retrieve_s += latency_ms / 1000.0
+    call.stats.retrieval_latency_ms.append(latency_ms)
+    call.stats.retriever_calls += 1
+    return results, error, latency_ms
+
+
+def _inject(call: _Call, s: _State, queries: list[str], dropped: int, results: dict[str, list[Hit]],
+            error: str | None, latency_ms: float, turn: int) -> None:
+    """Record the trajectory's ``SearchCall`` and append its documents as a RETRIEVAL segment.
+
+    Documents are de-duplicated across the queries of this step (a doc shown for an earlier query is
+    skipped, later hits backfill), ``docs_per_query`` kept per query, rendered (neutralised) by
+    ``render_documents``. A block that would overflow ``max_total_tokens`` is not appended (MAX_TOKENS;
+    the SearchCall is kept); a block that exactly fills the budget finishes the trajectory too.
+    """
+    proto = call.proto
+    seen: set[str] = set()
+    per_query_docs: list[list[tuple[str, str]]] = []
+    doc_ids: list[list[str]] = []
+    for q in queries:
+        chosen: list[Hit] = []
+        if error is None:
+            for h in results.get(q, []):
+                if h.doc_id in seen:
+                    continue
+                seen.add(h.doc_id)
+                chosen.append(h)
+                if len(chosen) >= proto.docs_per_query:
+                    break
+        per_query_docs.append([(h.title, h.text) for h in chosen])
+        doc_ids.append([h.doc_id for h in chosen])
+    s.traj.searches.append(SearchCall(turn=turn, queries=list(queries), doc_ids=doc_ids, latency_ms=latency_ms,
+                                      error=error, dropped_queries=dropped))
+    s.searches_done += 1
+    call.stats.searches += 1
+    call.stats.queries += len(queries)
+    if error is not None:
+        call.stats.failed_searches += 1
+    block = render_documents(call.tags, per_query_docs, call.tokenizer, proto.max_doc_tokens, error=error)
+    if len(s.ctx) + len(block) > proto.max_total_tokens:
+        s.finish(FinishReason.MAX_TOKENS)
+        return
+    s.traj.segments.append(Segment(SegmentKind.RETRIEVAL, np.asarray(block, np.int32)))
+    s.ctx.extend(int(t) for t in block)
+    if len(s.ctx) >= proto.max_total_tokens:
+        s.finish(FinishReason.MAX_TOKENS)
+
+
+def _finish(call: _Call, t: Trajectory, reward_fn: Callable[[Trajectory], Any]) -> None:
+    """Finishing a trajectory: relabel an unanswered one whose every search failed as RETRIEVAL_ERROR
+    (the infrastructure, not the policy, is the likely cause), then compute its reward whatever the
+    finish reason, and count the finish reason."""
+    if (t.finish_reason != FinishReason.ANSWERED and t.searches
+            and all(c.error is not None for c in t.searches)):
+        t.finish_reason = FinishReason.RETRIEVAL_ERROR
+    rb = reward_fn(t)
+    t.reward = float(rb.total)
+    t.reward_parts = {str(n): float(v) for n, v in dict(rb.parts).items()}
+    call.stats.finish_reasons[t.finish_reason] = call.stats.finish_reasons.get(t.finish_reason, 0) + 1

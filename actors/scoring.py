@@ -8,8 +8,9 @@ string or a list of strings; a ``null`` prediction is scored as "no answer" (0 o
 A missing field, a non-string gold or an empty gold list raises ``ScoreError`` naming the file,
 the line (JSONL) or record index (JSON) and the field.
 
-Metrics are the ones in ``actors.rewards`` (SQuAD/HotpotQA normalisation, HotpotQA's yes/no rule
-for F1, R1-Searcher's token-containment cover-EM), averaged over records, reported in percent.
+Metrics are those of every Sonar evaluation (``actors.evaluation.question_scores`` over
+``actors.rewards``: SQuAD/HotpotQA normalisation, HotpotQA's yes/no rule for F1, R1-Searcher's
+token-containment cover-EM), averaged over records, reported in percent.
 
 ``main(argv)`` implements ``sonar score PREDICTIONS.jsonl [more files] [--pred-field F] [--gold-field G]``;
 the row name is the file's stem (parent folder + stem when two stems collide, or for FlashRAG-style
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from sonar.actors.rewards import cover_em, exact_match, f1
+from sonar.actors.evaluation import question_scores
 
 _MISSING = object()
 _SPLIT_STEMS = {"train", "dev", "test", "val", "valid", "validation", "predictions", "preds"}
@@ -112,9 +113,10 @@ def score_predictions(path: str | Path, pred_field: str = "prediction",
         golds = [_as_text(path, loc, f"{gold_field}[{i}]", g) for i, g in enumerate(golds)]
         if not golds:
             raise ScoreError(f"{path}: {loc}: field {gold_field!r}: empty list")
-        em_sum += exact_match(pred, golds)
-        f1_sum += f1(pred, golds)
-        cem_sum += cover_em(pred, golds)
+        scores = question_scores(pred, golds)
+        em_sum += scores["em"]
+        f1_sum += scores["f1"]
+        cem_sum += scores["cover_em"]
     n = len(records)
     return ScoreReport(n=n, em=em_sum / n, f1=f1_sum / n, cover_em=cem_sum / n, path=str(path))
 

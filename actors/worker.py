@@ -17,7 +17,7 @@ import os
 import threading
 import time
 import traceback
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -115,7 +115,7 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ wiring
     def _make_retriever(self, handles):
-        from sonar.retrieval.service import RetrievalClient
+        from sonar.retrieval.client import RetrievalClient
 
         if handles:
             return RetrievalClient(handles, timeout_s=self.cfg.retrieval.timeout_s)
@@ -193,10 +193,6 @@ class RolloutWorker:
                 "idle_s": time.monotonic() - self._last_progress, "version": self.engine.version,
                 "stats": stats, "recent": recent}
 
-    def _rollout(self, items, stage_index: int, stage: StageConfig, temperature: float,
-                 search_enabled: bool = True, seed: int | None = None):
-        return asyncio.run(_arollout(self, items, stage_index, stage, temperature, search_enabled, seed))
-
     def _loop(self, replay, stage_index: int, stage: StageConfig) -> None:
         """Keep up to ``rollout.batches_in_flight`` batches going: while one waits on retrieval, another
         generates (a static engine serialises the generate calls; a continuous one batches them together).
@@ -259,21 +255,17 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, questions: list[dict], search_enabled: bool, stage: StageConfig) -> list[dict]:
-        """Greedy rollouts over the given questions; returns one record per question with the trace."""
+        """Greedy rollouts over the given questions (``actors/evaluation.py``, the one evaluation
+        path); returns one record per question, with its scores and the trace."""
+        from sonar.actors.evaluation import greedy_records
         from sonar.actors.rollout import PromptItem
 
         self.engine.apply_staged()
         items = [PromptItem(prompt_id=q["qid"], question=q["question"], golds=list(q["golds"])) for q in questions]
-        out: list[dict] = []
-        bs = max(1, self.cfg.eval.batch_size)
-        for s in range(0, len(items), bs):
-            t0 = time.perf_counter()
-            groups, _ = self._rollout(items[s:s + bs], -1, stage, temperature=0.0, search_enabled=search_enabled)
-            dt = (time.perf_counter() - t0) / max(1, len(groups))
-            for g in groups:
-                t = g[0]
-                out.append(trajectory_record(t, self.tokenizer, latency_s=dt))
-        return out
+        return asyncio.run(greedy_records(
+            items, engine=self.engine, retriever=self.retriever, tokenizer=self.tokenizer, tags=self.tags,
+            proto=self.cfg.protocol, k=self.cfg.retrieval.k, reward=stage.reward, batch_size=self.cfg.eval.batch_size,
+            search_enabled=search_enabled, actor_id=self.worker_id))
 
 
 # Coroutines live outside the actor class: one `async def` method would turn the Ray actor into an
@@ -310,14 +302,3 @@ async def _arollout(w: "RolloutWorker", items, stage_index: int, stage: StageCon
         group_size=w.cfg.rollout.group_size if temperature > 0 else 1,
         k=w.cfg.retrieval.k, reward_fn=lambda t: trajectory_reward(stage.reward, t),
         actor_id=w.worker_id, stage=stage_index, search_enabled=search_enabled, seed=seed)
-
-
-def trajectory_record(t: Trajectory, tokenizer: Any, latency_s: float) -> dict:
-    """One predictions-JSONL record: question, golds, prediction, parts and the full decoded trace."""
-    return {"id": t.prompt_id, "question": t.question, "golden_answers": t.golds, "prediction": t.prediction,
-            "finish_reason": t.finish_reason, "reward": t.reward, "reward_parts": t.reward_parts,
-            "searches": [{"queries": s.queries, "doc_ids": s.doc_ids, "latency_ms": s.latency_ms, "error": s.error}
-                         for s in t.searches],
-            "num_searches": len(t.searches), "model_tokens": t.num_model_tokens(), "tokens": t.num_tokens(),
-            "latency_s": latency_s,
-            "trace": tokenizer.decode(t.token_ids().tolist(), skip_special_tokens=False)}

@@ -19,6 +19,7 @@ import numpy as np
 
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, StageConfig
+from sonar.cluster.wire.protocol import StepResult
 
 
 def free_port() -> int:
@@ -45,7 +46,7 @@ class _SyncRetriever:
         self.client, self.name = client, getattr(client, "name", "service")
 
     def batch_search(self, queries, k):
-        return self.client.batch_search_sync(queries, k)
+        return self.client.batch_search(queries, k)
 
 
 class Learner:
@@ -152,7 +153,7 @@ class Learner:
 
     def _prepare_demos(self, retrieval_handles) -> int:
         from sonar.actors.demos import make_demonstrations
-        from sonar.retrieval.service import RetrievalClient
+        from sonar.retrieval.client import RetrievalClient
 
         client = RetrievalClient(retrieval_handles, timeout_s=self.cfg.retrieval.timeout_s)
         retriever = _SyncRetriever(client)
@@ -194,8 +195,8 @@ class Learner:
                            pad_id=self.tokenizer.pad_token_id, device=self.device)
         return self._finish_step(metrics, lr)
 
-    def rl_step(self, replay, stage: StageConfig, timeout_s: float) -> dict:
-        """Pull a batch of whole groups and step. Returns {"waiting": True} if the queue had nothing
+    def rl_step(self, replay, stage: StageConfig, timeout_s: float) -> StepResult:
+        """Pull a batch of whole groups and step. ``StepResult.waiting`` if the queue had nothing
         within ``timeout_s``, so the driver can check the workers' health instead of hanging."""
         import ray
 
@@ -206,20 +207,18 @@ class Learner:
         res = ray.get(replay.get.remote(self.cfg.learner.groups_per_step, self.version, timeout_s))
         wait_s = time.perf_counter() - t_wait
         if not res["groups"]:
-            return {"waiting": True, "dropped": res["dropped"], "wait_s": wait_s,
-                    "_dropped_prompts": res["dropped_prompts"]}
+            return StepResult({K.LEARNER_WAIT_S: wait_s, K.REPLAY_DROPPED_IN_GET: res["dropped"]},
+                              dropped_prompts=res["dropped_prompts"], waiting=True)
         groups = [decode_group(p) for p in res["groups"]]
         lr = self._set_lr(stage)
         metrics = rl_step(self.stepper, groups, res["lags"], stage.algo, self.cfg.learner, self.cfg.replay,
                           temperature=self.cfg.rollout.temperature, pad_id=self.tokenizer.pad_token_id,
                           device=self.device, ref_module=self.ref_module, difficulty=tuple(stage.difficulty))
         metrics[K.LEARNER_WAIT_S] = wait_s
-        metrics["_prompts"] = res["prompts"]
-        metrics["_dropped_prompts"] = res["dropped_prompts"]
         metrics[K.REPLAY_DROPPED_IN_GET] = res["dropped"]
         out = self._finish_step(metrics, lr)
         ray.get(replay.set_learner_version.remote(self.version))
-        return out
+        return StepResult(out, trained_prompts=res["prompts"], dropped_prompts=res["dropped_prompts"])
 
     def _finish_step(self, metrics: dict, lr: float) -> dict:
         self.version += 1

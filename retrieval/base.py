@@ -6,12 +6,21 @@ raises :class:`RetrievalError` with a ``kind``; retries, the circuit breaker and
 failure into a "no results" document happen in layers above the backend (``resilient.py`` and the
 rollout loop), so a failed search is data, not a crash.
 
+Sync and async: ``batch_search`` always blocks. A retriever that can wait without a thread (the
+Elasticsearch backend over aiohttp, the retrieval-service client over Ray) also has a coroutine
+``abatch_search`` with the same contract. :func:`search_async` is the ONE bridge between the two
+worlds: every async caller (the rollout loop, the service's dispatcher, the resilient wrapper)
+awaits a retriever through it, whatever kind it is.
+
 Pure module: standard library only.
 """
 from __future__ import annotations
 
+import asyncio
+import inspect
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Awaitable, Callable, Protocol, Sequence, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -41,3 +50,41 @@ class Retriever(Protocol):
     """Identifies backend + index (part of the cache key), e.g. 'tantivy:/path/to/index'."""
 
     def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]: ...
+
+
+class AsyncRetriever(Protocol):
+    """A retriever with a native coroutine (the same contract as ``Retriever.batch_search``)."""
+
+    async def abatch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]: ...
+
+
+def native_async(retriever: object) -> Callable[[Sequence[str], int], Awaitable[list[list[Hit]]]] | None:
+    """The retriever's coroutine ``abatch_search``, or None when it has only the blocking one."""
+    fn = getattr(retriever, "abatch_search", None)
+    return fn if inspect.iscoroutinefunction(fn) else None
+
+
+def check_retriever(retriever: object) -> None:
+    """Raise ``TypeError`` naming the object unless it follows the convention above: a blocking
+    ``batch_search``, and/or a coroutine ``abatch_search``."""
+    sync = getattr(retriever, "batch_search", None)
+    if inspect.iscoroutinefunction(sync):
+        raise TypeError(f"{retriever!r}: batch_search is a coroutine function; by the retrieval.base convention "
+                        "batch_search blocks and the coroutine is named abatch_search")
+    if native_async(retriever) is None and not callable(sync):
+        raise TypeError(f"{retriever!r} is not a retriever: it has neither batch_search nor a coroutine abatch_search")
+
+
+async def search_async(retriever: object, queries: Sequence[str], k: int,
+                       executor: Executor | None = None) -> list[list[Hit]]:
+    """Await one ``batch_search`` of any retriever without blocking the event loop.
+
+    Its native ``abatch_search`` when it has one; otherwise the blocking ``batch_search`` runs in a
+    thread of ``executor`` (None: asyncio's default pool). Cancelling the await (a timeout) abandons
+    the thread, not the call: the blocking search runs to completion and its result is dropped.
+    """
+    queries = list(queries)
+    native = native_async(retriever)
+    if native is not None:
+        return await native(queries, k)
+    return await asyncio.get_running_loop().run_in_executor(executor, retriever.batch_search, queries, k)

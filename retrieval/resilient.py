@@ -1,6 +1,8 @@
 """Retries with bounded exponential backoff, and a circuit breaker, around any Retriever.
 
-``ResilientRetriever(inner)`` is itself a Retriever. A call to ``batch_search``:
+``ResilientRetriever(inner)`` is itself a Retriever. A call to ``batch_search`` (or to its awaited
+form ``abatch_search``, which reaches ``inner`` through ``base.search_async``; both share one
+bookkeeping, :class:`_Call`):
 
 1. **Breaker check.** *closed*: go on. *open*: if fewer than ``breaker_reset_s`` have passed since it
    opened, fail at once with ``RetrievalError('breaker_open')`` without touching the inner retriever
@@ -30,14 +32,13 @@ Pure module: standard library only.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import random
 import threading
 import time
 from collections import Counter
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Iterator, Sequence
 
-from sonar.retrieval.base import Hit, RetrievalError, Retriever
+from sonar.retrieval.base import Hit, RetrievalError, Retriever, search_async
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 
@@ -172,30 +173,36 @@ class ResilientRetriever:
 
     # ----------------------------------------------------------------------------------- search
     def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
-        probe = self._admit()
-        attempts = 1 if probe else 1 + self.max_retries
-        last: RetrievalError | None = None
-        for i in range(attempts):
-            if i:
-                with self._lock:
-                    self._c["retries"] += 1
-                self._sleep(self.backoff_delay(i - 1))
-            with self._lock:
-                self._c["attempts"] += 1
+        call = _Call(self)
+        for delay in call.waits():
+            if delay is not None:
+                self._sleep(delay)
             try:
                 out = self.inner.batch_search(queries, k)
             except Exception as e:  # noqa: BLE001 - every failure becomes a RetrievalError
-                err = self._as_retrieval_error(e)
-                self._on_attempt_error(err)
-                if not err.retryable:
-                    raise self._answered_with_error(probe, err)
-                last = err
+                call.failed(e)
                 continue
-            self._on_success(probe)
-            return out
-        assert last is not None
-        self._on_failure(probe, last)
-        raise self._final(last, attempts)
+            return call.succeeded(out)
+        raise call.gave_up()
+
+    async def abatch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        """The same call awaited: the inner retriever through ``base.search_async`` (its own
+        ``abatch_search`` when it has one, else a thread), backoff with ``asleep``."""
+        call = _Call(self)
+        try:
+            for delay in call.waits():
+                if delay is not None:
+                    await self._asleep(delay)
+                try:
+                    out = await search_async(self.inner, queries, k)
+                except Exception as e:  # noqa: BLE001
+                    call.failed(e)
+                    continue
+                return call.succeeded(out)
+        except asyncio.CancelledError:
+            call.cancelled()
+            raise
+        raise call.gave_up()
 
     def _answered_with_error(self, probe: bool, err: RetrievalError) -> RetrievalError:
         """A non-retryable error: the server answered (only the query was bad), so the breaker counts
@@ -204,45 +211,6 @@ class ResilientRetriever:
         with self._lock:
             self._errors[err.kind] += 1
         return err
-
-    async def abatch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
-        """Async twin of :meth:`batch_search`: awaits ``inner.abatch_search`` when the inner retriever
-        has one (else runs ``inner.batch_search`` in a thread) and backs off with ``asleep``."""
-        probe = self._admit()
-        attempts = 1 if probe else 1 + self.max_retries
-        inner_async = getattr(self.inner, "abatch_search", None)
-        if inner_async is not None and not inspect.iscoroutinefunction(inner_async):
-            inner_async = None
-        last: RetrievalError | None = None
-        for i in range(attempts):
-            if i:
-                with self._lock:
-                    self._c["retries"] += 1
-                await self._asleep(self.backoff_delay(i - 1))
-            with self._lock:
-                self._c["attempts"] += 1
-            try:
-                if inner_async is not None:
-                    out = await inner_async(queries, k)
-                else:
-                    out = await asyncio.to_thread(self.inner.batch_search, queries, k)
-            except asyncio.CancelledError:
-                if probe:
-                    with self._lock:
-                        self._probe_in_flight = False
-                raise
-            except Exception as e:  # noqa: BLE001
-                err = self._as_retrieval_error(e)
-                self._on_attempt_error(err)
-                if not err.retryable:
-                    raise self._answered_with_error(probe, err)
-                last = err
-                continue
-            self._on_success(probe)
-            return out
-        assert last is not None
-        self._on_failure(probe, last)
-        raise self._final(last, attempts)
 
     # ----------------------------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
@@ -270,3 +238,52 @@ class ResilientRetriever:
         if callable(inner_stats):
             out["inner"] = inner_stats()
         return out
+
+
+class _Call:
+    """The bookkeeping of one ``batch_search`` call, shared by the blocking and the awaited loop (they
+    differ only in how they sleep and how they call the inner retriever). Admission (the breaker
+    check) happens on construction and may raise ``breaker_open``."""
+
+    def __init__(self, r: ResilientRetriever):
+        self.r = r
+        self.probe = r._admit()
+        self.attempts = 1 if self.probe else 1 + r.max_retries
+        self.last: RetrievalError | None = None
+
+    def waits(self) -> Iterator[float | None]:
+        """One item per attempt: None before the first, the backoff delay in seconds before a retry."""
+        for i in range(self.attempts):
+            if i:
+                with self.r._lock:
+                    self.r._c["retries"] += 1
+                delay = self.r.backoff_delay(i - 1)
+            else:
+                delay = None
+            with self.r._lock:
+                self.r._c["attempts"] += 1
+            yield delay
+
+    def failed(self, e: BaseException) -> None:
+        """An attempt raised: a non-retryable error is re-raised at once, a retryable one remembered."""
+        err = self.r._as_retrieval_error(e)
+        self.r._on_attempt_error(err)
+        if not err.retryable:
+            raise self.r._answered_with_error(self.probe, err)
+        self.last = err
+
+    def succeeded(self, out: list[list[Hit]]) -> list[list[Hit]]:
+        self.r._on_success(self.probe)
+        return out
+
+    def gave_up(self) -> RetrievalError:
+        """Every attempt failed with a retryable error: count the failure, return the error to raise."""
+        assert self.last is not None
+        self.r._on_failure(self.probe, self.last)
+        return self.r._final(self.last, self.attempts)
+
+    def cancelled(self) -> None:
+        """The awaiting caller went away: a half-open probe no longer blocks the next one."""
+        if self.probe:
+            with self.r._lock:
+                self.r._probe_in_flight = False

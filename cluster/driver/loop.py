@@ -23,8 +23,8 @@ def train(cfg: Config, hooks: Hooks | None = None) -> dict:
     run = start_run(cfg)
     roles = None
     try:
-        roles = start_roles(cfg, run, hooks)
-        start_stage, start_step = maybe_resume(cfg, roles, run)
+        roles = start_roles(cfg, run, hooks)  # waits until every role answers and the broadcast group is up
+        start_stage, start_step = maybe_resume(cfg, roles, run)  # waits for the learner to load a checkpoint
         for index, stage in enumerate(cfg.stages):
             if index < start_stage:
                 continue
@@ -34,10 +34,10 @@ def train(cfg: Config, hooks: Hooks | None = None) -> dict:
                 run_sft_stage(cfg, roles, run, index, stage, first)
             else:
                 run_rl_stage(cfg, roles, run, index, stage, first)
-            save_checkpoint(roles, run, index + 1, 0, tag=f"stage{index}")
-        run.results["weights"] = verify_weights(roles)
-        run.results["final"] = evaluate(cfg, roles, run, split="after")
-        export_model(cfg, roles, run)
+            save_checkpoint(roles, run, index + 1, 0, tag=f"stage{index}")  # waits: a resume starts here
+        run.results["weights"] = verify_weights(roles)  # waits for every checksum: all must hold the same weights
+        run.results["final"] = evaluate(cfg, roles, run, split="after")  # waits for every worker's shard
+        export_model(cfg, roles, run)  # waits for the learner's HF export
         summary = print_summary(cfg, roles, run)
         run.finish("FINISHED")
         return summary
@@ -57,6 +57,7 @@ def run_sft_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageC
     info = ray.get(roles.learner.begin_stage.remote(index, stage, roles.retrieval, start_step))
     log.info("stage %d (sft): %d demonstrations, %d steps", index, info.get("demonstrations", 0), stage.steps)
     for step in range(start_step, stage.steps):
+        # Wait for each step: the driver logs and checkpoints between steps (no rollouts run in SFT).
         m = ray.get(roles.learner.sft_step.remote(stage), timeout=cfg.cluster.step_timeout_s)
         run.step += 1
         if run.step % cfg.run.log_every == 0:
@@ -64,48 +65,52 @@ def run_sft_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageC
         if (step + 1) % 25 == 0:
             log.info("sft step %d/%d loss %.3f (%.0f tok/s)", step + 1, stage.steps, m[K.LEARNER_LOSS],
                      m[K.LEARNER_TOKENS_PER_S])
-        maybe_checkpoint(cfg, roles, run, index, step + 1)
-    run.log(push_weights(roles))
+        maybe_checkpoint(cfg, roles, run, index, step + 1)  # waits for the learner's save when one is due
+    run.log(push_weights(roles))  # waits until the workers hold the SFT weights: the next stage samples them
 
 
 def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageConfig, start_step: int = 0) -> None:
+    """The workers roll out (continuously, or one batch per step in sync mode) while the learner steps
+    on whole groups from the replay; weights go out every ``learner.broadcast_every`` steps."""
     import ray
 
+    # Wait: the learner must hold this stage's objective and optimizer settings before it trains a group.
     ray.get(roles.learner.begin_stage.remote(index, stage, roles.retrieval, start_step))
-    push_weights(roles)
+    push_weights(roles)  # waits for every worker to hold the learner's weights: the stage starts on-policy
     if cfg.eval.before and start_step == 0 and "before" not in run.results:  # before the first RL stage
-        run.results["before"] = evaluate(cfg, roles, run, split="before")
-    ray.get(roles.replay.reopen.remote())
+        run.results["before"] = evaluate(cfg, roles, run, split="before")  # waits for every worker's shard
+    ray.get(roles.replay.reopen.remote())  # wait: the previous stage closed the replay; workers put next
     sync = cfg.cluster.mode == "sync"
-    if not sync:
+    if not sync:  # wait only until each loop has started; they run until stop_rollouts
         ray.get([w.start.remote(roles.replay, index, stage) for w in roles.workers])
-    steps, t_stage = start_step, time.monotonic()
-    throughput = Throughput()
+    steps, t_stage, throughput = start_step, time.monotonic(), Throughput()
     while steps < stage.steps:
         if sync:
-            generate_in_lockstep(cfg, roles, index, stage, steps)
-        worker_metrics = check_workers(cfg, roles, index, stage)
-        m = ray.get(roles.learner.rl_step.remote(roles.replay, stage, 10.0), timeout=cfg.cluster.step_timeout_s)
-        record_prompts(run, m)
-        if m.get("waiting"):
+            generate_in_lockstep(cfg, roles, index, stage, steps)  # waits for the batch: that is the lockstep
+        worker_metrics = check_workers(cfg, roles, index, stage)  # waits for health: a dead worker surfaces here
+        # Wait for one learner step. The learner waits at most 10 s for groups, so a stalled rollout
+        # side comes back as `waiting` and meets the health check above instead of hanging here.
+        res = ray.get(roles.learner.rl_step.remote(roles.replay, stage, 10.0), timeout=cfg.cluster.step_timeout_s)
+        record_prompts(run, res)
+        if res.waiting:
             continue
         steps += 1
         run.step += 1
-        if steps % cfg.learner.broadcast_every == 0:
+        m = dict(res.metrics)
+        if steps % cfg.learner.broadcast_every == 0:  # waits for the collective: bounds the policy lag
             m.update(push_weights(roles))
         m.update(worker_metrics)
-        m.update(replay_metrics(roles))
+        m.update(replay_metrics(roles))  # waits for the replay's counters (one small actor call)
         m.update(throughput.tick(m))
         if steps % 10 == 0 or steps == stage.steps:
-            m.update(retrieval_metrics(roles))
-        m["stage"] = index
-        run.log(m)
+            m.update(retrieval_metrics(roles))  # waits for every retrieval replica's stats
+        run.log({**m, "stage": index})
         if steps % 5 == 0 or steps == stage.steps:
             log.info("rl step %d/%d reward %.3f lag max %s searches/traj %.2f dropped %s", steps, stage.steps,
                      m.get(K.LEARNER_REWARD_MEAN, float("nan")), m.get(K.LEARNER_POLICY_LAG_MAX),
                      m.get(K.ROLLOUT_SEARCH_CALLS_MEAN, float("nan")), m.get(K.REPLAY_DROPPED_STALE))
-        maybe_checkpoint(cfg, roles, run, index, steps)
-    stop_rollouts(roles)
+        maybe_checkpoint(cfg, roles, run, index, steps)  # waits for the learner's save when one is due
+    stop_rollouts(roles)  # waits until every loop has ended and the replay is drained: the stage is over
     run.results.setdefault("rl", {})[index] = {"steps": steps, "seconds": time.monotonic() - t_stage}
 
 
@@ -115,6 +120,7 @@ def generate_in_lockstep(cfg: Config, roles: Roles, index: int, stage: StageConf
 
     n, k = cfg.learner.groups_per_step, len(roles.workers)
     shares = [n // k + (1 if i < n % k else 0) for i in range(k)]
+    # Wait for every share: the learner's next step must see only groups sampled by the current weights.
     ray.get([w.generate_groups.remote(roles.replay, index, stage, s, step)
              for w, s in zip(roles.workers, shares) if s], timeout=cfg.cluster.step_timeout_s)
 

@@ -11,16 +11,17 @@ import numpy as np
 from sonar.cluster.driver.run import Run, world_of
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config
+from sonar.cluster.wire.protocol import StepResult
 
 log = logging.getLogger("sonar")
 
-def record_prompts(run: Run, m: dict) -> None:
-    """Append which prompts this step trained or dropped as stale to trained_prompts.jsonl (a resume
-    is checked against it: no prompt trained twice, none skipped)."""
-    prompts, dropped = m.pop("_prompts", []), m.pop("_dropped_prompts", [])
-    if prompts or dropped:
+def record_prompts(run: Run, res: StepResult) -> None:
+    """Append which prompts this learner step trained or dropped as stale to trained_prompts.jsonl (a
+    resume is checked against it: no prompt trained twice, none skipped)."""
+    if res.trained_prompts or res.dropped_prompts:
         with open(run.dir / "trained_prompts.jsonl", "a") as fh:
-            fh.write(json.dumps({"version": m.get(K.LEARNER_VERSION), "trained": prompts, "dropped": dropped}) + "\n")
+            fh.write(json.dumps({"version": res.metrics.get(K.LEARNER_VERSION), "trained": res.trained_prompts,
+                                 "dropped": res.dropped_prompts}) + "\n")
 
 
 def rollout_metrics(recent: list[dict]) -> dict:
@@ -89,10 +90,13 @@ def replay_metrics(roles: Roles) -> dict:
 
 
 def evaluate(cfg: Config, roles: Roles, run: Run, split: str) -> dict:
-    """Greedy held-out eval, with search and (optionally) without, sharded across the workers."""
+    """Greedy held-out evaluation through the one evaluation path (``actors/evaluation.py``), with
+    search and (``eval.no_search``) without, sharded across the workers. Returns {mode: summary}
+    (EM, F1, cover-EM, searches, tokens, latency), logs them as ``eval/<split>_<mode>/...`` and writes
+    ``predictions-<split>_<mode>.jsonl``."""
     import ray
 
-    from sonar.actors.rewards import exact_match, f1
+    from sonar.actors.evaluation import eval_metrics, summarize
 
     world = world_of(cfg)
     qs = world.heldout[: cfg.world.num_heldout_eval or None]
@@ -101,18 +105,16 @@ def evaluate(cfg: Config, roles: Roles, run: Run, split: str) -> dict:
     out = {}
     for mode in (["search", "no_search"] if cfg.eval.no_search else ["search"]):
         shards = [questions[i::len(roles.workers)] for i in range(len(roles.workers))]
+        # Sync point: the summary is over every question, so wait for every worker's shard.
         recs = [r for rs in ray.get([w.evaluate.remote(s, mode == "search", stage)
                                      for w, s in zip(roles.workers, shards) if s]) for r in rs]
-        em = float(np.mean([exact_match(r["prediction"] or "", r["golden_answers"]) for r in recs]))
-        f = float(np.mean([f1(r["prediction"] or "", r["golden_answers"]) for r in recs]))
-        searches = float(np.mean([r["num_searches"] for r in recs]))
-        out[mode] = {"em": em, "f1": f, "searches": searches, "n": len(recs)}
+        row = out[mode] = summarize(recs)
         key = f"{split}_{mode}"
-        run.log({K.EVAL_EM.format(split=key): em, K.EVAL_F1.format(split=key): f,
-                 K.EVAL_SEARCHES.format(split=key): searches})
+        run.log(eval_metrics(key, row))
         path = run.dir / f"predictions-{key}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-        log.info("eval %s: EM %.3f F1 %.3f searches/q %.2f (n=%d)", key, em, f, searches, len(recs))
+        log.info("eval %s: EM %.3f F1 %.3f cover-EM %.3f searches/q %.2f (n=%d)", key, row["em"], row["f1"],
+                 row["cover_em"], row["searches_per_q"], row["n"])
     return out
 
 
@@ -130,7 +132,8 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
         "em_before_search": before.get("search", {}).get("em"), "em_after_search": after.get("search", {}).get("em"),
         "f1_before_search": before.get("search", {}).get("f1"), "f1_after_search": after.get("search", {}).get("f1"),
         "em_after_no_search": after.get("no_search", {}).get("em"),
-        "searches_per_question": after.get("search", {}).get("searches"),
+        "cover_em_after_search": after.get("search", {}).get("cover_em"),
+        "searches_per_question": after.get("search", {}).get("searches_per_q"),
         "trajectories_per_s": stats["consumed"] / max(1e-9, sum(v["seconds"] for v in run.results.get("rl", {}).values()) or wall),
         "tokens_per_s": float(np.mean([h.get(K.LEARNER_TOKENS_PER_S, 0) for h in rl_hist])) if rl_hist else None,
         "policy_lag_max": max(lags) if lags else 0, "replay": stats, "weights": run.results.get("weights"),
@@ -140,6 +143,7 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
     rows = [("held-out EM (search) before RL", summary["em_before_search"]),
             ("held-out EM (search) after RL", summary["em_after_search"]),
             ("held-out F1 (search) before / after", f"{_fmt(summary['f1_before_search'])} / {_fmt(summary['f1_after_search'])}"),
+            ("held-out cover-EM (search) after RL", summary["cover_em_after_search"]),
             ("held-out EM (no search) after RL", summary["em_after_no_search"]),
             ("searches per question", summary["searches_per_question"]),
             ("trajectories/s (RL)", summary["trajectories_per_s"]),

@@ -126,7 +126,7 @@ def prepare_corpus(cfg: Config, run: Run) -> str:
 def start_retrieval(cfg: Config, run: Run, corpus: str, wrap_backend: Callable | None = None) -> list:
     """The retrieval replicas; each builds ``build_retriever(..., wrap_backend=wrap_backend)``."""
     from sonar.retrieval.factory import build_retriever
-    from sonar.retrieval.service import start_retrieval_service
+    from sonar.retrieval.server import start_retrieval_service
 
     rcfg = cfg.retrieval
     index_root = str(Path(cfg.run.root).resolve() / "index")

@@ -203,3 +203,21 @@ def decode_trajectory(data: bytes) -> Trajectory:
 
 def decode_group(data: bytes) -> list[Trajectory]:
     return [_traj_from_obj(d) for d in _unpack(data, "group")]
+
+
+@dataclass
+class StepResult:
+    """What the learner's ``rl_step`` returns to the driver (through Ray, pickled).
+
+    ``metrics``: the step's numbers under the keys of ``metrics.py``, nothing else, so the driver
+    logs them as they are. ``trained_prompts`` / ``dropped_prompts``: indices into the training
+    questions of the groups this step trained on and of those the replay dropped as stale on the way
+    (the driver appends both to ``trained_prompts.jsonl``, which a resume is checked against: no
+    prompt trained twice, none skipped). ``waiting``: no group arrived within the timeout, no step
+    was taken (the driver checks the workers and asks again); ``metrics`` then hold only the wait.
+    """
+
+    metrics: dict[str, float]
+    trained_prompts: list[int] = field(default_factory=list)
+    dropped_prompts: list[int] = field(default_factory=list)
+    waiting: bool = False

@@ -14,7 +14,7 @@ import torch
 
 from sonar.actors.engine import Generation, HFEngine, SamplingParams
 from sonar.actors.prompts import all_special_tokens, get_protocol, render_documents, render_prompt
-from sonar.actors.rollout import PromptItem, RolloutStats, ThreadedRetriever, rollout_groups
+from sonar.actors.rollout import PromptItem, RolloutStats, rollout_groups
 from sonar.cluster.wire.config import ProtocolConfig
 from sonar.cluster.wire.protocol import FinishReason, SegmentKind, decode_group, encode_group
 from sonar.retrieval.base import Hit, RetrievalError
@@ -93,7 +93,8 @@ class ScriptedEngine:
 
 
 class FakeRetriever:
-    """Async retriever: hits from ``table[query]`` (default: one doc named after the query); records calls."""
+    """Async-only retriever (a coroutine ``abatch_search``): hits from ``table[query]`` (default: one doc
+    named after the query); records calls."""
 
     def __init__(self, table=None, fail=None, delay_s: float = 0.0):
         self.table = table or {}
@@ -101,7 +102,7 @@ class FakeRetriever:
         self.delay_s = delay_s
         self.calls: list[tuple[list[str], int]] = []
 
-    async def batch_search(self, queries, k):
+    async def abatch_search(self, queries, k):
         self.calls.append((list(queries), k))
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
@@ -230,7 +231,7 @@ def test_retrieval_timeout_and_retrieval_error_finish():
     assert stats.finish_reasons == {FinishReason.RETRIEVAL_ERROR: 1}
 
 
-def test_threaded_retriever_adapts_sync_backend():
+def test_a_blocking_retriever_plugs_in():
     class Sync:
         name = "sync"
 
@@ -242,9 +243,10 @@ def test_threaded_retriever_adapts_sync_backend():
             return [[Hit("x", "t", "body", 1.0)] for _ in queries]
 
     s = Sync()
-    assert asyncio.run(ThreadedRetriever(s).batch_search(["a", "b"], 1))[1][0].doc_id == "x"
-    groups, _ = run(engine=ScriptedEngine(search_then_answer), retriever=s)  # wrapped automatically
-    assert len(s.calls) == 2 and groups[0][0].searches[0].doc_ids == [["x"]]
+    groups, _ = run(engine=ScriptedEngine(search_then_answer), retriever=s)  # through retrieval.base.search_async
+    assert len(s.calls) == 1 and groups[0][0].searches[0].doc_ids == [["x"]]
+    with pytest.raises(TypeError, match="abatch_search"):  # a coroutine named batch_search is refused, not failed
+        run(engine=ScriptedEngine(search_then_answer), retriever=SimpleNamespace(batch_search=FakeRetriever().abatch_search))
 
 
 # ---------------------------------------------------------------- finish reasons

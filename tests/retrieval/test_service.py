@@ -16,7 +16,7 @@ import pytest
 
 from sonar.cluster.wire.config import RetrievalConfig
 from sonar.retrieval.base import Hit, RetrievalError
-from sonar.retrieval.service import RetrievalServerImpl, _percentile
+from sonar.retrieval.server import RetrievalServerImpl, _percentile
 
 
 class EchoRetriever:
@@ -163,7 +163,7 @@ CFG = RetrievalConfig(timeout_s=10.0, batch_window_ms=20.0, max_batch=64, max_co
 
 @pytest.mark.ray
 def test_service_orders_results_across_concurrent_callers_and_merges_requests(ray_local):
-    from sonar.retrieval.service import start_retrieval_service, stop
+    from sonar.retrieval.server import start_retrieval_service, stop
 
     client = start_retrieval_service(CFG, lambda: EchoRetriever(delay_s=0.02))
     try:
@@ -171,11 +171,11 @@ def test_service_orders_results_across_concurrent_callers_and_merges_requests(ra
         reqs = [[f"w{i}-q{j}" for j in range(1 + i % 4)] for i in range(40)]
 
         async def main():
-            return await asyncio.gather(*(client.batch_search(q, 3) for q in reqs))
+            return await asyncio.gather(*(client.abatch_search(q, 3) for q in reqs))
 
         out = asyncio.run(main())
         assert [_ids(r) for r in out] == [_expected(q, 3) for q in reqs]
-        assert _ids(client.batch_search_sync(["solo"], 2)) == [["solo#0", "solo#1"]]
+        assert _ids(client.batch_search(["solo"], 2)) == [["solo#0", "solo#1"]]
         (st,) = client.server_stats()
         assert st["requests"] == 41
         assert st["inner"]["calls"] == st["inner_calls"] < 40  # concurrent requests were merged
@@ -189,20 +189,20 @@ def test_service_orders_results_across_concurrent_callers_and_merges_requests(ra
 
 @pytest.mark.ray
 def test_service_errors_come_back_as_retrieval_errors_with_kinds(ray_local):
-    from sonar.retrieval.service import start_retrieval_service, stop
+    from sonar.retrieval.server import start_retrieval_service, stop
 
     client = start_retrieval_service(replace(CFG, batch_window_ms=0.0), lambda: EchoRetriever())
     try:
         for kind in ("http_429", "http_5xx", "timeout", "connection", "bad_request"):
             with pytest.raises(RetrievalError) as ei:
-                client.batch_search_sync([f"err:{kind}"], 1)
+                client.batch_search([f"err:{kind}"], 1)
             assert ei.value.kind == kind
         with pytest.raises(RetrievalError) as ei:
-            asyncio.run(client.batch_search(["boom"], 1))
+            asyncio.run(client.abatch_search(["boom"], 1))
         assert ei.value.kind == "internal" and not ei.value.retryable
         # The actor survived every one of them.
         assert client.health()[0]["ok"]
-        assert _ids(client.batch_search_sync(["after"], 1)) == [["after#0"]]
+        assert _ids(client.batch_search(["after"], 1)) == [["after#0"]]
         (st,) = client.server_stats()
         assert st["errors"] == {"http_429": 1, "http_5xx": 1, "timeout": 1, "connection": 1, "bad_request": 1,
                                 "internal": 1}
@@ -213,7 +213,7 @@ def test_service_errors_come_back_as_retrieval_errors_with_kinds(ray_local):
 
 @pytest.mark.ray
 def test_service_timeout_becomes_timeout_error(ray_local):
-    from sonar.retrieval.service import start_retrieval_service, stop
+    from sonar.retrieval.server import start_retrieval_service, stop
 
     # Two slow calls keep two inner slots busy after their callers time out (a thread cannot be
     # cancelled); the third slot still serves.
@@ -222,12 +222,12 @@ def test_service_timeout_becomes_timeout_error(ray_local):
     try:
         t0 = time.monotonic()
         with pytest.raises(RetrievalError) as ei:
-            asyncio.run(client.batch_search(["sleep:1.5"], 1))
+            asyncio.run(client.abatch_search(["sleep:1.5"], 1))
         assert ei.value.kind == "timeout" and time.monotonic() - t0 < 1.4
         with pytest.raises(RetrievalError) as ei:
-            client.batch_search_sync(["sleep:1.5"], 1)
+            client.batch_search(["sleep:1.5"], 1)
         assert ei.value.kind == "timeout"
-        assert _ids(client.batch_search_sync(["quick"], 1)) == [["quick#0"]]  # a free slot still serves
+        assert _ids(client.batch_search(["quick"], 1)) == [["quick#0"]]  # a free slot still serves
         assert client.stats()["errors"] == {"timeout": 2}
     finally:
         stop(client)
@@ -237,7 +237,7 @@ def test_service_timeout_becomes_timeout_error(ray_local):
 def test_dead_replica_is_reported_then_skipped(ray_local):
     import ray
 
-    from sonar.retrieval.service import start_retrieval_service, stop
+    from sonar.retrieval.server import start_retrieval_service, stop
 
     client = start_retrieval_service(replace(CFG, batch_window_ms=0.0), lambda: EchoRetriever(), num_replicas=2)
     client.recheck_s = 0.2
@@ -253,7 +253,7 @@ def test_dead_replica_is_reported_then_skipped(ray_local):
         outcomes = []
         for i in range(8):
             try:
-                outcomes.append(_ids(client.batch_search_sync([f"q{i}"], 1))[0][0])
+                outcomes.append(_ids(client.batch_search([f"q{i}"], 1))[0][0])
             except RetrievalError as e:
                 outcomes.append(e.kind)
             if i == 3:
@@ -264,13 +264,13 @@ def test_dead_replica_is_reported_then_skipped(ray_local):
         assert st["replicas"][0]["dead"] and not st["replicas"][1]["dead"]
         assert st["replica_deaths"] == 1 and st["replica_recoveries"] == 0
         # Async path also skips it.
-        assert _ids(asyncio.run(client.batch_search(["z"], 1))) == [["z#0"]]
+        assert _ids(asyncio.run(client.abatch_search(["z"], 1))) == [["z#0"]]
         ray.kill(client.handles[1], no_restart=True)
         time.sleep(0.5)
         kinds = set()
         for _ in range(3):
             try:
-                client.batch_search_sync(["x"], 1)
+                client.batch_search(["x"], 1)
             except RetrievalError as e:
                 kinds.add(e.kind)
         assert kinds == {"connection"}  # all replicas dead -> connection errors, no crash
@@ -282,13 +282,13 @@ def test_dead_replica_is_reported_then_skipped(ray_local):
 def test_client_travels_to_other_workers(ray_local):
     import ray
 
-    from sonar.retrieval.service import start_retrieval_service, stop
+    from sonar.retrieval.server import start_retrieval_service, stop
 
     client = start_retrieval_service(CFG, lambda: EchoRetriever())
     try:
         @ray.remote(num_cpus=0)
         def worker(c, i):
-            return [[h.doc_id for h in row] for row in c.batch_search_sync([f"from-worker-{i}"], 1)]
+            return [[h.doc_id for h in row] for row in c.batch_search([f"from-worker-{i}"], 1)]
 
         outs = ray.get([worker.remote(client, i) for i in range(3)], timeout=60)
         assert outs == [[[f"from-worker-{i}#0"]] for i in range(3)]
@@ -299,7 +299,7 @@ def test_client_travels_to_other_workers(ray_local):
 
 @pytest.mark.ray
 def test_factory_failure_fails_start_loudly(ray_local):
-    from sonar.retrieval.service import start_retrieval_service
+    from sonar.retrieval.server import start_retrieval_service
 
     def bad_factory():
         raise FileNotFoundError("no index at /nowhere")
@@ -317,7 +317,7 @@ def test_service_over_elasticsearch_uses_the_async_client(ray_local, es_url, mak
     the actor; the server awaits its abatch_search (AsyncElasticsearch on the actor's event loop)."""
     from sonar.retrieval.elastic import ElasticRetriever, bulk_index
     from sonar.retrieval.resilient import ResilientRetriever
-    from sonar.retrieval.service import start_retrieval_service, stop
+    from sonar.retrieval.server import start_retrieval_service, stop
 
     ecfg = make_es_config(es_url)
     driver_side = ElasticRetriever.from_config(ecfg)
@@ -335,7 +335,7 @@ def test_service_over_elasticsearch_uses_the_async_client(ray_local, es_url, mak
         words = ["walrus", "heron", "ibis", "lynx", "otter", "badger"] * 3
 
         async def main():
-            return await asyncio.gather(*(client.batch_search([w], 1) for w in words))
+            return await asyncio.gather(*(client.abatch_search([w], 1) for w in words))
 
         out = asyncio.run(main())
         assert [hits[0][0].title for hits in out] == [f"{w} facts" for w in words]

@@ -1,43 +1,34 @@
-"""The retrieval service: a small pool of Ray actors that serves every rollout worker.
+"""The retrieval service's server: a small pool of Ray actors that serves every rollout worker.
 
-Server (:class:`RetrievalServer`, an async Ray actor; the plain class is :class:`RetrievalServerImpl`)
-    Builds its retriever ONCE from a zero-arg ``factory`` (e.g. ``lambda: build_retriever(cfg, ...)``;
-    the factory should return the whole stack: cache -> resilient -> backend). Requests are
-    **micro-batched**: a dispatcher waits for a free inner-call slot (``max_concurrency`` calls in
-    flight at most), then collects queued requests for up to ``batch_window_ms`` after the oldest one
-    arrived or until ``max_batch`` queries are queued, and sends them as ONE inner ``batch_search``
-    (in a thread pool; or ``abatch_search`` when the retriever has a coroutine one). Each caller gets
-    its own slice, in order. While every slot is busy, requests keep merging, so batches grow with
-    load. Requests with different ``k`` are never merged. A request is never split: one with more
-    than ``max_batch`` queries is sent alone. An inner failure fails every request merged into that
-    call (backends turn a single bad query into ``[]``, see ``elastic.py``).
+:class:`RetrievalServer` is the async Ray actor; the plain class :class:`RetrievalServerImpl` is its
+body (usable without Ray, in an event loop, in tests). It builds its retriever ONCE from a zero-arg
+``factory`` (e.g. ``lambda: build_retriever(cfg, ...)``; the factory should return the whole stack:
+cache -> resilient -> backend). Requests are **micro-batched**: a dispatcher waits for a free
+inner-call slot (``max_concurrency`` calls in flight at most), then collects queued requests for up
+to ``batch_window_ms`` after the oldest one arrived or until ``max_batch`` queries are queued, and
+sends them as ONE inner search through ``base.search_async`` (the retriever's own ``abatch_search``
+when it has one, else ``batch_search`` in the server's thread pool). Each caller gets its own slice,
+in order. While every slot is busy, requests keep merging, so batches grow with load. Requests with
+different ``k`` are never merged. A request is never split: one with more than ``max_batch`` queries
+is sent alone. An inner failure fails every request merged into that call (backends turn a single
+bad query into ``[]``, see ``elastic.py``).
 
-    Replies are tagged tuples, ``("ok", hits)`` or ``("err", kind, message, retryable)``, rather than
-    raised exceptions: inner errors never crash the actor, and nothing depends on pickling
-    :class:`RetrievalError` across processes. ``health()`` and ``stats()`` (QPS, latency p50/p99 in
-    ms, mean batch size, errors by kind, and the inner retriever's own ``stats()`` -- e.g. the cache's
-    hit rate -- under ``"inner"``) are cheap actor calls.
-
-Client (:class:`RetrievalClient`)
-    Holds the actor handles; picks the least-loaded healthy replica (ties round-robin). ``async
-    batch_search`` awaits the ObjectRef with ``timeout_s`` (expiry -> ``RetrievalError('timeout')``,
-    the task is cancelled); a dead replica -> ``RetrievalError('connection')``, and the client skips it,
-    re-probing its ``health()`` every ``recheck_s`` in the background until it answers again.
-    ``batch_search_sync`` is the blocking twin. The client pickles (handles + settings), so it can be
-    passed to rollout-worker actors.
+Replies are tagged tuples, ``("ok", hits)`` or ``("err", kind, message, retryable)``, rather than
+raised exceptions: inner errors never crash the actor, and nothing depends on pickling
+:class:`RetrievalError` across processes (``client.py`` turns them back into hits or errors).
+``health()`` and ``stats()`` (QPS, latency p50/p99 in ms, mean batch size, errors by kind, and the
+inner retriever's own ``stats()`` -- e.g. the cache's hit rate -- under ``"inner"``) are cheap actor
+calls. ``start_retrieval_service`` starts the pool and returns a ``client.RetrievalClient`` on it.
 
 The inner retriever must be thread-safe when ``max_concurrency > 1``.
 """
 from __future__ import annotations
 
 import asyncio
-import inspect
-import itertools
 import logging
 import math
 import operator
 import os
-import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -45,9 +36,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import ray
-from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, TaskCancelledError
 
-from sonar.retrieval.base import Hit, RetrievalError, Retriever
+from sonar.retrieval.base import RetrievalError, Retriever, native_async, search_async
+from sonar.retrieval.client import RetrievalClient
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +71,7 @@ class RetrievalServerImpl:
     """The actor's body (also usable without Ray, e.g. in an event loop in tests)."""
 
     def __init__(self, factory: Callable[[], Retriever], batch_window_ms: float = 2.0, max_batch: int = 64,
-                 max_concurrency: int = 16, prefer_async: bool = True, latency_window: int = 10_000,
+                 max_concurrency: int = 16, latency_window: int = 10_000,
                  qps_window_s: float = 60.0):
         if max_batch < 1 or max_concurrency < 1 or batch_window_ms < 0:
             raise ValueError(f"max_batch={max_batch} and max_concurrency={max_concurrency} must be >= 1, "
@@ -90,8 +81,6 @@ class RetrievalServerImpl:
         self.window_s = batch_window_ms / 1000.0
         self.max_batch = max_batch
         self.max_concurrency = max_concurrency
-        inner_async = getattr(self.retriever, "abatch_search", None) if prefer_async else None
-        self._inner_async = inner_async if inspect.iscoroutinefunction(inner_async) else None
         self._executor = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="retrieval")
         self._queue: deque[_Request] = deque()
         self._queued_queries = 0
@@ -219,11 +208,7 @@ class RetrievalServerImpl:
         k = batch[0].k
         t0 = time.monotonic()
         try:
-            if self._inner_async is not None:
-                results = await self._inner_async(flat, k)
-            else:
-                loop = asyncio.get_running_loop()
-                results = await loop.run_in_executor(self._executor, self.retriever.batch_search, flat, k)
+            results = await search_async(self.retriever, flat, k, self._executor)
             if not isinstance(results, list) or len(results) != len(flat):
                 raise RetrievalError("internal", f"{self.name} returned {len(results) if isinstance(results, list) else type(results).__name__} "
                                                  f"result lists for {len(flat)} queries")
@@ -262,7 +247,7 @@ class RetrievalServerImpl:
         lat, inner = list(self._latency_ms), list(self._inner_ms)
         out: dict[str, Any] = {
             "name": self.name,
-            "inner_mode": "async" if self._inner_async is not None else "thread",
+            "inner_mode": "async" if native_async(self.retriever) is not None else "thread",
             "requests": self._c["requests"],
             "queries": self._c["queries"],
             "qps": sum(n for _, n in self._recent) / span,
@@ -290,210 +275,6 @@ class RetrievalServerImpl:
 
 RetrievalServer = ray.remote(RetrievalServerImpl)
 """``RetrievalServer.options(...).remote(factory, batch_window_ms, max_batch, max_concurrency)``."""
-
-
-def _unwrap(reply: Any) -> list[list[Hit]]:
-    if isinstance(reply, tuple) and reply and reply[0] == "ok":
-        return reply[1]
-    if isinstance(reply, tuple) and len(reply) == 4 and reply[0] == "err":
-        _, kind, message, retryable = reply
-        raise RetrievalError(kind, message, retryable)
-    raise RetrievalError("internal", f"malformed reply from retrieval server: {type(reply).__name__}")
-
-
-def _cancel(ref: Any) -> None:
-    try:
-        ray.cancel(ref)
-    except Exception:  # noqa: BLE001 - finished or gone already
-        pass
-
-
-@dataclass
-class _Replica:
-    handle: Any
-    inflight: int = 0
-    dead: bool = False
-    retry_at: float = 0.0
-    probe: Any = None
-    failures: int = 0
-    last_error: str = ""
-
-
-class RetrievalClient:
-    """Client of the retrieval pool (see the module docstring). Not a ``Retriever``: its
-    ``batch_search`` is async; ``batch_search_sync`` blocks."""
-
-    def __init__(self, handles: Sequence[Any], timeout_s: float = 10.0, recheck_s: float = 5.0, name: str = "service"):
-        if not handles:
-            raise ValueError("RetrievalClient needs at least one actor handle")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s={timeout_s} must be > 0")
-        self.handles = list(handles)
-        self.timeout_s = float(timeout_s)
-        self.recheck_s = float(recheck_s)
-        self.name = name
-        self._init_state()
-
-    def _init_state(self) -> None:
-        self._replicas = [_Replica(h) for h in self.handles]
-        self._lock = threading.Lock()
-        self._rr = itertools.count()
-        self._c: Counter[str] = Counter()
-        self._errors: Counter[str] = Counter()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"handles": self.handles, "timeout_s": self.timeout_s, "recheck_s": self.recheck_s, "name": self.name}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._init_state()
-
-    def __repr__(self) -> str:
-        return f"RetrievalClient(name={self.name!r}, replicas={len(self.handles)}, timeout_s={self.timeout_s})"
-
-    # ----------------------------------------------------------------------------------- replicas
-    def _poll_probes(self, now: float) -> None:
-        for rep in self._replicas:
-            if not rep.dead:
-                continue
-            if rep.probe is not None:
-                ready, _ = ray.wait([rep.probe], timeout=0)
-                if not ready:
-                    continue
-                try:
-                    ok = bool(ray.get(rep.probe, timeout=0).get("ok"))
-                except Exception:  # noqa: BLE001 - still dead
-                    ok = False
-                rep.probe = None
-                if ok:
-                    rep.dead, rep.failures = False, 0
-                    self._c["replica_recoveries"] += 1
-                    continue
-                rep.retry_at = now + self.recheck_s
-            elif now >= rep.retry_at:
-                try:
-                    rep.probe = rep.handle.health.remote()
-                except Exception:  # noqa: BLE001
-                    rep.retry_at = now + self.recheck_s
-
-    def _pick(self) -> int:
-        with self._lock:
-            self._poll_probes(time.monotonic())
-            n = len(self._replicas)
-            alive = [i for i, r in enumerate(self._replicas) if not r.dead]
-            if not alive:
-                raise RetrievalError("connection", f"no healthy retrieval replica ({n} dead; re-probing every "
-                                                   f"{self.recheck_s}s)")
-            start = next(self._rr) % n
-            best = min(alive, key=lambda i: (self._replicas[i].inflight, (i - start) % n))
-            self._replicas[best].inflight += 1
-            return best
-
-    def _release(self, i: int) -> None:
-        with self._lock:
-            self._replicas[i].inflight -= 1
-
-    def _mark_dead(self, i: int, e: BaseException) -> None:
-        with self._lock:
-            rep = self._replicas[i]
-            if not rep.dead:
-                self._c["replica_deaths"] += 1
-            rep.dead, rep.failures, rep.probe = True, rep.failures + 1, None
-            rep.retry_at = time.monotonic() + self.recheck_s
-            rep.last_error = f"{type(e).__name__}: {str(e)[:200]}"
-
-    def _fail(self, err: RetrievalError) -> RetrievalError:
-        with self._lock:
-            self._errors[err.kind] += 1
-        return err
-
-    def _map(self, i: int, e: BaseException) -> RetrievalError:
-        if isinstance(e, (RayActorError, ObjectLostError)):
-            self._mark_dead(i, e)
-            return RetrievalError("connection", f"retrieval replica {i} is unavailable: {type(e).__name__}")
-        if isinstance(e, TaskCancelledError):
-            return RetrievalError("timeout", f"retrieval request on replica {i} was cancelled")
-        return RetrievalError("internal", f"retrieval replica {i}: {type(e).__name__}: {str(e)[:500]}")
-
-    # ----------------------------------------------------------------------------------- search
-    async def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
-        queries = list(queries)
-        if not queries:
-            return []
-        with self._lock:
-            self._c["calls"] += 1
-        i = self._pick()
-        try:
-            ref = self._replicas[i].handle.batch_search.remote(queries, k)
-            try:
-                reply = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
-            except asyncio.TimeoutError:
-                raise self._timed_out(i, ref) from None
-            except Exception as e:  # noqa: BLE001
-                raise self._fail(self._map(i, e)) from e
-        finally:
-            self._release(i)
-        return self._unwrap_counted(reply)
-
-    def _timed_out(self, i: int, ref: Any) -> RetrievalError:
-        _cancel(ref)
-        return self._fail(RetrievalError("timeout", f"retrieval replica {i} did not answer within {self.timeout_s}s"))
-
-    def _unwrap_counted(self, reply: Any) -> list[list[Hit]]:
-        try:
-            return _unwrap(reply)
-        except RetrievalError as e:
-            raise self._fail(e) from None
-
-    def batch_search_sync(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
-        queries = list(queries)
-        if not queries:
-            return []
-        with self._lock:
-            self._c["calls"] += 1
-        i = self._pick()
-        try:
-            ref = self._replicas[i].handle.batch_search.remote(queries, k)
-            try:
-                reply = ray.get(ref, timeout=self.timeout_s)
-            except GetTimeoutError:
-                raise self._timed_out(i, ref) from None
-            except Exception as e:  # noqa: BLE001
-                raise self._fail(self._map(i, e)) from e
-        finally:
-            self._release(i)
-        return self._unwrap_counted(reply)
-
-    # ----------------------------------------------------------------------------------- introspection
-    def stats(self) -> dict[str, Any]:
-        """Client-side counters and replica states (cheap, no remote call)."""
-        with self._lock:
-            return {"calls": self._c["calls"], "errors": dict(self._errors),
-                    "replica_deaths": self._c["replica_deaths"], "replica_recoveries": self._c["replica_recoveries"],
-                    "replicas": [{"dead": r.dead, "inflight": r.inflight, "failures": r.failures,
-                                  "last_error": r.last_error} for r in self._replicas]}
-
-    def server_stats(self, timeout_s: float = 5.0) -> list[dict[str, Any] | None]:
-        """Each replica's ``stats()`` (None for a replica that does not answer)."""
-        out: list[dict[str, Any] | None] = []
-        for h in self.handles:
-            try:
-                out.append(ray.get(h.stats.remote(), timeout=timeout_s))
-            except Exception:  # noqa: BLE001
-                out.append(None)
-        return out
-
-    def health(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
-        """Each replica's ``health()``; a replica that does not answer reads {"ok": False, "error": ...}."""
-        refs = [h.health.remote() for h in self.handles]
-        out = []
-        for i, ref in enumerate(refs):
-            try:
-                out.append(ray.get(ref, timeout=timeout_s))
-            except Exception as e:  # noqa: BLE001
-                self._mark_dead(i, e)
-                out.append({"ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-        return out
 
 
 def start_retrieval_service(cfg: Any, factory: Callable[[], Retriever], num_replicas: int | None = None, *,
