@@ -52,7 +52,7 @@ class ModelConfig:
     """Local HF model directory (weights + tokenizer). None builds the tiny model below."""
     hidden_size: int = 128
     """Tiny model only (ignored when ``path`` is set): hidden width, divisible by ``num_heads``.
-    Read by ``actors/model.py:build_policy``, like the four fields below."""
+    Read by ``actors/model.py:build_policy``, as are the fields below."""
     num_layers: int = 2
     """Tiny model only: decoder layers (>= 1)."""
     num_heads: int = 4
@@ -97,7 +97,8 @@ class ElasticConfig:
     hosts: List[str] = field(default_factory=lambda: ["http://127.0.0.1:9200"])
     """Node URLs. A URL with ``user:password@`` is refused: credentials come from the env vars below."""
     index: str = "sonar"
-    """Index name; created from ``retrieval.corpus`` (mapping, BM25 settings) when it does not exist."""
+    """Index name; when it does not exist it is created (mapping, BM25 settings) and filled from the run's
+    corpus."""
     api_key_env: str = "SONAR_ES_API_KEY"
     """Name of the env var holding the API key (the key itself never enters the config)."""
     username_env: str = "SONAR_ES_USERNAME"
