@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -147,7 +148,11 @@ def ray_local():
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
+    import ray.cloudpickle
 
+    # The fakes below travel into the actors by value: pytest names this module after the checkout's
+    # folder (the repository root is itself a package), which Ray's worker processes cannot import.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     started = False
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
