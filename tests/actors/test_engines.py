@@ -36,13 +36,19 @@ def test_hf_kinds_follow_rollout_config(policy):
         cont.close()
 
 
-def test_vllm_kind_is_routed_to_the_vllm_engine(policy):
-    """Without model.path the vLLM engine refuses before importing vllm: proof the branch was taken."""
+def test_vllm_kind_is_routed_to_the_vllm_engine(policy, monkeypatch):
+    """The branch hands model, tokenizer and config to ``VLLMEngine.from_model`` (replaced here: starting
+    vLLM is the vLLM tests' business)."""
+    from sonar.actors import engine_vllm
+
     model, tok = policy
     cfg = load_config([TINY])
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="vllm"))
-    with pytest.raises(ValueError, match=r"model\.path"):
-        build_engine(cfg, model, tok)
+    calls = []
+    monkeypatch.setattr(engine_vllm.VLLMEngine, "from_model",
+                        classmethod(lambda cls, *a: calls.append(a) or "a vllm engine"))
+    assert build_engine(cfg, model, tok) == "a vllm engine"
+    assert calls == [(model, tok, cfg)]
 
 
 def test_unknown_kind_names_the_field(policy):
