@@ -66,6 +66,10 @@ class Generation:
     version: int
     """Policy version of the weights that sampled these tokens (weights swap only between calls)."""
     stop_token_id: int | None = None
+    version_spans: tuple[tuple[int, int, int], ...] = ()
+    """Set only when more than one weights version sampled these tokens (the vLLM engine's
+    ``rollout.weight_update='interrupt'``): ``(version, start, end)`` token ranges in order, and
+    ``version`` is then the oldest of them (staleness checks stay conservative). Empty: all ``version``."""
 
 
 @dataclass(frozen=True)

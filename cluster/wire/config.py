@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,6 +211,31 @@ class RolloutConfig:
     """Ray CPUs reserved per rollout worker (placement; torch runs one thread per worker)."""
     num_gpus_per_worker: float = 0.0
     """Ray GPUs reserved per rollout worker (placement; the vLLM engine runs on the GPU Ray assigns)."""
+    weight_update: str = "pause"
+    """vllm engine: how a weight push lands while rows are being generated. pause: no new rows start,
+    the rows in flight finish under the old weights, then the load (no row mixes two versions);
+    interrupt: the rows in flight are aborted, the weights load, and each row resumes from its prefix
+    under the new weights (AReaL's interruptible rollout: no waiting, and the row's MODEL segment
+    records both versions' token ranges, ``Generation.version_spans``). Read by actors/engine_vllm.py."""
+    tensor_parallel_size: int = 1
+    """vllm engine: GPUs one engine shards the policy over (>= 1); each shard is a rank of the weight
+    broadcast. > 1 needs rollout.num_gpus_per_worker >= it (whole GPUs)."""
+    vllm_dtype: str = "auto"
+    """vllm engine: auto (the directory's config.json dtype) | float32 | bfloat16 | float16. Sampling
+    logprobs match the learner's recomputation only when this is the learner's precision."""
+    vllm_kv_cache_gib: float = 1.0
+    """vllm engine: KV-cache size per engine, in GiB (>= 0; RAM on CPU, GPU memory on GPU). 0: vLLM sizes
+    it from rollout.vllm_gpu_memory_utilization -- on CPU that fraction of the whole node's RAM."""
+    vllm_gpu_memory_utilization: float = 0.9
+    """vllm engine, with rollout.vllm_kv_cache_gib=0: fraction of the device's memory (in (0, 1]) vLLM
+    takes for weights and KV cache. Leave room for one more copy of the weights: the buffers the
+    broadcast is received into live beside the model."""
+    vllm_enable_prefix_caching: bool = True
+    """vllm engine: reuse the KV blocks of a shared token prefix (each turn of a trajectory resends the
+    whole prefix, and a group's rows share their prompt). Reset at every weight load."""
+    vllm_enforce_eager: bool = True
+    """vllm engine: no torch.compile / CUDA graphs. True on CPU (compilation costs minutes there and
+    gains little for small models); set False on GPU, where CUDA graphs speed up decoding."""
 
 
 @dataclass(frozen=True)
@@ -446,6 +472,8 @@ _CHOICES = {
     "retrieval.backend": ("tantivy", "elasticsearch"),
     "retrieval.rerank": ("none", "dense", "cross"),
     "rollout.engine": ("hf", "vllm"),
+    "rollout.weight_update": ("pause", "interrupt"),
+    "rollout.vllm_dtype": ("auto", "float32", "bfloat16", "float16"),
     "cluster.mode": ("async", "sync"),
     "learner.lr_decay": ("constant", "cosine", "linear"),
     "learner.precision": ("auto", "fp32", "bf16"),
@@ -556,9 +584,73 @@ def _check_rollout(cfg: Config) -> None:
         raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
     if r.continuous_batching and r.engine != "hf":
         raise ValueError(f"rollout.continuous_batching=True needs rollout.engine='hf', got {r.engine!r} "
-                         "(the offline vLLM engine serialises calls)")
+                         "(the vLLM engine batches continuously by itself)")
+    _check_vllm(cfg)
+    _check_gpu_placement(cfg)
     if r.max_batch_rows < 1:
         raise ValueError(f"rollout.max_batch_rows={r.max_batch_rows} must be >= 1")
+
+
+def _check_vllm(cfg: Config) -> None:
+    """The vLLM engine's fields, and a model directory it could not load (checked where it is cheap:
+    config.json and its architectures; whether vLLM implements them is known only after importing vLLM,
+    which the engine checks before it starts)."""
+    r = cfg.rollout
+    if r.tensor_parallel_size < 1:
+        raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must be >= 1")
+    if r.tensor_parallel_size > 1 and r.engine != "vllm":
+        raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs rollout.engine='vllm', "
+                         f"got {r.engine!r}")
+    if r.tensor_parallel_size > 1 and r.num_gpus_per_worker < r.tensor_parallel_size:
+        raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} > rollout.num_gpus_per_worker="
+                         f"{r.num_gpus_per_worker}: each tensor-parallel rank needs a GPU of its own")
+    if not (math.isfinite(r.vllm_kv_cache_gib) and r.vllm_kv_cache_gib >= 0):
+        raise ValueError(f"rollout.vllm_kv_cache_gib={r.vllm_kv_cache_gib} must be a finite number >= 0")
+    if not 0.0 < r.vllm_gpu_memory_utilization <= 1.0:
+        raise ValueError(f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization} must be in (0, 1]")
+    if r.engine != "vllm" or not cfg.model.path:
+        return
+    conf = Path(cfg.model.path).expanduser() / "config.json"
+    if not conf.is_file():
+        raise ValueError(f"model.path={cfg.model.path!r} with rollout.engine='vllm': no config.json there, so vLLM "
+                         "cannot load it (a Hugging Face model directory is needed)")
+    try:
+        archs = json.loads(conf.read_text()).get("architectures")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model.path={cfg.model.path!r}: {conf} is not readable JSON ({e})") from None
+    if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
+        raise ValueError(f"model.path={cfg.model.path!r} with rollout.engine='vllm': {conf} names no "
+                         f"'architectures' (got {archs!r}), so vLLM cannot pick a model class")
+
+
+def broadcast_backend(cfg: Config) -> str:
+    """The weight broadcast's backend: NCCL only when every rank of the group (the learner and every
+    rollout worker) has a GPU and learner.dist_backend allows it; gloo otherwise (CPU tensors; a GPU
+    learner copies its buckets to host memory first)."""
+    L = cfg.learner
+    if L.dist_backend == "gloo":
+        return "gloo"
+    return "nccl" if L.num_gpus > 0 and cfg.rollout.num_gpus_per_worker > 0 else "gloo"
+
+
+def _check_gpu_placement(cfg: Config) -> None:
+    """NCCL with a CPU rank, and two NCCL ranks on one GPU, fail only once the broadcast group forms:
+    refuse them here, naming the fields."""
+    L, r = cfg.learner, cfg.rollout
+    if L.dist_backend == "nccl" and (L.num_gpus <= 0 or r.num_gpus_per_worker <= 0):
+        raise ValueError(f"learner.dist_backend='nccl' with learner.num_gpus={L.num_gpus} and "
+                         f"rollout.num_gpus_per_worker={r.num_gpus_per_worker}: NCCL needs a GPU on every rank of "
+                         "the weight broadcast (the learner and each rollout worker); use 'auto' (gloo when a rank "
+                         "is on CPU) or 'gloo'")
+    if broadcast_backend(cfg) != "nccl":
+        return
+    shared = {k: v for k, v in (("learner.num_gpus", L.num_gpus), ("rollout.num_gpus_per_worker", r.num_gpus_per_worker))
+              if v != int(v)}
+    if shared:
+        raise ValueError(f"{', '.join(f'{k}={v}' for k, v in shared.items())} with an NCCL weight broadcast: a "
+                         "fractional GPU lets Ray put two ranks of the group (the learner and an engine, or two "
+                         "engines) on one device, which NCCL refuses, and Sonar has no colocated mode; use whole "
+                         "GPUs, or learner.dist_backend='gloo'")
 
 
 def _check_learner(cfg: Config) -> None:

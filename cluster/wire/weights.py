@@ -110,17 +110,31 @@ def checksum(named: Iterable[tuple[str, torch.Tensor]]) -> float:
     return total
 
 
+def open_store(host: str, world_size: int, timeout_s: float = 300.0) -> dist.TCPStore:
+    """Rank 0's rendezvous store, listening now on a port the OS picks (``.port``) and held until the
+    group closes: no window in which another process can take a port chosen for it. ``host``: the
+    address the other ranks dial (the learner's node address)."""
+    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
 class BroadcastGroup:
-    """A stateless process group for the weight push. Rank 0 is the learner."""
+    """A stateless process group for the weight push. Rank 0 is the learner.
+
+    ``store``: rank 0 may pass the store :func:`open_store` bound (then ``master_port`` is its port);
+    otherwise rank 0 binds ``master_port`` itself and every other rank dials it."""
 
     def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str = "gloo",
-                 prefix: str = "sonar-weights", timeout_s: float = 300.0):
+                 prefix: str = "sonar-weights", timeout_s: float = 300.0, store: dist.TCPStore | None = None):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"broadcast backend={backend!r} is not 'gloo' or 'nccl'")
+        if store is not None and (rank != 0 or store.port != master_port):
+            raise ValueError(f"BroadcastGroup: a bound store (port {store.port}) is rank 0's, for master_port "
+                             f"{master_port}; got rank {rank}")
         self.rank, self.world_size, self.backend = rank, world_size, backend
         timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(master_addr, master_port, world_size, is_master=(rank == 0),
-                                    timeout=timeout, wait_for_workers=True)
+        self._store = store if store is not None else dist.TCPStore(
+            master_addr, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=True)
         store = dist.PrefixStore(prefix, self._store)
         if backend == "gloo":
             self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
