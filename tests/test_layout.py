@@ -124,3 +124,24 @@ def test_the_rules_catch_a_wrong_door(tmp_path):
     assert "sonar.actors.model" in names
     assert room_of("sonar.actors.model") == "sonar.actors"
     assert not any("sonar.actors.model".startswith(p) for p in ALLOWED["sonar.learner"])
+
+
+def test_the_wheel_installs_one_namespace(tmp_path):
+    """``pip install .`` puts ``sonar`` into site-packages and no top-level actors/learner/cluster/bench."""
+    import subprocess
+    import sys
+    import zipfile
+
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert tops == {"sonar"}, f"the wheel installs top-level {sorted(tops)}"
+    for module in ("sonar/__init__.py", "sonar/__main__.py", "sonar/cluster/wire/config.py",
+                   "sonar/cluster/driver/cli.py", "sonar/learner/algo/losses.py", "sonar/bench/run.py"):
+        assert module in names, f"{module} missing from the wheel"
+    assert not any(n.startswith("sonar/tests/") for n in names), "tests must not be installed"
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "sonar = sonar.cluster.driver.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()

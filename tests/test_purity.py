@@ -5,10 +5,11 @@ import sys
 
 import pytest
 
-PURE = ["cluster.protocol", "cluster.config", "cluster.replay", "cluster.weights", "actors.parsing",
-        "actors.rewards", "actors.prompts", "actors.world", "learner.algo.advantages", "learner.algo.losses",
-        "learner.algo.staleness", "learner.batching", "learner.deepspeed_config", "retrieval.base",
-        "retrieval.resilient"]
+PURE = ["sonar.cluster.wire.protocol", "sonar.cluster.wire.config", "sonar.cluster.wire.replay",
+        "sonar.cluster.wire.weights", "sonar.cluster.wire.metrics", "sonar.actors.parsing", "sonar.actors.rewards",
+        "sonar.actors.prompts", "sonar.actors.world", "sonar.learner.algo.advantages", "sonar.learner.algo.losses",
+        "sonar.learner.algo.staleness", "sonar.learner.batching", "sonar.learner.deepspeed_config",
+        "sonar.retrieval.base", "sonar.retrieval.resilient"]
 
 
 @pytest.mark.parametrize("module", PURE)
