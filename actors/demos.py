@@ -20,6 +20,9 @@ stes"), which is what made held-out reading learnable for the tiny policy. Quest
 thoughts get "search" / "answer". Parallel queries split into consecutive steps (single-query tag
 sets) repeat the step's thought.
 
+Who builds them: the driver (``cluster/driver/roles.prepare_demonstrations``, with an in-process
+retriever), which sends them to the learner as encoded groups; the learner builds no data itself.
+
 Invariants: the last token of every MODEL segment is the id of query_close or answer_close (the
 rollout engine stops on those ids and includes them); MODEL logprobs are float32 zeros and version
 -1 (a demonstration was not sampled). Multi-query steps exist only for tag sets with a query_sep
@@ -105,8 +108,8 @@ def make_demonstrations(questions: Sequence, tags: TagSet, tokenizer, retriever,
     """Demonstrations of many questions; step s of every question is retrieved in ONE batch_search call.
 
     ``k`` is the search depth asked of the retriever; the top ``proto.docs_per_query`` hits of each
-    query are injected (as in rollouts). Retrieval errors propagate: demonstrations are prepared
-    offline and a broken index must fail loudly.
+    query are injected (as in rollouts). Retrieval errors propagate: demonstrations are training data,
+    never built from failed searches, and a broken index must fail loudly.
     """
     if k < proto.docs_per_query:
         raise ValueError(f"k={k} < protocol.docs_per_query={proto.docs_per_query}")

@@ -10,10 +10,9 @@ Invariants:
   state is untouched).
 - ``vocab_size == len(tokenizer)``; pad/bos/eos ids in the model and generation configs are the
   tokenizer's, so ``generate`` stops on ``<eos>`` and pads with ``<pad>``.
-- Attention is "sdpa": on this CPU it is a few per cent faster than "eager" for these shapes
-  (see ``ATTN_IMPLEMENTATION``).
-- ``save_policy`` writes a self-contained HF directory (weights + tokenizer) that reloads with
-  ``AutoModelForCausalLM`` / ``AutoTokenizer`` offline.
+- Attention is "sdpa" (``cluster.wire.policy.ATTN_IMPLEMENTATION``: measured there).
+- Every role loads the policy from one Hugging Face directory with ``cluster.wire.policy.load_policy``;
+  ``materialise_policy`` writes that directory for a run (or names ``model.path`` as it is).
 """
 from __future__ import annotations
 
@@ -21,12 +20,10 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
-ATTN_IMPLEMENTATION = "sdpa"
-"""Measured here (1 thread, default world, 0.51M parameters): forward+backward of a 64 x 100 batch
-took 280-284 ms with sdpa vs 291-295 ms with eager; greedy cached decoding of 64 rows took 2.8-3.0 ms
-per token with either. sdpa is never slower, so it is the default."""
+from sonar.cluster.wire.policy import ATTN_IMPLEMENTATION, load_policy, save_policy  # noqa: F401 (load/save live in
+# the wire so the learner can use them; actors callers keep importing them from here)
 
 
 def build_policy(cfg, tokenizer) -> LlamaForCausalLM:
@@ -58,24 +55,22 @@ def build_policy(cfg, tokenizer) -> LlamaForCausalLM:
     return model.float().eval()
 
 
-def save_policy(model, tokenizer, path: str | Path) -> Path:
-    """Weights (safetensors) + config + tokenizer into one directory."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+def materialise_policy(cfg, world, out_dir: str | Path) -> str:
+    """The directory every role loads the run's initial policy from (``cluster.wire.policy.load_policy``).
 
+    ``cfg.path`` set: that directory, used as it is (checked, not copied). Unset: the world's word
+    tokenizer and a random tiny Llama (``build_policy``) saved into ``out_dir``; a pure function of
+    (``cfg``, world), so a resumed run writes the same initial weights again.
+    """
+    if cfg.path:
+        path = Path(os.path.expanduser(cfg.path))
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model.path={cfg.path!r} is not a Hugging Face model directory (no config.json)")
+        return str(path)
+    from sonar.actors.tokenizer import build_tokenizer
 
-def load_policy(path: str | Path):
-    """``(model, tokenizer)`` from a local HF directory; never touches the network."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model.path={str(path)!r} is not a Hugging Face model directory (no config.json)")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32,
-                                                 attn_implementation=ATTN_IMPLEMENTATION)
-    return model.eval(), tokenizer
+    tokenizer = build_tokenizer(world.vocab())
+    return str(save_policy(build_policy(cfg, tokenizer), tokenizer, out_dir))
 
 
 def policy_and_tokenizer(cfg, world):

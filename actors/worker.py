@@ -23,6 +23,7 @@ import numpy as np
 
 from sonar.actors.engine import Engine, Generation, SamplingParams
 from sonar.cluster.wire.config import Config, StageConfig
+from sonar.cluster.wire.policy import load_policy
 from sonar.cluster.wire.protocol import Trajectory, encode_group, group_min_version
 
 
@@ -87,21 +88,28 @@ class RolloutWorker:
     the hook through which code outside production (the benchmarks' simulators) wraps or replaces the
     engine; it crosses into the actor, so it must be picklable. None: the production engine as is."""
 
-    def __init__(self, worker_id: int, cfg: Config, retrieval_handles: list | None = None, *,
+    def __init__(self, worker_id: int, cfg: Config, retriever, *, policy: str, eval_retriever=None,
                  engine_wrap=None):
+        """``retriever``: what the rollout loop searches through, injected by the driver (the retrieval
+        service's client: it holds Ray actor handles and pickles); sync ``batch_search`` and/or async
+        ``abatch_search``. ``eval_retriever``: the same for ``evaluate`` (the driver gives it a bound
+        that load cannot reach, so a measurement never counts a timed-out search); None: ``retriever``.
+        ``policy``: the Hugging Face directory of the run's initial policy."""
         _set_threads(1)
         from sonar.actors.engines import build_engine
-        from sonar.actors.model import policy_and_tokenizer
         from sonar.actors.prompts import get_protocol
         from sonar.actors.world import build_world
 
         self.worker_id = worker_id
         self.cfg = cfg
         self.world = build_world(cfg.world)
-        model, self.tokenizer = policy_and_tokenizer(cfg.model, self.world)
+        model, self.tokenizer = load_policy(policy)
         self.tags = get_protocol(cfg.protocol.name)
         self.engine = SwappingEngine(build_engine(cfg, model, self.tokenizer, worker_id=worker_id, wrap=engine_wrap))
-        self.retriever = self._make_retriever(retrieval_handles)
+        if retriever is None:
+            raise ValueError(f"rollout worker {worker_id} needs a retriever (the driver passes the retrieval client)")
+        self.retriever = retriever
+        self.eval_retriever = retriever if eval_retriever is None else eval_retriever
         self._group = None
         self._buckets = None
         self._thread: threading.Thread | None = None
@@ -114,13 +122,6 @@ class RolloutWorker:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ wiring
-    def _make_retriever(self, handles):
-        from sonar.retrieval.client import RetrievalClient
-
-        if handles:
-            return RetrievalClient(handles, timeout_s=self.cfg.retrieval.timeout_s)
-        raise ValueError("RolloutWorker needs retrieval service handles (retrieval.replicas >= 1)")
-
     def ready(self) -> dict:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "version": self.engine.version,
                 "num_params": sum(int(np.prod(s.shape)) for s in self.engine.parameter_specs())}
@@ -263,7 +264,7 @@ class RolloutWorker:
         self.engine.apply_staged()
         items = [PromptItem(prompt_id=q["qid"], question=q["question"], golds=list(q["golds"])) for q in questions]
         return asyncio.run(greedy_records(
-            items, engine=self.engine, retriever=self.retriever, tokenizer=self.tokenizer, tags=self.tags,
+            items, engine=self.engine, retriever=self.eval_retriever, tokenizer=self.tokenizer, tags=self.tags,
             proto=self.cfg.protocol, k=self.cfg.retrieval.k, reward=stage.reward, batch_size=self.cfg.eval.batch_size,
             search_enabled=search_enabled, actor_id=self.worker_id))
 

@@ -124,7 +124,7 @@ def split_stages(cfg):
 
 
 SFT_CODE = ("actors/world.py", "actors/demos.py", "actors/tokenizer.py", "actors/model.py", "actors/prompts.py",
-            "learner/train_step.py")
+            "learner/train_step.py", "learner/sft_data.py", "cluster/wire/policy.py")
 """The code an SFT checkpoint depends on: the cache key hashes it, so an edited world is never served
 a policy (and tokenizer) trained on the old one."""
 
@@ -149,7 +149,7 @@ def sft_checkpoint(cfg, sim, sft_stage) -> tuple[str | None, dict]:
     d = to_dict(cfg)
     key_parts = {k: d[k] for k in ("world", "model", "protocol")}
     key_parts.update(retrieval={k: d["retrieval"][k] for k in ("backend", "corpus", "k", "rerank")},
-                     sft=to_dict(sft_stage), learner={k: d["learner"][k] for k in ("lr", "betas", "warmup_steps",
+                     sft=to_dict(sft_stage), learner={k: d["learner"][k] for k in ("betas", "warmup_steps",
                                                                                   "grad_clip", "weight_decay")},
                      seed=cfg.run.seed, code=code_fingerprint())
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()[:16]

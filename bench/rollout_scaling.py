@@ -216,14 +216,16 @@ def run(bcfg: dict) -> tuple[dict, dict]:
         corpus = D_roles.prepare_corpus(cfg, run_)
         retrieval = D_roles.start_retrieval(cfg, run_, corpus, hooks.retriever_wrap)
         handles += retrieval
+        policy = D_roles.prepare_policy(cfg, run_)
         replay = ray.remote(num_cpus=0)(ReplayQueue).options(max_concurrency=1000).remote(
             cfg.replay.capacity_groups, cfg.replay.max_policy_lag, cfg.replay.stale_policy,
             len(D_run.world_of(cfg).train), cfg.run.seed)
-        learner = ray.remote(Learner).options(num_cpus=cfg.learner.num_cpus, num_gpus=cfg.learner.num_gpus).remote(cfg)
-        workers = [D_roles.start_worker(cfg, i, retrieval, hooks.engine_wrap) for i in range(max(bcfg["workers"]))]
+        learner = ray.remote(Learner).options(num_cpus=cfg.learner.num_cpus, num_gpus=cfg.learner.num_gpus).remote(cfg, policy)
+        workers = [D_roles.start_worker(cfg, i, retrieval, hooks.engine_wrap, policy=policy)
+                   for i in range(max(bcfg["workers"]))]
         handles += [replay, learner, *workers]
         ray.get([learner.ping.remote()] + [w.ready.remote() for w in workers])
-        roles = D_roles.Roles(retrieval, replay, learner, [], {}, hooks=hooks)
+        roles = D_roles.Roles(retrieval, replay, learner, [], {}, hooks=hooks, policy=policy)
         for rep in range(bcfg["repeats"]):
             for n in bcfg["workers"]:
                 m = measure_point(cfg, roles, workers, n, bcfg["warmup_s"], bcfg["window_s"])

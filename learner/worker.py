@@ -1,7 +1,10 @@
 """The learner: a thin Ray actor around a DeepSpeed engine.
 
-It pulls whole groups from the replay queue, runs one optimizer step (``learner.train_step``), bumps
-the policy version, and pushes weights to the rollout workers over the broadcast group (rank 0).
+It trains on what it is given: the policy is loaded from the run's Hugging Face directory
+(``cluster.wire.policy``), SFT demonstrations arrive from the driver as encoded groups
+(``learner.sft_data``), and RL groups are pulled from the replay queue. Each optimizer step
+(``learner.train_step``) bumps the policy version; weights go to the rollout workers over the
+broadcast group (rank 0). It imports nothing of Sonar but the wires.
 On CPU DeepSpeed runs fp32 with gloo; its shared-memory comm op (a ~90 s JIT build on a fresh
 machine, useless for one CPU rank) is skipped.
 
@@ -14,8 +17,7 @@ import socket
 import sys
 import time
 from contextlib import nullcontext
-
-import numpy as np
+from typing import Sequence
 
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, StageConfig
@@ -39,41 +41,33 @@ def _import_deepspeed_without_shm_jit():
     return deepspeed
 
 
-class _SyncRetriever:
-    """The service client seen through the synchronous Retriever protocol (for demonstrations)."""
-
-    def __init__(self, client):
-        self.client, self.name = client, getattr(client, "name", "service")
-
-    def batch_search(self, queries, k):
-        return self.client.batch_search(queries, k)
-
-
 class Learner:
-    def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1, master_port: int | None = None):
+    """``policy``: the Hugging Face directory of the run's initial policy (the driver materialises it;
+    the KL reference and the exports are built from it too)."""
+
+    def __init__(self, cfg: Config, policy: str, rank: int = 0, world_size: int = 1, master_port: int | None = None):
         os.environ["OMP_NUM_THREADS"] = "1"
         import torch
 
         torch.set_num_threads(1)
-        from sonar.actors.model import policy_and_tokenizer
-        from sonar.actors.prompts import get_protocol
-        from sonar.actors.world import build_world
+        from sonar.cluster.wire.policy import load_policy, pad_id
         from sonar.learner.deepspeed_config import deepspeed_config, resolve_backend
+        from sonar.learner.sft_data import SFTData
 
         self.cfg = cfg
+        self.policy = policy
         self.on_gpu = torch.cuda.is_available() and cfg.learner.num_gpus > 0
         os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port or free_port()))
         deepspeed = _import_deepspeed_without_shm_jit()
         torch.manual_seed(cfg.run.seed)
-        self.world = build_world(cfg.world)
-        model, self.tokenizer = policy_and_tokenizer(cfg.model, self.world)
+        model, self.tokenizer = load_policy(policy)
+        self.pad_id = pad_id(model, self.tokenizer)
         if cfg.learner.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        self.tags = get_protocol(cfg.protocol.name)
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=cfg.learner.lr, betas=tuple(cfg.learner.betas),
-                                weight_decay=cfg.learner.weight_decay)
+        # lr=0.0 is a placeholder: every step sets the stage's scheduled lr first (``_set_lr``).
+        opt = torch.optim.AdamW(params, lr=0.0, betas=tuple(cfg.learner.betas), weight_decay=cfg.learner.weight_decay)
         backend = resolve_backend(cfg.learner, self.on_gpu)
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
@@ -90,9 +84,7 @@ class Learner:
         self.stage_index = 0
         self._group = None
         self._buckets = None
-        self._demos: list = []
-        self._demo_cursor = 0
-        self._sft_rng = np.random.default_rng(cfg.run.seed)
+        self.sft_data = SFTData(cfg.run.seed)
 
     # ------------------------------------------------------------------ weights
     def named_tensors(self) -> dict:
@@ -131,58 +123,42 @@ class Learner:
         return {"version": self.version, "checksum": checksum(self.named_tensors().items())}
 
     # ------------------------------------------------------------------ stages
-    def begin_stage(self, stage_index: int, stage: StageConfig, retrieval_handles: list | None = None,
-                    start_step: int = 0) -> dict:
-        """``start_step`` > 0 continues a stage after a resume (LR schedule and data order included)."""
+    def begin_stage(self, stage_index: int, stage: StageConfig, start_step: int = 0,
+                    demonstrations: Sequence[bytes] = ()) -> dict:
+        """``start_step`` > 0 continues a stage after a resume (LR schedule and data order included).
+        An SFT stage needs ``demonstrations``: encoded groups (``encode_group``) built by the driver."""
         self.stage_index = stage_index
         self.stage_step = start_step
         info = {"stage": stage_index, "kind": stage.kind}
         # KL reference = the policy at the start of the stage (frozen); skipped when the coefficient is 0.
         self.ref_module = None
         if stage.kind == "rl" and stage.algo.kl_coef > 0:
-            from sonar.actors.model import policy_and_tokenizer
-
             # A fresh module loaded with the gathered weights (a deepcopy of a ZeRO-3 module would
             # copy empty partitions).
-            ref, _ = policy_and_tokenizer(self.cfg.model, self.world)
-            ref.load_state_dict(self.named_tensors(), strict=False)
+            ref = self._fresh_policy()
             self.ref_module = ref.to(self.device).eval().requires_grad_(False)
         if stage.kind == "sft":
-            info["demonstrations"] = self._prepare_demos(retrieval_handles)
+            if not demonstrations:
+                raise ValueError(f"stages[{stage_index}] (kind 'sft') started without demonstrations")
+            info["demonstrations"] = self.sft_data.set_demonstrations(demonstrations)
         return info
 
-    def _prepare_demos(self, retrieval_handles) -> int:
-        from sonar.actors.demos import make_demonstrations
-        from sonar.retrieval.client import RetrievalClient
+    def _fresh_policy(self):
+        """A plain (non-DeepSpeed) copy of the policy holding the current weights: gathered, so it
+        works for ZeRO 0-3."""
+        from sonar.cluster.wire.policy import load_policy
 
-        client = RetrievalClient(retrieval_handles, timeout_s=self.cfg.retrieval.timeout_s)
-        retriever = _SyncRetriever(client)
-        self._demos = make_demonstrations(self.world.train, self.tags, self.tokenizer, retriever,
-                                          self.cfg.protocol, self.cfg.retrieval.k)
-        restored = getattr(self, "_restored_demo_order", None)
-        if restored is not None and len(restored) == len(self._demos):
-            self._demo_order = np.asarray(restored)  # resume: the same next batches as the killed run
-        else:
-            self._demo_order = self._sft_rng.permutation(len(self._demos))
-            self._demo_cursor = 0
-        self._restored_demo_order = None
-        return len(self._demos)
-
-    def _next_demos(self, n: int) -> list:
-        out = []
-        while len(out) < n:
-            if self._demo_cursor >= len(self._demo_order):
-                self._demo_order = self._sft_rng.permutation(len(self._demos))
-                self._demo_cursor = 0
-            out.append(self._demos[self._demo_order[self._demo_cursor]])
-            self._demo_cursor += 1
-        return out
+        model, _ = load_policy(self.policy)
+        missing, unexpected = model.load_state_dict(self.named_tensors(), strict=False)
+        if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:  # lm_head: tied embeddings
+            raise RuntimeError(f"parameter names differ from the policy in {self.policy}: missing {missing}, "
+                               f"unexpected {unexpected}")
+        return model
 
     def _set_lr(self, stage: StageConfig) -> float:
         from sonar.learner.deepspeed_config import lr_at
 
-        base = stage.lr if stage.lr is not None else self.cfg.learner.lr
-        lr = lr_at(self.stage_step, base, self.cfg.learner.warmup_steps, self.cfg.learner.lr_decay, stage.steps)
+        lr = lr_at(self.stage_step, stage.lr, self.cfg.learner.warmup_steps, self.cfg.learner.lr_decay, stage.steps)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         return lr
@@ -191,8 +167,8 @@ class Learner:
         from sonar.learner.train_step import sft_step
 
         lr = self._set_lr(stage)
-        metrics = sft_step(self.stepper, self._next_demos(stage.batch_size), self.cfg.learner,
-                           pad_id=self.tokenizer.pad_token_id, device=self.device)
+        metrics = sft_step(self.stepper, self.sft_data.next(stage.batch_size), self.cfg.learner,
+                           pad_id=self.pad_id, device=self.device)
         return self._finish_step(metrics, lr)
 
     def rl_step(self, replay, stage: StageConfig, timeout_s: float) -> StepResult:
@@ -212,7 +188,7 @@ class Learner:
         groups = [decode_group(p) for p in res["groups"]]
         lr = self._set_lr(stage)
         metrics = rl_step(self.stepper, groups, res["lags"], stage.algo, self.cfg.learner, self.cfg.replay,
-                          temperature=self.cfg.rollout.temperature, pad_id=self.tokenizer.pad_token_id,
+                          temperature=self.cfg.rollout.temperature, pad_id=self.pad_id,
                           device=self.device, ref_module=self.ref_module, difficulty=tuple(stage.difficulty))
         metrics[K.LEARNER_WAIT_S] = wait_s
         metrics[K.REPLAY_DROPPED_IN_GET] = res["dropped"]
@@ -230,13 +206,9 @@ class Learner:
 
     # ------------------------------------------------------------------ export / checkpoint
     def export_hf(self, path: str) -> str:
-        from sonar.actors.model import policy_and_tokenizer, save_policy
+        from sonar.cluster.wire.policy import save_policy
 
-        model, _ = policy_and_tokenizer(self.cfg.model, self.world)  # gathered weights: works for ZeRO 0-3
-        missing, unexpected = model.load_state_dict(self.named_tensors(), strict=False)
-        if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
-            raise RuntimeError(f"export: parameter names differ from the policy: missing {missing}, unexpected {unexpected}")
-        save_policy(model, self.tokenizer, path)
+        save_policy(self._fresh_policy(), self.tokenizer, path)
         return path
 
     def save_checkpoint(self, path: str, client_state: dict) -> str:
@@ -244,9 +216,7 @@ class Learner:
 
         state = dict(client_state)
         state.update(version=self.version, global_step=self.global_step, stage_step=self.stage_step,
-                     stage_index=self.stage_index, demo_cursor=self._demo_cursor,
-                     demo_order=[int(i) for i in getattr(self, "_demo_order", [])],
-                     sft_rng=self._sft_rng.bit_generator.state)
+                     stage_index=self.stage_index, sft_data=self.sft_data.state_dict())
         return save_checkpoint(self.engine, path, state, write_extra=lambda tmp: self.export_hf(str(tmp / "hf")))
 
     def load_checkpoint(self, path: str) -> dict:
@@ -257,10 +227,7 @@ class Learner:
         self.global_step = state["global_step"]
         self.stage_step = state["stage_step"]
         self.stage_index = state["stage_index"]
-        self._demo_cursor = state.get("demo_cursor", 0)
-        self._restored_demo_order = state.get("demo_order") or None
-        if "sft_rng" in state:
-            self._sft_rng.bit_generator.state = state["sft_rng"]
+        self.sft_data.load_state_dict(state.get("sft_data") or {})
         return state
 
     def ping(self) -> dict:

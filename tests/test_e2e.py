@@ -62,7 +62,7 @@ def test_mlflow_holds_params_metrics_config_and_model(smoke_run):
     client = MlflowClient(tracking_uri=f"sqlite:///{s['run_dir']}/mlflow.db")
     run = client.get_run(s["mlflow_run_id"])
     assert run.info.status == "FINISHED"
-    assert run.data.params["learner.lr"] and run.data.params["stages.1.kind"] == "rl"
+    assert run.data.params["stages.1.lr"] and run.data.params["stages.1.kind"] == "rl"
     for key in ("learner/loss", "learner/grad_norm", "rollout/reward/mean", "replay/depth", "learner/policy_lag/max",
                 "eval/after_search/em", "weights/sync_s", "rollout/search_calls/mean", "rollout/trajectories_per_s",
                 "retrieval/qps", "retrieval/cache/hit_rate", "learner/is_weight/hist/0.95-1.05"):

@@ -10,8 +10,8 @@ import time
 from sonar.cluster.driver.reports import (Throughput, evaluate, print_summary, record_prompts, replay_metrics,
                                          retrieval_metrics)
 from sonar.cluster.driver.roles import (Hooks, Roles, check_workers, export_model, maybe_checkpoint,
-                                       maybe_resume, push_weights, save_checkpoint, start_roles, stop_roles,
-                                       stop_rollouts, verify_weights)
+                                       maybe_resume, prepare_demonstrations, push_weights, save_checkpoint,
+                                       start_roles, stop_roles, stop_rollouts, verify_weights)
 from sonar.cluster.driver.run import Run, start_run
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, StageConfig
@@ -54,7 +54,11 @@ def train(cfg: Config, hooks: Hooks | None = None) -> dict:
 def run_sft_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageConfig, start_step: int = 0) -> None:
     import ray
 
-    info = ray.get(roles.learner.begin_stage.remote(index, stage, roles.retrieval, start_step))
+    # The driver builds the demonstrations; the learner only trains on them (and keeps their order,
+    # so a resumed stage continues with the same next batches).
+    demos = prepare_demonstrations(cfg, run, roles.policy)
+    # Wait: the learner must hold the demonstrations and this stage's settings before its first step.
+    info = ray.get(roles.learner.begin_stage.remote(index, stage, start_step, demos))
     log.info("stage %d (sft): %d demonstrations, %d steps", index, info.get("demonstrations", 0), stage.steps)
     for step in range(start_step, stage.steps):
         # Wait for each step: the driver logs and checkpoints between steps (no rollouts run in SFT).
@@ -75,7 +79,7 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
     import ray
 
     # Wait: the learner must hold this stage's objective and optimizer settings before it trains a group.
-    ray.get(roles.learner.begin_stage.remote(index, stage, roles.retrieval, start_step))
+    ray.get(roles.learner.begin_stage.remote(index, stage, start_step))
     push_weights(roles)  # waits for every worker to hold the learner's weights: the stage starts on-policy
     if cfg.eval.before and start_step == 0 and "before" not in run.results:  # before the first RL stage
         run.results["before"] = evaluate(cfg, roles, run, split="before")  # waits for every worker's shard

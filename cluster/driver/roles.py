@@ -47,6 +47,8 @@ class Roles:
     owns_ray: bool = False
     hooks: Hooks = field(default_factory=Hooks)
     """What the roles were started with; a restarted worker gets the same engine hook."""
+    policy: str = ""
+    """The Hugging Face directory of the run's initial policy, which every role loads (``prepare_policy``)."""
 
 
 def init_ray(cfg: Config) -> bool:
@@ -82,12 +84,13 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
     owns = init_ray(cfg)
     corpus = prepare_corpus(cfg, run)
     retrieval = start_retrieval(cfg, run, corpus, hooks.retriever_wrap)
+    policy = prepare_policy(cfg, run)
     num_train = len(world_of(cfg).train)
     replay = ray.remote(num_cpus=0)(ReplayQueue).options(max_concurrency=1000).remote(
         cfg.replay.capacity_groups, cfg.replay.max_policy_lag, cfg.replay.stale_policy, num_train, cfg.run.seed,
         inflight_budget(cfg))
-    learner = ray.remote(Learner).options(num_cpus=cfg.learner.num_cpus, num_gpus=cfg.learner.num_gpus).remote(cfg)
-    workers = [start_worker(cfg, i, retrieval, hooks.engine_wrap) for i in range(cfg.rollout.num_workers)]
+    learner = ray.remote(Learner).options(num_cpus=cfg.learner.num_cpus, num_gpus=cfg.learner.num_gpus).remote(cfg, policy)
+    workers = [start_worker(cfg, i, retrieval, hooks.engine_wrap, policy=policy) for i in range(cfg.rollout.num_workers)]
     try:
         ray.get([learner.ping.remote()] + [w.ready.remote() for w in workers], timeout=cfg.cluster.step_timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -99,7 +102,7 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
             f"rollout.num_gpus_per_worker={cfg.rollout.num_gpus_per_worker}; available {ray.available_resources()})"
         ) from None
     roles = Roles(retrieval, replay, learner, workers, {i: 0 for i in range(len(workers))},
-                  owns_ray=owns, hooks=hooks)
+                  owns_ray=owns, hooks=hooks, policy=policy)
     connect_broadcast(cfg, roles)
     return roles
 
@@ -123,27 +126,70 @@ def prepare_corpus(cfg: Config, run: Run) -> str:
     return str(path)
 
 
+def prepare_policy(cfg: Config, run: Run) -> str:
+    """Write the run's initial policy to ``<run>/policy`` (or name ``model.path`` as it is): every role
+    loads this one directory, so none needs to know how the policy is built."""
+    from sonar.actors.model import materialise_policy
+
+    return materialise_policy(cfg.model, world_of(cfg), run.dir / "policy")
+
+
+def prepare_demonstrations(cfg: Config, run: Run, policy: str) -> list[bytes]:
+    """SFT demonstrations of the world's training questions, one encoded group each (``encode_group``),
+    for the learner, which trains on them and builds nothing itself.
+
+    They are searched in process, through the stack the retrieval replicas run (``build_retriever``,
+    without the benchmark hook), not through the service: the demonstrations are training data, so
+    they must not depend on timing, and a service call can time out under load. The tokenizer is the
+    policy's (``policy``: its directory). A failed search raises (a broken index fails loudly)."""
+    from sonar.actors.demos import make_demonstrations
+    from sonar.actors.prompts import get_protocol
+    from sonar.cluster.wire.policy import load_tokenizer
+    from sonar.cluster.wire.protocol import encode_group
+    from sonar.retrieval.factory import build_retriever
+
+    retriever = build_retriever(cfg.retrieval, prepare_corpus(cfg, run), indexes_dir(cfg))
+    demos = make_demonstrations(world_of(cfg).train, get_protocol(cfg.protocol.name), load_tokenizer(policy),
+                                retriever, cfg.protocol, cfg.retrieval.k)
+    return [encode_group([d]) for d in demos]
+
+
+def indexes_dir(cfg: Config) -> str:
+    """Where the corpus indexes live unless ``retrieval.index_dir`` names one (``<run.root>/index``)."""
+    return str(Path(cfg.run.root).resolve() / "index")
+
+
 def start_retrieval(cfg: Config, run: Run, corpus: str, wrap_backend: Callable | None = None) -> list:
     """The retrieval replicas; each builds ``build_retriever(..., wrap_backend=wrap_backend)``."""
     from sonar.retrieval.factory import build_retriever
     from sonar.retrieval.server import start_retrieval_service
 
     rcfg = cfg.retrieval
-    index_root = str(Path(cfg.run.root).resolve() / "index")
+    index_root = indexes_dir(cfg)
     build_retriever(rcfg, corpus, index_root)  # builds the index once, before replicas open it
     client = start_retrieval_service(
         rcfg, lambda: build_retriever(rcfg, corpus, index_root, wrap_backend=wrap_backend))  # retrieval.replicas actors
     return list(client.handles)
 
 
-def start_worker(cfg: Config, i: int, retrieval: list, engine_wrap: Callable | None = None):
+def start_worker(cfg: Config, i: int, retrieval: list, engine_wrap: Callable | None = None, *, policy: str):
+    """Rollout worker ``i``, searching through clients of the ``retrieval`` replicas (a client pickles:
+    handles and settings), holding the policy loaded from the directory ``policy``.
+
+    Rollouts search with ``retrieval.timeout_s``: a slow search is data (a failed call, "no results").
+    Evaluation searches wait up to ``cluster.step_timeout_s`` instead: a held-out measurement must not
+    depend on load, and a timed-out search there would turn into a wrong answer."""
     import ray
 
     from sonar.actors.worker import RolloutWorker
+    from sonar.retrieval.client import RetrievalClient
 
+    client = RetrievalClient(retrieval, timeout_s=cfg.retrieval.timeout_s)
+    eval_client = RetrievalClient(retrieval, timeout_s=cfg.cluster.step_timeout_s, name="service-eval")
     return ray.remote(RolloutWorker).options(
         num_cpus=cfg.rollout.num_cpus_per_worker, num_gpus=cfg.rollout.num_gpus_per_worker,
-        max_concurrency=4, name=None).remote(i, cfg, retrieval, engine_wrap=engine_wrap)
+        max_concurrency=4, name=None).remote(i, cfg, client, eval_retriever=eval_client, policy=policy,
+                                             engine_wrap=engine_wrap)
 
 
 def connect_broadcast(cfg: Config, roles: Roles) -> None:
@@ -226,7 +272,7 @@ def restart_worker(cfg: Config, roles: Roles, i: int, err: str, stage_index: int
         ray.kill(roles.workers[i], no_restart=True)
     except Exception:
         pass
-    roles.workers[i] = start_worker(cfg, i, roles.retrieval, roles.hooks.engine_wrap)
+    roles.workers[i] = start_worker(cfg, i, roles.retrieval, roles.hooks.engine_wrap, policy=roles.policy)
     ray.get(roles.workers[i].ready.remote())
     # The broadcast group includes every rank, so it is rebuilt: pause the others first (closing the
     # queue releases a producer blocked on backpressure; its prompt is requeued), then resume all.

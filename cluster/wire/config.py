@@ -149,7 +149,9 @@ class RetrievalConfig:
     """Longer queries are truncated (counted in retrieval/truncated)."""
     timeout_s: float = 10.0
     """Bound on one search call through the retrieval service, in seconds (> 0); on expiry the turn's
-    searches fail with error ``timeout`` (data, not a crash). Read by every ``RetrievalClient``."""
+    searches fail with error ``timeout`` (data, not a crash). Read by the rollout workers' client;
+    held-out evaluation waits up to ``cluster.step_timeout_s`` instead (a measurement must not depend
+    on load), and SFT demonstrations are searched in process, without the service."""
     max_retries: int = 2
     """Elasticsearch only: retries of a call that failed with a retryable error (timeout, 5xx, 429,
     connection) in ``ResilientRetriever``; 0 disables. The in-process tantivy backend is not wrapped."""
@@ -279,8 +281,6 @@ class AlgoConfig:
 class LearnerConfig:
     """The DeepSpeed learner."""
 
-    lr: float = 3e-4
-    """Learning rate of a stage whose ``lr`` is unset."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay (>= 0)."""
     betas: List[float] = field(default_factory=lambda: [0.9, 0.99])
@@ -355,8 +355,10 @@ class StageConfig:
     """sft | rl"""
     steps: int = 60
     """Learner steps in this stage."""
-    lr: Optional[float] = None
-    """Overrides learner.lr for this stage."""
+    lr: float = 3e-4
+    """Peak AdamW learning rate of this stage (> 0), the only source of the learning rate: warmup and
+    decay (``learner.warmup_steps`` / ``learner.lr_decay``) shape it over the stage's steps. The default
+    suits RL; SFT wants about 10x more (configs/tiny.yaml: 3e-3)."""
     batch_size: int = 64
     """SFT only: demonstrations per step."""
     difficulty: List[float] = field(default_factory=lambda: [0.0, 1.0])
@@ -407,7 +409,8 @@ class ClusterConfig:
     health_timeout_s: float = 60.0
     """A worker silent for this long is reported dead."""
     step_timeout_s: float = 600.0
-    """A learner step that takes longer fails the run loudly (no silent hang)."""
+    """A learner step that takes longer fails the run loudly (no silent hang); also the bound on one
+    search of the held-out evaluation (see ``retrieval.timeout_s``)."""
     mode: str = "async"
     """async: workers generate while the learner trains (bounded by replay.max_policy_lag);
     sync: generate a batch, then train, then broadcast, in lockstep (the baseline async is measured against)."""
@@ -696,6 +699,8 @@ def _check_stages(cfg: Config) -> None:
                 raise ValueError(f"stages[{i}].{key}={value!r} is not one of {list(allowed)}")
         if stage.steps < 0:
             raise ValueError(f"stages[{i}].steps={stage.steps} must be >= 0")
+        if not stage.lr > 0:
+            raise ValueError(f"stages[{i}].lr={stage.lr} must be > 0")
         d = stage.difficulty
         if len(d) != 2 or not 0.0 <= d[0] <= d[1] <= 1.0:
             raise ValueError(f"stages[{i}].difficulty={list(d)} must be [lo, hi] with 0 <= lo <= hi <= 1")

@@ -142,3 +142,21 @@ def test_policy_and_tokenizer_builds(world):
     ids = torch.tensor([t.encode(world.train[0].question, add_special_tokens=False)])
     with torch.no_grad():
         assert m(ids).logits.shape == (1, ids.shape[1], len(t))
+
+
+def test_materialised_policy_is_what_every_role_loads(world, tok, tmp_path):
+    """The driver writes the initial policy once; the directory reloads with plain transformers to the
+    very weights ``build_policy`` gives, and its tokenizer and pad id are the world's."""
+    from sonar.actors.model import materialise_policy
+    from sonar.cluster.wire.policy import load_policy as wire_load, pad_id
+
+    path = materialise_policy(ModelConfig(seed=3), world, tmp_path / "policy")
+    model, t = wire_load(path)
+    built = _weights(build_policy(ModelConfig(seed=3), tok))
+    assert all(torch.equal(built[k], v) for k, v in _weights(model).items())
+    assert t.get_vocab() == tok.get_vocab() and pad_id(model, t) == tok.pad_token_id == 0
+    # model.path is used as it is: named, not copied
+    assert materialise_policy(ModelConfig(path=path), world, tmp_path / "other") == path
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(ValueError, match="model.path"):
+        materialise_policy(ModelConfig(path=str(tmp_path / "missing")), world, tmp_path / "x")

@@ -7,7 +7,7 @@ def test_default_config_loads_and_is_frozen():
     cfg = load_config([DEFAULT_CONFIG])
     assert isinstance(cfg, Config)
     with pytest.raises(Exception):
-        cfg.learner.lr = 1.0  # frozen dataclasses travel, never a mutable DictConfig
+        cfg.learner.grad_clip = 1.0  # frozen dataclasses travel, never a mutable DictConfig
 
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
@@ -34,8 +34,8 @@ def test_every_shipped_config_loads(path, tmp_path):
 
 
 def test_dotlist_overrides_apply():
-    cfg = load_config([], ["learner.lr=0.001", "rollout.num_workers=3", "stages.0.steps=7"])
-    assert cfg.learner.lr == 0.001 and cfg.rollout.num_workers == 3 and cfg.stages[0].steps == 7
+    cfg = load_config([], ["stages.0.lr=0.001", "rollout.num_workers=3", "stages.0.steps=7"])
+    assert cfg.stages[0].lr == 0.001 and cfg.rollout.num_workers == 3 and cfg.stages[0].steps == 7
 
 
 def test_unknown_key_names_the_key():
@@ -44,8 +44,23 @@ def test_unknown_key_names_the_key():
 
 
 def test_wrong_type_names_the_key_and_value():
+    with pytest.raises(ConfigError, match="learner.grad_clip"):
+        load_config([], ["learner.grad_clip=fast"])
+
+
+@pytest.mark.parametrize("where", ["cli", "yaml"])
+def test_learner_lr_is_refused_naming_the_key(tmp_path, where):
+    """A stage's ``lr`` is the one source of the learning rate; ``learner.lr`` (once a seed that every
+    stage overwrote) must fail loudly rather than be silently ignored."""
+    p = tmp_path / "old.yaml"
+    p.write_text("learner:\n  lr: 3.0e-4\n")
     with pytest.raises(ConfigError, match="learner.lr"):
-        load_config([], ["learner.lr=fast"])
+        load_config([], ["learner.lr=3e-4"]) if where == "cli" else load_config([p])
+
+
+def test_stage_lr_must_be_positive():
+    with pytest.raises(ValueError, match=r"stages\[1\]\.lr=0.0"):
+        load_config([], ["stages=[{kind: sft}, {kind: rl, lr: 0.0}]"])
 
 
 def test_missing_file_is_named(tmp_path):
@@ -62,7 +77,7 @@ def test_unknown_key_in_yaml_names_file(tmp_path):
 
 def test_override_without_equals_sign():
     with pytest.raises(ConfigError, match="key=value"):
-        load_config([], ["learner.lr"])
+        load_config([], ["learner.grad_clip"])
 
 
 @pytest.mark.parametrize("overrides, fields", [
@@ -82,7 +97,7 @@ def test_impossible_combinations_name_both_fields(overrides, fields):
 
 def test_flatten_for_mlflow_params():
     flat = flatten(to_dict(load_config([])))
-    assert flat["learner.lr"] == str(load_config([]).learner.lr)
+    assert flat["stages.0.lr"] == str(load_config([]).stages[0].lr)
     assert "stages.0.algo.name" in flat
 
 

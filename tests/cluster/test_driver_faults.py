@@ -32,7 +32,7 @@ def roles_for(tmp_path):
 
 def _start_rl(cfg, roles):
     stage = cfg.stages[1]
-    ray.get(roles.learner.begin_stage.remote(1, stage, roles.retrieval))
+    ray.get(roles.learner.begin_stage.remote(1, stage))
     ray.get([w.start.remote(roles.replay, 1, stage) for w in roles.workers])
     return stage
 

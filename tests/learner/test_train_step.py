@@ -54,23 +54,60 @@ def init_deepspeed():
     return ds
 
 
+def keep_grads_before_step(stepper, full_grad):
+    """Make ``stepper.step()`` first copy every parameter's accumulated gradient (``full_grad(p)``)
+    into the returned list: the gradients the optimizer is about to apply."""
+    grads: list[torch.Tensor] = []
+    step = stepper.step
+
+    def step_keeping_grads():
+        grads.extend(full_grad(p).detach().clone() for p in stepper.module.parameters())
+        return step()
+
+    stepper.step = step_keeping_grads
+    return stepper, grads
+
+
+# Tolerances of the ZeRO comparison. ZeRO-3 wraps every submodule's inputs and outputs in identity
+# autograd nodes (DeepSpeed's parameter-fetch hooks); they regroup the float32 sums of the gradients of
+# tensors with three or more consumers (the residual stream: the add, and the norm's pow and mul), so
+# its gradients differ from plain PyTorch's in the last bits (measured <= 2e-7 of each tensor's
+# largest gradient, even with one micro-batch; plain PyTorch with the same identity nodes is bitwise
+# equal to ZeRO-3, ZeRO 0-2 are bitwise equal to plain PyTorch, and both are as close to a float64
+# gradient). AdamW's first step is lr * g / (|g| + eps), whose slope in g is up to lr / eps: with the
+# default eps=1e-8, an element whose |g| is ~1e-7 turned that rounding into a 1.4e-6 parameter
+# difference (o_proj, transformers 5.19), over the old atol. eps=1e-4 bounds the slope at lr / eps =
+# 100, so 1e-9 of gradient rounding moves a parameter by <= 1e-7, under atol=1e-6 wherever the
+# rounding lands. A wiring bug (a micro-batch lost or overwritten, a wrong normaliser, no step) moves
+# gradients by O(1) of their size and parameters by O(lr): far outside both tolerances.
+GRAD_ATOL_OF_MAX = 1e-5
+"""Gradient tolerance, as a fraction of the tensor's largest reference gradient."""
+ADAM_EPS = 1e-4
+
+
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_deepspeed_step_matches_plain_pytorch(zero_stage):
+    """Same accumulated gradients before the optimizer step, same parameters after it."""
     ds = init_deepspeed()
+    from deepspeed.utils import safe_get_full_grad
     from sonar.learner.deepspeed_config import deepspeed_config
 
-    lcfg = LearnerConfig(lr=1e-2, grad_clip=1.0, zero_stage=zero_stage, micro_batch_tokens=40)
+    lcfg, lr = LearnerConfig(grad_clip=1.0, zero_stage=zero_stage, micro_batch_tokens=40), 1e-2
     algo, rcfg = AlgoConfig(), ReplayConfig()
     ref = tiny_model()
     model = copy.deepcopy(ref)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=lcfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    opt = torch.optim.AdamW(model.parameters(), lr=lcfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(0.9, 0.99), eps=ADAM_EPS, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), eps=ADAM_EPS, weight_decay=0.0)
     engine, *_ = ds.initialize(model=model, optimizer=opt, config=deepspeed_config(lcfg, on_gpu=False))
-    a = rl_step(TorchStepper(ref, opt_ref, lcfg.grad_clip), groups(), [0, 0, 0], algo, lcfg, rcfg, 1.0, 0)
-    b = rl_step(DeepSpeedStepper(engine, zero_stage), groups(), [0, 0, 0], algo, lcfg, rcfg, 1.0, 0)
+    ref_stepper, ref_grads = keep_grads_before_step(TorchStepper(ref, opt_ref, lcfg.grad_clip), lambda p: p.grad)
+    ds_stepper, ds_grads = keep_grads_before_step(DeepSpeedStepper(engine, zero_stage), safe_get_full_grad)
+    a = rl_step(ref_stepper, groups(), [0, 0, 0], algo, lcfg, rcfg, 1.0, 0)
+    b = rl_step(ds_stepper, groups(), [0, 0, 0], algo, lcfg, rcfg, 1.0, 0)
     assert a["learner/micro_batches"] > 1  # the token budget really splits the batch
     assert a["learner/loss"] == pytest.approx(b["learner/loss"], rel=1e-5, abs=1e-7)
     assert a["learner/grad_norm"] == pytest.approx(b["learner/grad_norm"], rel=1e-4)
+    for (n, _), g, h in zip(ref.named_parameters(), ref_grads, ds_grads, strict=True):
+        torch.testing.assert_close(h, g, rtol=0.0, atol=GRAD_ATOL_OF_MAX * float(g.abs().max()), msg=f"grad {n}")
     params = list(engine.module.named_parameters())
     gather = ds.zero.GatheredParameters([q for _, q in params]) if zero_stage == 3 else contextlib.nullcontext()
     with gather:  # ZeRO-3 partitions parameters: gather them to compare
