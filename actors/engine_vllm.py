@@ -100,6 +100,21 @@ def model_eos_ids(model_dir: str) -> set[int]:
     return out
 
 
+def check_architectures(model_dir: str) -> None:
+    """Raise ValueError naming the directory unless vLLM implements one of its config's architectures
+    (config load checks only that config.json names some: knowing which vLLM has needs vLLM imported)."""
+    import json
+
+    from vllm import ModelRegistry
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        archs = json.load(f).get("architectures") or []
+    supported = set(ModelRegistry.get_supported_archs())
+    if not any(a in supported for a in archs):
+        raise ValueError(f"model.path={model_dir!r}: vLLM implements none of its architectures {archs} "
+                         f"(rollout.engine='vllm'; use rollout.engine='hf' for it)")
+
+
 class VLLMEngine:
     """See the module docstring. Construct with :meth:`from_model` in a worker; tests build it directly.
 
@@ -126,6 +141,8 @@ class VLLMEngine:
         self._owned_dir = owned_dir
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids) | model_eos_ids(model_dir)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # vLLM logs every pause/resume and cache reset at INFO: one weight push = several lines per worker.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
         self._thread.start()
@@ -154,14 +171,16 @@ class VLLMEngine:
         self.max_model_len = int(self._llm.model_config.max_model_len)
 
     @classmethod
-    def from_model(cls, model, tokenizer, cfg) -> "VLLMEngine":
-        """The engine a rollout worker runs: ``cfg.model.path`` when set, else the worker's tiny policy
-        saved to a temporary directory (removed by :meth:`close`). ``model`` gives the parameter specs
-        (the learner builds the same model, so the layouts agree); the engine keeps no reference to it."""
+    def from_model(cls, model, tokenizer, cfg, model_dir: str | None = None) -> "VLLMEngine":
+        """The engine a rollout worker runs on ``model_dir``, the Hugging Face directory ``model`` was
+        loaded from (the run's policy); without one, ``cfg.model.path``, else ``model`` saved to a
+        temporary directory (removed by :meth:`close`). ``model`` gives the parameter specs (the learner
+        loads the same directory, so the layouts agree); the engine keeps no reference to it."""
         specs = [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters() if p.requires_grad]
         owned = None
-        if cfg.model.path:
-            model_dir = os.path.expanduser(cfg.model.path)
+        if model_dir or cfg.model.path:
+            model_dir = os.path.expanduser(model_dir or cfg.model.path)
+            check_architectures(model_dir)
         else:
             from sonar.actors.model import save_policy
 

@@ -27,24 +27,25 @@ EngineWrap = Callable[..., Engine]
 
 
 def build_engine(cfg: Config, model: Any, tokenizer: Any, *, worker_id: int = 0,
-                 wrap: EngineWrap | None = None) -> Engine:
+                 wrap: EngineWrap | None = None, policy_dir: str | None = None) -> Engine:
     """The engine ``cfg.rollout`` describes, around ``model`` (the worker's copy of the policy; the
-    vLLM engine loads ``cfg.model.path`` itself), passed through ``wrap`` when one is given.
+    vLLM engine loads ``policy_dir``, the Hugging Face directory ``model`` came from, itself), passed
+    through ``wrap`` when one is given.
 
     ``tokenizer`` supplies the EOS id. ``worker_id`` is handed to ``wrap`` (to seed per-worker draws).
     """
-    engine = _production_engine(cfg, model, tokenizer)
+    engine = _production_engine(cfg, model, tokenizer, policy_dir)
     if wrap is None:
         return engine
     return wrap(engine, cfg=cfg, model=model, tokenizer=tokenizer, worker_id=worker_id)
 
 
-def _production_engine(cfg: Config, model: Any, tokenizer: Any) -> Engine:
+def _production_engine(cfg: Config, model: Any, tokenizer: Any, policy_dir: str | None = None) -> Engine:
     r = cfg.rollout
     if r.engine == "vllm":
         from sonar.actors.engine_vllm import VLLMEngine
 
-        return VLLMEngine.from_model(model, tokenizer, cfg)
+        return VLLMEngine.from_model(model, tokenizer, cfg, policy_dir)
     if r.engine == "hf":
         if r.continuous_batching:
             from sonar.actors.engine_continuous import ContinuousHFEngine

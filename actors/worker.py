@@ -51,6 +51,11 @@ class SwappingEngine:
             self._staged = (version, tensors, buffer_set)
 
     def apply_staged(self) -> None:
+        """Install staged weights; an engine that receives weights itself (``receives_weights``) is
+        waited for instead, until its last received version is loaded."""
+        if receives_weights(self.inner):
+            self.inner.apply_staged()
+            return
         with self._lock:
             staged, self._staged = self._staged, None
         if staged is not None:
@@ -74,6 +79,14 @@ class SwappingEngine:
 
     def state_checksum(self) -> float:
         return self.inner.state_checksum()
+
+
+def receives_weights(engine) -> bool:
+    """True for an engine that joins the broadcast group itself (the vLLM engine: inside its own worker
+    processes, one rank per tensor-parallel rank) instead of taking tensors from this actor. It offers
+    ``broadcast_ranks()``, ``setup_broadcast(addr, port, rank_base, world_size, backend, prefix)``,
+    ``receive_weights(version)``, ``apply_staged()`` and ``weights_checksum()``."""
+    return callable(getattr(engine, "receive_weights", None)) and callable(getattr(engine, "weights_checksum", None))
 
 
 def _set_threads(n: int = 1) -> None:
@@ -105,7 +118,8 @@ class RolloutWorker:
         self.world = build_world(cfg.world)
         model, self.tokenizer = load_policy(policy)
         self.tags = get_protocol(cfg.protocol.name)
-        self.engine = SwappingEngine(build_engine(cfg, model, self.tokenizer, worker_id=worker_id, wrap=engine_wrap))
+        self.engine = SwappingEngine(build_engine(cfg, model, self.tokenizer, worker_id=worker_id, wrap=engine_wrap,
+                                                  policy_dir=policy))
         if retriever is None:
             raise ValueError(f"rollout worker {worker_id} needs a retriever (the driver passes the retrieval client)")
         self.retriever = retriever
@@ -126,10 +140,18 @@ class RolloutWorker:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "version": self.engine.version,
                 "num_params": sum(int(np.prod(s.shape)) for s in self.engine.parameter_specs())}
 
+    def broadcast_ranks(self) -> int:
+        """Ranks this worker takes in the broadcast group (the driver numbers them consecutively)."""
+        inner = self.engine.inner
+        return int(inner.broadcast_ranks()) if receives_weights(inner) else 1
+
     def setup_broadcast(self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str,
-                        prefix: str) -> bool:
+                        prefix: str) -> str:
+        """Join the group as ``rank`` (the first of ``broadcast_ranks()``); returns the layout digest."""
         from sonar.cluster.wire.weights import BroadcastGroup, TensorSpec, layout_digest, plan_buckets
 
+        if receives_weights(self.engine.inner):
+            return self.engine.inner.setup_broadcast(master_addr, master_port, rank, world_size, backend, prefix)
         self._group = BroadcastGroup(master_addr, master_port, rank, world_size, backend, prefix=prefix)
         specs = [TensorSpec(p.name, tuple(p.shape), p.dtype) for p in self.engine.parameter_specs()]
         self._buckets = plan_buckets(specs)
@@ -140,6 +162,9 @@ class RolloutWorker:
     def receive_weights(self, version: int) -> dict:
         """Collective: runs concurrently with the loop thread's generation. Staged, swapped later."""
         t0 = time.perf_counter()
+        if receives_weights(self.engine.inner):  # the bytes go straight into vLLM's workers; it loads them
+            self.engine.inner.receive_weights(version)
+            return {"worker_id": self.worker_id, "version": version, "recv_s": time.perf_counter() - t0}
         i = version % 2
         with self.engine.buffer_locks[i]:
             if not self.engine.buffers[i]:
@@ -161,10 +186,10 @@ class RolloutWorker:
         """Same function as the learner's (cluster.weights.checksum), so the two can be compared."""
         from sonar.cluster.wire.weights import checksum
 
-        model = getattr(self.engine.inner, "model", None)
-        if model is None:  # vLLM keeps its weights in its own worker processes
-            return {"version": self.engine.version, "checksum": None}
-        return {"version": self.engine.version, "checksum": checksum(model.named_parameters())}
+        inner = self.engine.inner
+        if receives_weights(inner):  # the weights live in the engine's own processes: it sums what they received
+            return dict(inner.weights_checksum())
+        return {"version": self.engine.version, "checksum": checksum(inner.model.named_parameters())}
 
     # ------------------------------------------------------------------ rollout loop
     def start(self, replay, stage_index: int, stage: StageConfig) -> bool:

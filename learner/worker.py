@@ -103,12 +103,28 @@ class Learner:
 
         return [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in self.named_tensors().items()]
 
+    def broadcast_endpoint(self, world_size: int) -> tuple[str, int]:
+        """Where the next broadcast group meets: this learner's node address (as Ray knows it; 127.0.0.1
+        on a local cluster) and the port of a rendezvous store it binds now and holds until
+        ``setup_broadcast`` takes it, so no other process can grab the port in between."""
+        import ray
+
+        from sonar.cluster.wire.weights import open_store
+
+        host = ray.util.get_node_ip_address()
+        self._bcast_store = open_store(host, world_size)
+        return host, int(self._bcast_store.port)
+
     def setup_broadcast(self, master_addr: str, master_port: int, world_size: int, backend: str, prefix: str) -> str:
         from sonar.cluster.wire.weights import BroadcastGroup, layout_digest, plan_buckets
 
         specs = self.param_specs()
         self._buckets = plan_buckets(specs)
-        self._group = BroadcastGroup(master_addr, master_port, 0, world_size, backend, prefix=prefix)
+        store = getattr(self, "_bcast_store", None)
+        self._bcast_store = None
+        if store is not None and store.port != master_port:
+            store = None  # a stale endpoint: bind master_port instead
+        self._group = BroadcastGroup(master_addr, master_port, 0, world_size, backend, prefix=prefix, store=store)
         return layout_digest(specs)
 
     def broadcast(self) -> dict:

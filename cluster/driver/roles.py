@@ -193,18 +193,25 @@ def start_worker(cfg: Config, i: int, retrieval: list, engine_wrap: Callable | N
 
 
 def connect_broadcast(cfg: Config, roles: Roles) -> None:
-    """(Re)build the broadcast group: every rank must join concurrently; layouts must agree."""
+    """(Re)build the broadcast group: every rank must join concurrently; layouts must agree.
+
+    Ranks: the learner is 0; worker i takes ``broadcast_ranks()`` consecutive ranks from ``bases[i]``
+    (one for a transformers engine, one per tensor-parallel rank of a vLLM engine, whose worker
+    processes join themselves). The group meets at the learner's node address, on a port the learner
+    has bound (``broadcast_endpoint``); gloo unless every rank has a GPU (``broadcast_backend``)."""
     import ray
 
-    from sonar.learner.deepspeed_config import resolve_backend
-    from sonar.learner.worker import free_port
+    from sonar.cluster.wire.config import broadcast_backend
 
     roles.bcast_gen += 1
     prefix = f"sonar-weights-{roles.bcast_gen}"
-    port, n = free_port(), len(roles.workers) + 1
-    backend = resolve_backend(cfg.learner, cfg.learner.num_gpus > 0)
-    refs = [roles.learner.setup_broadcast.remote("127.0.0.1", port, n, backend, prefix)]
-    refs += [w.setup_broadcast.remote("127.0.0.1", port, i + 1, n, backend, prefix) for i, w in enumerate(roles.workers)]
+    ranks = ray.get([w.broadcast_ranks.remote() for w in roles.workers], timeout=cfg.cluster.health_timeout_s)
+    bases = [1 + sum(ranks[:i]) for i in range(len(ranks))]
+    n = 1 + sum(ranks)
+    addr, port = ray.get(roles.learner.broadcast_endpoint.remote(n), timeout=cfg.cluster.health_timeout_s)
+    backend = broadcast_backend(cfg)
+    refs = [roles.learner.setup_broadcast.remote(addr, port, n, backend, prefix)]
+    refs += [w.setup_broadcast.remote(addr, port, b, n, backend, prefix) for w, b in zip(roles.workers, bases)]
     digests = ray.get(refs, timeout=cfg.cluster.health_timeout_s)
     if len(set(digests)) != 1:
         raise RuntimeError(f"weight layouts differ between the learner and the workers: {digests} "

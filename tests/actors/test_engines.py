@@ -37,8 +37,8 @@ def test_hf_kinds_follow_rollout_config(policy):
 
 
 def test_vllm_kind_is_routed_to_the_vllm_engine(policy, monkeypatch):
-    """The branch hands model, tokenizer and config to ``VLLMEngine.from_model`` (replaced here: starting
-    vLLM is the vLLM tests' business)."""
+    """The branch hands model, tokenizer, config and the policy's directory (vLLM loads it itself) to
+    ``VLLMEngine.from_model`` (replaced here: starting vLLM is the vLLM tests' business)."""
     from sonar.actors import engine_vllm
 
     model, tok = policy
@@ -47,8 +47,8 @@ def test_vllm_kind_is_routed_to_the_vllm_engine(policy, monkeypatch):
     calls = []
     monkeypatch.setattr(engine_vllm.VLLMEngine, "from_model",
                         classmethod(lambda cls, *a: calls.append(a) or "a vllm engine"))
-    assert build_engine(cfg, model, tok) == "a vllm engine"
-    assert calls == [(model, tok, cfg)]
+    assert build_engine(cfg, model, tok, policy_dir="/runs/x/policy") == "a vllm engine"
+    assert calls == [(model, tok, cfg, "/runs/x/policy")]
 
 
 def test_unknown_kind_names_the_field(policy):
