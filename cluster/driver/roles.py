@@ -243,18 +243,29 @@ def stop_roles(roles: Roles | None) -> None:
 
 
 def check_workers(cfg: Config, roles: Roles, stage_index: int, stage: StageConfig) -> dict:
-    """Health check every iteration: a dead or silent worker is restarted or fails the run loudly."""
+    """Health check every iteration: a dead or silent worker is restarted or fails the run loudly.
+
+    Every worker is asked at once and all answers share one deadline (``cluster.health_timeout_s``),
+    so a silent worker costs one timeout per check, not one per worker. Restarts then run in worker
+    order, as the answers were judged."""
     import ray
 
+    refs = [w.health.remote() for w in roles.workers]
+    # Wait: for every answer or the deadline. A dead actor's call finishes at once, with its error.
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=cfg.cluster.health_timeout_s)[0]) if refs else set()
     recent: list[dict] = []
-    for i, w in enumerate(list(roles.workers)):
-        try:
-            h = ray.get(w.health.remote(), timeout=cfg.cluster.health_timeout_s)
-            err = h["error"] or (None if h["alive"] or cfg.cluster.mode == "sync" else "rollout loop is not running")
-            if err is None and cfg.cluster.mode == "async" and h["idle_s"] > cfg.cluster.step_timeout_s:
-                err = f"no progress for {h['idle_s']:.0f}s"
-        except Exception as e:  # actor died (RayActorError) or health timed out
-            h, err = None, f"{type(e).__name__}: {e}"
+    for i, ref in enumerate(refs):
+        h, err = None, (f"GetTimeoutError: no health answer within cluster.health_timeout_s="
+                        f"{cfg.cluster.health_timeout_s}s")
+        if ref in ready:
+            try:
+                h = ray.get(ref)
+                stopped = not h["alive"] and cfg.cluster.mode == "async"
+                err = h["error"] or ("rollout loop is not running" if stopped else None)
+                if err is None and cfg.cluster.mode == "async" and h["idle_s"] > cfg.cluster.step_timeout_s:
+                    err = f"no progress for {h['idle_s']:.0f}s"
+            except Exception as e:  # the actor died (RayActorError) or its health call raised
+                h, err = None, f"{type(e).__name__}: {e}"
         if err is None:
             recent.extend(h["recent"])
             continue

@@ -3,6 +3,8 @@ naming the worker; its claimed prompts are requeued, never lost."""
 import pytest
 import ray
 
+from tests.waiting import wait_actor_dead
+
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
@@ -43,6 +45,7 @@ def test_dead_worker_without_restarts_fails_the_run_naming_it(roles_for):
     cfg, run, roles = roles_for(0)
     stage = _start_rl(cfg, roles)
     ray.kill(roles.workers[1], no_restart=True)
+    wait_actor_dead(roles.workers[1])  # ray.kill returns before the actor is dead: a health call could still succeed
     with pytest.raises(WorkerFailed, match=r"rollout worker 1 failed .*max_worker_restarts=0"):
         check_workers(cfg, roles, 1, stage)
     from sonar.cluster.driver.roles import stop_rollouts
@@ -58,6 +61,7 @@ def test_dead_worker_is_restarted_and_rejoins_the_broadcast(roles_for):
     stage = _start_rl(cfg, roles)
     old = roles.workers[0]
     ray.kill(old, no_restart=True)
+    wait_actor_dead(old)  # ray.kill returns before the actor is dead: a health call could still succeed
     check_workers(cfg, roles, 1, stage)
     assert roles.workers[0] is not old and roles.restarts[0] == 1
     push_weights(roles)  # the rebuilt group includes the new worker

@@ -1,0 +1,101 @@
+"""check_workers asks every rollout worker at once and judges every answer against one deadline: a
+healthy worker's recent rollouts reach the metrics; a silent or dead one goes to restart_worker, in
+worker order, with the reason."""
+import os
+import sys
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from tests.waiting import wait_actor_dead
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    import ray.cloudpickle
+
+    # The fakes travel into the actors by value: the repository root is itself a package, so this
+    # module's import name is one Ray's worker processes cannot import.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    started = False
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False, configure_logging=False)
+        started = True
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+class Gate:
+    """An async actor: ``arrive()`` returns once ``n`` calls have arrived."""
+
+    def __init__(self, n: int):
+        self.n, self.arrived, self.all_in = n, 0, None
+
+    async def arrive(self) -> int:
+        import asyncio
+
+        if self.all_in is None:
+            self.all_in = asyncio.Event()
+        self.arrived += 1
+        if self.arrived >= self.n:
+            self.all_in.set()
+        await self.all_in.wait()
+        return self.arrived
+
+
+class FakeWorker:
+    """``health()`` answers only after every live worker's health call has reached the gate, so
+    health calls made one after another would leave the first one waiting for the deadline. A
+    ``silent`` worker reaches the gate and then never answers."""
+
+    def __init__(self, worker_id: int, gate, reward: float, silent: bool = False):
+        self.worker_id, self.gate, self.reward, self.silent = worker_id, gate, reward, silent
+
+    def health(self) -> dict:
+        import ray
+
+        ray.get(self.gate.arrive.remote())
+        if self.silent:
+            threading.Event().wait()
+        record = {"reward": self.reward, "parts": {"em": self.reward}, "finish": "answered", "searches": 1,
+                  "failed_searches": 0, "latency_ms": [2.0], "model_tokens": 5}
+        return {"worker_id": self.worker_id, "alive": True, "error": None, "idle_s": 0.0, "version": 0,
+                "stats": {}, "recent": [record]}
+
+
+def test_health_is_asked_of_all_workers_at_once_with_one_deadline(ray_local, monkeypatch):
+    import ray
+
+    from sonar.cluster.driver import roles as roles_mod
+    from sonar.cluster.wire import metrics as K
+    from sonar.cluster.wire.config import CONFIG_DIR, load_config
+
+    timeout_s = 8.0  # the silent worker costs this once; the answering ones are not judged by it
+    cfg = load_config([CONFIG_DIR / "smoke.yaml"], ["cluster.mode=async", f"cluster.health_timeout_s={timeout_s}"])
+    gate = ray.remote(Gate).options(max_concurrency=16).remote(3)  # workers 0, 1 and 3 arrive
+    actor = ray.remote(FakeWorker).options(num_cpus=0)
+    workers = [actor.remote(0, gate, 1.0), actor.remote(1, gate, 0.0, silent=True), actor.remote(2, gate, 0.0),
+               actor.remote(3, gate, 0.0)]
+    ray.kill(workers[2], no_restart=True)
+    wait_actor_dead(workers[2])
+    restarted = []
+    monkeypatch.setattr(roles_mod, "restart_worker", lambda cfg, roles, i, err, *a: restarted.append((i, err)))
+    try:
+        m = roles_mod.check_workers(cfg, SimpleNamespace(workers=workers), 1, cfg.stages[1])
+    finally:
+        for w in workers:
+            ray.kill(w, no_restart=True)
+        ray.kill(gate, no_restart=True)
+    assert [i for i, _ in restarted] == [1, 2], restarted
+    assert restarted[0][1] == f"GetTimeoutError: no health answer within cluster.health_timeout_s={timeout_s}s"
+    assert restarted[1][1].startswith("ActorDiedError")
+    # Workers 0 and 3 answered: their records, and only theirs, reach the metrics.
+    assert m[K.ROLLOUT_TRAJECTORIES] == 2.0 and m[K.ROLLOUT_REWARD_MEAN] == 0.5
