@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,6 +18,7 @@ from sonar.actors.rollout import PromptItem, RolloutStats, rollout_groups
 from sonar.cluster.wire.config import ProtocolConfig
 from sonar.cluster.wire.protocol import FinishReason, SegmentKind, decode_group, encode_group
 from sonar.retrieval.base import Hit, RetrievalError
+from tests.waiting import DEADLINE_S, await_until
 
 TAGS = get_protocol("rag_r1_multi")
 WORDS = ("question : what is the capital of france germany paris berlin city country river "
@@ -352,27 +353,35 @@ def test_config_errors_name_values():
 
 
 def test_event_loop_stays_free_during_generate():
-    """generate runs in a thread: another coroutine makes progress while the engine blocks."""
-    def slow(ctx, turn):
-        time.sleep(0.2)
+    """generate runs in a thread: another coroutine makes progress while the engine blocks. The engine
+    blocks until that coroutine has run, so an engine called on the event loop fails the test (the
+    coroutine could never run) instead of being timed."""
+    in_generate, ticked = threading.Event(), threading.Event()
+
+    def blocking(ctx, turn):
+        in_generate.set()
+        assert ticked.wait(DEADLINE_S), "no other coroutine ran while generate blocked"
         return "<answer> paris </answer>"
 
     ticks = []
 
     async def main():
         async def ticker():
+            await await_until(in_generate.is_set, what="the rollout to call generate")
             for _ in range(5):
-                ticks.append(time.perf_counter())
-                await asyncio.sleep(0.02)
+                ticks.append(not ticked.is_set())  # generate is still blocked
+                await asyncio.sleep(0)
+            ticked.set()
 
         task = asyncio.create_task(ticker())
-        await rollout_groups(ITEMS[:1], engine=ScriptedEngine(slow), retriever=FakeRetriever(), tokenizer=TOK,
-                             tags=TAGS, proto=ProtocolConfig(), temperature=1.0, group_size=1, k=1,
-                             reward_fn=em_reward)
+        groups, _ = await rollout_groups(ITEMS[:1], engine=ScriptedEngine(blocking), retriever=FakeRetriever(),
+                                         tokenizer=TOK, tags=TAGS, proto=ProtocolConfig(), temperature=1.0,
+                                         group_size=1, k=1, reward_fn=em_reward)
         await task
+        return groups
 
-    asyncio.run(main())
-    assert len(ticks) == 5 and ticks[-1] - ticks[0] < 0.19
+    groups = asyncio.run(main())
+    assert ticks == [True] * 5 and groups[0][0].finish_reason == FinishReason.ANSWERED
 
 
 # ---------------------------------------------------------------- real engine, end to end

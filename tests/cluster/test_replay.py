@@ -5,6 +5,7 @@ import time
 import pytest
 
 from sonar.cluster.wire.replay import PromptCursor, QueuedGroup, ReplayCore, ReplayQueue
+from tests.waiting import await_until, settle
 
 
 def group(prompt, version, n=4, worker=0):
@@ -101,7 +102,7 @@ def test_queue_actor_logic_backpressure_and_timeout():
         q = ReplayQueue(capacity_groups=1, max_policy_lag=4, stale_policy="drop", num_prompts=10, seed=0)
         assert await q.put(b"a", 0, 1, 0, 0)
         blocked = asyncio.create_task(q.put(b"b", 0, 1, 1, 0))
-        await asyncio.sleep(0.05)
+        await settle()
         assert not blocked.done()  # the queue is full: the producer waits
         got = await q.get(1, 0, timeout_s=1.0)
         assert got["groups"] == [b"a"]
@@ -120,7 +121,8 @@ def test_closed_queue_requeues_the_producer_prompt():
         idx = await q.claim(0, 2)
         assert await q.put(b"a", 0, 1, idx[0], 0)
         blocked = asyncio.create_task(q.put(b"b", 0, 1, idx[1], 0))
-        await asyncio.sleep(0.05)
+        await settle()
+        assert not blocked.done()  # the queue is full: the producer waits
         await q.close()
         assert await blocked is False
         assert q.core.cursor.take(1) == [idx[1]]
@@ -241,19 +243,19 @@ def test_blocked_claim_times_out_with_nothing():
         q = _queue(4)
         await q.claim(0, 2)
         await q.claim(1, 2)
-        t0 = time.monotonic()
-        assert await q.claim(2, 1) == []  # default wait_s=0: refused at once
-        assert time.monotonic() - t0 < 0.5
+        refused = asyncio.create_task(q.claim(2, 1))  # default wait_s=0: refused at once
+        await settle()
+        assert refused.done() and refused.result() == []
         wait_s = 0.3
         t0 = time.monotonic()
         assert await q.claim(2, 1, wait_s) == []
-        elapsed = time.monotonic() - t0
-        assert wait_s * 0.9 <= elapsed < wait_s + 0.5
+        assert time.monotonic() - t0 >= wait_s * 0.9  # it waited out wait_s (a load only lengthens this)
         assert q.core.inflight() == 4 and 2 not in q.core.claims  # nothing was claimed on the way out
         # a claim within the budget does not wait at all
         q2 = _queue(4)
-        t0 = time.monotonic()
-        assert len(await q2.claim(0, 3, 5.0)) == 3 and time.monotonic() - t0 < 0.5
+        within = asyncio.create_task(q2.claim(0, 3, 60.0))
+        await settle()
+        assert within.done() and len(within.result()) == 3
 
     asyncio.run(scenario())
 
@@ -265,17 +267,14 @@ def test_learner_get_wakes_a_blocked_claim():
         b = await q.claim(1, 2)
         for p in a:
             assert await q.put(b"g", 0, 1, p, 0)  # queued: still in the pipeline
-        wait_s = 5.0
-        t0 = time.monotonic()
-        blocked = asyncio.create_task(q.claim(2, 2, wait_s))
-        await asyncio.sleep(0.1)
+        blocked = asyncio.create_task(q.claim(2, 2, 600.0))  # only an event can end this wait in time
+        await settle()
         assert not blocked.done()  # put does not free budget
         got = await q.get(2, 0, timeout_s=1.0)
         assert got["prompts"] == a and not got["timed_out"]
-        t_get = time.monotonic()
-        idx = await asyncio.wait_for(blocked, 1.0)
+        await await_until(blocked.done, what="the get to wake the blocked claim")
+        idx = blocked.result()
         assert len(idx) == 2 and not set(idx) & set(a + b)
-        assert time.monotonic() - t_get < 0.5 and time.monotonic() - t0 < wait_s / 4
         assert q.core.claims[2] == idx and q.core.inflight() == 4
 
     asyncio.run(scenario())
@@ -287,12 +286,13 @@ def test_learner_get_wakes_a_claim_when_it_takes_stale_groups_too():
         a = await q.claim(0, 2)
         for p in a:
             await q.put(b"g", 0, 1, p, 0)
-        blocked = asyncio.create_task(q.claim(1, 1, 5.0))
-        await asyncio.sleep(0.05)
+        blocked = asyncio.create_task(q.claim(1, 1, 600.0))
+        await settle()
         assert not blocked.done()
         got = await q.get(1, learner_version=3, timeout_s=0.2)  # both stale: dropped, the get times out
         assert got["groups"] == [] and got["dropped"] == 2
-        assert len(await asyncio.wait_for(blocked, 1.0)) == 1
+        await await_until(blocked.done, what="the stale drop to wake the blocked claim")
+        assert len(blocked.result()) == 1
 
     asyncio.run(scenario())
 
@@ -305,17 +305,15 @@ def test_release_and_drain_wake_a_blocked_claim(how):
         if how == "drain":
             for p in a:
                 await q.put(b"g", 0, 1, p, 0)
-        blocked = asyncio.create_task(q.claim(1, 2, 5.0))
-        await asyncio.sleep(0.05)
+        blocked = asyncio.create_task(q.claim(1, 2, 600.0))
+        await settle()
         assert not blocked.done()
-        t0 = time.monotonic()
         if how == "drain":
             assert await q.drain() == 2
         else:
             assert await q.release_worker(0) == 2
-        idx = await asyncio.wait_for(blocked, 1.0)
-        assert time.monotonic() - t0 < 0.5
-        assert sorted(idx) == sorted(a)  # the requeued prompts come back first
+        await await_until(blocked.done, what=f"{how} to wake the blocked claim")
+        assert sorted(blocked.result()) == sorted(a)  # the requeued prompts come back first
 
     asyncio.run(scenario())
 
@@ -324,14 +322,15 @@ def test_closed_queue_refuses_claims_over_budget_at_once():
     async def scenario():
         q = _queue(4)
         await q.claim(0, 4)
-        blocked = asyncio.create_task(q.claim(1, 1, 5.0))
-        await asyncio.sleep(0.05)
-        t0 = time.monotonic()
+        blocked = asyncio.create_task(q.claim(1, 1, 600.0))
+        await settle()
+        assert not blocked.done()
         await q.close()
-        assert await asyncio.wait_for(blocked, 1.0) == [] and time.monotonic() - t0 < 0.5  # woken by close
-        t0 = time.monotonic()
-        assert await q.claim(1, 1, 5.0) == []  # after close: no waiting at all
-        assert time.monotonic() - t0 < 0.5
+        await await_until(blocked.done, what="close to wake the blocked claim")
+        assert blocked.result() == []
+        after = asyncio.create_task(q.claim(1, 1, 600.0))  # after close: no waiting at all
+        await settle()
+        assert after.done() and after.result() == []
         assert 1 not in q.core.claims and q.core.inflight() == 4
         await q.release_worker(0)
         assert len(await q.claim(1, 1, 5.0)) == 1  # within budget a closed queue still hands out prompts

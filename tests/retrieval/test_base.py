@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from sonar.retrieval.base import Hit, check_retriever, native_async, search_async
+from tests.waiting import await_until
 
 
 class Blocking:
@@ -44,10 +45,7 @@ def test_blocking_retriever_runs_in_a_thread_and_the_loop_stays_free():
     async def main():
         task = asyncio.create_task(search_async(r, ("a", "b"), 2))  # a tuple is passed on as a list
         # The loop keeps running while the search blocks: this coroutine opens the gate.
-        for _ in range(1000):
-            if r.threads:
-                break
-            await asyncio.sleep(0.001)
+        await await_until(lambda: r.threads, what="the search to start in its thread")
         gate.set()
         return await task
 

@@ -1,30 +1,31 @@
 """CachedRetriever (LRU, in-batch and in-flight coalescing, counters, thread safety) and the pure
 multi-query step helpers (retrieval.multiquery), which run in front of the cache in a RAG-R1 step."""
 import threading
-import time
 
 import pytest
 
 from sonar.retrieval.base import Hit, RetrievalError, Retriever
 from sonar.retrieval.cache import CachedRetriever
 from sonar.retrieval.multiquery import dedupe_step, plan_step, step_depth
+from tests.waiting import DEADLINE_S, wait_until
 
 
 class CountingInner:
-    """A fake backend: hit ids derived from the query; records every call."""
+    """A fake backend: hit ids derived from the query; records every call. With a ``gate``, a call
+    stays in flight until the test opens it."""
 
-    def __init__(self, name="fake:idx", delay=0.0, fail=None):
+    def __init__(self, name="fake:idx", gate: threading.Event | None = None, fail=None):
         self.name = name
         self.calls: list[tuple[list[str], int]] = []
-        self.delay = delay
+        self.gate = gate
         self.fail = fail
         self._lock = threading.Lock()
 
     def batch_search(self, queries, k):
         with self._lock:
             self.calls.append((list(queries), k))
-        if self.delay:
-            time.sleep(self.delay)
+        if self.gate is not None:
+            assert self.gate.wait(DEADLINE_S), "the test never opened the gate"
         if self.fail is not None:
             raise self.fail
         return [[Hit(f"{q}#{i}", q, f"text {i}", float(k - i)) for i in range(k)] for q in queries]
@@ -125,18 +126,20 @@ def test_errors_are_not_cached():
 
 
 def test_concurrent_identical_queries_fetch_once():
-    inner = CountingInner(delay=0.2)
+    gate = threading.Event()
+    inner = CountingInner(gate=gate)
     c = CachedRetriever(inner, 100)
     results = []
-    start = threading.Barrier(6)
 
     def worker():
-        start.wait()
         results.append(c.batch_search(["same query"], 3))
 
     threads = [threading.Thread(target=worker) for _ in range(6)]
     for t in threads:
         t.start()
+    # The first lookup is in flight (held at the gate) until the five others have joined it.
+    wait_until(lambda: c.stats()["coalesced"] == 5, what="five lookups to wait on the one in flight")
+    gate.set()
     for t in threads:
         t.join()
     assert len(inner.calls) == 1
@@ -146,13 +149,12 @@ def test_concurrent_identical_queries_fetch_once():
 
 
 def test_concurrent_failure_reaches_waiters():
-    inner = CountingInner(delay=0.2, fail=RetrievalError("connection", "down"))
+    gate = threading.Event()
+    inner = CountingInner(gate=gate, fail=RetrievalError("connection", "down"))
     c = CachedRetriever(inner, 100)
     errors = []
-    start = threading.Barrier(4)
 
     def worker():
-        start.wait()
         try:
             c.batch_search(["q"], 1)
         except RetrievalError as e:
@@ -161,6 +163,8 @@ def test_concurrent_failure_reaches_waiters():
     threads = [threading.Thread(target=worker) for _ in range(4)]
     for t in threads:
         t.start()
+    wait_until(lambda: c.stats()["coalesced"] == 3, what="three lookups to wait on the failing one in flight")
+    gate.set()
     for t in threads:
         t.join()
     assert errors == ["connection"] * 4 and len(inner.calls) == 1

@@ -18,6 +18,7 @@ import pytest
 from sonar.cluster.wire.config import RetrievalConfig
 from sonar.retrieval.base import Hit, RetrievalError
 from sonar.retrieval.server import RetrievalServerImpl, _percentile
+from tests.waiting import wait_actor_dead
 
 
 class EchoRetriever:
@@ -221,16 +222,16 @@ def test_service_timeout_becomes_timeout_error(ray_local):
     from sonar.retrieval.server import start_retrieval_service, stop
 
     # Two slow calls keep two inner slots busy after their callers time out (a thread cannot be
-    # cancelled); the third slot still serves.
+    # cancelled); the third slot still serves. The searches outlast the test, so an answer other than
+    # the 0.3 s timeout's error could only come from a client that waited for them.
     client = start_retrieval_service(replace(CFG, timeout_s=0.3, batch_window_ms=0.0, max_concurrency=3),
                                      lambda: EchoRetriever())
     try:
-        t0 = time.monotonic()
         with pytest.raises(RetrievalError) as ei:
-            asyncio.run(client.abatch_search(["sleep:1.5"], 1))
-        assert ei.value.kind == "timeout" and time.monotonic() - t0 < 1.4
+            asyncio.run(client.abatch_search(["sleep:600"], 1))
+        assert ei.value.kind == "timeout"
         with pytest.raises(RetrievalError) as ei:
-            client.batch_search(["sleep:1.5"], 1)
+            client.batch_search(["sleep:600"], 1)
         assert ei.value.kind == "timeout"
         assert _ids(client.batch_search(["quick"], 1)) == [["quick#0"]]  # a free slot still serves
         assert client.stats()["errors"] == {"timeout": 2}
@@ -248,13 +249,7 @@ def test_dead_replica_is_reported_then_skipped(ray_local):
     client.recheck_s = 0.2
     try:
         ray.kill(client.handles[0], no_restart=True)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # wait until Ray reports the actor dead
-            try:
-                ray.get(client.handles[0].health.remote(), timeout=5)
-            except Exception:  # noqa: BLE001
-                break
-            time.sleep(0.05)
+        wait_actor_dead(client.handles[0])
         outcomes = []
         for i in range(8):
             try:
@@ -262,7 +257,7 @@ def test_dead_replica_is_reported_then_skipped(ray_local):
             except RetrievalError as e:
                 outcomes.append(e.kind)
             if i == 3:
-                time.sleep(0.3)  # past recheck_s: the client re-probes the dead replica, still dead
+                time.sleep(0.3)  # a timer, not a synchronisation: past recheck_s, the client re-probes
         assert outcomes.count("connection") == 1, outcomes
         assert [o for o in outcomes if o != "connection"] == [f"q{i}#0" for i in range(8) if outcomes[i] != "connection"]
         st = client.stats()
@@ -271,7 +266,7 @@ def test_dead_replica_is_reported_then_skipped(ray_local):
         # Async path also skips it.
         assert _ids(asyncio.run(client.abatch_search(["z"], 1))) == [["z#0"]]
         ray.kill(client.handles[1], no_restart=True)
-        time.sleep(0.5)
+        wait_actor_dead(client.handles[1])
         kinds = set()
         for _ in range(3):
             try:
