@@ -9,6 +9,7 @@ milliseconds) and never part of what a test asserts.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any, Callable
 
@@ -69,6 +70,37 @@ async def settle(rounds: int = 100) -> None:
     covers the few hops a task takes to park (``wait_for`` wraps the awaited coroutine in a task)."""
     for _ in range(rounds):
         await asyncio.sleep(0)
+
+
+class WaiterCountingLock:
+    """A ``threading.Lock`` that counts the threads blocked in ``acquire``: put in place of a lock
+    under test, it lets a test see that a thread waits for the lock, without sleeping."""
+
+    def __init__(self):
+        self._lock, self._count_lock, self.waiting = threading.Lock(), threading.Lock(), 0
+
+    def _count(self, d: int) -> None:
+        with self._count_lock:
+            self.waiting += d
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        self._count(1)
+        try:
+            return self._lock.acquire(blocking, timeout)
+        finally:
+            self._count(-1)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def wait_actor_dead(actor, timeout_s: float = DEADLINE_S, what: str = "the killed actor to be reported dead") -> None:

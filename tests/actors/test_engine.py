@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sonar.actors.engine import Engine, HFEngine, ParamSpec, SamplingParams
+from tests.waiting import DEADLINE_S, WaiterCountingLock, wait_until
 
 VOCAB = 50
 
@@ -203,13 +204,14 @@ def test_weights_never_change_inside_generate():
     """load_weights waits for the lock that generate holds."""
     eng = HFEngine(tiny_model(), eos_token_id=None)
     new = [(n, torch.zeros_like(p)) for n, p in eng.model.named_parameters()]
+    eng._lock = WaiterCountingLock()
     eng._lock.acquire()  # stands in for a generate call in progress
     t = threading.Thread(target=eng.load_weights, args=(new, 9))
     t.start()
-    t.join(0.3)
+    wait_until(lambda: eng._lock.waiting == 1 or eng.version != 0, what="load_weights to wait for the lock")
     assert t.is_alive() and eng.version == 0
     eng._lock.release()
-    t.join(5)
+    t.join(DEADLINE_S)
     assert not t.is_alive() and eng.version == 9
 
 

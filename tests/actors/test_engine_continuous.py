@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ import pytest
 from sonar.actors.engine import SamplingParams
 from sonar.actors.engine_continuous import ContinuousHFEngine
 from tests.actors.test_engine import PROMPTS, VOCAB, greedy_reference, teacher_forced_logprobs, tiny_model
+from tests.waiting import wait_until
 
 JOIN_S = 30.0  # generous: a hang fails the test instead of blocking the suite
 
@@ -57,28 +57,27 @@ def _stack(thread: threading.Thread) -> list[str]:
 
 def _wait_idle(eng: ContinuousHFEngine, timeout: float = JOIN_S) -> dict:
     """engine_stats once the decode thread is parked in ``_run``'s Condition.wait with no work left."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def idle() -> bool:
         t = eng._thread
         if t is None:
-            return eng.engine_stats()
+            return True
         if _stack(t)[:2] == ["wait", "_run"]:
             with eng._cv:
-                if not (eng._queue or eng._rows or eng._held()):
-                    return eng.engine_stats()
-        time.sleep(0.001)
-    raise AssertionError(f"decode thread not idle after {timeout}s: {_stack(eng._thread)}")
+                return not (eng._queue or eng._rows or eng._held())
+        return False
+
+    wait_until(idle, timeout, lambda: f"the decode thread to be idle: {_stack(eng._thread)}")
+    return eng.engine_stats()
 
 
 def _wait_tokens(eng, caller, n):
     """Until the first running row has sampled n tokens (the call is in flight)."""
-    deadline = time.monotonic() + JOIN_S
-    while True:
+    def sampled() -> int:
+        assert caller.thread.is_alive(), f"the call returned before its first row sampled {n} tokens"
         rows = list(eng._rows)
-        if rows and len(rows[0].ids) >= n:
-            return len(rows[0].ids)
-        assert time.monotonic() < deadline and caller.thread.is_alive()
-        time.sleep(0.0005)
+        return len(rows[0].ids) if rows and len(rows[0].ids) >= n else 0
+
+    return wait_until(sampled, JOIN_S, f"the first running row to sample {n} tokens")
 
 
 def _blocked_in_generate(thread: threading.Thread) -> bool:
@@ -227,10 +226,8 @@ def test_concurrent_calls_share_decode_steps(make_engine):
     try:
         barrier = threading.Barrier(2)
         callers = [_Caller(lambda: eng.generate(PROMPTS, params), barrier) for _ in range(2)]
-        deadline = time.monotonic() + JOIN_S
-        while not all(_blocked_in_generate(c.thread) for c in callers):
-            assert time.monotonic() < deadline, "callers never reached generate"
-            time.sleep(0.001)
+        wait_until(lambda: all(_blocked_in_generate(c.thread) for c in callers), JOIN_S,
+                   "both callers to block inside generate")
     finally:
         eng._lock.release()
     for c in callers:
@@ -351,7 +348,7 @@ def test_step_failure_mid_flight_raises_in_waiting_and_later_calls(make_engine):
         raise ValueError("injected step failure")
 
     eng._step = boom  # the decode thread looks _step up on the instance every step
-    c.join(timeout=10)
+    c.join()
     assert isinstance(c.error, RuntimeError) and isinstance(c.error.__cause__, ValueError)
     assert "injected step failure" in str(c.error)
     eng._thread.join(JOIN_S)  # callers are released before the thread logs and exits
@@ -373,7 +370,7 @@ def test_failure_while_admitting_rows_raises(make_engine):
         raise ValueError("injected prefill failure")
 
     eng.model.forward = forward
-    c = _Caller(lambda: eng.generate(PROMPTS, SamplingParams(max_new_tokens=4))).join(timeout=2)
+    c = _Caller(lambda: eng.generate(PROMPTS, SamplingParams(max_new_tokens=4))).join()
     assert isinstance(c.error, RuntimeError) and "injected prefill failure" in str(c.error)
 
 
@@ -382,18 +379,15 @@ def test_model_failure_mid_flight_fails_running_and_queued_calls(make_engine, mo
     long = SamplingParams(max_new_tokens=200, temperature=1.0, seed=1)
     first = _Caller(lambda: eng.generate(PROMPTS, long))
     _wait_tokens(eng, first, 5)
-    deadline = time.monotonic() + JOIN_S
     second = _Caller(lambda: eng.generate(PROMPTS, long))  # queued behind 4 busy slots
-    while not _blocked_in_generate(second.thread):
-        assert time.monotonic() < deadline
-        time.sleep(0.0005)
+    wait_until(lambda: _blocked_in_generate(second.thread), JOIN_S, "the second call to queue inside generate")
 
     def forward(*a, **k):
         raise ValueError("injected forward failure")
 
     monkeypatch.setattr(eng.model, "forward", forward)
     for c in (first, second):
-        c.join(timeout=10)
+        c.join()
         assert isinstance(c.error, RuntimeError) and "injected forward failure" in str(c.error)
     eng._thread.join(JOIN_S)  # callers are released before the thread logs and exits
     assert not eng._thread.is_alive()
@@ -406,7 +400,7 @@ def test_close_fails_calls_in_flight(make_engine):
     eng.close()
     assert eng._thread is not None
     assert not eng._thread.is_alive()
-    c.join(timeout=10)
+    c.join()
     assert isinstance(c.error, RuntimeError)
     with pytest.raises(RuntimeError, match="closed"):
         eng.generate(PROMPTS, SamplingParams(max_new_tokens=2))

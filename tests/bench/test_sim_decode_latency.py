@@ -21,7 +21,7 @@ from sonar.actors.engine import Generation, SamplingParams
 from sonar.bench.sim.config import load_bench_config
 from sonar.bench.sim.decode_latency import DecodeLatencyEngine
 from sonar.cluster.wire.config import ConfigError, load_config
-from tests.waiting import DEADLINE_S, wait_until
+from tests.waiting import DEADLINE_S, WaiterCountingLock, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_YAML = str(ROOT / "configs" / "tiny.yaml")  # a production config: no sim: section, nothing simulated
@@ -382,37 +382,12 @@ def test_engine_stats_reports_counters_and_engine_name():
     assert "FakeEngine" in repr(eng) and "ms_per_token=2.0" in repr(eng)
 
 
-class _WaiterCountingLock:
-    """A Lock that counts the threads blocked in ``acquire``, so a test can see a waiter without sleeping."""
-
-    def __init__(self):
-        self._lock, self.waiting = threading.Lock(), 0
-
-    def acquire(self, *args) -> bool:
-        self.waiting += 1
-        try:
-            return self._lock.acquire(*args)
-        finally:
-            self.waiting -= 1
-
-    def release(self) -> None:
-        self._lock.release()
-
-    def locked(self) -> bool:
-        return self._lock.locked()
-
-    __enter__ = acquire
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
 def test_load_weights_waits_for_the_simulated_decode(monkeypatch):
     """A static-batch engine never swaps weights inside a call: the simulated part counts as the call.
     The simulated decode is held open (its sleep waits for the test) while load_weights is called."""
     inner = FakeEngine(version=1)
     eng = make(inner, ms=5.0, median=40, sigma=0.0, max_tokens=64)
-    eng._lock = _WaiterCountingLock()
+    eng._lock = WaiterCountingLock()
     in_decode, end_decode, order = threading.Event(), threading.Event(), []
 
     def held_sleep(s):

@@ -106,7 +106,8 @@ def test_queue_actor_logic_backpressure_and_timeout():
         assert not blocked.done()  # the queue is full: the producer waits
         got = await q.get(1, 0, timeout_s=1.0)
         assert got["groups"] == [b"a"]
-        assert await asyncio.wait_for(blocked, 1.0)
+        await await_until(blocked.done, what="the get to wake the blocked put")
+        assert blocked.result()
         got = await q.get(2, 0, timeout_s=0.1)  # only one available: returns it after the timeout
         assert got["groups"] == [b"b"] and got["timed_out"]
         stats = await q.close()

@@ -9,6 +9,7 @@ import pytest
 
 from sonar.retrieval.base import Hit, RetrievalError
 from sonar.retrieval.resilient import ResilientRetriever
+from tests.waiting import DEADLINE_S
 
 
 class FakeClock:
@@ -204,7 +205,7 @@ def test_only_one_half_open_probe_at_a_time():
         def batch_search(self, queries, k):
             if not self.down:
                 entered.set()
-                release.wait(5)
+                assert release.wait(DEADLINE_S)
             return super().batch_search(queries, k)
 
     inner = Slow("connection", down=True)
@@ -217,12 +218,12 @@ def test_only_one_half_open_probe_at_a_time():
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("probe", r.batch_search(["p"], 1)))
     t.start()
-    assert entered.wait(5)
+    assert entered.wait(DEADLINE_S)
     with pytest.raises(RetrievalError) as ei:  # a concurrent caller while the probe is in flight
         r.batch_search(["q"], 1)
     assert ei.value.kind == "breaker_open"
     release.set()
-    t.join(5)
+    t.join(DEADLINE_S)
     assert out["probe"][0][0].doc_id == "p" and r.state == "closed"
 
 
