@@ -11,6 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.waiting import wait_until
+
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +46,10 @@ def test_kill_and_resume_trains_every_prompt_once(tmp_path):
             # the second checkpoint inside the RL stage (SFT has 20 steps: run steps 21.. are RL)
             if "checkpoint saved" in line and "/step" in line and int(line.rsplit("step", 1)[1]) >= 26:
                 ckpt = line.split("checkpoint saved: ")[1].strip()
-                time.sleep(4)  # let the killed run go on past the checkpoint: that work is lost
+                # Let the killed run train past the checkpoint: that work is lost.
+                v_ckpt = json.loads((Path(ckpt) / "state.json").read_text())["version"]
+                wait_until(lambda: any(r["version"] > v_ckpt for r in read_jsonl(a_dir / "trained_prompts.jsonl")),
+                           max(1.0, deadline - time.monotonic()), f"a learner step past the checkpoint (v{v_ckpt})")
                 break
             if time.monotonic() > deadline:
                 break
