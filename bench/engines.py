@@ -20,7 +20,12 @@ process, which the engine leaves unpinned (``VLLM_CPU_OMP_THREADS_BIND=nobind``)
 vLLM runs eager (no torch.compile), float32 like the others, 1 GiB KV cache.
 
 Also reported: the start-up time of each engine (vLLM: engine core and worker processes, model load,
-KV cache) and, for R = 1, the time per decode step (1 / tokens/s).
+KV cache), and for vLLM the weight push into its worker process: this process plays the learner (rank
+0 of a gloo ``BroadcastGroup``, the learner's ``send_weights``), vLLM's worker joins as rank 1 and
+receives into its buffers (``push/transfer_s`` as timed inside the worker, ``push/gbps`` = model bytes /
+that), then the engine pauses, loads (vLLM's layerwise reload), resets its prefix cache and resumes
+(``push/total_s``: from the send to the new weights serving). One untimed push first (it allocates the
+buffers); the checksum of what the worker received must equal the sender's.
 
 Simplifications. One call per measurement, not the rollout's concurrent lanes (the continuous engine
 and vLLM would also batch rows of concurrent calls; a single call of R rows is the common ground).
@@ -116,6 +121,39 @@ def time_calls(engine, prompts, params, repeats: int) -> list[float]:
     return out
 
 
+def measure_push(engine, model, repeats: int) -> list[dict]:
+    """See the module docstring: ``repeats`` timed pushes of ``model``'s weights into the vLLM engine."""
+    import threading
+
+    from sonar.cluster.wire.weights import BroadcastGroup, TensorSpec, checksum, open_store, plan_buckets
+
+    tensors = {n: p.detach() for n, p in model.named_parameters()}
+    buckets = plan_buckets([TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
+    store = open_store("127.0.0.1", 2)
+    box: dict = {}
+    joiner = threading.Thread(target=lambda: box.setdefault(
+        "g", BroadcastGroup("127.0.0.1", store.port, 0, 2, "gloo", prefix="bench-engines", store=store)))
+    joiner.start()
+    engine.setup_broadcast("127.0.0.1", store.port, 1, 2, "gloo", "bench-engines")
+    joiner.join()
+    out = []
+    for v in range(1, repeats + 2):
+        t0 = time.perf_counter()
+        sender = threading.Thread(target=box["g"].send_weights, args=(buckets, tensors))
+        sender.start()
+        r = engine.receive_weights(v)
+        sender.join()
+        engine.apply_staged()
+        total = time.perf_counter() - t0
+        if v > 1:
+            out.append({"transfer_s": r["seconds"], "bytes": r["bytes"], "total_s": total})
+    got, want = engine.weights_checksum()["checksum"], checksum(tensors.items())
+    if abs(got - want) > 1e-9 * abs(want):
+        raise RuntimeError(f"vLLM's worker received checksum {got}, sent {want}")
+    box["g"].close()
+    return out
+
+
 def run(cfg: dict) -> tuple[dict, dict]:
     import numpy as np
 
@@ -146,6 +184,15 @@ def run(cfg: dict) -> tuple[dict, dict]:
                                   "tokens_per_s": summarise(tps)["median"]})
                     print(f"[engines] {mname} ({n_params / 1e6:.2f}M) {kind:<14} rows={rows:<3} "
                           f"{summarise(tps)['median']:9.1f} tokens/s", flush=True)
+                if kind == "vllm":
+                    pushes = measure_push(engine, model, cfg["repeats"])
+                    metrics[f"push/{mname}/transfer_s"] = summarise([p["transfer_s"] for p in pushes])
+                    metrics[f"push/{mname}/gbps"] = summarise([p["bytes"] / p["transfer_s"] / 1e9 for p in pushes])
+                    metrics[f"push/{mname}/total_s"] = summarise([p["total_s"] for p in pushes])
+                    print(f"[engines] {mname} push of {pushes[0]['bytes'] / 1e6:.1f} MB into vLLM: transfer "
+                          f"{metrics[f'push/{mname}/transfer_s']['median'] * 1e3:.1f} ms "
+                          f"({metrics[f'push/{mname}/gbps']['median']:.2f} GB/s), received to serving "
+                          f"{metrics[f'push/{mname}/total_s']['median'] * 1e3:.0f} ms", flush=True)
             finally:
                 if hasattr(engine, "close"):
                     engine.close()
