@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from sonar.cluster.wire.policy import ATTN_IMPLEMENTATION, load_policy, save_policy  # noqa: F401 (load/save live in
-# the wire so the learner can use them; actors callers keep importing them from here)
+# load_policy/save_policy live in the wire (the learner loads and exports with them); actors code and
+# `sonar eval` keep importing them from here.
+from sonar.cluster.wire.policy import ATTN_IMPLEMENTATION, load_policy, save_policy  # noqa: F401
 
 
 def build_policy(cfg, tokenizer) -> LlamaForCausalLM:
