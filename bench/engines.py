@@ -10,9 +10,12 @@ Workload. One ``generate`` call of R rows (R = 1, 8, 64), each row a random prom
 ``prompt_tokens`` tokens, sampling ``new_tokens`` tokens at temperature 1 with the rollout's seeding.
 No stops: the saved model directories carry no EOS id and the engines get none, so every row runs its
 full length and every engine decodes the same number of tokens. tokens/s = R x new_tokens / wall
-time of the call, from issuing it to the last row back (what a rollout lane waits). Each (engine,
-model, R) is warmed up with one untimed call, then timed ``repeats`` times; engines run one after
-another (never two at once) and each is closed before the next starts.
+time of the call, from issuing it to the last row back (what a rollout lane waits). A model's engines
+are all started first and each is warmed up at every R with one untimed call; then come ``repeats``
+rounds, each timing every (R, engine) once with the engine order rotating from round to round. Calls
+never overlap (an idle engine costs nothing: vLLM's engine core and worker sleep on their queues), and
+other jobs' load, which on this shared machine moves absolute numbers by 2-5x within minutes, hits
+every engine alike; the ratios against ``hf`` are paired within a round.
 
 Threads. Every engine computes on one thread: torch (``OMP_NUM_THREADS=1``) and vLLM's worker
 process, which the engine leaves unpinned (``VLLM_CPU_OMP_THREADS_BIND=nobind``), so it follows
@@ -50,7 +53,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: without it vLLM res
 NAME = "engines"
 ENGINES = ("hf", "hf-continuous", "vllm")
 FULL = {"models": ["tiny", "llama-50m"], "engines": list(ENGINES), "rows": [1, 8, 64], "prompt_tokens": 32,
-        "new_tokens": 64, "repeats": 3}
+        "new_tokens": 64, "repeats": 5}
 QUICK = {"models": ["tiny"], "engines": list(ENGINES), "rows": [1, 8], "prompt_tokens": 16, "new_tokens": 8,
          "repeats": 1}
 LLAMA_50M = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 10, "num_attention_heads": 8,
@@ -106,19 +109,16 @@ def make_engine(kind: str, model, model_dir: Path, max_len: int):
     raise ValueError(f"unknown engine {kind!r}")
 
 
-def time_calls(engine, prompts, params, repeats: int) -> list[float]:
-    engine.generate(prompts, params)  # warm-up: allocator, caches, first-call paths
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        gens = engine.generate(prompts, params)
-        dt = time.perf_counter() - t0
-        n = sum(len(g.token_ids) for g in gens)
-        if n != len(prompts) * params.max_new_tokens:
-            raise RuntimeError(f"{type(engine).__name__} generated {n} tokens, expected "
-                               f"{len(prompts) * params.max_new_tokens} (a row stopped early)")
-        out.append(n / dt)
-    return out
+def timed_call(engine, prompts, params) -> float:
+    """tokens/s of one generate call; every row must run its full length."""
+    t0 = time.perf_counter()
+    gens = engine.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    n = sum(len(g.token_ids) for g in gens)
+    if n != len(prompts) * params.max_new_tokens:
+        raise RuntimeError(f"{type(engine).__name__} generated {n} tokens, expected "
+                           f"{len(prompts) * params.max_new_tokens} (a row stopped early)")
+    return n / dt
 
 
 def measure_push(engine, model, repeats: int) -> list[dict]:
@@ -155,6 +155,9 @@ def measure_push(engine, model, repeats: int) -> list[dict]:
 
 
 def run(cfg: dict) -> tuple[dict, dict]:
+    """Per model: start every engine, warm each up at every row count, then ``repeats`` rounds; in each
+    round every (rows, engine) is timed once, the engine order rotating from round to round, so load
+    from other jobs hits the engines alike and the per-round ratios against ``hf`` are paired."""
     import numpy as np
 
     from sonar.actors.engine import SamplingParams
@@ -164,46 +167,56 @@ def run(cfg: dict) -> tuple[dict, dict]:
     startup: dict = {}
     tmp = Path(tempfile.mkdtemp(prefix="sonar-bench-engines-"))
     max_len = cfg["prompt_tokens"] + cfg["new_tokens"] + 8
+    params = SamplingParams(max_new_tokens=cfg["new_tokens"], temperature=1.0, seed=1)
+    kinds = list(cfg["engines"])
     for mname in cfg["models"]:
         model, mdir = build_model(mname, tmp / mname)
         vocab = int(model.config.vocab_size)
         n_params = sum(p.numel() for p in model.parameters())
         rng = np.random.default_rng(0)
-        for kind in cfg["engines"]:
-            t0 = time.perf_counter()
-            engine = make_engine(kind, model, mdir, max_len)
-            startup[f"{mname}/{kind}"] = time.perf_counter() - t0
-            metrics[f"startup_s/{mname}/{kind}"] = summarise([startup[f"{mname}/{kind}"]])
-            try:
-                for rows in cfg["rows"]:
-                    prompts = [rng.integers(4, vocab, cfg["prompt_tokens"]).astype(np.int32) for _ in range(rows)]
-                    params = SamplingParams(max_new_tokens=cfg["new_tokens"], temperature=1.0, seed=1)
-                    tps = time_calls(engine, prompts, params, cfg["repeats"])
-                    metrics[f"tokens_per_s/{mname}/{kind}/rows={rows}"] = summarise(tps)
-                    table.append({"model": mname, "params": n_params, "engine": kind, "rows": rows,
-                                  "tokens_per_s": summarise(tps)["median"]})
-                    print(f"[engines] {mname} ({n_params / 1e6:.2f}M) {kind:<14} rows={rows:<3} "
-                          f"{summarise(tps)['median']:9.1f} tokens/s", flush=True)
-                if kind == "vllm":
-                    pushes = measure_push(engine, model, cfg["repeats"])
-                    metrics[f"push/{mname}/transfer_s"] = summarise([p["transfer_s"] for p in pushes])
-                    metrics[f"push/{mname}/gbps"] = summarise([p["bytes"] / p["transfer_s"] / 1e9 for p in pushes])
-                    metrics[f"push/{mname}/total_s"] = summarise([p["total_s"] for p in pushes])
-                    print(f"[engines] {mname} push of {pushes[0]['bytes'] / 1e6:.1f} MB into vLLM: transfer "
-                          f"{metrics[f'push/{mname}/transfer_s']['median'] * 1e3:.1f} ms "
-                          f"({metrics[f'push/{mname}/gbps']['median']:.2f} GB/s), received to serving "
-                          f"{metrics[f'push/{mname}/total_s']['median'] * 1e3:.0f} ms", flush=True)
-            finally:
-                if hasattr(engine, "close"):
-                    engine.close()
-                del engine
-                gc.collect()
-        for rows in cfg["rows"]:
-            for kind in cfg["engines"]:
-                if kind != "hf" and "hf" in cfg["engines"]:
-                    a = metrics[f"tokens_per_s/{mname}/{kind}/rows={rows}"]["median"]
-                    b = metrics[f"tokens_per_s/{mname}/hf/rows={rows}"]["median"]
-                    metrics[f"ratio/{mname}/{kind}_over_hf/rows={rows}"] = summarise([a / b])
+        prompts = {r: [rng.integers(4, vocab, cfg["prompt_tokens"]).astype(np.int32) for _ in range(r)]
+                   for r in cfg["rows"]}
+        engines: dict = {}
+        try:
+            for kind in kinds:
+                t0 = time.perf_counter()
+                engines[kind] = make_engine(kind, model, mdir, max_len)
+                startup[f"{mname}/{kind}"] = time.perf_counter() - t0
+                metrics[f"startup_s/{mname}/{kind}"] = summarise([startup[f"{mname}/{kind}"]])
+                for r in cfg["rows"]:
+                    engines[kind].generate(prompts[r], params)  # warm-up: allocator, caches, first-call paths
+            tps: dict = {(k, r): [] for k in kinds for r in cfg["rows"]}
+            for rep in range(cfg["repeats"]):
+                order = kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]
+                for r in cfg["rows"]:
+                    for kind in order:
+                        tps[(kind, r)].append(timed_call(engines[kind], prompts[r], params))
+            for r in cfg["rows"]:
+                for kind in kinds:
+                    m = summarise(tps[(kind, r)])
+                    metrics[f"tokens_per_s/{mname}/{kind}/rows={r}"] = m
+                    table.append({"model": mname, "params": n_params, "engine": kind, "rows": r,
+                                  "tokens_per_s": m["median"]})
+                    print(f"[engines] {mname} ({n_params / 1e6:.2f}M) {kind:<14} rows={r:<3} "
+                          f"{m['median']:9.1f} tokens/s  (min {m['min']:.1f}, max {m['max']:.1f})", flush=True)
+                    if kind != "hf" and "hf" in kinds:  # paired within each round
+                        metrics[f"ratio/{mname}/{kind}_over_hf/rows={r}"] = summarise(
+                            [a / b for a, b in zip(tps[(kind, r)], tps[("hf", r)])])
+            if "vllm" in engines:
+                pushes = measure_push(engines["vllm"], model, cfg["repeats"])
+                metrics[f"push/{mname}/transfer_s"] = summarise([p["transfer_s"] for p in pushes])
+                metrics[f"push/{mname}/gbps"] = summarise([p["bytes"] / p["transfer_s"] / 1e9 for p in pushes])
+                metrics[f"push/{mname}/total_s"] = summarise([p["total_s"] for p in pushes])
+                print(f"[engines] {mname} push of {pushes[0]['bytes'] / 1e6:.1f} MB into vLLM: transfer "
+                      f"{metrics[f'push/{mname}/transfer_s']['median'] * 1e3:.1f} ms "
+                      f"({metrics[f'push/{mname}/gbps']['median']:.2f} GB/s), received to serving "
+                      f"{metrics[f'push/{mname}/total_s']['median'] * 1e3:.0f} ms", flush=True)
+        finally:
+            for e in engines.values():
+                if hasattr(e, "close"):
+                    e.close()
+            engines.clear()
+            gc.collect()
     return metrics, {"table": table, "startup_s": startup}
 
 
