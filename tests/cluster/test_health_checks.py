@@ -71,31 +71,52 @@ class FakeWorker:
                 "stats": {}, "recent": [record]}
 
 
-def test_health_is_asked_of_all_workers_at_once_with_one_deadline(ray_local, monkeypatch):
-    import ray
-
+def _check(ray, workers, timeout_s, monkeypatch):
+    """check_workers over ``workers`` with restart_worker recorded instead of run: (metrics, restarts)."""
     from sonar.cluster.driver import roles as roles_mod
-    from sonar.cluster.wire import metrics as K
     from sonar.cluster.wire.config import CONFIG_DIR, load_config
 
-    timeout_s = 8.0  # the silent worker costs this once; the answering ones are not judged by it
     cfg = load_config([CONFIG_DIR / "smoke.yaml"], ["cluster.mode=async", f"cluster.health_timeout_s={timeout_s}"])
-    gate = ray.remote(Gate).options(max_concurrency=16).remote(3)  # workers 0, 1 and 3 arrive
-    actor = ray.remote(FakeWorker).options(num_cpus=0)
-    workers = [actor.remote(0, gate, 1.0), actor.remote(1, gate, 0.0, silent=True), actor.remote(2, gate, 0.0),
-               actor.remote(3, gate, 0.0)]
-    ray.kill(workers[2], no_restart=True)
-    wait_actor_dead(workers[2])
     restarted = []
     monkeypatch.setattr(roles_mod, "restart_worker", lambda cfg, roles, i, err, *a: restarted.append((i, err)))
     try:
-        m = roles_mod.check_workers(cfg, SimpleNamespace(workers=workers), 1, cfg.stages[1])
+        return roles_mod.check_workers(cfg, SimpleNamespace(workers=workers), 1, cfg.stages[1]), restarted
     finally:
         for w in workers:
             ray.kill(w, no_restart=True)
+
+
+def test_health_is_asked_of_all_workers_at_once(ray_local, monkeypatch):
+    """Workers 0 and 2 answer only once both health calls are in flight; worker 1 is dead. The
+    deadline is generous because it is never reached when the calls run at once (asked one after
+    another, worker 0 would wait all of it and be restarted)."""
+    import ray
+
+    from sonar.cluster.wire import metrics as K
+
+    gate = ray.remote(Gate).options(max_concurrency=16).remote(2)
+    actor = ray.remote(FakeWorker).options(num_cpus=0)
+    workers = [actor.remote(0, gate, 1.0), actor.remote(1, gate, 0.0), actor.remote(2, gate, 0.0)]
+    ray.kill(workers[1], no_restart=True)
+    wait_actor_dead(workers[1])
+    try:
+        m, restarted = _check(ray, workers, 120.0, monkeypatch)
+    finally:
         ray.kill(gate, no_restart=True)
-    assert [i for i, _ in restarted] == [1, 2], restarted
-    assert restarted[0][1] == f"GetTimeoutError: no health answer within cluster.health_timeout_s={timeout_s}s"
-    assert restarted[1][1].startswith("ActorDiedError")
-    # Workers 0 and 3 answered: their records, and only theirs, reach the metrics.
+    assert [i for i, _ in restarted] == [1], restarted
+    assert restarted[0][1].startswith("ActorDiedError")
+    # Workers 0 and 2 answered: their records, and only theirs, reach the metrics.
     assert m[K.ROLLOUT_TRAJECTORIES] == 2.0 and m[K.ROLLOUT_REWARD_MEAN] == 0.5
+
+
+def test_a_silent_worker_is_restarted_after_the_deadline(ray_local, monkeypatch):
+    import ray
+
+    gate = ray.remote(Gate).options(max_concurrency=16).remote(1)
+    workers = [ray.remote(FakeWorker).options(num_cpus=0).remote(0, gate, 1.0, silent=True)]
+    try:
+        m, restarted = _check(ray, workers, 2.0, monkeypatch)
+    finally:
+        ray.kill(gate, no_restart=True)
+    assert restarted == [(0, "GetTimeoutError: no health answer within cluster.health_timeout_s=2.0s")]
+    assert m == {}
