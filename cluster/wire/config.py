@@ -201,9 +201,12 @@ class RolloutConfig:
     what the learner recomputes: it is not the sampler's own probability, which is higher by
     ``-log(nucleus mass)``. So with top_p < 1 the importance weights cannot see the truncation, and the
     policy gradient is biased toward it; 1 (default) samples the full distribution and the recorded
-    logprob is exactly the behaviour policy's. Read by the transformers engines (via the rollout loop)."""
+    logprob is exactly the behaviour policy's. Read by the engines (via the rollout loop). The vllm
+    engine differs with top_p < 1: vLLM records the truncated sampler's own logprob (renormalised over
+    the nucleus), not the full-vocabulary one; with top_p = 1 the two are the same number."""
     engine: str = "hf"
-    """hf (transformers, CPU/GPU) | vllm (GPU); actors/engines.py builds it."""
+    """hf (transformers, CPU/GPU) | vllm (vLLM's async engine, CPU or GPU: actors/engine_vllm.py);
+    actors/engines.py builds it. On CPU hf is faster for the tiny policy (bench/README.md, engines)."""
     continuous_batching: bool = False
     """hf engine: concurrent generate calls of a worker's lanes share decode steps, rows join and leave
     the running batch every step, weights swap between steps (actors/engine_continuous.py)."""

@@ -254,6 +254,26 @@ def test_sampling_logprobs_equal_the_learners_teacher_forced_logprobs(env, T):
     assert worst <= LOGPROB_ATOL
 
 
+def test_with_top_p_below_one_vllm_records_the_nucleus_samplers_own_logprob(env):
+    """The documented difference from the transformers engines: with top_p < 1, vLLM's processed
+    logprob is renormalised over the nucleus, i.e. the full-vocabulary logprob minus log(nucleus mass)
+    (the nucleus: the most likely tokens up to and including the one whose cumulative mass crosses p)."""
+    T, top_p, prompt = 1.0, 0.6, PROMPTS[1]
+    gens = env.engine.generate([prompt] * 6, SamplingParams(max_new_tokens=10, temperature=T, top_p=top_p, seed=8))
+    worst = 0.0
+    for g in gens:
+        full = torch.tensor(np.concatenate([prompt, g.token_ids]), dtype=torch.long)[None]
+        with torch.no_grad():
+            lp = torch.log_softmax(env.model(input_ids=full).logits[0, len(prompt) - 1:-1].float() / T, -1)
+        for t, (tok, rec) in enumerate(zip(g.token_ids.tolist(), g.logprobs.tolist())):
+            probs, order = lp[t].exp().sort(descending=True)
+            k = int((probs.cumsum(0) < top_p).sum()) + 1          # tokens kept: through the crossing one
+            assert tok in order[:k].tolist()                        # every sample lies in its nucleus
+            mass = float(probs[:k].sum())
+            worst = max(worst, abs(rec - (float(lp[t, tok]) - np.log(mass))))
+    assert worst <= LOGPROB_ATOL
+
+
 def test_concurrent_callers_share_the_engine_and_each_gets_its_own_rows(env):
     p = SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=env.stops)
     alone = [g.token_ids.tolist() for g in env.engine.generate(PROMPTS, p)]
