@@ -317,15 +317,20 @@ class VLLMEngine:
         return self.tensor_parallel_size
 
     def setup_broadcast(self, master_addr: str, master_port: int, rank_base: int, world_size: int, backend: str,
-                        prefix: str) -> str:
+                        prefix: str, sender_specs: list | None = None) -> str:
         """Every vLLM worker joins the group as ``rank_base + its rank``; blocks until all ranks joined.
-        Returns the layout digest (the driver compares it with the learner's)."""
-        from sonar.cluster.wire.weights import TensorSpec, layout_digest
+        ``sender_specs``: the learner's tensor specs, whose dtypes the buckets take (``wire_layout``; vLLM
+        casts on load); None: this engine's own. Returns the layout digest (the driver compares it with
+        the learner's)."""
+        from sonar.cluster.wire.weights import TensorSpec, layout_digest, wire_layout
 
-        specs = [(s.name, list(s.shape), str(s.dtype).removeprefix("torch.")) for s in self._specs]
+        wire = [TensorSpec(s.name, tuple(s.shape), s.dtype) for s in self._specs]
+        if sender_specs is not None:
+            wire = wire_layout(wire, sender_specs)
+        specs = [(s.name, list(s.shape), str(s.dtype).removeprefix("torch.")) for s in wire]
         out = self._call(self._arpc_locked("sonar_join", (master_addr, int(master_port), int(rank_base),
                                                           int(world_size), backend, prefix, specs)))
-        mine = layout_digest([TensorSpec(s.name, tuple(s.shape), s.dtype) for s in self._specs])
+        mine = layout_digest(wire)
         if any(o["digest"] != mine for o in out):
             raise RuntimeError(f"vLLM workers computed layout digests {[o['digest'] for o in out]}, engine {mine}")
         self._joined = True

@@ -84,7 +84,7 @@ class SwappingEngine:
 def receives_weights(engine) -> bool:
     """True for an engine that joins the broadcast group itself (the vLLM engine: inside its own worker
     processes, one rank per tensor-parallel rank) instead of taking tensors from this actor. It offers
-    ``broadcast_ranks()``, ``setup_broadcast(addr, port, rank_base, world_size, backend, prefix)``,
+    ``broadcast_ranks()``, ``setup_broadcast(addr, port, rank_base, world_size, backend, prefix, sender_specs)``,
     ``receive_weights(version)``, ``apply_staged()`` and ``weights_checksum()``."""
     return callable(getattr(engine, "receive_weights", None)) and callable(getattr(engine, "weights_checksum", None))
 
@@ -146,14 +146,19 @@ class RolloutWorker:
         return int(inner.broadcast_ranks()) if receives_weights(inner) else 1
 
     def setup_broadcast(self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str,
-                        prefix: str) -> str:
-        """Join the group as ``rank`` (the first of ``broadcast_ranks()``); returns the layout digest."""
-        from sonar.cluster.wire.weights import BroadcastGroup, TensorSpec, layout_digest, plan_buckets
+                        prefix: str, sender_specs: list | None = None) -> str:
+        """Join the group as ``rank`` (the first of ``broadcast_ranks()``); returns the layout digest.
+        ``sender_specs``: the learner's tensor specs; the buckets take their dtypes (``wire_layout``:
+        names and shapes must be this engine's). None: this engine's own specs."""
+        from sonar.cluster.wire.weights import BroadcastGroup, TensorSpec, layout_digest, plan_buckets, wire_layout
 
         if receives_weights(self.engine.inner):
-            return self.engine.inner.setup_broadcast(master_addr, master_port, rank, world_size, backend, prefix)
-        self._group = BroadcastGroup(master_addr, master_port, rank, world_size, backend, prefix=prefix)
+            return self.engine.inner.setup_broadcast(master_addr, master_port, rank, world_size, backend, prefix,
+                                                     sender_specs)
         specs = [TensorSpec(p.name, tuple(p.shape), p.dtype) for p in self.engine.parameter_specs()]
+        if sender_specs is not None:
+            specs = wire_layout(specs, sender_specs)
+        self._group = BroadcastGroup(master_addr, master_port, rank, world_size, backend, prefix=prefix)
         self._buckets = plan_buckets(specs)
         self.engine.apply_staged()  # nothing may still point into buffers of a previous group
         self.engine.buffers = [[], []]

@@ -210,8 +210,11 @@ def connect_broadcast(cfg: Config, roles: Roles) -> None:
     n = 1 + sum(ranks)
     addr, port = ray.get(roles.learner.broadcast_endpoint.remote(n), timeout=cfg.cluster.health_timeout_s)
     backend = broadcast_backend(cfg)
+    # The learner's specs (names, shapes, dtypes: a few KB) set the buckets' dtypes on every rank: a bf16
+    # learner sends bf16 to engines holding float32, which cast on load.
+    sender = ray.get(roles.learner.param_specs.remote(), timeout=cfg.cluster.health_timeout_s)
     refs = [roles.learner.setup_broadcast.remote(addr, port, n, backend, prefix)]
-    refs += [w.setup_broadcast.remote(addr, port, b, n, backend, prefix) for w, b in zip(roles.workers, bases)]
+    refs += [w.setup_broadcast.remote(addr, port, b, n, backend, prefix, sender) for w, b in zip(roles.workers, bases)]
     digests = ray.get(refs, timeout=cfg.cluster.health_timeout_s)
     if len(set(digests)) != 1:
         raise RuntimeError(f"weight layouts differ between the learner and the workers: {digests} "

@@ -83,6 +83,21 @@ def layout_digest(specs: Sequence[TensorSpec]) -> str:
     return h.hexdigest()[:16]
 
 
+def wire_layout(own: Sequence[TensorSpec], sender: Sequence[TensorSpec]) -> list[TensorSpec]:
+    """The layout a receiver uses: the sender's (learner's) specs, after checking that they name the
+    receiver's parameters in the same order with the same shapes. Dtypes may differ -- a bf16 learner
+    sends bf16 to engines that hold float32 (or vLLM's own dtype); the engine casts on load -- so the
+    buckets follow the sender's dtypes. Raises ValueError naming the first difference."""
+    if len(own) != len(sender):
+        raise ValueError(f"weight layout: the learner sends {len(sender)} tensors, this engine has {len(own)} "
+                         "(model.* config or model.path must be the same for every role)")
+    for i, (a, b) in enumerate(zip(own, sender)):
+        if a.name != b.name or tuple(a.shape) != tuple(b.shape):
+            raise ValueError(f"weight layout: tensor {i} is {b.name} {tuple(b.shape)} on the learner and "
+                             f"{a.name} {tuple(a.shape)} in this engine")
+    return [TensorSpec(s.name, tuple(s.shape), s.dtype) for s in sender]
+
+
 def flatten_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """Copy the bucket's tensors, in spec order, into the flat buffer ``out`` ([bucket.numel]) and return
     it; :func:`unflatten_bucket` is the inverse. ``out`` is reused across syncs by the sender."""

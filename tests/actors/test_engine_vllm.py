@@ -395,3 +395,35 @@ def test_interrupt_mode_resumes_rows_under_the_new_weights_and_records_both_vers
         env.engine.weight_update = "pause"
     env.push(env.weights_a)
     env.engine.apply_staged()
+
+
+def test_a_bf16_learner_pushes_bf16_and_the_float32_engine_casts_on_load(env):
+    """What a GPU run does (DeepSpeed bf16 holds bf16 parameters): the buckets follow the sender's
+    dtypes, vLLM's worker receives bf16 and its loader casts to the engine's float32. Last test of the
+    module: it leaves the engine in a bf16 group."""
+    bf16 = {n: w.to(torch.bfloat16) for n, w in env.weights_a.items()}
+    sender = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in bf16.items()]
+    store = open_store("127.0.0.1", 2)
+    box = {}
+    th = threading.Thread(target=lambda: box.setdefault(
+        "g", BroadcastGroup("127.0.0.1", store.port, 0, 2, "gloo", prefix="test-bf16", store=store)))
+    th.start()
+    digest = env.engine.setup_broadcast("127.0.0.1", store.port, 1, 2, "gloo", "test-bf16", sender)
+    th.join(DEADLINE_S)
+    from sonar.cluster.wire.weights import layout_digest
+
+    assert digest == layout_digest(sender)
+    th = threading.Thread(target=box["g"].send_weights, args=(plan_buckets(sender), bf16))
+    th.start()
+    env.engine.receive_weights(100)
+    th.join(DEADLINE_S)
+    env.engine.apply_staged()
+    assert env.engine.weights_checksum() == {"version": 100, "checksum": pytest.approx(checksum(bf16.items()), rel=1e-12)}
+    with torch.no_grad():
+        for n, p in env.model.named_parameters():
+            p.copy_(bf16[n].float())
+    p = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=env.stops)
+    ours = env.engine.generate(PROMPTS, p)
+    ref = HFEngine(env.model, eos_token_id=None).generate(PROMPTS, p)
+    assert [g.token_ids.tolist() for g in ours] == [g.token_ids.tolist() for g in ref]
+    assert all(g.version == 100 for g in ours)
