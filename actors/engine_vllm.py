@@ -53,7 +53,7 @@ otherwise -- the engine sets ``nobind`` when the variable is unset, so the worke
 from __future__ import annotations
 
 import asyncio
-import logging
+import json
 import os
 import shutil
 import tempfile
@@ -65,8 +65,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from sonar.actors.engine import Generation, ParamSpec, SamplingParams, resolve_caps
-
-log = logging.getLogger(__name__)
 
 EXTENSION = "sonar.actors.vllm_extension.SonarWorkerExtension"
 WEIGHT_UPDATE_MODES = ("pause", "interrupt")
@@ -84,8 +82,6 @@ def row_seed(call_seed: int, row: int, attempt: int = 0) -> int:
 def model_eos_ids(model_dir: str) -> set[int]:
     """EOS ids of a Hugging Face directory: ``eos_token_id`` of config.json and generation_config.json
     (an int or a list). vLLM stops on the generation config's; Sonar labels them stops."""
-    import json
-
     out: set[int] = set()
     for fname in ("config.json", "generation_config.json"):
         path = os.path.join(model_dir, fname)
@@ -103,8 +99,6 @@ def model_eos_ids(model_dir: str) -> set[int]:
 def check_architectures(model_dir: str) -> None:
     """Raise ValueError naming the directory unless vLLM implements one of its config's architectures
     (config load checks only that config.json names some: knowing which vLLM has needs vLLM imported)."""
-    import json
-
     from vllm import ModelRegistry
 
     with open(os.path.join(model_dir, "config.json")) as f:
