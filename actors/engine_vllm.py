@@ -180,9 +180,11 @@ class VLLMEngine:
 
             owned = model_dir = tempfile.mkdtemp(prefix="sonar-vllm-policy-")
             save_policy(model, tokenizer, model_dir)
+        from sonar.cluster.wire.config import engine_dtype
+
         r = cfg.rollout
         eos = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
-        return cls(model_dir, specs, eos_token_ids=eos, dtype=r.vllm_dtype, max_model_len=cfg.protocol.max_total_tokens,
+        return cls(model_dir, specs, eos_token_ids=eos, dtype=engine_dtype(cfg), max_model_len=cfg.protocol.max_total_tokens,
                    max_num_seqs=r.max_batch_rows, seed=cfg.run.seed, kv_cache_gib=r.vllm_kv_cache_gib,
                    gpu_memory_utilization=r.vllm_gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
                    enable_prefix_caching=r.vllm_enable_prefix_caching, enforce_eager=r.vllm_enforce_eager,

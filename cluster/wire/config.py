@@ -226,8 +226,10 @@ class RolloutConfig:
     """vllm engine: GPUs one engine shards the policy over (>= 1); each shard is a rank of the weight
     broadcast. > 1 needs rollout.num_gpus_per_worker >= it (whole GPUs)."""
     vllm_dtype: str = "auto"
-    """vllm engine: auto (the directory's config.json dtype) | float32 | bfloat16 | float16. Sampling
-    logprobs match the learner's recomputation only when this is the learner's precision."""
+    """vllm engine: auto | float32 | bfloat16 | float16, the dtype vLLM computes in. auto is the learner's
+    precision (bfloat16 when learner.precision is bf16, or auto with learner.num_gpus > 0; float32
+    otherwise: ``engine_dtype``), because sampling logprobs match the learner's recomputation only in the
+    learner's precision. (vLLM's own "auto" would run a float32 checkpoint in bfloat16 on CPU.)"""
     vllm_kv_cache_gib: float = 1.0
     """vllm engine: KV-cache size per engine, in GiB (>= 0; RAM on CPU, GPU memory on GPU). 0: vLLM sizes
     it from rollout.vllm_gpu_memory_utilization -- on CPU that fraction of the whole node's RAM."""
@@ -627,6 +629,15 @@ def _check_vllm(cfg: Config) -> None:
     if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
         raise ValueError(f"model.path={cfg.model.path!r} with rollout.engine='vllm': {conf} names no "
                          f"'architectures' (got {archs!r}), so vLLM cannot pick a model class")
+
+
+def engine_dtype(cfg: Config) -> str:
+    """``rollout.vllm_dtype`` resolved: ``auto`` is the learner's precision (see the field)."""
+    d = cfg.rollout.vllm_dtype
+    if d != "auto":
+        return d
+    L = cfg.learner
+    return "bfloat16" if L.precision == "bf16" or (L.precision == "auto" and L.num_gpus > 0) else "float32"
 
 
 def broadcast_backend(cfg: Config) -> str:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from sonar.cluster.wire.config import broadcast_backend, load_config
+from sonar.cluster.wire.config import broadcast_backend, engine_dtype, load_config
 
 
 def load(*overrides: str):
@@ -72,6 +72,16 @@ def test_a_model_directory_vllm_cannot_load_is_refused(tmp_path):
 def test_bad_vllm_fields_are_refused(overrides, match):
     with pytest.raises(ValueError, match=match):
         load(*overrides)
+
+
+@pytest.mark.parametrize("overrides, dtype", [
+    ((), "float32"),                                          # CPU learner: float32, as vLLM's "auto" is not
+    (("learner.num_gpus=1",), "bfloat16"),                    # learner.precision=auto on a GPU: bf16
+    (("learner.num_gpus=1", "learner.precision=fp32"), "float32"),
+    (("rollout.vllm_dtype=float16",), "float16"),
+])
+def test_the_engine_computes_in_the_learners_precision_unless_told(overrides, dtype):
+    assert engine_dtype(load(*overrides)) == dtype
 
 
 def test_tensor_parallel_on_whole_gpus_loads():
