@@ -268,6 +268,28 @@ async def _generate(call: _Call, active: list[_State], turn: int) -> tuple[list[
     return gens, caps
 
 
+def model_segments(ids: np.ndarray, lps: np.ndarray, version: int,
+                   spans: tuple[tuple[int, int, int], ...] = ()) -> list[Segment]:
+    """One turn's sampled ids as MODEL segments, one per weights version: a segment never mixes two
+    versions. ``spans`` are ``Generation.version_spans`` ((version, start, end) token ranges, set only
+    when an interrupting weight update resumed the row under newer weights); empty means all
+    ``version``. Spans are clipped to ``len(ids)`` (the rollout may truncate to its cap) and empty
+    pieces are skipped, so the pieces concatenate back to exactly ``ids``."""
+    if not spans:
+        return [Segment(SegmentKind.MODEL, ids, lps, version)]
+    n, out, covered = len(ids), [], 0
+    for v, start, end in spans:
+        if start != covered:
+            raise ValueError(f"Generation.version_spans {spans!r} are not contiguous from 0")
+        covered = end
+        lo, hi = min(start, n), min(end, n)
+        if hi > lo:
+            out.append(Segment(SegmentKind.MODEL, ids[lo:hi], lps[lo:hi], int(v)))
+    if covered < n:
+        raise ValueError(f"Generation.version_spans {spans!r} cover {covered} of {n} tokens")
+    return out
+
+
 def _act(call: _Call, active: list[_State], gens: list[Generation],
          caps: list[int]) -> list[tuple[_State, list[str], int]]:
     """Each row's new ids become a MODEL segment; ONLY those ids are decoded (special tokens kept) and
@@ -281,7 +303,7 @@ def _act(call: _Call, active: list[_State], gens: list[Generation],
         ids = np.asarray(g.token_ids, dtype=np.int32)[:cap]
         lps = np.asarray(g.logprobs, dtype=np.float32)[:cap]
         if len(ids):
-            s.traj.segments.append(Segment(SegmentKind.MODEL, ids, lps, int(g.version)))
+            s.traj.segments.extend(model_segments(ids, lps, int(g.version), g.version_spans))
             s.ctx.extend(int(t) for t in ids)
             call.stats.turns += 1
             call.stats.generated_tokens += len(ids)

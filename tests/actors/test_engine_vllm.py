@@ -28,6 +28,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; without it vLLM res
 
 from sonar.actors.engine import HFEngine, ParamSpec, SamplingParams  # noqa: E402
 from sonar.actors.engine_vllm import row_seed  # noqa: E402
+from sonar.actors.rollout import model_segments  # noqa: E402
 from sonar.cluster.wire.weights import BroadcastGroup, TensorSpec, checksum, open_store, plan_buckets  # noqa: E402
 
 PROMPTS = [np.array([2, 10, 11, 12, 13]), np.array([2, 40]), np.array([2, 50, 51, 52]), np.array([2, 7, 8])]
@@ -380,6 +381,10 @@ def test_interrupt_mode_resumes_rows_under_the_new_weights_and_records_both_vers
             (v0, s0, e0), (v1, s1, e1) = g.version_spans
             assert (v0, v1) == (old_version, v) and s0 == 0 and e0 == s1 and e1 == len(g.token_ids)
             assert g.version == old_version  # the oldest weights that contributed
+            # The rollout stores the turn as one MODEL segment per version, never one mixed segment.
+            segs = model_segments(g.token_ids, g.logprobs, g.version, g.version_spans)
+            assert [sg.version for sg in segs] == [old_version, v]
+            assert np.array_equal(np.concatenate([sg.token_ids for sg in segs]), g.token_ids)
         # Tokens before the switch are samples of the old weights, after it of the new ones.
         new_state = {n: p.detach().clone() for n, p in env.model.named_parameters()}
         for state, pick in ((old_state, 0), (new_state, 1)):
