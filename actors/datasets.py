@@ -20,17 +20,44 @@ Formats (``fmt``) and where the real files come from
 ``bamboogle`` Bamboogle ``{"Question", "Answer"}`` as CSV (the sheet linked from
               github.com/ofirpress/self-ask, exported as CSV), JSON list or JSONL
               (HF: ``chiayewken/bamboogle``; FlashRAG's copy is in the ``flashrag`` format).
+``r1_searcher`` R1-Searcher's JSONL ``{"idx", "question", "answer", ...}`` (github.com/RUCAIBox/R1-Searcher):
+              ``data/eval_set/{hotpotqa_500,2wiki_500,musique_500,bamboogle}.jsonl`` (plus an empty
+              ``gen_text_store``) and ``data/training_set/stage_{1,2}.jsonl`` (stage 1 adds
+              ``pred_anses``, the sampled answers it was filtered with; not kept). ``answer`` is one
+              string (a list is accepted). ``qid`` is ``<source>-<idx>`` (``idx`` counts from 1 in each
+              file, so it is not unique across files); ``idx`` is optional with ``fmt="r1_searcher"``.
+``verl``      The parquet files Search-R1 (``scripts/data_process/nq_search.py``,
+              ``qa_search_{train,test}_merge.py``) and RAG-R1 (``scripts/data_process/hotpotqa_search*.py``)
+              write for veRL: ``data_source``, ``prompt`` (chat messages; the question is embedded in
+              the template after ``Question:``), ``reward_model.ground_truth.target`` (the golds),
+              ``extra_info.index``; Search-R1's files also keep FlashRAG's ``id``/``question``/
+              ``golden_answers`` columns. Golds come from ``reward_model.ground_truth.target`` (what the
+              upstream reward scores against), else ``golden_answers``; the question from the
+              ``question`` column, else from the prompt; ``qid`` is ``<data_source>-<extra_info.index>``
+              (unique in merged files, where FlashRAG ids repeat across sources), else ``id``;
+              ``source`` is the row's ``data_source``. Read with pyarrow.
+
+RAG-R1's own JSON (``data/RL/hotpotqa_train_filter{,_mq}/{train,test}_data.json`` in
+inclusionAI/AWorld-RL: a list of ``{"question", "golden_answers": "<one string>"}``) is the ``flashrag``
+format (alias ``rag_r1``); its source is the folder name.
 
 Test files without answers (HotpotQA fullwiki test, MuSiQue test) cannot be loaded: there is
 nothing to score against.
 
-Pointing Sonar at them: evaluate a checkpoint on the file (``sonar eval --data /data/hotpotqa/dev.jsonl``)
-or score predictions with ``sonar score`` (training reads the synthetic world's questions only);
-``fmt="auto"`` detects the format from the content (``golden_answers`` -> flashrag,
-``answer_aliases``/``question_decomposition``/``paragraphs`` -> musique, ``Question``/``Answer`` or a
-``.csv`` -> bamboogle, ``evidences`` -> 2wiki, ``level`` -> hotpotqa) and, for a JSON list with only
-``_id/question/answer``, from the file name ("2wiki" -> 2wiki, else hotpotqa). ``.gz`` files are read
-transparently.
+Pointing Sonar at them: evaluate a checkpoint on the file (``sonar eval --data /data/hotpotqa/dev.jsonl``),
+train on it (``stages.N.data``, with ``retrieval.corpus``) or score predictions with ``sonar score``.
+``fmt="auto"`` detects the format from the first record (``reward_model``/``prompt`` in a parquet
+file -> verl, ``golden_answers`` -> flashrag, ``answer_aliases``/``question_decomposition``/
+``paragraphs`` -> musique, ``Question``/``Answer`` or a ``.csv`` -> bamboogle, ``evidences`` -> 2wiki,
+``level`` -> hotpotqa, ``idx`` with ``question``/``answer`` -> r1_searcher) and, for a JSON list with
+only ``_id/question/answer``, from the file name ("2wiki" -> 2wiki, else hotpotqa: both read the same
+fields, only the source name differs). Content decides before the file name, so R1-Searcher's
+``musique_500.jsonl`` is r1_searcher, not MuSiQue. What cannot be told apart is an error that asks for
+the format (``sonar eval --format``, ``stages.N.format``, ``eval.format`` or ``fmt=``). ``.gz`` files
+are read transparently.
+
+Gold answers keep their original text (case, punctuation, whitespace inside); only surrounding
+whitespace is stripped. Scoring normalises; loading does not.
 
 Every item gets ``source``: the dataset name (the ``source=`` argument, else the parent folder for
 FlashRAG-style ``<dataset>/<split>.jsonl`` paths, else the format name). ``qid`` is the record's id,
@@ -39,8 +66,9 @@ retrieval and scoring by qid). ``meta`` keeps the record's small scalar fields (
 answerable, ...) and FlashRAG's ``metadata`` scalars; large fields (context, paragraphs,
 supporting_facts, evidences, question_decomposition) are not kept.
 
-A malformed record raises ``DatasetError`` naming the file, the line (JSONL, CSV) or the record
-index (JSON list) and the field.
+A malformed record raises ``DatasetError`` naming the file, the line (JSONL, CSV), the record
+index (JSON list) or the row (parquet) and the field. ``load_datasets`` reads several files as one
+training set and refuses a qid that two files share.
 """
 from __future__ import annotations
 
@@ -52,10 +80,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-FORMATS = ("flashrag", "hotpotqa", "2wiki", "musique", "bamboogle")
-_ALIASES = {"search_r1": "flashrag", "jsonl": "flashrag", "hotpot": "hotpotqa", "2wikimultihopqa": "2wiki"}
-_SPLIT_STEMS = {"train", "dev", "test", "val", "valid", "validation"}
-_BIG_FIELDS = {"context", "paragraphs", "supporting_facts", "evidences", "question_decomposition"}
+FORMATS = ("flashrag", "hotpotqa", "2wiki", "musique", "bamboogle", "r1_searcher", "verl")
+ALIASES = {"search_r1": "flashrag", "jsonl": "flashrag", "rag_r1": "flashrag", "hotpot": "hotpotqa",
+           "2wikimultihopqa": "2wiki", "search_r1_parquet": "verl", "parquet": "verl"}
+"""Other names accepted for a format (``sonar eval --format``, ``stages.N.format``)."""
+_SPLIT_STEMS = {"train", "dev", "test", "val", "valid", "validation", "train_data", "test_data", "dev_data"}
+_BIG_FIELDS = {"context", "paragraphs", "supporting_facts", "evidences", "question_decomposition",
+               "gen_text_store", "pred_anses", "prompt", "reward_model"}
+_ASK_FORMAT = ("pass the format: sonar eval --format, stages.N.format or eval.format in a config, "
+               "fmt= in Python; one of")
 
 
 class DatasetError(ValueError):
@@ -93,8 +126,22 @@ def _iter_jsonl(path: Path, text: str) -> Iterator[tuple[str, Any]]:
         yield f"line {lineno}", rec
 
 
+def _parquet_records(path: Path) -> list[tuple[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    except FileNotFoundError:
+        raise DatasetError(f"{path}: no such file") from None
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a file that is not parquet
+        raise DatasetError(f"{path}: cannot read parquet ({type(e).__name__}: {e})") from None
+    return [(f"row {i}", rec) for i, rec in enumerate(rows)]
+
+
 def _records(path: Path) -> tuple[str, list[tuple[str, Any]]]:
-    """(container kind 'jsonl' | 'json' | 'csv', [(location, record)])."""
+    """(container kind 'jsonl' | 'json' | 'csv' | 'parquet', [(location, record)])."""
+    if path.suffix.lower() == ".parquet":
+        return "parquet", _parquet_records(path)
     try:
         with _open_text(path) as fh:
             text = fh.read()
@@ -140,6 +187,8 @@ def _detect(path: Path, kind: str, first: Any) -> str:
     if not isinstance(first, dict):
         raise DatasetError(f"{path}: cannot detect the format: the first record is a {type(first).__name__}, not an object")
     keys = set(first)
+    if kind == "parquet" and keys & {"reward_model", "prompt"}:
+        return "verl"
     if "golden_answers" in keys:
         return "flashrag"
     if keys & {"answer_aliases", "question_decomposition", "paragraphs"}:
@@ -152,17 +201,18 @@ def _detect(path: Path, kind: str, first: Any) -> str:
         return "hotpotqa"
     if "_id" in keys:
         return "2wiki" if "2wiki" in name else "hotpotqa"
+    if {"idx", "question", "answer"} <= keys:
+        return "r1_searcher"
     if "musique" in name:
         return "musique"
     if "bamboogle" in name:
         return "bamboogle"
-    raise DatasetError(
-        f"{path}: cannot detect the format from fields {sorted(keys)}; pass fmt= one of {list(FORMATS)}")
+    raise DatasetError(f"{path}: cannot detect the format from fields {sorted(keys)}; {_ASK_FORMAT} {list(FORMATS)}")
 
 
 def _source_name(path: Path, fmt: str) -> str:
     stem = Path(path.stem).stem if path.suffix == ".gz" else path.stem
-    if fmt == "flashrag":
+    if fmt in ("flashrag", "r1_searcher", "verl"):
         return path.parent.name if stem.lower() in _SPLIT_STEMS and path.parent.name else stem
     return fmt
 
@@ -235,9 +285,61 @@ def _item(path: Path, loc: str, rec: Any, fmt: str, index: int, source: str) -> 
         golds = [_text(path, loc, akey, _field(path, loc, rec, akey))]
         qid = f"{source}-{index}"
         used = {qkey, akey}
+    elif fmt == "r1_searcher":
+        q = _text(path, loc, "question", _field(path, loc, rec, "question"))
+        golds = _text_list(path, loc, "answer", _field(path, loc, rec, "answer"))
+        idx = rec.get("idx")
+        qid = f"{source}-{_text(path, loc, 'idx', idx)}" if idx is not None else f"{source}-{index}"
+        used = {"idx", "question", "answer"}
+    elif fmt == "verl":
+        return _verl_item(path, loc, rec, index, source)
     else:  # pragma: no cover - fmt is validated by load_dataset
         raise AssertionError(fmt)
     return QAItem(qid=qid, question=q, golds=golds, source=source, meta=_small(rec, used))
+
+
+def _verl_question(path: Path, loc: str, prompt: Any) -> str:
+    """The question inside a Search-R1 / RAG-R1 prompt: the text after the last ``Question:`` of the
+    last user message (both templates end with ``Question: {question}\\n``)."""
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not all(isinstance(m, dict) for m in prompt):
+        raise DatasetError(f"{path}: {loc}: field 'prompt': expected a list of chat messages, "
+                           f"got {type(prompt).__name__}")
+    users = [m.get("content") for m in prompt if m.get("role") == "user"]
+    text = users[-1] if users and isinstance(users[-1], str) else None
+    if text is None or "Question:" not in text:
+        raise DatasetError(f"{path}: {loc}: field 'prompt': no user message with 'Question:' to take the "
+                           "question from (and no 'question' column)")
+    return _text(path, loc, "prompt", text.rsplit("Question:", 1)[1])
+
+
+def _verl_item(path: Path, loc: str, rec: dict, index: int, source: str) -> QAItem:
+    if rec.get("question") is not None:
+        q = _text(path, loc, "question", rec["question"])
+    else:
+        q = _verl_question(path, loc, _field(path, loc, rec, "prompt"))
+    rm = rec.get("reward_model")
+    gt = rm.get("ground_truth") if isinstance(rm, dict) else None
+    if isinstance(gt, dict) and gt.get("target") is not None:
+        golds = _text_list(path, loc, "reward_model.ground_truth.target", gt["target"])
+    elif rec.get("golden_answers") is not None:
+        golds = _text_list(path, loc, "golden_answers", rec["golden_answers"])
+    else:
+        raise DatasetError(f"{path}: {loc}: field 'reward_model.ground_truth.target': missing "
+                           f"(and no 'golden_answers'; fields: {sorted(rec)})")
+    src = rec.get("data_source") if isinstance(rec.get("data_source"), str) and rec["data_source"] else source
+    extra = rec.get("extra_info") if isinstance(rec.get("extra_info"), dict) else {}
+    if extra.get("index") is not None and rec.get("data_source"):
+        qid = f"{src}-{_text(path, loc, 'extra_info.index', extra['index'])}"
+    elif rec.get("id") is not None:
+        qid = _text(path, loc, "id", rec["id"])
+    else:
+        qid = f"{source}-{index}"
+    meta = _small(rec, {"id", "question", "golden_answers", "data_source", "extra_info"})
+    meta.update({f"extra_info.{k}": v for k, v in extra.items()
+                 if k != "index" and (v is None or isinstance(v, (str, int, float, bool)))})
+    return QAItem(qid=qid, question=q, golds=golds, source=src, meta=meta)
 
 
 # ---------------------------------------------------------------- public API
@@ -247,9 +349,10 @@ def load_dataset(path: str | Path, fmt: str = "auto", source: str | None = None)
     ``source`` overrides the dataset name stored in each item. Raises ``DatasetError``.
     """
     path = Path(path)
-    fmt = _ALIASES.get(fmt, fmt)
+    fmt = ALIASES.get(fmt, fmt)
     if fmt != "auto" and fmt not in FORMATS:
-        raise DatasetError(f"{path}: fmt={fmt!r} is not 'auto' or one of {list(FORMATS)}")
+        raise DatasetError(f"{path}: format {fmt!r} is not 'auto' or one of {list(FORMATS)} "
+                           f"(aliases {sorted(ALIASES)})")
     kind, records = _records(path)
     if not records:
         raise DatasetError(f"{path}: no records")
@@ -261,8 +364,28 @@ def load_dataset(path: str | Path, fmt: str = "auto", source: str | None = None)
     for index, (loc, rec) in enumerate(records):
         item = _item(path, loc, rec, fmt, index, src)
         if item.qid in seen:
-            key = "_id" if fmt in ("hotpotqa", "2wiki") else "id"
+            key = {"hotpotqa": "_id", "2wiki": "_id", "r1_searcher": "idx",
+                   "verl": "extra_info.index"}.get(fmt, "id")
             raise DatasetError(f"{path}: {loc}: field {key!r}: duplicate id {item.qid!r} (first at {seen[item.qid]})")
         seen[item.qid] = loc
         items.append(item)
+    return items
+
+
+def load_datasets(paths: str | Path | list, fmt: str = "auto") -> list[QAItem]:
+    """Several files as one question set, in the order given (one path: ``load_dataset``).
+
+    ``fmt`` applies to every file. A qid that two files share raises ``DatasetError`` naming both
+    (training keys prompts by qid)."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    items: list[QAItem] = []
+    seen: dict[str, str] = {}
+    for path in paths:
+        for item in load_dataset(path, fmt=fmt):
+            if item.qid in seen:
+                raise DatasetError(f"{path}: qid {item.qid!r} is also in {seen[item.qid]}: files trained or "
+                                   "evaluated together need distinct ids")
+            seen[item.qid] = str(path)
+            items.append(item)
     return items

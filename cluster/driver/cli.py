@@ -1,7 +1,7 @@
 """``sonar`` command line: train, eval, score, bench.
 
     sonar train [--config FILE ...] [key=value ...]     # default: configs/tiny.yaml
-    sonar eval --config C --checkpoint DIR --data FILE [--data FILE2 ...] [key=value ...]
+    sonar eval --config C --checkpoint DIR --data FILE [--data FILE2 ...] [--format F] [key=value ...]
     sonar score PREDICTIONS.jsonl [...] [--pred-field F --gold-field G]
     sonar bench NAME [--quick] [...]
 """
@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--config", action="append")
     e.add_argument("--checkpoint", required=True, help="Sonar checkpoint or Hugging Face model directory")
     e.add_argument("--data", action="append", required=True, help="dataset file (repeatable)")
+    e.add_argument("--format", default="auto", dest="fmt",
+                   help="format of the --data files when detection cannot tell: flashrag, hotpotqa, 2wiki, musique, "
+                        "bamboogle, r1_searcher, verl (aliases: search_r1, rag_r1, parquet, ...); default auto")
     e.add_argument("--out", default=None, help="output directory")
     e.add_argument("overrides", nargs="*")
     sub.add_parser("score", help="score predictions JSONL files")
@@ -78,9 +81,14 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         return 0
     if args.cmd == "eval":
+        from sonar.actors.datasets import DatasetError
         from sonar.cluster.driver.evaluate import run_eval
 
-        run_eval(cfg, args.checkpoint, args.data, args.out)
+        try:
+            run_eval(cfg, args.checkpoint, args.data, args.out, fmt=args.fmt)
+        except DatasetError as e:  # names the file, line and field: no traceback needed
+            print(f"sonar: data error: {e}", file=sys.stderr)
+            return 2
         return 0
     return 2
 

@@ -40,8 +40,13 @@ def _default_corpus(cfg: Config) -> str:
     return prepare_corpus(cfg, None)
 
 
-def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str | None = None) -> dict:
-    """Evaluate the policy at ``checkpoint`` on each of ``data_files``; returns {dataset: summary}."""
+def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str | None = None,
+             fmt: str = "auto") -> dict:
+    """Evaluate the policy at ``checkpoint`` on each of ``data_files``; returns {dataset: summary}.
+
+    ``fmt``: the files' format (``actors.datasets.FORMATS`` or an alias; ``--format``), for files whose
+    format detection cannot tell; "auto" detects per file. Every file is loaded (and a malformed one
+    refused, naming file, line and field) before the policy is."""
     from tqdm import tqdm
 
     from sonar.actors.datasets import load_dataset
@@ -53,6 +58,7 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
     from sonar.cluster.driver import tracking
     from sonar.retrieval.factory import build_retriever
 
+    datasets = [(path, load_dataset(path, fmt=fmt)) for path in data_files]
     model_dir = resolve_model_dir(checkpoint)
     model, tokenizer = load_policy(model_dir)
     engine = HFEngine(model, eos_token_id=tokenizer.eos_token_id)
@@ -65,8 +71,7 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
     sink = tracking.make_sink(cfg.tracking.enabled, out, cfg.tracking.uri, cfg.tracking.experiment, f"eval-{out.name}")
     sink.log_params({**flatten(to_dict(cfg)), "eval.checkpoint": str(model_dir)})
     table: dict[str, dict] = {}
-    for path in data_files:
-        items = load_dataset(path)
+    for path, items in datasets:
         name = Path(path).stem
         prompts = [PromptItem(prompt_id=it.qid, question=it.question, golds=list(it.golds)) for it in items]
         with tqdm(total=len(prompts), desc=f"eval {name}", unit="q") as bar:

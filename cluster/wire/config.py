@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Union
 
 import yaml
 from omegaconf import OmegaConf
@@ -73,11 +73,25 @@ class ProtocolConfig:
     """Tool protocol: which tags delimit queries, documents and the answer."""
 
     name: str = "rag_r1_multi"
-    """r1_searcher | search_r1 | rag_r1_multi"""
+    """The tag set: r1_searcher | search_r1 | rag_r1 (RAG-R1 single-query, Search-R1's tags) |
+    rag_r1_multi (RAG-R1 multi-query: comma-separated queries in one ``<search>``). Read by
+    ``actors.prompts.get_protocol`` in the rollout workers, the driver's demonstrations and ``sonar eval``."""
     template: str = "base"
-    """base (plain text prompt) | chat (the tokenizer's chat template)"""
+    """base (the prompt as plain text) | chat (the prompt through the tokenizer's chat template, for
+    instruct models). Read by ``actors.prompts.render_prompt``."""
+    prompt: str = "short"
+    """The prompt text and documents format (``actors/prompts.py``): short (``question : ...``, Sonar's
+    compact documents block; for the tiny model, which learns the format by SFT) | r1_searcher_base
+    (template base) | r1_searcher_instruct (template chat) | search_r1 | rag_r1 (single- or multi-query
+    by ``name``): each paper's prompt and documents block as its released code renders them."""
+    on_invalid: str = "message"
+    """What follows an invalid action (no parseable search or answer): message (Search-R1's / RAG-R1's
+    "My previous action is invalid..." is injected as an untrained segment and the rollout continues;
+    the turn counts against ``max_turns``) | end (the trajectory ends, finish reason malformed, as
+    R1-Searcher does). Read by the rollout loop."""
     max_turns: int = 4
-    """Search steps allowed before the answer (R1-Searcher allows 8)."""
+    """Search steps allowed before the answer (R1-Searcher allows 8, RAG-R1 5); invalid actions answered
+    with a message count too."""
     max_queries_per_step: int = 3
     """Per-step query budget (RAG-R1 multi-query); extra queries are dropped and counted."""
     docs_per_query: int = 1
@@ -250,15 +264,23 @@ class AlgoConfig:
     """Policy-gradient algorithm and off-policy correction."""
 
     name: str = "grpo"
-    """grpo | dr_grpo | reinforce_pp | ppo"""
-    std_normalize: bool = False
-    """GRPO: divide group-centred rewards by the group std (Dr.GRPO: never)."""
+    """grpo | dr_grpo | reinforce_pp | reinforce_pp_baseline | group_norm | ppo. ``reinforce_pp_baseline`` is
+    OpenRLHF's ``reinforce_baseline`` (R1-Searcher): the group mean is subtracted from the outcome, then the
+    per-token returns are whitened over the batch; ``reinforce_pp`` whitens without the group baseline;
+    ``group_norm`` is OpenRLHF's ``group_norm`` (R1-Searcher's Llama stage 1): (r - group mean) / (unbiased
+    group std + 1e-9), per-token returns, no batch whitening."""
+    std_normalize: Optional[bool] = None
+    """grpo / ppo: divide the group-centred rewards by the unbiased group std + 1e-6 (TRL, veRL). None: the
+    algorithm's default (True for grpo and ppo, False for dr_grpo); True with dr_grpo or a REINFORCE++ variant
+    is refused (Dr.GRPO never divides; REINFORCE++ whitens over the batch, group_norm always divides)."""
     clip_low: float = 0.2
     """Lower PPO clip: the ratio's lower bound is 1 - clip_low, clip_low in [0, 1)."""
     clip_high: float = 0.28
     """Asymmetric PPO clip: ratio in [1-clip_low, 1+clip_high] (clip-higher)."""
-    loss_agg: str = "token_mean"
-    """token_mean | seq_mean_token_mean | seq_sum_norm (sum / loss_norm_const)."""
+    loss_agg: Optional[str] = None
+    """token_mean | seq_mean_token_mean | seq_sum_norm (sum / loss_norm_const). None: the algorithm's default,
+    seq_sum_norm for dr_grpo (its constant normaliser is half of Dr.GRPO), token_mean for the others. An
+    explicit value is honoured for every algorithm (e.g. to ablate Dr.GRPO's aggregation)."""
     loss_norm_const: float = 512.0
     """seq_sum_norm only: the constant (in tokens, > 0) a sequence's summed token losses are divided by,
     as Dr.GRPO does with the generation budget."""
@@ -278,8 +300,50 @@ class AlgoConfig:
     """vtrace only: truncation rho_bar of the per-token importance weight (> 0)."""
     vtrace_c_bar: float = 1.0
     """vtrace only: truncation c_bar of the trace coefficients (> 0; IMPALA takes c_bar <= rho_bar)."""
-    dynamic_sampling: bool = True
-    """Drop groups whose rewards are all equal (no signal); counted in learner/groups_zero_signal."""
+    dynamic_sampling: Optional[bool] = None
+    """Drop groups whose rewards are all equal (DAPO); counted in learner/groups_zero_signal. None: the
+    algorithm's default, True for grpo and dr_grpo (such a group has zero advantage), False for the REINFORCE++
+    variants (upstream keeps every sample: they still enter the batch whitening) and for ppo (its critic
+    learns from every sample; a group of one is always "all equal")."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch (>= 1), as OpenRLHF's ``max_epochs`` / veRL's ``ppo_epochs``."""
+    mini_batches: int = 1
+    """Optimizer steps per pass (>= 1): the batch's trajectories are split, in batch order, into this many
+    mini-batches (OpenRLHF: rollout samples / train_batch_size; R1-Searcher: 4). The "old" logprobs of the
+    PPO ratio are the learner's own, computed once per batch before the first update (no gradient) and held
+    fixed over every epoch and mini-batch, so from the second update on the ratio moves and the clip acts.
+    A learner step is still one rollout batch: it takes ppo_epochs x mini_batches optimizer steps, then the
+    policy version advances by one and the weights are pushed; the policy lag, ``replay.max_policy_lag``,
+    ``stages.N.steps`` and the learning-rate schedule all count learner steps (rollout batches)."""
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """PPO's value model, used by the RL stages with ``algo.name=ppo`` (RAG-R1's ``adv_estimator=gae``).
+    The learner builds it once when any stage runs ppo (``learner/critic.py``); advantages come from GAE
+    over MODEL tokens (``learner/algo/gae.py``). A ppo stage needs no group: one sample per prompt
+    (``rollout.group_size=1``) is allowed, and dynamic sampling drops no group under ppo."""
+
+    mode: str = "separate"
+    """separate: a second model initialised from the policy directory, its LM head replaced by a scalar
+    head (what veRL and RAG-R1 run); head: a scalar head on the policy's own trunk, reading its hidden
+    states without gradient (the value loss trains only the head; no second model in memory)."""
+    lr: float = 3e-3
+    """Constant AdamW learning rate of the critic (> 0), its own optimizer. RAG-R1 runs the critic at 10x
+    the actor's (1e-5 vs 1e-6); 3e-3 is 10x the default RL stage lr of the tiny policy."""
+    gamma: float = 1.0
+    """GAE discount in [0, 1] (RAG-R1: 1.0)."""
+    lam: float = 1.0
+    """GAE lambda in [0, 1] (RAG-R1: 1.0)."""
+    value_clip: float = 0.5
+    """epsilon_v of the clipped value loss (>= 0; 0 disables the clip): the prediction may move at most
+    this far from V_old before its error stops counting (veRL's ``cliprange_value`` default, 0.5)."""
+    warmup_steps: int = 0
+    """The first this-many steps of each ppo stage train only the critic; the policy is not updated
+    (veRL's ``trainer.critic_warmup``; RAG-R1: 0)."""
+    whiten: bool = True
+    """Whiten the GAE advantages over the batch's trained tokens (veRL's ``masked_whiten``: mean 0, unbiased
+    std 1) before the policy loss."""
 
 
 @dataclass(frozen=True)
@@ -340,14 +404,21 @@ class ReplayConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """Outcome reward. Each part is logged separately."""
+    """Outcome reward (``actors/rewards.py`` has the formulas). Each part is logged separately."""
 
     name: str = "answer_em"
-    """answer_em | answer_f1 | cover_em | r1_stage1 | r1_stage2 | rag_r1"""
+    """answer_em | answer_f1 | cover_em (R1-Searcher's ACC_R) | search_r1 | rag_r1 (both: EM of the answer,
+    no format term, as Search-R1's and RAG-R1's ``qa_em.py``) | r1_stage1 | r1_stage2 (R1-Searcher)."""
     format_weight: float = 0.1
-    """Weight of the format term added to the answer reward."""
-    format_penalty: float = -1.0
-    """R1-Searcher stage 2: reward when the format is broken."""
+    """Weight (>= 0) of the format term added to answer_em / answer_f1 / cover_em."""
+    format_penalty: float = -2.0
+    """R1-Searcher stage 2 (<= 0): added to the F1 when the format is broken. -2 as the paper, its README
+    and the Qwen reward server; the Llama stage-2 server uses -1."""
+    variant: str = "paper"
+    """R1-Searcher rewards only: paper (the paper's formulas, Sonar's finish reason as the format) |
+    code_qwen (``reward_server_qwen_zero.py``: stage 2 only) | code_llama (``reward_server_llama_stage1/2.py``):
+    the released servers' rules (tag counts, one answer, <= 10 words, a document per query, cover-EM term in
+    stage 1). README "Rewards and metrics: paper vs released code" lists every difference."""
 
 
 @dataclass(frozen=True)
@@ -373,6 +444,16 @@ class StageConfig:
     """Reward of this stage's rollouts; the last stage's also scores held-out evaluation."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """Policy-gradient algorithm of an RL stage (unused by SFT)."""
+    data: Optional[Union[str, List[str]]] = None
+    """RL only: dataset file(s) whose questions this stage trains on (one path or a list, read in order
+    as one set by ``actors/datasets.py:load_datasets``: FlashRAG/Search-R1 JSONL, HotpotQA, 2Wiki,
+    MuSiQue, Bamboogle, R1-Searcher's JSONL, RAG-R1's JSON, Search-R1/RAG-R1 parquet). Needs
+    ``retrieval.corpus`` (the passages that answer them). None: the synthetic world's training
+    questions. Read by the driver (prompt count, vocabulary) and by every rollout worker (the prompts);
+    relative paths are relative to where ``sonar`` starts, and must be readable on every node."""
+    format: str = "auto"
+    """Format of ``data`` (``actors.datasets.FORMATS`` or an alias), when detection from the content is
+    ambiguous; "auto" detects per file."""
 
 
 @dataclass(frozen=True)
@@ -385,6 +466,11 @@ class EvalConfig:
     """Also evaluate with search disabled (every search returns no documents)."""
     batch_size: int = 64
     """Questions per batched greedy rollout call (>= 1), in training evaluation and ``sonar eval``."""
+    data: Optional[Union[str, List[str]]] = None
+    """Held-out evaluation questions from dataset file(s) (as ``stages.N.data``; needs ``retrieval.corpus``);
+    None: the synthetic world's held-out questions (``world.num_heldout_eval``). Read by the driver."""
+    format: str = "auto"
+    """Format of ``eval.data``, as ``stages.N.format``."""
 
 
 @dataclass(frozen=True)
@@ -462,6 +548,8 @@ class Config:
     """Rollout workers, engines and sampling."""
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     """Optimizer, DeepSpeed and batching of the learner."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """PPO's value model and GAE (read only when a stage runs ``algo.name=ppo``)."""
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     """The queue between workers and learner: backpressure, staleness, admission."""
     stages: List[StageConfig] = field(default_factory=lambda: [StageConfig()])
@@ -475,8 +563,10 @@ class Config:
 
 
 _CHOICES = {
-    "protocol.name": ("r1_searcher", "search_r1", "rag_r1_multi"),
+    "protocol.name": ("r1_searcher", "search_r1", "rag_r1", "rag_r1_multi"),
     "protocol.template": ("base", "chat"),
+    "protocol.prompt": ("short", "r1_searcher_base", "r1_searcher_instruct", "search_r1", "rag_r1"),
+    "protocol.on_invalid": ("message", "end"),
     "retrieval.backend": ("tantivy", "elasticsearch"),
     "retrieval.rerank": ("none", "dense", "cross"),
     "rollout.engine": ("hf", "vllm"),
@@ -487,15 +577,22 @@ _CHOICES = {
     "learner.precision": ("auto", "fp32", "bf16"),
     "learner.dist_backend": ("auto", "gloo", "nccl"),
     "replay.stale_policy": ("drop", "downweight"),
+    "critic.mode": ("separate", "head"),
 }
+DATA_FORMATS = ("auto", "flashrag", "hotpotqa", "2wiki", "musique", "bamboogle", "r1_searcher", "verl",
+                "search_r1", "jsonl", "rag_r1", "hotpot", "2wikimultihopqa", "search_r1_parquet", "parquet")
+"""``stages.N.format`` / ``eval.format``: "auto", ``actors.datasets.FORMATS`` and its aliases (a test
+keeps the two lists equal; the wire imports nothing of the actors)."""
+
 _STAGE_CHOICES = {
     "kind": ("sft", "rl"),
-    "algo.name": ("grpo", "dr_grpo", "reinforce_pp", "ppo"),
-    "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_sum_norm"),
+    "algo.name": ("grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "group_norm", "ppo"),
+    "algo.loss_agg": (None, "token_mean", "seq_mean_token_mean", "seq_sum_norm"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.kl_mode": ("loss", "reward"),
     "algo.off_policy": ("none", "tis", "decoupled", "vtrace"),
-    "reward.name": ("answer_em", "answer_f1", "cover_em", "r1_stage1", "r1_stage2", "rag_r1"),
+    "reward.name": ("answer_em", "answer_f1", "cover_em", "search_r1", "rag_r1", "r1_stage1", "r1_stage2"),
+    "reward.variant": ("paper", "code_qwen", "code_llama"),
 }
 
 
@@ -503,6 +600,28 @@ def _get(obj: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+REINFORCE_PP_FAMILY = ("reinforce_pp", "reinforce_pp_baseline", "group_norm")
+"""The algorithms built on REINFORCE++'s per-token returns (OpenRLHF ``reinforce`` / ``reinforce_baseline`` /
+``group_norm``)."""
+
+
+def algo_std_normalize(a: AlgoConfig) -> bool:
+    """Resolved ``algo.std_normalize``: the explicit value, else True for grpo and ppo, False otherwise."""
+    return a.std_normalize if a.std_normalize is not None else a.name in ("grpo", "ppo")
+
+
+def algo_dynamic_sampling(a: AlgoConfig) -> bool:
+    """Resolved ``algo.dynamic_sampling``: the explicit value, else True for grpo and dr_grpo only."""
+    return a.dynamic_sampling if a.dynamic_sampling is not None else a.name in ("grpo", "dr_grpo")
+
+
+def algo_loss_agg(a: AlgoConfig) -> str:
+    """Resolved ``algo.loss_agg``: the explicit value, else seq_sum_norm for dr_grpo, token_mean otherwise."""
+    if a.loss_agg is not None:
+        return a.loss_agg
+    return "seq_sum_norm" if a.name == "dr_grpo" else "token_mean"
 
 
 def inflight_budget(cfg: "Config") -> int:
@@ -526,6 +645,7 @@ def validate(cfg: Config) -> Config:
     _check_retrieval(cfg)
     _check_rollout(cfg)
     _check_learner(cfg)
+    _check_critic(cfg)
     _check_replay(cfg)
     _check_stages(cfg)
     _check_eval(cfg)
@@ -562,6 +682,23 @@ def _check_protocol(cfg: Config) -> None:
     if p.max_total_tokens > cfg.model.max_position_embeddings and cfg.model.path is None:
         raise ValueError(
             f"protocol.max_total_tokens={p.max_total_tokens} > model.max_position_embeddings={cfg.model.max_position_embeddings}")
+    if p.name not in _PROMPT_PROTOCOLS[p.prompt]:
+        raise ValueError(f"protocol.prompt={p.prompt!r} describes protocol.name in {list(_PROMPT_PROTOCOLS[p.prompt])}, "
+                         f"not protocol.name={p.name!r}")
+    need = {"r1_searcher_base": "base", "r1_searcher_instruct": "chat"}.get(p.prompt)
+    if need and p.template != need:
+        raise ValueError(f"protocol.prompt={p.prompt!r} needs protocol.template={need!r}, got protocol.template={p.template!r}")
+
+
+_PROMPT_PROTOCOLS = {
+    "short": ("r1_searcher", "search_r1", "rag_r1", "rag_r1_multi"),
+    "r1_searcher_base": ("r1_searcher",),
+    "r1_searcher_instruct": ("r1_searcher",),
+    "search_r1": ("search_r1",),
+    "rag_r1": ("rag_r1", "rag_r1_multi"),
+}
+"""Which protocol.name each protocol.prompt describes (``actors.prompts.PROMPT_PROTOCOLS``, which a test
+keeps equal; the wire imports nothing of actors)."""
 
 
 def _check_retrieval(cfg: Config) -> None:
@@ -685,6 +822,25 @@ def _check_learner(cfg: Config) -> None:
             "every trajectory would be stale before the workers saw new weights")
 
 
+def _check_critic(cfg: Config) -> None:
+    _check_choices(cfg, "critic")
+    c = cfg.critic
+    if not (math.isfinite(c.lr) and c.lr > 0):
+        raise ValueError(f"critic.lr={c.lr} must be > 0")
+    for name, v in (("gamma", c.gamma), ("lam", c.lam)):
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"critic.{name}={v} must be in [0, 1]")
+    if not (math.isfinite(c.value_clip) and c.value_clip >= 0):
+        raise ValueError(f"critic.value_clip={c.value_clip} must be >= 0 (0: no clip)")
+    if c.warmup_steps < 0:
+        raise ValueError(f"critic.warmup_steps={c.warmup_steps} must be >= 0")
+    for i, st in enumerate(cfg.stages):
+        if st.kind == "rl" and st.algo.name == "ppo" and st.algo.dynamic_sampling and cfg.rollout.group_size == 1:
+            raise ValueError(f"stages[{i}].algo.name='ppo' with stages[{i}].algo.dynamic_sampling=True and "
+                             f"rollout.group_size=1: a group of one always has all-equal rewards, so dynamic "
+                             "sampling would drop every sample (leave it unset: off for ppo)")
+
+
 def _check_replay(cfg: Config) -> None:
     _check_choices(cfg, "replay")
     q, L, r = cfg.replay, cfg.learner, cfg.rollout
@@ -711,6 +867,7 @@ def _check_stages(cfg: Config) -> None:
             value = _get(stage, key)
             if value not in allowed:
                 raise ValueError(f"stages[{i}].{key}={value!r} is not one of {list(allowed)}")
+        _check_reward(i, stage.reward)
         if stage.steps < 0:
             raise ValueError(f"stages[{i}].steps={stage.steps} must be >= 0")
         if not stage.lr > 0:
@@ -724,16 +881,71 @@ def _check_stages(cfg: Config) -> None:
                 f"stages[{i}].algo.clip_low={a.clip_low} / clip_high={a.clip_high}: need 0<=clip_low<1, clip_high>=0")
         if a.name == "dr_grpo" and a.std_normalize:
             raise ValueError(f"stages[{i}].algo.name='dr_grpo' with stages[{i}].algo.std_normalize=True: Dr.GRPO has no std normalisation")
-        if stage.kind == "rl" and a.name in ("grpo", "dr_grpo") and cfg.rollout.group_size < 2:
+        if a.name in REINFORCE_PP_FAMILY and a.std_normalize:
+            raise ValueError(f"stages[{i}].algo.name={a.name!r} with stages[{i}].algo.std_normalize=True: REINFORCE++ "
+                             "whitens over the batch (group_norm divides by the group std itself); leave it unset")
+        if a.ppo_epochs < 1 or a.mini_batches < 1:
+            raise ValueError(f"stages[{i}].algo.ppo_epochs={a.ppo_epochs} / stages[{i}].algo.mini_batches="
+                             f"{a.mini_batches}: both must be >= 1")
+        rows = cfg.learner.groups_per_step * cfg.rollout.group_size
+        if stage.kind == "rl" and a.mini_batches > rows:
+            raise ValueError(f"stages[{i}].algo.mini_batches={a.mini_batches} > learner.groups_per_step x "
+                             f"rollout.group_size={rows}: a mini-batch needs at least one trajectory")
+        if stage.kind == "rl" and a.name in ("grpo", "dr_grpo", "reinforce_pp_baseline", "group_norm") \
+                and cfg.rollout.group_size < 2:
             raise ValueError(f"stages[{i}].algo.name={a.name!r} needs rollout.group_size >= 2, got {cfg.rollout.group_size}")
+        _check_data(cfg, f"stages[{i}]", stage.data, stage.format)
+        if stage.kind == "sft" and stage.data is not None:
+            raise ValueError(f"stages[{i}].kind='sft' with stages[{i}].data={stage.data!r}: SFT demonstrations need "
+                             "a gold search plan, which dataset files do not carry; train SFT on the synthetic "
+                             "world (data unset) or use an RL stage for the files")
         if stage.kind == "rl" and stage.steps > 0 and cfg.rollout.temperature == 0:
             raise ValueError(f"stages[{i}].kind='rl' with rollout.temperature=0: greedy rollouts have no sampling "
                              "logprobs for the learner to match (use a temperature > 0)")
 
 
+def _check_reward(i: int, r: RewardConfig) -> None:
+    """A stage's reward (its name and variant are checked against ``_STAGE_CHOICES`` first)."""
+    if not (math.isfinite(r.format_weight) and r.format_weight >= 0):
+        raise ValueError(f"stages[{i}].reward.format_weight={r.format_weight} must be a finite number >= 0")
+    if not (math.isfinite(r.format_penalty) and r.format_penalty <= 0):
+        raise ValueError(f"stages[{i}].reward.format_penalty={r.format_penalty} must be a finite number <= 0")
+    if r.variant != "paper" and r.name not in ("r1_stage1", "r1_stage2"):
+        raise ValueError(f"stages[{i}].reward.variant={r.variant!r} applies to R1-Searcher's rewards only; "
+                         f"stages[{i}].reward.name={r.name!r} has no released variant (use 'paper')")
+    if r.variant == "code_qwen" and r.name == "r1_stage1":
+        raise ValueError(f"stages[{i}].reward.variant='code_qwen' with stages[{i}].reward.name='r1_stage1': "
+                         "R1-Searcher released no Qwen stage-1 server (use 'code_llama' or 'paper')")
+
+
 def _check_eval(cfg: Config) -> None:
     if cfg.eval.batch_size < 1:
         raise ValueError(f"eval.batch_size={cfg.eval.batch_size} must be >= 1")
+    _check_data(cfg, "eval", cfg.eval.data, cfg.eval.format)
+
+
+def data_paths(data: Optional[Union[str, List[str]]]) -> list[str]:
+    """``stages.N.data`` / ``eval.data`` as a list of paths ([] when unset)."""
+    if data is None:
+        return []
+    return [data] if isinstance(data, str) else list(data)
+
+
+def _check_data(cfg: Config, where: str, data, fmt: str) -> None:
+    """A data field: a format Sonar reads, non-empty existing paths, and a corpus to search them in."""
+    if fmt not in DATA_FORMATS:
+        raise ValueError(f"{where}.format={fmt!r} is not one of {list(DATA_FORMATS)}")
+    if data is None:
+        return
+    paths = data_paths(data)
+    if not paths:
+        raise ValueError(f"{where}.data=[] : name at least one file, or leave it unset for the synthetic world")
+    for j, path in enumerate(paths):
+        if not path or not Path(path).expanduser().is_file():
+            raise ValueError(f"{where}.data[{j}]={path!r}: no such file")
+    if not cfg.retrieval.corpus:
+        raise ValueError(f"{where}.data={data!r} with retrieval.corpus=None: questions from files need the "
+                         "passages that answer them (a JSONL corpus); the synthetic world's corpus cannot")
 
 
 def _check_cluster(cfg: Config) -> None:

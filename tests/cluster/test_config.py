@@ -284,7 +284,44 @@ def test_in_range_values_load(overrides):
     load_config([], overrides)
 
 
-def test_stage_data_is_gone():
-    """``stages.N.data`` was never read: a config that sets it fails loudly instead of silently training on the world."""
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "datasets"
+HOTPOT = str(FIXTURES / "hotpot_mini.json")
+CORPUS = str(FIXTURES / "hotpot_mini_corpus.jsonl")
+
+
+def test_stage_data_takes_one_path_or_a_list_in_yaml_and_on_the_command_line(tmp_path):
+    """``stages.N.data`` is read now (it was removed last round as unread): one path or a list, from a
+    YAML file or the command line, with its format."""
+    one = load_config([], [f"stages.0.data={HOTPOT}", f"retrieval.corpus={CORPUS}", "stages.0.format=hotpotqa"])
+    assert one.stages[0].data == HOTPOT and one.stages[0].format == "hotpotqa"
+    many = load_config([], [f"stages.0.data=[{HOTPOT}, {FIXTURES / 'hotpot_mini_dev.json'}]", f"retrieval.corpus={CORPUS}"])
+    assert many.stages[0].data == [HOTPOT, str(FIXTURES / "hotpot_mini_dev.json")]
+    y = tmp_path / "files.yaml"
+    y.write_text(f"retrieval:\n  corpus: {CORPUS}\neval:\n  data: {HOTPOT}\nstages:\n  - kind: rl\n    data: [{HOTPOT}]\n")
+    cfg = load_config([y])
+    assert cfg.stages[0].data == [HOTPOT] and cfg.eval.data == HOTPOT and cfg.eval.format == "auto"
+    from sonar.cluster.wire.config import data_paths
+    assert data_paths(cfg.stages[0].data) == data_paths(cfg.eval.data) == [HOTPOT] and data_paths(None) == []
+
+
+@pytest.mark.parametrize("overrides, fields", [
+    ([f"stages.0.data={HOTPOT}"], ["stages[0].data=", "retrieval.corpus=None"]),
+    (["eval.data=" + HOTPOT], ["eval.data=", "retrieval.corpus=None"]),
+    ([f"retrieval.corpus={CORPUS}", "stages.0.data=/no/such/file.jsonl"], ["stages[0].data[0]='/no/such/file.jsonl'",
+                                                                              "no such file"]),
+    ([f"retrieval.corpus={CORPUS}", "stages.0.data=[]"], ["stages[0].data=[]"]),
+    ([f"retrieval.corpus={CORPUS}", f"stages.0.data={HOTPOT}", "stages.0.format=squad"], ["stages[0].format='squad'"]),
+    (["eval.format=csv"], ["eval.format='csv'"]),
+    ([f"retrieval.corpus={CORPUS}", f"stages.0.data={HOTPOT}", "stages.0.kind=sft"],
+     ["stages[0].kind='sft'", "stages[0].data=", "gold search plan"]),
+])
+def test_bad_data_settings_name_the_field_and_value(overrides, fields):
+    with pytest.raises(ValueError) as e:
+        load_config([], overrides)
+    for f in fields:
+        assert f in str(e.value), (f, str(e.value))
+
+
+def test_stage_data_of_the_wrong_type_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match="data"):
-        load_config([], ["stages.0.data=/data/hotpotqa/dev.jsonl"])
+        load_config([], ["stages.0.data={a: 1}"])
