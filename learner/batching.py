@@ -55,6 +55,13 @@ class Batch:
     """[B] long; ``Trajectory.min_version()`` (-1: no MODEL token)."""
     advantages: Tensor | None = None
     """[B, T-1] float32 per-sequence advantages broadcast over loss_mask, if given to ``collate``."""
+    proximal_logprobs: Tensor | None = None
+    """[B, T-1] float32: the learner's own logprobs at the start of the batch (no gradient), the fixed "old"
+    policy of every epoch and mini-batch (``train_step.rl_step``); None when the batch takes one update."""
+    old_values: Tensor | None = None
+    """[B, T-1] float32 V_old of the critic (ppo), fixed for the batch; None otherwise."""
+    returns: Tensor | None = None
+    """[B, T-1] float32 value targets of the critic (ppo), fixed for the batch; None otherwise."""
     traj_ids: list[str] = field(default_factory=list)
     group_ids: list[str] = field(default_factory=list)
 

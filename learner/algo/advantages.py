@@ -1,24 +1,41 @@
-"""Advantage estimators: GRPO, Dr.GRPO, REINFORCE++ (and the group-baseline "PPO" Sonar runs).
+"""Advantage estimators: GRPO, Dr.GRPO, the REINFORCE++ family, and the group-baseline "PPO" fallback.
 
 Notation: N samples (= B sequences), T tokens per padded sequence. Token-level tensors are aligned
 to *predicted* tokens: position t holds the quantity for token t+1 given tokens <= t, so they are
 [B, T-1] (see ``learner.batching.collate``). ``mask`` is the float loss mask of that shape
 (1 on MODEL tokens, 0 on prompt, retrieval and padding).
 
+Upstream formulas (read from OpenRLHF ``openrlhf/trainer/ppo_utils/experience_maker.py`` and its
+replay buffer's ``normalize``, the code R1-Searcher trains with; TRL / veRL for GRPO):
+
+* ``grpo``: (r - group mean) / (group std + 1e-6) with the *unbiased* std (``torch.std``'s default,
+  as TRL and veRL), broadcast over the sequence's trained tokens.
+* ``dr_grpo``: r - group mean (no std; its length part is the ``seq_sum_norm`` aggregation).
+* ``reinforce_pp`` (OpenRLHF ``reinforce``): per-token returns of the raw outcome, whitened over the
+  batch's trained tokens: (G - mean) * rsqrt(max(var, 1e-8)), population variance.
+* ``reinforce_pp_baseline`` (OpenRLHF ``reinforce_baseline``, R1-Searcher): the outcome minus its
+  group mean, then the same returns and whitening.
+* ``group_norm`` (OpenRLHF ``group_norm``, R1-Searcher's Llama stage 1): (r - group mean) /
+  (unbiased group std + 1e-9), then the returns; no batch whitening.
+
 What is simplified, and why:
 
-* Sonar has no value model (search agents are trained critic-free, as in R1-Searcher / Search-R1
-  GRPO runs). ``ppo`` therefore means "the PPO-clip surrogate with the group-mean baseline": its
-  advantages are GRPO's (std normalisation per ``AlgoConfig.std_normalize``). The clipping lives
-  in ``losses.policy_loss`` and is shared by all algorithms.
+* ``ppo`` without a value model is "the PPO-clip surrogate with the group-mean baseline": its
+  advantages are GRPO's. With a critic, GAE replaces them (the seam is
+  ``learner.train_step.batch_advantages``). The clipping lives in ``losses.policy_loss`` and is
+  shared by all algorithms.
 * Outcome reward only: one scalar per sequence. GRPO-family advantages are a per-sequence scalar
-  broadcast over that sequence's trained tokens; REINFORCE++ builds per-token returns (the KL
-  penalty makes them vary along the sequence).
+  broadcast over that sequence's trained tokens; the REINFORCE++ family builds per-token returns
+  (the KL penalty makes them vary along the sequence).
+* A group whose rewards are all equal (a singleton included) gets exact zeros for every group
+  estimator, never NaN; upstream divides 0 by ``0 + eps`` (also 0) or, for a singleton, by a NaN
+  std (upstream requires ``n_samples_per_prompt > 1``, and so does ``validate``).
 * ``kl_mode="reward"``: the caller passes the per-token KL ``kl`` [B, T-1] computed *without
-  gradient* from the sampling (or proximal) logprobs and the reference logprobs
-  (``losses.kl_estimate``). REINFORCE++ subtracts ``kl_coef * kl_t`` at every token before the
-  return sum (OpenRLHF). The group algorithms subtract ``kl_coef * sum_t kl_t * mask_t`` from the
-  sequence reward before centring (the sequence-level equivalent of the same penalty).
+  gradient* from the current (or proximal) logprobs and the reference logprobs
+  (``losses.kl_estimate``). The REINFORCE++ family subtracts ``kl_coef * kl_t`` at every token before
+  the return sum, after the group shaping of the outcome (OpenRLHF ``compute_reward``). The group
+  algorithms subtract ``kl_coef * sum_t kl_t * mask_t`` from the sequence reward before centring
+  (the sequence-level equivalent of the same penalty).
 
 Pure module: torch only.
 """
@@ -27,7 +44,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-ALGORITHMS = ("grpo", "dr_grpo", "reinforce_pp", "ppo")
+ALGORITHMS = ("grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "group_norm", "ppo")
+REINFORCE_PP_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "group_norm")
+"""The REINFORCE++ family, by ``AlgoConfig.name`` (OpenRLHF: reinforce, reinforce_baseline, group_norm)."""
+GRPO_EPS = 1e-6
+"""GRPO's std epsilon (veRL's ``norm_adv_by_std_in_grpo`` epsilon)."""
+GROUP_NORM_EPS = 1e-9
+"""OpenRLHF ``group_norm``'s std epsilon."""
+WHITEN_VAR_FLOOR = 1e-8
+"""OpenRLHF's batch whitening multiplies by rsqrt(max(var, 1e-8))."""
 
 
 def _dense_groups(group_index: Tensor) -> tuple[Tensor, int]:
@@ -39,17 +64,20 @@ def _dense_groups(group_index: Tensor) -> tuple[Tensor, int]:
 
 
 def _group_stats(rewards: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-sample (group mean, group std with unbiased=False, group-is-constant flag), all [N].
+    """Per-sample (group mean, *unbiased* group std, group-is-constant flag), all [N].
 
-    Computed in float64 so that the mean of a constant group is the constant to the last bit
-    in practice; constant groups are in any case flagged and zeroed exactly by the callers.
+    The std divides by n - 1 (``torch.std``'s default, as TRL, veRL and OpenRLHF use); a singleton
+    group's std is reported as 0 instead of NaN (it is constant, and callers zero constant groups).
+    Computed in float64 so that the mean of a constant group is the constant to the last bit in
+    practice; constant groups are in any case flagged and zeroed exactly by the callers.
     """
     ids, g = _dense_groups(group_index)
     r = rewards.detach().to(torch.float64)
     count = torch.zeros(g, dtype=torch.float64, device=r.device).index_add_(0, ids, torch.ones_like(r))
     mean = torch.zeros(g, dtype=torch.float64, device=r.device).index_add_(0, ids, r) / count
     centred = r - mean[ids]
-    var = torch.zeros(g, dtype=torch.float64, device=r.device).index_add_(0, ids, centred * centred) / count
+    sq = torch.zeros(g, dtype=torch.float64, device=r.device).index_add_(0, ids, centred * centred)
+    var = sq / (count - 1).clamp(min=1)
     gmax = torch.full((g,), -torch.inf, dtype=torch.float64, device=r.device).scatter_reduce(0, ids, r, "amax")
     gmin = torch.full((g,), torch.inf, dtype=torch.float64, device=r.device).scatter_reduce(0, ids, r, "amin")
     const = (gmax == gmin)[ids]
@@ -57,24 +85,25 @@ def _group_stats(rewards: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, 
 
 
 def group_advantages(rewards: Tensor, group_index: Tensor, std_normalize: bool = False,
-                     eps: float = 1e-6) -> Tensor:
-    """GRPO / Dr.GRPO sequence advantages: reward minus its group's mean.
+                     eps: float = GRPO_EPS) -> Tensor:
+    """GRPO / Dr.GRPO sequence advantages: reward minus its group's mean (optionally over its std).
 
     Args:
         rewards: [N] float, one outcome reward per sample.
         group_index: [N] long, samples with equal labels form a group (labels need not be
             contiguous or sorted).
-        std_normalize: GRPO divides by ``group_std + eps`` where group_std is the *population*
-            std (``unbiased=False``: divide by n, not n-1), so a group of two is well defined.
-            Dr.GRPO passes False: std normalisation up-weights near-constant groups (questions
-            that are too easy or too hard), which the Dr.GRPO paper identifies as a bias.
+        std_normalize: GRPO divides by ``group_std + eps`` where group_std is the *unbiased* std
+            (divide by n - 1, ``torch.std``'s default, as TRL and veRL). Dr.GRPO passes False: std
+            normalisation up-weights near-constant groups (questions that are too easy or too hard),
+            which the Dr.GRPO paper identifies as a bias.
         eps: added to the std.
 
     Returns:
         [N] advantages in the dtype of ``rewards``. A group whose rewards are all equal (including
         a singleton group) gets exact zeros, never NaN: it carries no learning signal.
 
-    Closed form: rewards [1, 0, 0, 1] in one group -> [0.5, -0.5, -0.5, 0.5] without std.
+    Closed forms: rewards [1, 0, 0, 1] in one group -> [0.5, -0.5, -0.5, 0.5] without std; with it
+    the unbiased std is sqrt(1/3), so +-0.5 * sqrt(3) / (1 + eps * sqrt(3)) ~ +-0.8660.
     """
     if rewards.dim() != 1 or rewards.shape != group_index.shape:
         raise ValueError(
@@ -132,37 +161,34 @@ def _last_true_index(mask: Tensor) -> tuple[Tensor, Tensor]:
     return last.clamp(min=0), last >= 0
 
 
-def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0,
-                            eps: float = 1e-8, group_index: Tensor | None = None) -> Tensor:
-    """REINFORCE++ token advantages (OpenRLHF ``reinforce`` / ``reinforce_baseline``, R1-Searcher).
+def whiten(x: Tensor, mask: Tensor, var_floor: float = WHITEN_VAR_FLOOR) -> Tensor:
+    """OpenRLHF's batch whitening of token advantages: (x - mean) * rsqrt(max(var, var_floor)).
 
-    Per-token reward: ``r_t = -kl_coef * kl_t`` on every trained token, plus the outcome reward on
-    the *last* trained token of the sequence. Return: ``G_t = sum_{s >= t} r_s * mask_s``
-    (gamma = 1, the sum runs over trained tokens only, so retrieval tokens in between neither add
-    reward nor break the sum). Then GLOBAL batch normalisation: ``(G - mean) / (std + eps)`` with
-    mean and population std over all masked tokens of the whole batch (not per group), which is
-    what distinguishes REINFORCE++ from GRPO.
-
-    Args:
-        rewards: [B] outcome rewards.
-        mask: [B, T-1] float loss mask (aligned to predicted tokens).
-        kl: [B, T-1] per-token KL to the reference (no gradient), or None (no penalty).
-        kl_coef: penalty coefficient; 0 disables it.
-        eps: added to the global std.
-        group_index: [B] long or None. Given: the "REINFORCE++-baseline" variant, the outcome
-            reward is first centred by its group mean (OpenRLHF ``reinforce_baseline``).
-
-    Returns:
-        [B, T-1] advantages, 0 where mask is 0. If every masked return is equal (e.g. all rewards
-        equal and no KL) the result is exact zeros, not NaN. A row with no trained token is all 0.
+    mean and the *population* variance run over the positions with mask > 0 of the whole [B, L]
+    tensor; the result is 0 where mask is 0. If every masked value is equal the result is exact
+    zeros (upstream: 0 * 1e4 up to the rounding of the mean). float64 in, float64 out.
     """
-    if mask.dim() != 2 or rewards.shape != (mask.shape[0],):
-        raise ValueError(f"rewards {tuple(rewards.shape)} must be [B] for mask {tuple(mask.shape)} [B, T-1]")
-    m = (mask > 0)
-    r_seq = rewards.detach().to(torch.float64)
-    if group_index is not None:
-        mean, _, _ = _group_stats(rewards, group_index)
-        r_seq = r_seq - mean
+    m = mask > 0
+    if int(m.sum()) == 0:
+        return torch.zeros_like(x)
+    vals = x[m]
+    if bool(vals.max() == vals.min()):
+        return torch.zeros_like(x)
+    mean = vals.mean()
+    var = ((vals - mean) ** 2).mean()
+    return torch.where(m, (x - mean) * var.clamp(min=var_floor).rsqrt(), torch.zeros_like(x))
+
+
+def token_returns(outcome: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
+    """REINFORCE++ per-token returns [B, T-1], float64, 0 where mask is 0.
+
+    Per-token reward: ``r_t = -kl_coef * kl_t`` on every trained token, plus ``outcome[b]`` on the
+    *last* trained token of the sequence (OpenRLHF ``compute_reward``). Return:
+    ``G_t = sum_{s >= t} r_s * mask_s`` (gamma = 1, as upstream forces for the baseline variants; the
+    sum runs over trained tokens only, so retrieval tokens in between neither add reward nor break
+    the sum). A row with no trained token is all 0.
+    """
+    m = mask > 0
     tok = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
     if kl is not None and kl_coef != 0.0:
         if kl.shape != mask.shape:
@@ -170,56 +196,92 @@ def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, kl: Tensor | None = N
         tok = torch.where(m, -kl_coef * kl.detach().to(torch.float64), tok)
     last, has_any = _last_true_index(mask)
     rows = torch.arange(mask.shape[0], device=mask.device)
-    tok[rows[has_any], last[has_any]] += r_seq[has_any]
+    tok[rows[has_any], last[has_any]] += outcome.detach().to(torch.float64)[has_any]
     returns = torch.flip(torch.cumsum(torch.flip(tok, dims=[1]), dim=1), dims=[1])
-    returns = torch.where(m, returns, torch.zeros_like(returns))
-    n = m.sum()
-    if int(n) == 0:
-        return torch.zeros(mask.shape, dtype=rewards.dtype, device=mask.device)
-    vals = returns[m]
-    if bool(vals.max() == vals.min()):
-        return torch.zeros(mask.shape, dtype=rewards.dtype, device=mask.device)
-    mean = vals.mean()
-    std = vals.std(unbiased=False)
-    adv = torch.where(m, (returns - mean) / (std + eps), torch.zeros_like(returns))
+    return torch.where(m, returns, torch.zeros_like(returns))
+
+
+def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0,
+                            group_index: Tensor | None = None, estimator: str = "reinforce_pp") -> Tensor:
+    """REINFORCE++ family token advantages (OpenRLHF ``reinforce`` / ``reinforce_baseline`` / ``group_norm``).
+
+    1. Outcome shaping per ``estimator``: ``reinforce_pp`` keeps r; ``reinforce_pp_baseline``
+       subtracts the group mean; ``group_norm`` takes (r - group mean) / (unbiased group std + 1e-9).
+       A group with all-equal rewards gets outcome 0 under both group estimators.
+    2. ``token_returns`` of the shaped outcome with the per-token KL penalty.
+    3. ``reinforce_pp`` and ``reinforce_pp_baseline``: ``whiten`` over all trained tokens of the
+       whole batch (not per group), which is what distinguishes REINFORCE++ from GRPO; ``group_norm``
+       is not whitened (OpenRLHF skips its batch normalisation for group_norm).
+
+    Args:
+        rewards: [B] outcome rewards.
+        mask: [B, T-1] float loss mask (aligned to predicted tokens).
+        kl: [B, T-1] per-token KL to the reference (no gradient), or None (no penalty).
+        kl_coef: penalty coefficient; 0 disables it.
+        group_index: [B] long; required by the two group estimators.
+        estimator: one of ``REINFORCE_PP_ESTIMATORS``.
+
+    Returns:
+        [B, T-1] advantages in the dtype of ``rewards``, 0 where mask is 0; exact zeros, not NaN, if
+        every masked return is equal.
+
+    Closed form (no KL): rewards [1, 0, 1, 1] in groups [a, a, b, b], one trained token each:
+    baseline outcomes [0.5, -0.5, 0, 0], mean 0, population std sqrt(1/8) -> [sqrt 2, -sqrt 2, 0, 0].
+    """
+    if mask.dim() != 2 or rewards.shape != (mask.shape[0],):
+        raise ValueError(f"rewards {tuple(rewards.shape)} must be [B] for mask {tuple(mask.shape)} [B, T-1]")
+    if estimator not in REINFORCE_PP_ESTIMATORS:
+        raise ValueError(f"estimator={estimator!r} is not one of {list(REINFORCE_PP_ESTIMATORS)}")
+    r = rewards.detach().to(torch.float64)
+    if estimator != "reinforce_pp":
+        if group_index is None:
+            raise ValueError(f"estimator={estimator!r} needs group_index")
+        mean, std, const = _group_stats(rewards, group_index)
+        r = r - mean
+        if estimator == "group_norm":
+            r = r / (std + GROUP_NORM_EPS)
+        r = torch.where(const, torch.zeros_like(r), r)
+    returns = token_returns(r, mask, kl, kl_coef)
+    adv = returns if estimator == "group_norm" else whiten(returns, mask)
     return adv.to(rewards.dtype)
 
 
 def compute_advantages(name: str, rewards: Tensor, group_index: Tensor, mask: Tensor,
-                       std_normalize: bool = False, *, kl: Tensor | None = None, kl_coef: float = 0.0,
-                       reinforce_baseline: bool = False, eps: float = 1e-6) -> Tensor:
+                       std_normalize: bool | None = None, *, kl: Tensor | None = None,
+                       kl_coef: float = 0.0) -> Tensor:
     """Token-level advantages [B, T-1] for ``AlgoConfig.name``; 0 wherever ``mask`` is 0.
 
     Args:
-        name: grpo | dr_grpo | reinforce_pp | ppo.
+        name: one of ``ALGORITHMS``.
         rewards: [B] outcome rewards.
         group_index: [B] long group labels.
         mask: [B, T-1] float loss mask.
-        std_normalize: grpo / ppo only (``AlgoConfig.std_normalize``); dr_grpo rejects True.
+        std_normalize: grpo / ppo only (resolved ``AlgoConfig.std_normalize``; None: True for grpo
+            and ppo, False for dr_grpo). True is refused for dr_grpo and the REINFORCE++ family.
         kl: [B, T-1] detached per-token KL for ``kl_mode="reward"`` (None otherwise).
         kl_coef: its coefficient.
-        reinforce_baseline: reinforce_pp only: centre the outcome by the group mean first.
-        eps: std epsilon (for reinforce_pp the global-std epsilon).
 
     grpo / dr_grpo / ppo: the sequence advantage from ``group_advantages`` broadcast over that
     sequence's trained tokens (KL in reward mode is summed over the sequence and subtracted from
-    its reward first). reinforce_pp: ``reinforce_pp_advantages``.
+    its reward first). The REINFORCE++ family: ``reinforce_pp_advantages``.
     """
     if name not in ALGORITHMS:
         raise ValueError(f"algo.name={name!r} is not one of {list(ALGORITHMS)}")
     if mask.dim() != 2 or rewards.shape != (mask.shape[0],) or group_index.shape != rewards.shape:
         raise ValueError(f"rewards {tuple(rewards.shape)} / group_index {tuple(group_index.shape)} must be [B] "
                          f"for mask {tuple(mask.shape)} [B, T-1]")
-    if name == "reinforce_pp":
-        return reinforce_pp_advantages(rewards, mask, kl, kl_coef, eps=eps,
-                                       group_index=group_index if reinforce_baseline else None)
-    if name == "dr_grpo" and std_normalize:
-        raise ValueError("algo.name='dr_grpo' with algo.std_normalize=True: Dr.GRPO has no std normalisation")
+    if std_normalize and name not in ("grpo", "ppo"):
+        raise ValueError(f"algo.name={name!r} with algo.std_normalize=True: only grpo and ppo divide by the group "
+                         "std (Dr.GRPO never does; REINFORCE++ whitens over the batch, group_norm divides itself)")
+    if name in REINFORCE_PP_ESTIMATORS:
+        return reinforce_pp_advantages(rewards, mask, kl, kl_coef, group_index=group_index, estimator=name)
+    if std_normalize is None:
+        std_normalize = name in ("grpo", "ppo")
     r = rewards.detach()
     if kl is not None and kl_coef != 0.0:
         if kl.shape != mask.shape:
             raise ValueError(f"kl {tuple(kl.shape)} must match mask {tuple(mask.shape)}")
         r = r - kl_coef * torch.where(mask > 0, kl.detach(), torch.zeros_like(kl)).sum(dim=1).to(r.dtype)
-    seq = group_advantages(r, group_index, std_normalize=std_normalize and name != "dr_grpo", eps=eps)
+    seq = group_advantages(r, group_index, std_normalize=std_normalize)
     return torch.where(mask > 0, seq[:, None].expand(mask.shape),
                        torch.zeros((), dtype=seq.dtype, device=mask.device))

@@ -14,8 +14,8 @@ Three policies appear:
   * current    pi      -- ``logprobs`` (requires grad).
 
 ``AlgoConfig.off_policy`` chooses how mu != pi is handled (see ``policy_loss``). Every algorithm
-(grpo, dr_grpo, reinforce_pp, ppo) uses the same PPO-clip surrogate; they differ only in their
-advantages (``advantages.py``).
+(grpo, dr_grpo, the REINFORCE++ variants, ppo) uses the same PPO-clip surrogate; they differ only in
+their advantages (``advantages.py``) and their default aggregation (``config.algo_loss_agg``).
 
 Masking: every token quantity is formed with ``torch.where(mask > 0, x, 0)`` *before* any exp, so
 padding and untrained tokens (prompt, retrieval) cannot inject inf/NaN, and the gradient reaching
@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from sonar.cluster.wire.config import AlgoConfig
+from sonar.cluster.wire.config import AlgoConfig, algo_loss_agg
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_sum_norm")
 OFF_POLICY = ("none", "tis", "decoupled", "vtrace")
@@ -294,7 +294,7 @@ class LossOutput:
 
 
 def _check_algo(cfg: AlgoConfig) -> None:
-    for key, value, allowed in (("off_policy", cfg.off_policy, OFF_POLICY), ("loss_agg", cfg.loss_agg, AGG_MODES),
+    for key, value, allowed in (("off_policy", cfg.off_policy, OFF_POLICY), ("loss_agg", algo_loss_agg(cfg), AGG_MODES),
                                 ("kl_estimator", cfg.kl_estimator, KL_ESTIMATORS), ("kl_mode", cfg.kl_mode, KL_MODES)):
         if value not in allowed:
             raise ValueError(f"algo.{key}={value!r} is not one of {list(allowed)}")
@@ -330,7 +330,8 @@ def policy_loss(inp: LossInputs, cfg: AlgoConfig) -> LossOutput:
       * ``sample_weight[b]`` multiplies every token loss (policy and KL) of sequence b.
       * KL (``kl_mode='loss'`` and ``kl_coef != 0``): loss += kl_coef * aggregate(kl_estimate(logp,
         ref)). ``kl_mode='reward'`` is applied in the advantages, so nothing is added here.
-      * Aggregation: ``aggregate(.., cfg.loss_agg, cfg.loss_norm_const, inp.denominators)``.
+      * Aggregation: ``aggregate(.., algo_loss_agg(cfg), cfg.loss_norm_const, inp.denominators)`` (an unset
+        ``loss_agg`` is the algorithm's default: seq_sum_norm for dr_grpo, token_mean otherwise).
 
     Metrics (floats, over this call's masked tokens): loss, pg_loss, kl_loss, clip_fraction
     (tokens where the PPO clip is active, or for vtrace where rho > rho_bar), approx_kl (k3 of the
@@ -390,7 +391,8 @@ def policy_loss(inp: LossInputs, cfg: AlgoConfig) -> LossOutput:
     if inp.sample_weight is not None:
         sw = inp.sample_weight.detach().to(lp.dtype)[:, None]
         per_token = per_token * sw
-    pg_loss = aggregate(per_token, inp.mask, cfg.loss_agg, cfg.loss_norm_const, inp.denominators)
+    agg = algo_loss_agg(cfg)
+    pg_loss = aggregate(per_token, inp.mask, agg, cfg.loss_norm_const, inp.denominators)
     loss = pg_loss
     kl_loss_value = 0.0
     if cfg.kl_mode == "loss" and cfg.kl_coef != 0.0:
@@ -400,7 +402,7 @@ def policy_loss(inp: LossInputs, cfg: AlgoConfig) -> LossOutput:
         kl_tok = kl_estimate(lp_m, ref, cfg.kl_estimator)
         if sw is not None:
             kl_tok = kl_tok * sw
-        kl_loss = aggregate(kl_tok, inp.mask, cfg.loss_agg, cfg.loss_norm_const, inp.denominators)
+        kl_loss = aggregate(kl_tok, inp.mask, agg, cfg.loss_norm_const, inp.denominators)
         loss = loss + cfg.kl_coef * kl_loss
         kl_loss_value = float(kl_loss.detach())
     metrics["pg_loss"] = float(pg_loss.detach())

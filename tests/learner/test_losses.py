@@ -116,7 +116,7 @@ def test_ppo_loss_vs_loop(seed, agg, off):
 
 # ------------------------------------------------------------------ closed forms
 
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "reinforce_pp", "ppo"])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "group_norm", "ppo"])
 @pytest.mark.parametrize("off", ["none", "tis", "decoupled", "vtrace"])
 def test_ratio_one_is_plain_policy_gradient(name, off):
     torch.manual_seed(0)
@@ -124,12 +124,28 @@ def test_ratio_one_is_plain_policy_gradient(name, off):
     lp = (-torch.rand(3, 6)).requires_grad_(True)
     mu = lp.detach().clone()
     adv = torch.tensor([[0, 2.0, 2.0, 0, 2.0, 0], [-1.5, -1.5, 0, 0, 0, 0], [0] * 6])
-    out = policy_loss(LossInputs(lp, mu, adv, mask), cfg(name=name, off_policy=off))
+    out = policy_loss(LossInputs(lp, mu, adv, mask), cfg(name=name, off_policy=off, loss_agg="token_mean"))
     out.loss.backward()
     torch.testing.assert_close(lp.grad, -adv / mask.sum())
     assert out.metrics["clip_fraction"] == 0.0
     assert abs(out.metrics["approx_kl"]) < 1e-7
     assert out.metrics["is_weight_mean"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name, agg, denominator", [
+    ("dr_grpo", None, 3 * 7.0),               # Dr.GRPO selects seq_sum_norm: B x loss_norm_const
+    ("dr_grpo", "token_mean", 5.0),           # an explicit value is honoured
+    ("grpo", None, 5.0),                      # the others default to token_mean over the 5 trained tokens
+    ("reinforce_pp_baseline", None, 5.0),
+])
+def test_unset_loss_agg_is_the_algorithms_default(name, agg, denominator):
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0], [1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    lp = (-torch.rand(3, 6, generator=torch.Generator().manual_seed(1))).requires_grad_(True)
+    adv = torch.tensor([[0, 2.0, 2.0, 0, 2.0, 0], [-1.5, -1.5, 0, 0, 0, 0], [0] * 6])
+    out = policy_loss(LossInputs(lp, lp.detach().clone(), adv, mask),
+                      cfg(name=name, loss_agg=agg, loss_norm_const=7.0, off_policy="none"))
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, -adv / denominator)
 
 
 def exact_bounds():
