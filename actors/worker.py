@@ -116,7 +116,8 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.cfg = cfg
         self.world = build_world(cfg.world)
-        model, self.tokenizer = load_policy(policy)
+        # vLLM loads the weights itself; the worker needs only the parameter layout (meta tensors).
+        model, self.tokenizer = load_policy(policy, weights=cfg.rollout.engine != "vllm")
         self.tags = get_protocol(cfg.protocol.name)
         self.engine = SwappingEngine(build_engine(cfg, model, self.tokenizer, worker_id=worker_id, wrap=engine_wrap,
                                                   policy_dir=policy))
@@ -134,6 +135,8 @@ class RolloutWorker:
                        "retrieve_s": 0.0, "requeued": 0}
         self._recent: list[dict] = []
         self._lock = threading.Lock()
+        self._data_cache: dict = {}
+        """(data paths, format) -> the questions of those files (``_train_questions``)."""
 
     # ------------------------------------------------------------------ wiring
     def ready(self) -> dict:
@@ -262,11 +265,25 @@ class RolloutWorker:
         asyncio.run(all_())
         return {"worker_id": self.worker_id, "groups": sum(sizes), "seconds": time.perf_counter() - t0}
 
-    def _prompt_item(self, index: int):
+    def _prompt_item(self, index: int, stage: StageConfig | None = None):
+        """Training question ``index`` of ``stage``: of its data files (``stages.N.data``), else of the world."""
         from sonar.actors.rollout import PromptItem
 
-        q = self.world.train[index]
+        q = self._train_questions(stage)[index]
         return PromptItem(prompt_id=q.qid, question=q.question, golds=list(q.golds))
+
+    def _train_questions(self, stage: StageConfig | None) -> list:
+        """The stage's training questions, in the order the driver counted them (``load_datasets`` of
+        ``stage.data``, loaded once per worker and stage data); the world's when ``data`` is unset."""
+        if stage is None or stage.data is None:
+            return self.world.train
+        from sonar.actors.datasets import load_datasets
+        from sonar.cluster.wire.config import data_paths
+
+        key = (tuple(data_paths(stage.data)), stage.format)
+        if key not in self._data_cache:
+            self._data_cache[key] = load_datasets(list(key[0]), fmt=stage.format)
+        return self._data_cache[key]
 
     def _record(self, group: list[Trajectory], ok: bool) -> None:
         with self._lock:
@@ -310,7 +327,7 @@ async def _aproduce(w: "RolloutWorker", replay, stage_index: int, stage: StageCo
         w._last_progress = time.monotonic()  # alive, held back by the budget (the learner is behind)
         await asyncio.sleep(0.05)  # a closed queue answers at once: do not spin on it
         return
-    items = [w._prompt_item(i) for i in idx]
+    items = [w._prompt_item(i, stage) for i in idx]
     groups, rstats = await _arollout(w, items, stage_index, stage, w.cfg.rollout.temperature, seed=seed)
     for i, group in zip(idx, groups):
         ok = await asyncio.wrap_future(replay.put.remote(
@@ -324,12 +341,12 @@ async def _aproduce(w: "RolloutWorker", replay, stage_index: int, stage: StageCo
 
 async def _arollout(w: "RolloutWorker", items, stage_index: int, stage: StageConfig, temperature: float,
                     search_enabled: bool = True, seed: int | None = None):
-    from sonar.actors.rewards import trajectory_reward
+    from sonar.actors.rewards import make_reward_fn
     from sonar.actors.rollout import rollout_groups
 
     return await rollout_groups(
         items, engine=w.engine, retriever=w.retriever, tokenizer=w.tokenizer, tags=w.tags,
         proto=w.cfg.protocol, temperature=temperature, top_p=w.cfg.rollout.top_p,  # greedy ignores top_p
         group_size=w.cfg.rollout.group_size if temperature > 0 else 1,
-        k=w.cfg.retrieval.k, reward_fn=lambda t: trajectory_reward(stage.reward, t),
+        k=w.cfg.retrieval.k, reward_fn=make_reward_fn(stage.reward, w.tokenizer, w.tags),
         actor_id=w.worker_id, stage=stage_index, search_enabled=search_enabled, seed=seed)

@@ -30,13 +30,23 @@ def _require_dir(path: Path) -> Path:
     return path
 
 
-def load_policy(path: str | Path):
-    """``(model, tokenizer)`` from a local HF directory, fp32, in eval mode; never touches the network."""
+def load_policy(path: str | Path, *, weights: bool = True):
+    """``(model, tokenizer)`` from a local HF directory, fp32, in eval mode; never touches the network.
+
+    ``weights=False`` builds the model from its config on the meta device: parameter names, shapes and
+    dtypes only, no memory and no read of the weights (a vLLM rollout worker needs just the layout;
+    vLLM loads the weights itself, and a 3B policy would otherwise cost 12 GB of RAM per worker)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = _require_dir(Path(path).expanduser())
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if not weights:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                     attn_implementation=ATTN_IMPLEMENTATION)
+        return model.eval(), tokenizer
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32,
                                                  attn_implementation=ATTN_IMPLEMENTATION)
     return model.eval(), tokenizer

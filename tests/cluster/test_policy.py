@@ -30,6 +30,20 @@ def test_round_trip_is_bit_exact(tok, tmp_path):
     assert t.get_vocab() == tok.get_vocab() == load_tokenizer(tmp_path / "p").get_vocab()
 
 
+def test_layout_only_load_gives_the_same_names_shapes_and_dtypes_without_weights(tok, tmp_path):
+    """What a vLLM rollout worker loads: the layout the broadcast digests, on the meta device."""
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                         pad_token_id=tok.pad_token_id, tie_word_embeddings=True))
+    save_policy(model, tok, tmp_path / "p")
+    full, _ = load_policy(tmp_path / "p")
+    meta, t = load_policy(tmp_path / "p", weights=False)
+    spec = lambda m: [(n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()]  # noqa: E731
+    assert spec(meta) == spec(full)
+    assert all(p.is_meta for p in meta.parameters()) and not any(p.is_meta for p in full.parameters())
+    assert t.get_vocab() == tok.get_vocab()
+
+
 def test_not_a_model_directory_names_it(tmp_path):
     for load in (load_policy, load_tokenizer):
         with pytest.raises(ValueError, match=f"{tmp_path.name}.*no config.json"):
