@@ -18,8 +18,11 @@ Steps:
 3. :func:`summarize`: means over the records (``SUMMARY_FIELDS``), and :func:`eval_metrics` names
    them with the ``eval/{split}/...`` keys of ``cluster/wire/metrics.py``.
 
-Metrics (``actors.rewards``): EM and F1 (SQuAD/HotpotQA normalisation) and cover-EM (R1-Searcher's
-token containment), max over golds; a missing prediction scores 0 on each.
+Metrics (``actors.rewards``), each named for its normalisation, max over golds, a missing prediction
+scoring 0 on each: ``em`` and ``f1`` (HotpotQA's official script, SQuAD normalisation); ``acc_r``,
+``em_r1`` and ``f1_r1`` (R1-Searcher's ``metric_calc_rule.py``: its normalisation and True/False
+mapping; ``acc_r`` is its cover-EM, the ACC_R of its tables). Means are summed in record order and
+divided by n, as ``metric_calc_rule.py`` does.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from sonar.actors.rewards import cover_em, exact_match, f1, trajectory_reward
+from sonar.actors.rewards import acc_r, exact_match, exact_match_r1, f1, f1_r1, make_reward_fn
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import ProtocolConfig, RewardConfig
 from sonar.cluster.wire.protocol import Trajectory
@@ -36,20 +39,23 @@ from sonar.cluster.wire.protocol import Trajectory
 if TYPE_CHECKING:  # the rollout loop (and torch with it) is imported only to roll out: scoring stays light
     from sonar.actors.rollout import PromptItem
 
-SUMMARY_FIELDS = ("n", "em", "f1", "cover_em", "searches_per_q", "tokens_per_q", "latency_s_per_q")
+SCORES = ("em", "f1", "acc_r", "em_r1", "f1_r1")
+"""The per-question metrics of :func:`question_scores`, in table order."""
+SUMMARY_FIELDS = ("n", *SCORES, "searches_per_q", "tokens_per_q", "latency_s_per_q")
 """Keys of :func:`summarize`'s dict, in table order. ``n`` is a count, the scores are means in [0, 1],
 ``searches_per_q`` and ``tokens_per_q`` (model tokens) are means per question, ``latency_s_per_q`` is
 the wall time of a batch divided by its questions."""
 
-_METRIC_KEYS = {"n": K.EVAL_QUESTIONS, "em": K.EVAL_EM, "f1": K.EVAL_F1, "cover_em": K.EVAL_COVER_EM,
+_METRIC_KEYS = {"n": K.EVAL_QUESTIONS, "em": K.EVAL_EM, "f1": K.EVAL_F1, "acc_r": K.EVAL_ACC_R,
+                "em_r1": K.EVAL_EM_R1, "f1_r1": K.EVAL_F1_R1,
                 "searches_per_q": K.EVAL_SEARCHES, "tokens_per_q": K.EVAL_TOKENS,
                 "latency_s_per_q": K.EVAL_LATENCY}
 
 
 def question_scores(prediction: str | None, golds: list[str]) -> dict[str, float]:
-    """EM, F1 and cover-EM of one prediction against its golds (the only place they are combined)."""
-    return {"em": exact_match(prediction, golds), "f1": f1(prediction, golds),
-            "cover_em": cover_em(prediction, golds)}
+    """``SCORES`` of one prediction against its golds (the only place they are combined)."""
+    return {"em": exact_match(prediction, golds), "f1": f1(prediction, golds), "acc_r": acc_r(prediction, golds),
+            "em_r1": exact_match_r1(prediction, golds), "f1_r1": f1_r1(prediction, golds)}
 
 
 def trajectory_record(t: Trajectory, tokenizer: Any, latency_s: float) -> dict:
@@ -85,7 +91,7 @@ async def greedy_records(items: list[PromptItem], *, engine: Any, retriever: Any
         t0 = time.perf_counter()
         groups, _ = await rollout_groups(
             chunk, engine=engine, retriever=retriever, tokenizer=tokenizer, tags=tags, proto=proto,
-            temperature=0.0, group_size=1, k=k, reward_fn=lambda t: trajectory_reward(reward, t),
+            temperature=0.0, group_size=1, k=k, reward_fn=make_reward_fn(reward, tokenizer, tags),
             actor_id=actor_id, stage=-1, search_enabled=search_enabled)
         dt = (time.perf_counter() - t0) / max(1, len(groups))
         out.extend(trajectory_record(g[0], tokenizer, latency_s=dt) for g in groups)
@@ -96,13 +102,14 @@ async def greedy_records(items: list[PromptItem], *, engine: Any, retriever: Any
 
 def summarize(records: list[dict]) -> dict[str, float]:
     """Means over the records (``SUMMARY_FIELDS``); the scores are recomputed from each record's
-    prediction and golds, so records from anywhere (a worker, a file) are scored alike. No records:
-    n = 0 and every mean 0.0."""
+    prediction and golds, so records from anywhere (a worker, a file) are scored alike, and summed in
+    record order before dividing by n (``metric_calc_rule.py``'s arithmetic). No records: n = 0 and every
+    mean 0.0."""
     if not records:
         return {name: 0 if name == "n" else 0.0 for name in SUMMARY_FIELDS}
     scores = [question_scores(r["prediction"], r["golden_answers"]) for r in records]
     return {"n": len(records),
-            **{m: float(np.mean([s[m] for s in scores])) for m in ("em", "f1", "cover_em")},
+            **{m: sum(s[m] for s in scores) / len(records) for m in SCORES},
             "searches_per_q": float(np.mean([r["num_searches"] for r in records])),
             "tokens_per_q": float(np.mean([r["model_tokens"] for r in records])),
             "latency_s_per_q": float(np.mean([r["latency_s"] for r in records]))}

@@ -1,63 +1,75 @@
-"""Answer metrics and trajectory rewards. Pure: standard library + ``cluster.protocol`` constants.
+"""Answer metrics and trajectory rewards. Pure: standard library, ``cluster.wire`` and ``actors.prompts``.
 
-Answer metrics
---------------
-``normalize_answer`` is the SQuAD v1.1 / HotpotQA function, unchanged: lowercase, delete ASCII
-punctuation (``string.punctuation``), delete the words a/an/the, collapse whitespace. Consequences
-worth knowing (each pinned by a test): "1,000" == "1000"; accents are kept ("Zürich" != "Zurich");
-non-ASCII punctuation such as curly quotes is *kept* (“Paris” != Paris), as in the official
-scripts, so numbers stay comparable with published results.
+Two normalisations, each as its upstream code has it (every rule pinned by tests/actors/test_rewards.py)
+----------------------------------------------------------------------------------------------------------
+``normalize_answer`` (SQuAD v1.1 / HotpotQA ``hotpot_evaluate_v1.py``, also Search-R1's and RAG-R1's
+``qa_em.py``): lowercase, *delete* ASCII punctuation (``string.punctuation``, ``_`` included), delete
+the words a/an/the, collapse whitespace. "1,000" == "1000", "Saint-Denis" -> "saintdenis"; accents and
+non-ASCII punctuation (curly quotes) are kept.
 
-* ``exact_match``: normalised strings equal.
-* ``f1``: token F1 over the normalised tokens with ``Counter`` overlap, plus HotpotQA's rule: if the
-  normalised prediction or gold is yes / no / noanswer and they differ, F1 = 0. When either side
-  normalises to no tokens, F1 = 1 if both do, else 0 (SQuAD v2; consistent with EM).
-* ``cover_em`` (R1-Searcher's ACC_R, "cover exact match": the gold answer is contained in the
-  prediction). The paper's wording allows two readings; the R1-Searcher reward/eval code
-  (``cover_exact_match_score_1``: "order and adjacency are not considered") uses **token
-  containment**: every token of the normalised gold occurs among the normalised prediction's
-  tokens. That is what ``cover_em`` implements. ``cover_em_substring`` is the other reading
-  (normalised gold is a substring of the normalised prediction, as in FlashRAG's ``acc``); it
-  differs on e.g. gold "art" / prediction "party" (substring hit, token miss) and gold
-  "paris france" / prediction "france paris" (token hit, substring miss). A gold that normalises to
-  nothing covers nothing (0), otherwise every prediction would score.
+``normalize_answer_r1`` (R1-Searcher ``evaluation/metric_calc_rule.py``, copied into its reward
+servers): ``_`` becomes a space, lowercase, ASCII punctuation *and* the characters ‘ ’ ´ ` become
+spaces, then articles and whitespace as above. "Saint-Denis" -> "saint denis", "1,000" -> "1 000",
+"O’Brien" -> "o brien". The curly double quotes “ ” are not in its set and are kept. Before
+normalising, R1-Searcher maps the exact strings "True" / "False" (case-sensitive, whole string) to
+"yes" / "no" (``bool_mapping``), on both prediction and gold.
 
-Several golds: every metric takes the max over golds. No golds or a ``None`` prediction: 0.
+Metrics (max over golds; no golds or a ``None`` prediction: 0, where upstream would crash)
+------------------------------------------------------------------------------------------
+* ``exact_match`` / ``f1``: HotpotQA's official EM and F1 (F1 = token F1 with ``Counter`` overlap; if
+  either side normalises to yes / no / noanswer and they differ, 0; no common token, 0 -- so two
+  strings that both normalise to nothing have EM 1 and **F1 0**, exactly as the official script).
+* ``exact_match_r1`` / ``f1_r1``: the same two formulas over ``bool_mapping`` + ``normalize_answer_r1``
+  (R1-Searcher's EM and F1).
+* ``acc_r``: R1-Searcher's cover-EM (``cover_exact_match_score_1``, reported as ACC_R / "Cover-EM"):
+  every token of the normalised gold occurs among the normalised prediction's tokens, order and
+  adjacency ignored. Tokens come from ``str.split(" ")`` as upstream, so a gold that normalises to
+  nothing is covered only by a prediction that does too (gold "a", prediction "the": 1).
 
 Trajectory rewards (``trajectory_reward``)
 -------------------------------------------
-Format validity comes from ``traj.finish_reason``: ``answered`` is well-formed; ``malformed``,
-``max_turns`` and ``max_tokens`` are a broken format; ``retrieval_error`` is neither (the
-trajectory ended through no fault of the model: no answer credit, no format credit, no penalty;
-the driver should rather drop such trajectories). ``parts`` always holds every key of ``PARTS``:
-the raw metrics em, f1, cover_em in [0, 1]; format and retrieval as 0/1 indicators; penalty as the
-amount actually added (0 or ``cfg.format_penalty``); num_searches and failed_searches as counts.
-``total`` combines them by ``cfg.name``:
+Sonar's own format validity comes from ``traj.finish_reason``: ``answered`` is well-formed;
+``malformed``, ``max_turns`` and ``max_tokens`` are a broken format; ``retrieval_error`` is neither
+(the trajectory ended through no fault of the model: no answer credit, no format credit, no
+penalty; the code variants score it 0 outright; the driver should rather drop such trajectories). ``parts`` always holds
+every key of ``PARTS``: the metrics em, f1 (HotpotQA), acc_r, f1_r1 (R1-Searcher) in [0, 1]; format
+and retrieval as 0/1 indicators (as the chosen variant judges them); penalty as the amount actually
+added (0 or ``cfg.format_penalty``); num_searches and failed_searches as counts. ``total`` by
+``cfg.name`` (and ``cfg.variant`` for R1-Searcher):
 
-=============  =====================================================================
-answer_em      em       + format_weight * format
-answer_f1      f1       + format_weight * format
-cover_em       cover_em + format_weight * format
-r1_stage1      0.5 * retrieval + 0.5 * format              (R1-Searcher stage 1)
-r1_stage2      f1 + penalty, penalty = format_penalty if the format is broken else 0
-rag_r1         em if format else 0                          (RAG-R1)
-=============  =====================================================================
+==========================  ======================================================================
+answer_em / answer_f1       em / f1 + format_weight * format
+cover_em                    acc_r + format_weight * format
+search_r1, rag_r1           em if answered else 0 (Search-R1 ``qa_em.compute_score_em``, format_score
+                            0; RAG-R1 ships the same file unchanged): no format term
+r1_stage1, paper            0.5 * retrieval + 0.5 * format; retrieval = at least one search call
+r1_stage1, code_llama       (+1 if answered and acc_r else -1) + 0.5 * retrieval + 0.5 * format, with
+                            the Llama stage-1 server's rules (below)
+r1_stage2, paper            f1_r1 + penalty, penalty = format_penalty if the finish reason is broken
+r1_stage2, code_qwen        (f1_r1 if answered else 0) + penalty if any Qwen-server rule fails
+r1_stage2, code_llama       (f1_r1 if answered else 0) + penalty if any Llama stage-2 rule fails
+==========================  ======================================================================
 
-R1-Searcher (arXiv 2503.05592, Sec. "Reward Design"; equation numbers as I recall them, the paper
-was not available offline): stage 1 is R = R_retrieval + R_format with R_retrieval = 0.5 if the
-number of retrieval invocations n >= 1 else 0 (Eq. 1) and R_format = 0.5 if the format is correct
-else 0 (Eq. 2). Stage 2 drops the retrieval reward: R = R'_format + R_answer with R'_format = 0 if
-the format is correct else -2 (Eq. 3; here ``cfg.format_penalty``) and R_answer the word-level F1
-2*IN/(PN+RN) (Eq. 4). The penalty is *added* to F1, as in the paper and its README ("a penalty of
-2 points is subtracted from the answer reward"); a trajectory with a broken format normally has no
-prediction (F1 = 0), so this equals "format_penalty if broken else F1" except when the rollout
-keeps a prediction of a malformed trajectory (e.g. an answer followed by trailing text).
-A search call counts for R_retrieval whether or not the backend failed: a ``SearchCall`` exists
-only for a parsed ``Search`` (correct query format), and a backend failure is not the model's fault.
+The code variants read the decoded response (``ResponseText``), as R1-Searcher's reward servers read
+the ``solution`` string: ``full`` is everything after the prompt (model text and injected documents),
+``model`` the model's own text (the servers' solution with the document blocks cut out). Rules:
 
-RAG-R1 (arXiv 2507.02962) trains with a rule-based outcome reward, exact match of the final answer
-(following Search-R1), with no separate format term; a trajectory only scores if it ended with a
-well-formed answer.
+* documents (all three servers): the counts of query_open, query_close, docs_open, docs_close and of
+  search calls that brought at least one document back are equal (the servers count
+  ``<|begin_of_documents|>\\n(1)``, a block whose first document exists). A failed search (Sonar
+  injects "no results") therefore breaks it, as a block without "(1)" did upstream. Stage 1 also
+  needs the count >= 1: that is its ``retrieval``.
+* think/answer: no think_open after the prompt when the prompt prefills it (R1-Searcher's templates end
+  in ``<think>``; one think_open otherwise), exactly one think_close, exactly one answer_open and
+  answer_close (Llama: one condition; Qwen: the same conditions checked separately).
+* Qwen only: neither "Assistant" nor "assistant" anywhere in ``full`` (documents included, as the
+  server does); the answer holds no query/documents tag; the answer has at most ``R1_MAX_ANSWER_WORDS``
+  whitespace words.
+* Qwen and Llama stage 2: no CJK character (U+4E00..U+9FFF) in ``model``.
+
+A trajectory that did not finish ``answered`` fails the answer-count rule, so it is broken in every
+code variant. What the paper says and what each server does differ; README.md ("Rewards and metrics:
+paper vs released code") tabulates every difference.
 """
 from __future__ import annotations
 
@@ -65,88 +77,184 @@ import re
 import string
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
-from sonar.cluster.wire.protocol import FinishReason
+from sonar.cluster.wire.protocol import FinishReason, SegmentKind
 
-if TYPE_CHECKING:  # config imports omegaconf; rewards only reads three fields
+if TYPE_CHECKING:  # config imports omegaconf; rewards only reads a few fields
+    from sonar.actors.prompts import TagSet
     from sonar.cluster.wire.config import RewardConfig
     from sonar.cluster.wire.protocol import Trajectory
 
-PARTS = ("em", "f1", "cover_em", "format", "retrieval", "penalty", "num_searches", "failed_searches")
-REWARD_NAMES = ("answer_em", "answer_f1", "cover_em", "r1_stage1", "r1_stage2", "rag_r1")
+PARTS = ("em", "f1", "acc_r", "f1_r1", "format", "retrieval", "penalty", "num_searches", "failed_searches")
+REWARD_NAMES = ("answer_em", "answer_f1", "cover_em", "search_r1", "rag_r1", "r1_stage1", "r1_stage2")
+VARIANTS = ("paper", "code_qwen", "code_llama")
+"""``RewardConfig.variant``: the paper's formulas, or R1-Searcher's released Qwen / Llama reward server."""
 BROKEN_FORMAT = (FinishReason.MALFORMED, FinishReason.MAX_TURNS, FinishReason.MAX_TOKENS)
 R1_STAGE1_RETRIEVAL = 0.5
 R1_STAGE1_FORMAT = 0.5
+R1_MAX_ANSWER_WORDS = 10
+"""Qwen server: an answer of more than 10 whitespace-separated words is a broken format."""
 
 _PUNCT = frozenset(string.punctuation)
+_PUNCT_R1 = frozenset(string.punctuation + "‘’´`")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _YES_NO = ("yes", "no", "noanswer")
 
 
-# ---------------------------------------------------------------- answer metrics
+# ---------------------------------------------------------------- normalisations
 def normalize_answer(s: str) -> str:
-    """SQuAD/HotpotQA normalisation: lower, drop punctuation, drop articles, collapse whitespace."""
+    """SQuAD/HotpotQA: lower, delete ASCII punctuation, delete articles, collapse whitespace."""
     s = s.lower()
     s = "".join(ch for ch in s if ch not in _PUNCT)
     s = _ARTICLES.sub(" ", s)
     return " ".join(s.split())
 
 
+def normalize_answer_r1(s: str) -> str:
+    """R1-Searcher: ``_`` -> space, lower, punctuation and ‘ ’ ´ ` -> space, delete articles, collapse."""
+    s = s.replace("_", " ").lower()
+    s = "".join(" " if ch in _PUNCT_R1 else ch for ch in s)
+    s = _ARTICLES.sub(" ", s)
+    return " ".join(s.split())
+
+
+def bool_mapping(s: str) -> str:
+    """R1-Searcher: the exact strings "True" / "False" become "yes" / "no"; anything else unchanged."""
+    return {"True": "yes", "False": "no"}.get(s, s)
+
+
+def _r1(s: str) -> str:
+    return normalize_answer_r1(bool_mapping(s))
+
+
 def _golds(golds: Iterable[str] | str) -> list[str]:
     return [golds] if isinstance(golds, str) else list(golds)
 
 
-def exact_match(pred: Optional[str], golds: Iterable[str] | str) -> float:
+def _max_over(fn: Callable[[str, str], float], norm: Callable[[str], str],
+              pred: Optional[str], golds: Iterable[str] | str) -> float:
     golds = _golds(golds)
     if pred is None or not golds:
         return 0.0
-    p = normalize_answer(pred)
-    return max(float(p == normalize_answer(g)) for g in golds)
+    p = norm(pred)
+    return max(fn(p, norm(g)) for g in golds)
+
+
+# ---------------------------------------------------------------- metrics on normalised strings
+def _em_one(p: str, g: str) -> float:
+    return float(p == g)
 
 
 def _f1_one(p: str, g: str) -> float:
+    """HotpotQA's f1_score on normalised strings (R1-Searcher's is the same formula)."""
     if (p in _YES_NO or g in _YES_NO) and p != g:
         return 0.0
     pt, gt = p.split(), g.split()
-    if not pt or not gt:
-        return float(pt == gt)
     same = sum((Counter(pt) & Counter(gt)).values())
-    if same == 0:
+    if same == 0:  # also when both are empty: the official script returns 0
         return 0.0
     precision, recall = same / len(pt), same / len(gt)
     return 2 * precision * recall / (precision + recall)
 
 
+def _cover_one(p: str, g: str) -> float:
+    ptoks = p.split(" ")
+    return float(all(t in ptoks for t in g.split(" ")))
+
+
+def exact_match(pred: Optional[str], golds: Iterable[str] | str) -> float:
+    """HotpotQA/SQuAD EM."""
+    return _max_over(_em_one, normalize_answer, pred, golds)
+
+
 def f1(pred: Optional[str], golds: Iterable[str] | str) -> float:
-    golds = _golds(golds)
-    if pred is None or not golds:
-        return 0.0
-    p = normalize_answer(pred)
-    return max(_f1_one(p, normalize_answer(g)) for g in golds)
+    """HotpotQA F1 (official script, including 0 for two empty normalised strings)."""
+    return _max_over(_f1_one, normalize_answer, pred, golds)
 
 
-def cover_em(pred: Optional[str], golds: Iterable[str] | str) -> float:
-    """Token containment: every normalised gold token occurs among the prediction's tokens."""
-    golds = _golds(golds)
-    if pred is None or not golds:
-        return 0.0
-    ptoks = set(normalize_answer(pred).split())
-    best = 0.0
-    for g in golds:
-        gtoks = normalize_answer(g).split()
-        if gtoks and all(t in ptoks for t in gtoks):
-            best = 1.0
-    return best
+def exact_match_r1(pred: Optional[str], golds: Iterable[str] | str) -> float:
+    """R1-Searcher's EM (``metric_calc_rule.exact_match_score``)."""
+    return _max_over(_em_one, _r1, pred, golds)
 
 
-def cover_em_substring(pred: Optional[str], golds: Iterable[str] | str) -> float:
-    """The substring reading of cover-EM (FlashRAG ``acc``); not what R1-Searcher's code does."""
-    golds = _golds(golds)
-    if pred is None or not golds:
-        return 0.0
-    p = normalize_answer(pred)
-    return max(float(bool(normalize_answer(g)) and normalize_answer(g) in p) for g in golds)
+def f1_r1(pred: Optional[str], golds: Iterable[str] | str) -> float:
+    """R1-Searcher's F1 (``metric_calc_rule.f1_score``), the answer reward of its stage 2."""
+    return _max_over(_f1_one, _r1, pred, golds)
+
+
+def acc_r(pred: Optional[str], golds: Iterable[str] | str) -> float:
+    """R1-Searcher's cover-EM, ACC_R (``metric_calc_rule.cover_exact_match_score_1``)."""
+    return _max_over(_cover_one, _r1, pred, golds)
+
+
+# ---------------------------------------------------------------- the response as the servers read it
+@dataclass(frozen=True)
+class ResponseText:
+    """The decoded response of a trajectory, what R1-Searcher's reward servers read."""
+
+    full: str
+    """Everything after the prompt: model text and injected documents (the servers' ``solution``)."""
+    model: str
+    """The MODEL segments only (the solution with its document blocks cut out)."""
+    think_prefilled: bool = True
+    """The prompt ends with think_open (R1-Searcher's templates end ``Assistant: <think>``)."""
+
+
+def response_text(traj: "Trajectory", tokenizer: Any, tags: "TagSet") -> ResponseText:
+    """Decode ``traj`` (special tokens kept) into a ``ResponseText``. ``tokenizer.decode(ids,
+    skip_special_tokens=False)`` is all it needs (any Hugging Face tokenizer, or Sonar's)."""
+    def dec(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
+
+    prompt = [int(t) for s in traj.segments if s.kind == SegmentKind.PROMPT for t in s.token_ids]
+    rest = [int(t) for s in traj.segments if s.kind != SegmentKind.PROMPT for t in s.token_ids]
+    model = "".join(dec([int(t) for t in s.token_ids]) for s in traj.segments if s.kind == SegmentKind.MODEL)
+    return ResponseText(full=dec(rest), model=model, think_prefilled=dec(prompt).rstrip().endswith(tags.think_open))
+
+
+def _documents_ok(traj: "Trajectory", text: ResponseText, tags: "TagSet") -> tuple[bool, int]:
+    """Every query block answered by a documents block whose first document exists; and the count."""
+    f = text.full
+    with_docs = sum(1 for c in traj.searches if any(c.doc_ids))
+    counts = {f.count(tags.query_open), f.count(tags.query_close), f.count(tags.docs_open),
+              f.count(tags.docs_close), with_docs}
+    return len(counts) == 1, with_docs
+
+
+def _think_answer_ok(text: ResponseText, tags: "TagSet") -> bool:
+    f = text.full
+    return (f.count(tags.think_open) == (0 if text.think_prefilled else 1)
+            and f.count(tags.think_close) == f.count(tags.answer_open) == f.count(tags.answer_close) == 1)
+
+
+def _has_cjk(s: str) -> bool:
+    return any("\u4e00" <= ch <= "\u9fff" for ch in s)
+
+
+def r1_format_failures(variant: str, traj: "Trajectory", text: ResponseText, tags: "TagSet") -> list[str]:
+    """The R1-Searcher reward-server rules that ``traj`` breaks (stage 2 servers), by name; [] = none.
+
+    ``variant``: code_qwen (``train/reward_server_qwen_zero.py``) or code_llama
+    (``train/reward_server_llama_stage2.py``)."""
+    out = []
+    if traj.finish_reason != FinishReason.ANSWERED:
+        out.append("no answer")
+    if not _documents_ok(traj, text, tags)[0]:
+        out.append("documents")
+    if not _think_answer_ok(text, tags):
+        out.append("think/answer tags")
+    if _has_cjk(text.model):
+        out.append("cjk")
+    if variant == "code_qwen":
+        if "Assistant" in text.full or "assistant" in text.full:
+            out.append("assistant")
+        pred = traj.prediction or ""
+        if tags.query_open in pred or tags.docs_open in pred:
+            out.append("tag in answer")
+        if len(pred.split()) > R1_MAX_ANSWER_WORDS:
+            out.append("long answer")
+    return out
 
 
 # ---------------------------------------------------------------- trajectory reward
@@ -157,12 +265,20 @@ class RewardBreakdown:
     """Every key of ``PARTS``; logged separately (``rollout/reward/<part>``)."""
 
 
-def trajectory_reward(cfg: "RewardConfig", traj: "Trajectory") -> RewardBreakdown:
+def needs_text(cfg: "RewardConfig") -> bool:
+    """Whether ``trajectory_reward`` needs the decoded response (the R1-Searcher code variants)."""
+    return cfg.variant != "paper" and cfg.name in ("r1_stage1", "r1_stage2")
+
+
+def trajectory_reward(cfg: "RewardConfig", traj: "Trajectory", text: ResponseText | None = None,
+                      tags: "TagSet | None" = None) -> RewardBreakdown:
     """Reward of one finished trajectory (see the module docstring for the table and the papers).
 
-    Reads ``cfg.name``, ``cfg.format_weight``, ``cfg.format_penalty`` and ``traj.prediction``,
-    ``traj.golds``, ``traj.searches``, ``traj.finish_reason``. Raises ``ValueError`` for an unknown
-    reward name or finish reason, and for an ``answered`` trajectory without a prediction.
+    Reads ``cfg.name``, ``cfg.variant``, ``cfg.format_weight``, ``cfg.format_penalty`` and
+    ``traj.prediction``, ``traj.golds``, ``traj.searches``, ``traj.finish_reason``; the R1-Searcher code
+    variants also ``text`` and ``tags`` (``needs_text``). Raises ``ValueError`` for an unknown reward
+    name, variant or finish reason, an ``answered`` trajectory without a prediction, and a code variant
+    called without ``text``/``tags``.
     """
     finish = traj.finish_reason
     if finish not in FinishReason.ALL:
@@ -170,13 +286,17 @@ def trajectory_reward(cfg: "RewardConfig", traj: "Trajectory") -> RewardBreakdow
     pred = traj.prediction
     if finish == FinishReason.ANSWERED and pred is None:
         raise ValueError(f"trajectory {traj.traj_id!r}: finish_reason='answered' but prediction is None")
-    fmt = 1.0 if finish == FinishReason.ANSWERED else 0.0
+    if cfg.variant not in VARIANTS:
+        raise ValueError(f"reward.variant={cfg.variant!r} is not one of {list(VARIANTS)}")
+    answered = finish == FinishReason.ANSWERED
+    fmt = 1.0 if answered else 0.0
     broken = finish in BROKEN_FORMAT
     n_search = len(traj.searches)
     parts = {
         "em": exact_match(pred, traj.golds),
         "f1": f1(pred, traj.golds),
-        "cover_em": cover_em(pred, traj.golds),
+        "acc_r": acc_r(pred, traj.golds),
+        "f1_r1": f1_r1(pred, traj.golds),
         "format": fmt,
         "retrieval": 1.0 if n_search >= 1 else 0.0,
         "penalty": 0.0,
@@ -184,19 +304,49 @@ def trajectory_reward(cfg: "RewardConfig", traj: "Trajectory") -> RewardBreakdow
         "failed_searches": float(sum(1 for c in traj.searches if c.error is not None)),
     }
     name = cfg.name
+    if name not in REWARD_NAMES:
+        raise ValueError(f"reward.name={name!r} is not one of {list(REWARD_NAMES)}")
+    if needs_text(cfg):
+        if text is None or tags is None:
+            raise ValueError(f"reward.name={name!r} with reward.variant={cfg.variant!r} reads the decoded response: "
+                             "pass text= and tags= (make_reward_fn does)")
+        if finish == FinishReason.RETRIEVAL_ERROR:  # Sonar's rule: not the model's fault, no score at all
+            parts.update(format=0.0, retrieval=0.0)
+            return RewardBreakdown(0.0, parts)
+        return RewardBreakdown(_r1_code(cfg, traj, text, tags, parts), parts)
     if name == "answer_em":
         total = parts["em"] + cfg.format_weight * fmt
     elif name == "answer_f1":
         total = parts["f1"] + cfg.format_weight * fmt
     elif name == "cover_em":
-        total = parts["cover_em"] + cfg.format_weight * fmt
+        total = parts["acc_r"] + cfg.format_weight * fmt
+    elif name in ("search_r1", "rag_r1"):
+        total = parts["em"] if answered else 0.0
     elif name == "r1_stage1":
         total = R1_STAGE1_RETRIEVAL * parts["retrieval"] + R1_STAGE1_FORMAT * fmt
-    elif name == "r1_stage2":
+    else:  # r1_stage2, paper
         parts["penalty"] = float(cfg.format_penalty) if broken else 0.0
-        total = parts["f1"] + parts["penalty"]
-    elif name == "rag_r1":
-        total = parts["em"] * fmt
-    else:
-        raise ValueError(f"reward.name={name!r} is not one of {list(REWARD_NAMES)}")
+        total = parts["f1_r1"] + parts["penalty"]
     return RewardBreakdown(float(total), parts)
+
+
+def _r1_code(cfg: "RewardConfig", traj: "Trajectory", text: ResponseText, tags: "TagSet",
+             parts: dict[str, float]) -> float:
+    answered = traj.finish_reason == FinishReason.ANSWERED
+    if cfg.name == "r1_stage1":  # reward_server_llama_stage1.py
+        docs_ok, n_docs = _documents_ok(traj, text, tags)
+        parts["retrieval"] = 1.0 if docs_ok and n_docs >= 1 else 0.0
+        parts["format"] = 1.0 if answered and _think_answer_ok(text, tags) else 0.0
+        base = 1.0 if answered and parts["acc_r"] else -1.0
+        return base + R1_STAGE1_RETRIEVAL * parts["retrieval"] + R1_STAGE1_FORMAT * parts["format"]
+    failures = r1_format_failures(cfg.variant, traj, text, tags)
+    parts["format"] = 0.0 if failures else 1.0
+    parts["penalty"] = float(cfg.format_penalty) if failures else 0.0
+    return (parts["f1_r1"] if answered else 0.0) + parts["penalty"]
+
+
+def make_reward_fn(cfg: "RewardConfig", tokenizer: Any, tags: "TagSet") -> Callable[["Trajectory"], RewardBreakdown]:
+    """``reward_fn(traj)`` for the rollout loop: decodes the response only for the variants that read it."""
+    if not needs_text(cfg):
+        return lambda t: trajectory_reward(cfg, t)
+    return lambda t: trajectory_reward(cfg, t, response_text(t, tokenizer, tags), tags)

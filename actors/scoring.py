@@ -1,7 +1,10 @@
-"""Score prediction files: EM, F1 and cover-EM per file, as a Markdown table (``sonar score``).
+"""Score prediction files: ACC_R, EM, F1 (and R1-Searcher's EM/F1) per file, as a Markdown table (``sonar score``).
 
 Input: JSONL (one record per line) or a JSON list (e.g. FlashRAG's ``intermediate_data.json``).
-Each record holds a prediction under ``pred_field`` and the gold answer(s) under ``gold_field``;
+Each record holds a prediction under ``pred_field`` and the gold answer(s) under ``gold_field``
+(defaults: ``prediction`` / ``golden_answers`` as Sonar and FlashRAG write them, or, when a file's first
+record has not those but has R1-Searcher's ``pred_ans`` / ``answer``, those, so its result files score as
+they are);
 field names may be dotted paths into nested objects (``output.pred``; a list index is a number,
 ``answers.0``). A literal top-level key containing dots wins over the nested reading. Gold may be a
 string or a list of strings; a ``null`` prediction is scored as "no answer" (0 on every metric).
@@ -9,8 +12,12 @@ A missing field, a non-string gold or an empty gold list raises ``ScoreError`` n
 the line (JSONL) or record index (JSON) and the field.
 
 Metrics are those of every Sonar evaluation (``actors.evaluation.question_scores`` over
-``actors.rewards``: SQuAD/HotpotQA normalisation, HotpotQA's yes/no rule for F1, R1-Searcher's
-token-containment cover-EM), averaged over records, reported in percent.
+``actors.rewards``), each under a name that says whose normalisation it uses: ``acc_r`` (R1-Searcher's
+cover-EM), ``em_r1`` and ``f1_r1`` (R1-Searcher's ``metric_calc_rule.py``), ``em`` and ``f1`` (HotpotQA's
+official script). The default table shows ``acc_r``, ``em``, ``f1`` (``--metrics`` picks others). Each is
+computed as ``metric_calc_rule.py`` does: per-record scores summed in file order, divided by n, times 100,
+``round(., 1)``; so ``acc_r`` is R1-Searcher's ACC_R of the same file digit for digit. (Its script reads
+only a file's first 2000 records; Sonar scores all of them. R1-Searcher's eval sets have 500.)
 
 ``main(argv)`` implements ``sonar score PREDICTIONS.jsonl [more files] [--pred-field F] [--gold-field G]``;
 the row name is the file's stem (parent folder + stem when two stems collide, or for FlashRAG-style
@@ -25,9 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from sonar.actors.evaluation import question_scores
+from sonar.actors.evaluation import SCORES, question_scores
 
 _MISSING = object()
+DEFAULT_METRICS = ("acc_r", "em", "f1")
+"""Columns of the default table: R1-Searcher's ACC_R first, then HotpotQA's EM and F1."""
+_FIELD_FALLBACKS = {"prediction": "pred_ans", "golden_answers": "answer"}
 _SPLIT_STEMS = {"train", "dev", "test", "val", "valid", "validation", "predictions", "preds"}
 
 
@@ -40,9 +50,16 @@ class ScoreReport:
     n: int
     em: float
     f1: float
-    cover_em: float
-    """Means over the n records, in [0, 1]."""
+    """Means over the n records, in [0, 1]: HotpotQA EM and F1, R1-Searcher's cover-EM (ACC_R)."""
+    acc_r: float
+    em_r1: float = 0.0
+    f1_r1: float = 0.0
+    """R1-Searcher's EM and F1, means in [0, 1]."""
     path: str = ""
+
+    def percent(self, metric: str) -> float:
+        """``round(100 * mean, 1)``, as ``metric_calc_rule.py`` reports it."""
+        return round(getattr(self, metric) * 100, 1)
 
 
 def _get(rec: Any, dotted: str) -> Any:
@@ -91,14 +108,30 @@ def _as_text(path: Path, loc: str, key: str, v: Any) -> str:
     return str(v)
 
 
-def score_predictions(path: str | Path, pred_field: str = "prediction",
-                      gold_field: str = "golden_answers") -> ScoreReport:
-    """Mean EM / F1 / cover-EM over the records of one predictions file. Raises ``ScoreError``."""
+def _field(first: Any, given: str | None, default: str) -> str:
+    """The field to read: the one given, else the default, else its R1-Searcher name if the first record
+    has that and not the default."""
+    if given is not None:
+        return given
+    alt = _FIELD_FALLBACKS[default]
+    if isinstance(first, dict) and _get(first, default) is _MISSING and _get(first, alt) is not _MISSING:
+        return alt
+    return default
+
+
+def score_predictions(path: str | Path, pred_field: str | None = None,
+                      gold_field: str | None = None) -> ScoreReport:
+    """Mean scores (``SCORES``) over the records of one predictions file. Raises ``ScoreError``.
+
+    ``pred_field`` / ``gold_field``: None reads ``prediction`` / ``golden_answers``, or R1-Searcher's
+    ``pred_ans`` / ``answer`` when the first record has those instead."""
     path = Path(path)
     records = _records(path)
     if not records:
         raise ScoreError(f"{path}: no records")
-    em_sum = f1_sum = cem_sum = 0.0
+    pred_field = _field(records[0][1], pred_field, "prediction")
+    gold_field = _field(records[0][1], gold_field, "golden_answers")
+    sums = {m: 0.0 for m in SCORES}
     for loc, rec in records:
         if not isinstance(rec, dict):
             raise ScoreError(f"{path}: {loc}: expected a JSON object, got {type(rec).__name__}")
@@ -114,24 +147,26 @@ def score_predictions(path: str | Path, pred_field: str = "prediction",
         if not golds:
             raise ScoreError(f"{path}: {loc}: field {gold_field!r}: empty list")
         scores = question_scores(pred, golds)
-        em_sum += scores["em"]
-        f1_sum += scores["f1"]
-        cem_sum += scores["cover_em"]
+        for m in SCORES:  # summed in file order, as metric_calc_rule.py
+            sums[m] += scores[m]
     n = len(records)
-    return ScoreReport(n=n, em=em_sum / n, f1=f1_sum / n, cover_em=cem_sum / n, path=str(path))
+    return ScoreReport(n=n, **{m: sums[m] / n for m in SCORES}, path=str(path))
 
 
-def markdown_table(reports: dict[str, ScoreReport]) -> str:
-    """One row per dataset (EM / F1 / cover-EM in percent, one decimal) and, for several datasets,
-    a macro average row (the unweighted mean of the rows, as papers report "Avg.")."""
-    lines = ["| dataset | n | EM | F1 | cover-EM |", "|---|---:|---:|---:|---:|"]
+def markdown_table(reports: dict[str, ScoreReport], metrics: Sequence[str] = DEFAULT_METRICS) -> str:
+    """One row per dataset (each metric in percent, ``round(., 1)``) and, for several datasets, a macro
+    average row (the unweighted mean of the rows' means, as papers report "Avg."). The column headers
+    are the metric names (``acc_r``, ``em``, ``f1``, ``em_r1``, ``f1_r1``)."""
+    bad = [m for m in metrics if m not in SCORES]
+    if bad or not metrics:
+        raise ValueError(f"metrics={list(metrics)}: each must be one of {list(SCORES)}")
+    lines = ["| dataset | n | " + " | ".join(metrics) + " |", "|---|---:|" + "---:|" * len(metrics)]
     for name, r in reports.items():
-        lines.append(f"| {name} | {r.n} | {100 * r.em:.1f} | {100 * r.f1:.1f} | {100 * r.cover_em:.1f} |")
+        lines.append(f"| {name} | {r.n} | " + " | ".join(f"{r.percent(m):.1f}" for m in metrics) + " |")
     if len(reports) > 1:
-        k = len(reports)
         rs = list(reports.values())
-        lines.append(f"| average (macro) | {sum(r.n for r in rs)} | {100 * sum(r.em for r in rs) / k:.1f} | "
-                     f"{100 * sum(r.f1 for r in rs) / k:.1f} | {100 * sum(r.cover_em for r in rs) / k:.1f} |")
+        avg = [round(100 * sum(getattr(r, m) for r in rs) / len(rs), 1) for m in metrics]
+        lines.append(f"| average (macro) | {sum(r.n for r in rs)} | " + " | ".join(f"{a:.1f}" for a in avg) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -152,15 +187,23 @@ def _row_names(paths: Sequence[Path]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``sonar score FILE [FILE ...] [--pred-field F] [--gold-field G]``: print the Markdown table.
+    """``sonar score FILE [FILE ...] [--pred-field F] [--gold-field G] [--metrics M,...]``: print the table.
 
     Returns the exit status (0, or 2 on an unreadable/malformed file, reported on stderr).
     """
-    ap = argparse.ArgumentParser(prog="sonar score", description="EM / F1 / cover-EM of prediction files")
+    ap = argparse.ArgumentParser(prog="sonar score", description="ACC_R / EM / F1 of prediction files")
     ap.add_argument("files", nargs="+", type=Path, help="predictions JSONL (or JSON list), one per dataset")
-    ap.add_argument("--pred-field", default="prediction", help="prediction field, dotted for nested (default: prediction)")
-    ap.add_argument("--gold-field", default="golden_answers", help="gold field(s), string or list (default: golden_answers)")
+    ap.add_argument("--pred-field", default=None,
+                    help="prediction field, dotted for nested (default: prediction, or R1-Searcher's pred_ans)")
+    ap.add_argument("--gold-field", default=None,
+                    help="gold field(s), string or list (default: golden_answers, or R1-Searcher's answer)")
+    ap.add_argument("--metrics", default=",".join(DEFAULT_METRICS),
+                    help=f"comma-separated columns among {','.join(SCORES)} (default: {','.join(DEFAULT_METRICS)}): "
+                         "acc_r/em_r1/f1_r1 are R1-Searcher's (its normalisation), em/f1 HotpotQA's official ones")
     args = ap.parse_args(argv)
+    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    if not metrics or any(m not in SCORES for m in metrics):
+        ap.error(f"--metrics {args.metrics!r}: each must be one of {','.join(SCORES)}")
     reports: dict[str, ScoreReport] = {}
     try:
         for name, p in zip(_row_names(args.files), args.files):
@@ -168,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ScoreError as e:
         print(f"sonar score: error: {e}", file=sys.stderr)
         return 2
-    sys.stdout.write(markdown_table(reports))
+    sys.stdout.write(markdown_table(reports, metrics))
     return 0
 
 

@@ -135,7 +135,7 @@ def test_training_eval_and_sonar_eval_give_the_same_numbers(setup, tmp_path):
     timing = "latency_s_per_q"
     assert {k: v for k, v in training.items() if k != timing} == {k: v for k, v in sonar_eval.items() if k != timing}
     assert training["n"] == 12 and training["searches_per_q"] == 1.0
-    assert training["em"] == training["cover_em"] == pytest.approx(3 / 12)  # the three "zom trur" questions
+    assert training["em"] == training["acc_r"] == training["em_r1"] == pytest.approx(3 / 12)  # the three "zom trur" questions
     assert training["em"] < training["f1"] < 1.0  # "zom tek" and the like score half a point of F1
 
     def by_id(path):
@@ -144,7 +144,7 @@ def test_training_eval_and_sonar_eval_give_the_same_numbers(setup, tmp_path):
     a, b = by_id(run.dir / "predictions-parity_search.jsonl"), by_id(tmp_path / "eval" / "predictions-heldout.jsonl")
     assert a.keys() == b.keys()
     for qid in a:
-        for field in ("prediction", "em", "f1", "cover_em", "searches", "model_tokens", "finish_reason", "trace"):
+        for field in ("prediction", "em", "f1", "acc_r", "em_r1", "f1_r1", "searches", "model_tokens", "finish_reason", "trace"):
             if field == "searches":  # the same queries brought the same documents back (latency aside)
                 a[qid][field] = [{**c, "latency_ms": 0} for c in a[qid][field]]
                 b[qid][field] = [{**c, "latency_ms": 0} for c in b[qid][field]]

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from sonar.cluster.driver.run import Run, world_of
+from sonar.cluster.driver.run import Run
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config
 from sonar.cluster.wire.protocol import StepResult
@@ -98,9 +98,9 @@ def evaluate(cfg: Config, roles: Roles, run: Run, split: str) -> dict:
 
     from sonar.actors.evaluation import eval_metrics, summarize
 
-    world = world_of(cfg)
-    qs = world.heldout[: cfg.world.num_heldout_eval or None]
-    questions = [{"qid": q.qid, "question": q.question, "golds": list(q.golds)} for q in qs]
+    from sonar.cluster.driver.data import eval_questions
+
+    questions = eval_questions(cfg)  # eval.data's questions, else the world's held-out ones
     stage = cfg.stages[-1]
     out = {}
     for mode in (["search", "no_search"] if cfg.eval.no_search else ["search"]):
@@ -113,8 +113,8 @@ def evaluate(cfg: Config, roles: Roles, run: Run, split: str) -> dict:
         run.log(eval_metrics(key, row))
         path = run.dir / f"predictions-{key}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-        log.info("eval %s: EM %.3f F1 %.3f cover-EM %.3f searches/q %.2f (n=%d)", key, row["em"], row["f1"],
-                 row["cover_em"], row["searches_per_q"], row["n"])
+        log.info("eval %s: EM %.3f F1 %.3f ACC_R %.3f searches/q %.2f (n=%d)", key, row["em"], row["f1"],
+                 row["acc_r"], row["searches_per_q"], row["n"])
     return out
 
 
@@ -132,7 +132,7 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
         "em_before_search": before.get("search", {}).get("em"), "em_after_search": after.get("search", {}).get("em"),
         "f1_before_search": before.get("search", {}).get("f1"), "f1_after_search": after.get("search", {}).get("f1"),
         "em_after_no_search": after.get("no_search", {}).get("em"),
-        "cover_em_after_search": after.get("search", {}).get("cover_em"),
+        "acc_r_after_search": after.get("search", {}).get("acc_r"),
         "searches_per_question": after.get("search", {}).get("searches_per_q"),
         "trajectories_per_s": stats["consumed"] / max(1e-9, sum(v["seconds"] for v in run.results.get("rl", {}).values()) or wall),
         "tokens_per_s": float(np.mean([h.get(K.LEARNER_TOKENS_PER_S, 0) for h in rl_hist])) if rl_hist else None,
@@ -143,7 +143,7 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
     rows = [("held-out EM (search) before RL", summary["em_before_search"]),
             ("held-out EM (search) after RL", summary["em_after_search"]),
             ("held-out F1 (search) before / after", f"{_fmt(summary['f1_before_search'])} / {_fmt(summary['f1_after_search'])}"),
-            ("held-out cover-EM (search) after RL", summary["cover_em_after_search"]),
+            ("held-out ACC_R, R1-Searcher cover-EM (search) after RL", summary["acc_r_after_search"]),
             ("held-out EM (no search) after RL", summary["em_after_no_search"]),
             ("searches per question", summary["searches_per_question"]),
             ("trajectories/s (RL)", summary["trajectories_per_s"]),

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from sonar.actors.evaluation import (SUMMARY_FIELDS, eval_metrics, greedy_records, markdown, question_scores,
+from sonar.actors.evaluation import (SCORES, SUMMARY_FIELDS, eval_metrics, greedy_records, markdown, question_scores,
                                      summarize)
 from sonar.actors.rollout import PromptItem
 from sonar.cluster.wire.config import ProtocolConfig, RewardConfig
@@ -15,12 +15,16 @@ from sonar.cluster.wire.config import ProtocolConfig, RewardConfig
 from .test_rollout import TAGS, TOK, FakeRetriever, ScriptedEngine, question_of, tid
 
 
-def test_question_scores_em_f1_cover_em():
+def test_question_scores_name_each_normalisation():
     # "the capital paris" vs gold "paris": EM 0; F1 over normalised tokens {capital, paris} vs {paris} = 2/3;
-    # cover-EM 1 (every gold token is in the prediction)
-    assert question_scores("the capital Paris", ["paris"]) == pytest.approx({"em": 0.0, "f1": 2 / 3, "cover_em": 1.0})
-    assert question_scores("Paris.", ["berlin", "paris"]) == {"em": 1.0, "f1": 1.0, "cover_em": 1.0}
-    assert question_scores(None, ["paris"]) == {"em": 0.0, "f1": 0.0, "cover_em": 0.0}
+    # ACC_R 1 (every gold token is in the prediction); the same under R1-Searcher's normalisation
+    assert question_scores("the capital Paris", ["paris"]) == pytest.approx(
+        {"em": 0.0, "f1": 2 / 3, "acc_r": 1.0, "em_r1": 0.0, "f1_r1": 2 / 3})
+    assert question_scores("Paris.", ["berlin", "paris"]) == {"em": 1.0, "f1": 1.0, "acc_r": 1.0, "em_r1": 1.0, "f1_r1": 1.0}
+    # the cases: HotpotQA deletes the hyphen and the comma, R1-Searcher makes them spaces
+    assert question_scores("Saint Denis", ["Saint-Denis"]) == {"em": 0.0, "f1": 0.0, "acc_r": 1.0, "em_r1": 1.0, "f1_r1": 1.0}
+    assert question_scores("1000", ["1,000"]) == {"em": 1.0, "f1": 1.0, "acc_r": 0.0, "em_r1": 0.0, "f1_r1": 0.0}
+    assert question_scores(None, ["paris"]) == {m: 0.0 for m in SCORES}
 
 
 def _rec(pred, golds, searches, tokens, latency):
@@ -30,13 +34,14 @@ def _rec(pred, golds, searches, tokens, latency):
 
 def test_summarize_is_the_mean_of_the_question_scores():
     recs = [_rec("paris", ["paris"], 1, 10, 0.5), _rec("the capital paris", ["paris"], 2, 20, 1.5),
-            _rec(None, ["berlin"], 0, 30, 1.0)]
+            _rec(None, ["berlin"], 0, 30, 1.0), _rec("Saint Denis", ["Saint-Denis"], 0, 20, 1.0)]
     s = summarize(recs)
     assert list(s) == list(SUMMARY_FIELDS)
-    assert s["n"] == 3
-    assert s["em"] == pytest.approx(1 / 3) and s["f1"] == pytest.approx((1 + 2 / 3) / 3)
-    assert s["cover_em"] == pytest.approx(2 / 3)
-    assert (s["searches_per_q"], s["tokens_per_q"], s["latency_s_per_q"]) == pytest.approx((1.0, 20.0, 1.0))
+    assert s["n"] == 4
+    assert s["em"] == pytest.approx(1 / 4) and s["f1"] == pytest.approx((1 + 2 / 3) / 4)
+    assert s["acc_r"] == pytest.approx(3 / 4) and s["em_r1"] == pytest.approx(2 / 4)
+    assert s["f1_r1"] == pytest.approx((1 + 2 / 3 + 1) / 4)
+    assert (s["searches_per_q"], s["tokens_per_q"], s["latency_s_per_q"]) == pytest.approx((0.75, 20.0, 1.0))
     assert summarize([]) == {"n": 0, **{f: 0.0 for f in SUMMARY_FIELDS[1:]}}
 
 
@@ -46,9 +51,10 @@ def test_eval_metrics_use_the_wire_keys():
     s = summarize([_rec("paris", ["paris"], 1, 10, 0.5)])
     m = eval_metrics("after_search", s)
     assert m[K.EVAL_EM.format(split="after_search")] == 1.0 == m["eval/after_search/em"]
-    assert m["eval/after_search/cover_em"] == 1.0 and m["eval/after_search/searches_per_question"] == 1.0
+    assert m["eval/after_search/acc_r"] == m["eval/after_search/em_r1"] == m["eval/after_search/f1_r1"] == 1.0
+    assert m["eval/after_search/searches_per_question"] == 1.0
     assert len(m) == len(SUMMARY_FIELDS) and all(k.startswith("eval/after_search/") for k in m)
-    assert "| a | 1 | 1.000 | 1.000 | 1.000 | 1.000 | 10.000 |" in markdown({"a": s})
+    assert "| a | 1 | 1.000 | 1.000 | 1.000 | 1.000 | 1.000 | 1.000 | 10.000 |" in markdown({"a": s})
 
 
 def test_greedy_records_batches_in_order_with_scores_and_traces():

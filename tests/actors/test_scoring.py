@@ -1,4 +1,4 @@
-"""actors.scoring: prediction files -> EM / F1 / cover-EM and the Markdown table."""
+"""actors.scoring: prediction files -> ACC_R / EM / F1 (and R1-Searcher's EM / F1) and the Markdown table."""
 import json
 
 import pytest
@@ -25,7 +25,7 @@ def test_score_sonar_file(tmp_path):
     assert r.n == 4
     assert r.em == pytest.approx(1 / 4)
     assert r.f1 == pytest.approx((1 + 2 / 3) / 4)
-    assert r.cover_em == pytest.approx(2 / 4)
+    assert r.acc_r == pytest.approx(2 / 4)
 
 
 def test_nested_fields_and_json_list(tmp_path):
@@ -36,7 +36,7 @@ def test_nested_fields_and_json_list(tmp_path):
     p = tmp_path / "intermediate_data.json"
     p.write_text(json.dumps(recs))
     r = score_predictions(p, pred_field="output.pred")
-    assert (r.n, r.em, r.f1, r.cover_em) == (3, pytest.approx(2 / 3), pytest.approx(2 / 3), pytest.approx(2 / 3))
+    assert (r.n, r.em, r.f1, r.acc_r) == (3, pytest.approx(2 / 3), pytest.approx(2 / 3), pytest.approx(2 / 3))
 
 
 def test_other_field_names_and_list_index(tmp_path):
@@ -77,20 +77,53 @@ def test_markdown_table():
     table = markdown_table({"hotpotqa": ScoreReport(4, 0.25, 0.41666, 0.5),
                             "bamboogle": ScoreReport(2, 0.75, 0.8, 1.0)})
     assert table.splitlines() == [
-        "| dataset | n | EM | F1 | cover-EM |",
+        "| dataset | n | acc_r | em | f1 |",
         "|---|---:|---:|---:|---:|",
-        "| hotpotqa | 4 | 25.0 | 41.7 | 50.0 |",
-        "| bamboogle | 2 | 75.0 | 80.0 | 100.0 |",
-        "| average (macro) | 6 | 50.0 | 60.8 | 75.0 |",
+        "| hotpotqa | 4 | 50.0 | 25.0 | 41.7 |",
+        "| bamboogle | 2 | 100.0 | 75.0 | 80.0 |",
+        "| average (macro) | 6 | 75.0 | 50.0 | 60.8 |",
     ]
     assert "average" not in markdown_table({"x": ScoreReport(1, 1.0, 1.0, 1.0)})
+    assert markdown_table({"x": ScoreReport(1, 1.0, 0.5, 0.0, em_r1=0.25, f1_r1=0.125)}, ["f1_r1", "em_r1"]) \
+        .splitlines()[2] == "| x | 1 | 12.5 | 25.0 |"
+    with pytest.raises(ValueError, match="cover_em"):
+        markdown_table({"x": ScoreReport(1, 1.0, 1.0, 1.0)}, ["cover_em"])
+
+
+# R1-Searcher's own result-file fields (pred_ans, answer) and the cases where the two normalisations part:
+# (pred, gold) -> em, f1 (HotpotQA) / acc_r, em_r1, f1_r1 (R1-Searcher), by hand:
+R1_FILE = [
+    {"pred_ans": "Saint Denis", "answer": "Saint-Denis"},        # 0 0 / 1 1 1
+    {"pred_ans": "1000", "answer": "1,000"},                     # 1 1 / 0 0 0
+    {"pred_ans": "True", "answer": ["no", "yes"]},               # 0 0 / 1 1 1   (True -> yes)
+    {"pred_ans": "New_York City", "answer": "New York"},         # 0 0 / 1 0 0.8 (P 2/3, R 1)
+    {"pred_ans": "O’Brien", "answer": "O'Brien"},                # 0 0 / 1 1 1
+    {"pred_ans": "the", "answer": "a"},                          # 1 0 / 1 1 0   (both empty: F1 0 in both)
+]
+
+
+def test_r1_searcher_file_scores_as_its_metric_calc_rule(tmp_path, capsys):
+    r = score_predictions(write_jsonl(tmp_path / "hotpotqa_500.jsonl", R1_FILE))
+    assert (r.n, r.em, r.f1) == (6, pytest.approx(2 / 6), pytest.approx(1 / 6))
+    assert (r.acc_r, r.em_r1, r.f1_r1) == (pytest.approx(5 / 6), pytest.approx(4 / 6), pytest.approx(3.8 / 6))
+    assert main([str(tmp_path / "hotpotqa_500.jsonl"), "--metrics", "acc_r,em_r1,f1_r1,em,f1"]) == 0
+    # metric_calc_rule prints str(round(100 * mean, 1)): 83.3 / 66.7 / 63.3 / 33.3 / 16.7
+    assert "| hotpotqa_500 | 6 | 83.3 | 66.7 | 63.3 | 33.3 | 16.7 |" in capsys.readouterr().out
+
+
+def test_percent_rounds_as_upstream(tmp_path):
+    # 1 covered of 16: 6.25 -> round(6.25, 1) == 6.2 (the binary 6.25 is exact; Python rounds half to even)
+    recs = [{"prediction": "x", "golden_answers": ["x" if i == 0 else "y"]} for i in range(16)]
+    r = score_predictions(write_jsonl(tmp_path / "p.jsonl", recs))
+    assert r.acc_r == 1 / 16 and r.percent("acc_r") == 6.2
+    assert markdown_table({"p": r}).splitlines()[2] == "| p | 16 | 6.2 | 6.2 | 6.2 |"
 
 
 def test_main_prints_table(tmp_path, capsys):
     a = write_jsonl(tmp_path / "hotpotqa" / "test.jsonl", SONAR)
     b = write_jsonl(tmp_path / "bamboogle.jsonl", [{"ans": "x", "gold": "x"}, {"ans": "x", "gold": ["y"]}])
     assert main([str(a)]) == 0
-    assert "| hotpotqa/test | 4 | 25.0 | 41.7 | 50.0 |" in capsys.readouterr().out
+    assert "| hotpotqa/test | 4 | 50.0 | 25.0 | 41.7 |" in capsys.readouterr().out
     assert main([str(b), "--pred-field", "ans", "--gold-field", "gold"]) == 0
     assert "| bamboogle | 2 | 50.0 | 50.0 | 50.0 |" in capsys.readouterr().out
 
@@ -100,5 +133,8 @@ def test_main_error_exit(tmp_path, capsys):
     assert main([str(p)]) == 2
     err = capsys.readouterr().err
     assert "sonar score: error:" in err and "line 1" in err and "'golden_answers'" in err
+    with pytest.raises(SystemExit) as e:
+        main([str(p), "--metrics", "acc_r,cover_em"])
+    assert e.value.code == 2 and "cover_em" in capsys.readouterr().err
     assert main([str(tmp_path / "missing.jsonl")]) == 2
     assert "no such file" in capsys.readouterr().err
