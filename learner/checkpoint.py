@@ -6,6 +6,7 @@ Layout of a checkpoint directory ``<run>/checkpoints/<tag>/``::
     hf/            the policy as a Hugging Face directory (transformers/vLLM load it; `sonar eval` too)
     state.json     Sonar state: policy version, stage index and step, data cursor, replay accounting
     rng.pt         torch / numpy / python RNG states
+    critic.pt      PPO's value model (trunk, head, AdamW state), when a stage runs ppo (``learner/critic.py``)
     COMPLETE       written last; a directory without it is partial and refused
 
 A checkpoint is written to ``<tag>.tmp-<pid>`` and renamed into place, so a crash mid-save never

@@ -85,6 +85,13 @@ class Learner:
         self._group = None
         self._buckets = None
         self.sft_data = SFTData(cfg.run.seed)
+        # PPO's value model, built once when any RL stage runs ppo (checkpointed with the policy).
+        self.critic = None
+        if any(st.kind == "rl" and st.algo.name == "ppo" for st in cfg.stages):
+            from sonar.learner.critic import Critic
+
+            self.critic = Critic(cfg.critic, cfg.learner, policy_dir=policy, policy_module=self.engine.module,
+                                 device=self.device)
 
     # ------------------------------------------------------------------ weights
     def named_tensors(self) -> dict:
@@ -193,7 +200,6 @@ class Learner:
         import ray
 
         from sonar.cluster.wire.protocol import decode_group
-        from sonar.learner.train_step import rl_step
 
         t_wait = time.perf_counter()
         res = ray.get(replay.get.remote(self.cfg.learner.groups_per_step, self.version, timeout_s))
@@ -202,15 +208,27 @@ class Learner:
             return StepResult({K.LEARNER_WAIT_S: wait_s, K.REPLAY_DROPPED_IN_GET: res["dropped"]},
                               dropped_prompts=res["dropped_prompts"], waiting=True)
         groups = [decode_group(p) for p in res["groups"]]
-        lr = self._set_lr(stage)
-        metrics = rl_step(self.stepper, groups, res["lags"], stage.algo, self.cfg.learner, self.cfg.replay,
-                          temperature=self.cfg.rollout.temperature, pad_id=self.pad_id,
-                          device=self.device, ref_module=self.ref_module, difficulty=tuple(stage.difficulty))
+        metrics = self.train_groups(groups, res["lags"], stage)
         metrics[K.LEARNER_WAIT_S] = wait_s
         metrics[K.REPLAY_DROPPED_IN_GET] = res["dropped"]
-        out = self._finish_step(metrics, lr)
+        out = self._finish_step(metrics, metrics.pop(K.LEARNER_LR))
         ray.get(replay.set_learner_version.remote(self.version))
         return StepResult(out, trained_prompts=res["prompts"], dropped_prompts=res["dropped_prompts"])
+
+    def train_groups(self, groups: list, lags: list[int], stage: StageConfig) -> dict:
+        """The RL step on decoded groups (``rl_step``); ``learner/lr`` holds the lr it ran at. A ppo stage
+        trains the critic too, and only the critic during its first ``critic.warmup_steps`` steps."""
+        from sonar.learner.train_step import rl_step
+
+        lr = self._set_lr(stage)
+        ppo = stage.algo.name == "ppo"
+        metrics = rl_step(self.stepper, groups, lags, stage.algo, self.cfg.learner, self.cfg.replay,
+                          temperature=self.cfg.rollout.temperature, pad_id=self.pad_id,
+                          device=self.device, ref_module=self.ref_module, difficulty=tuple(stage.difficulty),
+                          critic=self.critic if ppo else None,
+                          train_policy=not ppo or self.stage_step >= self.cfg.critic.warmup_steps)
+        metrics[K.LEARNER_LR] = lr
+        return metrics
 
     def _finish_step(self, metrics: dict, lr: float) -> dict:
         self.version += 1
@@ -233,7 +251,13 @@ class Learner:
         state = dict(client_state)
         state.update(version=self.version, global_step=self.global_step, stage_step=self.stage_step,
                      stage_index=self.stage_index, sft_data=self.sft_data.state_dict())
-        return save_checkpoint(self.engine, path, state, write_extra=lambda tmp: self.export_hf(str(tmp / "hf")))
+
+        def extra(tmp):
+            self.export_hf(str(tmp / "hf"))
+            if self.critic is not None:
+                self.critic.save(tmp)
+
+        return save_checkpoint(self.engine, path, state, write_extra=extra)
 
     def load_checkpoint(self, path: str) -> dict:
         from sonar.learner.checkpoint import load_checkpoint
@@ -244,6 +268,8 @@ class Learner:
         self.stage_step = state["stage_step"]
         self.stage_index = state["stage_index"]
         self.sft_data.load_state_dict(state.get("sft_data") or {})
+        if self.critic is not None:
+            self.critic.load(path)
         return state
 
     def ping(self) -> dict:
