@@ -9,8 +9,10 @@ Three policies appear:
   * behaviour  mu      -- the rollout engine's sampling logprobs (``Segment.logprobs``), possibly
                           several learner versions old and computed by a different kernel;
   * proximal   pi_prox -- the learner's own recomputation with the weights it holds when it
-                          *consumes* the batch (before the optimizer step). With one optimizer step
-                          per batch (Sonar's default) it is simply ``logprobs.detach()``;
+                          *consumes* the batch (before its first optimizer step), held fixed over
+                          every epoch and mini-batch of the batch (``AlgoConfig.ppo_epochs`` /
+                          ``mini_batches``), so the PPO ratio moves from the second update on. With
+                          one update per batch (the default) it is simply ``logprobs.detach()``;
   * current    pi      -- ``logprobs`` (requires grad).
 
 ``AlgoConfig.off_policy`` chooses how mu != pi is handled (see ``policy_loss``). Every algorithm
@@ -263,7 +265,8 @@ class LossInputs:
     mask: Tensor
     """Float loss mask: 1 on MODEL tokens, 0 on prompt / retrieval / padding."""
     proximal_logprobs: Tensor | None = None
-    """Learner recomputation at consume time (tis / decoupled). None: ``logprobs.detach()``."""
+    """Learner recomputation at batch start, fixed over the batch's updates (tis / decoupled). None:
+    ``logprobs.detach()`` (exact when the batch takes one update)."""
     ref_logprobs: Tensor | None = None
     """Reference-policy logprobs; needed when kl_mode='loss' and kl_coef != 0."""
     sample_weight: Tensor | None = None
