@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -56,12 +57,14 @@ def build_policy(cfg, tokenizer) -> LlamaForCausalLM:
     return model.float().eval()
 
 
-def materialise_policy(cfg, world, out_dir: str | Path) -> str:
+def materialise_policy(cfg, world, out_dir: str | Path, extra_vocab: Sequence[str] = ()) -> str:
     """The directory every role loads the run's initial policy from (``cluster.wire.policy.load_policy``).
 
     ``cfg.path`` set: that directory, used as it is (checked, not copied). Unset: the world's word
     tokenizer and a random tiny Llama (``build_policy``) saved into ``out_dir``; a pure function of
-    (``cfg``, world), so a resumed run writes the same initial weights again.
+    (``cfg``, world), so a resumed run writes the same initial weights again. ``extra_vocab``: words
+    the tiny model's tokenizer needs beyond the world's (the driver's ``cluster/driver/data.py:extra_vocab``,
+    for runs on dataset files).
     """
     if cfg.path:
         path = Path(os.path.expanduser(cfg.path))
@@ -70,7 +73,7 @@ def materialise_policy(cfg, world, out_dir: str | Path) -> str:
         return str(path)
     from sonar.actors.tokenizer import build_tokenizer
 
-    tokenizer = build_tokenizer(world.vocab())
+    tokenizer = build_tokenizer([*world.vocab(), *extra_vocab])
     return str(save_policy(build_policy(cfg, tokenizer), tokenizer, out_dir))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 
+from sonar.cluster.driver.data import stage_questions, write_stage_prompts
 from sonar.cluster.driver.reports import (Throughput, evaluate, print_summary, record_prompts, replay_metrics,
                                          retrieval_metrics)
 from sonar.cluster.driver.roles import (Hooks, Roles, check_workers, export_model, maybe_checkpoint,
@@ -83,6 +84,12 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
     push_weights(roles)  # waits for every worker to hold the learner's weights: the stage starts on-policy
     if cfg.eval.before and start_step == 0 and "before" not in run.results:  # before the first RL stage
         run.results["before"] = evaluate(cfg, roles, run, split="before")  # waits for every worker's shard
+    # This stage's questions (stages.N.data, else the world's): listed in the run directory, and the
+    # replay's cursor sized to them (a no-op when the count is unchanged, e.g. on resume). Wait: the
+    # workers claim indices into them next.
+    questions = stage_questions(cfg, stage)
+    write_stage_prompts(run.dir, index, questions)
+    ray.get(roles.replay.set_num_prompts.remote(len(questions)))
     ray.get(roles.replay.reopen.remote())  # wait: the previous stage closed the replay; workers put next
     sync = cfg.cluster.mode == "sync"
     if not sync:  # wait only until each loop has started; they run until stop_rollouts

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from sonar.cluster.driver.data import cursor_prompts
 from sonar.cluster.driver.reports import rollout_metrics
 from sonar.cluster.driver.run import Run, world_of
 from sonar.cluster.wire import metrics as K
@@ -130,8 +131,11 @@ def prepare_policy(cfg: Config, run: Run) -> str:
     """Write the run's initial policy to ``<run>/policy`` (or name ``model.path`` as it is): every role
     loads this one directory, so none needs to know how the policy is built."""
     from sonar.actors.model import materialise_policy
+    from sonar.cluster.driver.data import extra_vocab
 
-    return materialise_policy(cfg.model, world_of(cfg), run.dir / "policy")
+    # Training or evaluating on files with the tiny word-level policy: its vocabulary also covers
+    # the files' questions and answers and the corpus (data.extra_vocab; [] otherwise).
+    return materialise_policy(cfg.model, world_of(cfg), run.dir / "policy", extra_vocab=extra_vocab(cfg))
 
 
 def prepare_demonstrations(cfg: Config, run: Run, policy: str) -> list[bytes]:
@@ -358,6 +362,10 @@ def maybe_resume(cfg: Config, roles: Roles, run: Run) -> tuple[int, int]:
 
     path = resolve_checkpoint(cfg.run.resume, cfg.run.root)
     state = ray.get(roles.learner.load_checkpoint.remote(path))
+    # The saved cursor spans the question set of the stage it was walking (files or the world): size
+    # the replay's cursor to match before loading it (its check then holds).
+    ray.get(roles.replay.set_num_prompts.remote(
+        cursor_prompts(cfg, int(state["resume_stage"]), int(state["resume_step"]))))
     ray.get(roles.replay.load_state_dict.remote(state["replay"]))
     run.step = state.get("run_step", 0)
     push_weights(roles)

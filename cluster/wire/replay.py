@@ -120,6 +120,19 @@ class ReplayCore:
         """Prompt indices of groups dropped as stale since the last ``get`` (handed to the learner's log)."""
 
     # -- prompts
+    def set_num_prompts(self, num_prompts: int) -> bool:
+        """A stage with another question set (``stages.N.data``): a fresh cursor over ``num_prompts``
+        indices (same seed), its requeued indices dropped (they index the previous set). Same count:
+        the cursor continues (stages that share the world's questions walk one permutation). Only
+        between stages: claims and queued groups must be gone. Returns whether the cursor was replaced."""
+        if num_prompts == self.cursor.num_prompts:
+            return False
+        if self.groups or any(self.claims.values()):
+            raise ValueError(f"set_num_prompts({num_prompts}) with {len(self.groups)} queued groups and "
+                             f"{sum(len(v) for v in self.claims.values())} claimed prompts: only between stages")
+        self.cursor = PromptCursor(num_prompts, self.cursor.seed)
+        return True
+
     def inflight(self) -> int:
         """Groups in the pipeline: claimed and not yet put, plus queued."""
         return sum(len(v) for v in self.claims.values()) + len(self.groups)
@@ -329,6 +342,10 @@ class ReplayQueue:
 
     async def reopen(self) -> None:
         self._closed = False
+
+    async def set_num_prompts(self, num_prompts: int) -> bool:
+        """``ReplayCore.set_num_prompts``: the driver calls it before an RL stage (and before a resume)."""
+        return self.core.set_num_prompts(num_prompts)
 
     async def close(self) -> dict:
         """Stop accepting: waiting producers return (their prompts are requeued). Returns final stats."""
