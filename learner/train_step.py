@@ -1,11 +1,13 @@
-"""One optimizer step over a batch of trajectories; no Ray.
+"""One learner step over a rollout batch of trajectories (one or more optimizer steps); no Ray.
 
 The step talks to a ``Stepper``: an object with ``module``, ``backward(loss, boundary)`` and
 ``step() -> grad_norm``. ``DeepSpeedStepper`` wraps a DeepSpeed engine (the learner actor);
 ``TorchStepper`` wraps a plain model + optimizer and is the reference the DeepSpeed path is tested
 against. Micro-batches are packed by token budget and every micro-batch loss is normalised by the
-*global* batch counts (``AggDenominators``), so the micro-batch gradients sum to the full-batch
-gradient whatever the packing.
+*global* counts of its optimizer step's (mini-)batch (``AggDenominators``), so the micro-batch
+gradients sum to the (mini-)batch gradient whatever the packing. A rollout batch takes
+``algo.ppo_epochs x algo.mini_batches`` optimizer steps against "old" logprobs fixed at its start
+(``rl_step``); the learner's policy version advances once per rollout batch (``learner.worker``).
 
 Notation: B sequences, T tokens; token tensors are [B, T-1], aligned to predicted tokens.
 """
@@ -18,12 +20,14 @@ import numpy as np
 import torch
 
 from sonar.cluster.wire import metrics as K
-from sonar.cluster.wire.config import AlgoConfig, LearnerConfig, ReplayConfig
+from sonar.cluster.wire.config import (AlgoConfig, LearnerConfig, ReplayConfig, algo_dynamic_sampling,
+                                       algo_std_normalize)
 from sonar.cluster.wire.protocol import Trajectory
 from sonar.learner.algo.advantages import compute_advantages, dynamic_sampling_mask
 from sonar.learner.algo.losses import LossInputs, entropy_from_logits, kl_estimate, policy_loss, sft_loss, token_logprobs
 from sonar.learner.algo.staleness import apply_staleness, importance_weight_histogram, lag_histogram
 from sonar.learner.batching import Batch, collate, pack_micro_batches
+from sonar.learner.critic import gae_advantages
 
 
 IS_EDGES = (0.5, 0.8, 0.95, 1.05, 1.25, 2.0)
@@ -151,10 +155,23 @@ def sft_step(stepper: Stepper, trajs: list[Trajectory], lcfg: LearnerConfig, pad
 def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], algo: AlgoConfig,
             lcfg: LearnerConfig, rcfg: ReplayConfig, temperature: float, pad_id: int, device="cpu",
             ref_module: torch.nn.Module | None = None,
-            difficulty: tuple[float, float] = (0.0, 1.0)) -> dict[str, float]:
-    """One policy-gradient step on whole groups. Groups outside the ``difficulty`` success-rate range
-    and (with ``algo.dynamic_sampling``) groups with all-equal rewards are dropped and counted; if
-    nothing carries signal the optimizer does not step."""
+            difficulty: tuple[float, float] = (0.0, 1.0), critic=None,
+            train_policy: bool = True) -> dict[str, float]:
+    """One learner step on a rollout batch of whole groups. Groups outside the ``difficulty`` success-rate
+    range and (with the resolved ``algo.dynamic_sampling``) groups with all-equal rewards are dropped and
+    counted; if nothing carries signal the optimizer does not step.
+
+    Then, once per batch and before any update: the proximal ("old") logprobs (when the batch takes more
+    than one update and ``off_policy`` is tis/decoupled), the reward-mode KL, and the advantages
+    (``batch_advantages``, the seam). The update loop runs ``algo.ppo_epochs`` passes over
+    ``algo.mini_batches`` mini-batches (``mini_batch_rows``); each mini-batch is one optimizer step, its
+    loss normalised by its own counts and packed into token-budget micro-batches. ``off_policy='none'``
+    clips against the behaviour logprobs, tis/decoupled against the proximal ones (weighting by
+    proximal/behaviour), vtrace against the current ones, as ``losses.policy_loss`` says.
+
+    ``algo.name='ppo'`` needs ``critic`` (``learner.critic.Critic``): the advantages are GAE over the
+    critic's V_old (``critic.gae_advantages``), and the critic takes one value-loss step per mini-batch,
+    before the policy's. ``train_policy=False`` (the critic's warmup) runs only the critic's steps."""
     t0 = time.perf_counter()
     n_groups = len(groups)
     groups = apply_staleness(groups, lags, rcfg)
@@ -173,58 +190,126 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
         m[K.LEARNER_REWARD_MEAN] = float(rewards.mean())
         m[K.LEARNER_DATA_STAGE_MIN] = float(min(t.stage for t in trajs))  # = the current stage after a switch
         m[K.LEARNER_DATA_STAGE_MAX] = float(max(t.stage for t in trajs))
-    if trajs and algo.dynamic_sampling:
+    if trajs and algo_dynamic_sampling(algo):
         gidx = torch.tensor(_group_index(trajs))
         keep = dynamic_sampling_mask(rewards, gidx)
         m[K.LEARNER_GROUPS_ZERO_SIGNAL] = float(len(set(gidx.tolist())) - len(set(gidx[keep].tolist())))
         trajs = [t for t, k in zip(trajs, keep.tolist()) if k]
     if not trajs:
-        m.update({K.LEARNER_SKIPPED_STEP: 1.0, K.LEARNER_STEP_TIME: time.perf_counter() - t0})
+        m.update({K.LEARNER_SKIPPED_STEP: 1.0, K.LEARNER_STEP_TIME: time.perf_counter() - t0,
+                  K.LEARNER_OPTIMIZER_STEPS: 0.0})
         return m
     batch = collate(trajs, None, pad_id)
+    minis = mini_batch_rows(batch.size, algo.mini_batches)
+    updates = algo.ppo_epochs * len(minis)
+    kl_reward = ref_module is not None and algo.kl_coef > 0 and algo.kl_mode == "reward"
+    # The "old" policy of the PPO ratio: the learner's own logprobs before the first update, fixed for
+    # every epoch and mini-batch. With one update they equal the current logprobs, so none is computed
+    # (policy_loss then takes logprobs.detach()); with more, the ratio moves from the second update on.
+    need_prox = updates > 1 and algo.off_policy in ("tis", "decoupled")
+    cur = None
+    if need_prox or kl_reward:
+        cur = batch_logprobs(stepper.module, batch, temperature, lcfg.micro_batch_tokens, device)
+        if need_prox:
+            batch.proximal_logprobs = cur
     kl = None
-    if ref_module is not None and algo.kl_coef > 0 and algo.kl_mode == "reward":
-        # KL as a reward penalty: per-token KL(current || ref) of the batch, before the step.
-        with torch.no_grad():
-            full = batch.to(device)
-            cur, _ = forward_logprobs(stepper.module, full, temperature)
-            ref, _ = forward_logprobs(ref_module, full, temperature)
-            kl = (kl_estimate(cur, ref, algo.kl_estimator) * full.loss_mask).cpu()
-            m[K.LEARNER_KL_REWARD_PENALTY] = float(algo.kl_coef * kl.sum() / max(1.0, float(full.loss_mask.sum())))
-    batch.advantages = compute_advantages(algo.name, batch.rewards, batch.group_index, batch.loss_mask,
-                                          algo.std_normalize, kl=kl,
-                                          kl_coef=algo.kl_coef if kl is not None else 0.0).float()
-    denom = batch.denominators()
-    mbs = _micro_batches(batch, lcfg.micro_batch_tokens, device)
+    if kl_reward:
+        # KL as a reward penalty: per-token KL(current || ref) of the batch, before the first update.
+        ref = batch_logprobs(ref_module, batch, temperature, lcfg.micro_batch_tokens, device)
+        kl = kl_estimate(cur, ref, algo.kl_estimator) * batch.loss_mask
+        m[K.LEARNER_KL_REWARD_PENALTY] = float(algo.kl_coef * kl.sum() / max(1.0, float(batch.loss_mask.sum())))
+    batch.advantages = batch_advantages(batch, algo, kl, critic)
+    if algo.name == "ppo":
+        m[K.LEARNER_CRITIC_WARMUP] = float(not train_policy)
     use_ref = ref_module is not None and algo.kl_coef > 0 and algo.kl_mode == "loss"
     stepper.module.train()
     parts: list[tuple[dict, float]] = []
+    critic_parts: list[dict] = []
     is_hist: dict[str, int] = {}
-    loss_total = 0.0
-    for i, mb in enumerate(mbs):
-        lp, ent = forward_logprobs(stepper, mb, temperature, with_entropy=True)
-        ref = None
-        if use_ref:
-            with torch.no_grad():
-                ref, _ = forward_logprobs(ref_module, mb, temperature)
-        out = policy_loss(LossInputs(logprobs=lp, behaviour_logprobs=mb.behaviour_logprobs,
-                                     advantages=mb.advantages, mask=mb.loss_mask, ref_logprobs=ref,
-                                     sample_weight=mb.sample_weight, entropy=ent, denominators=denom), algo)
-        stepper.backward(out.loss, boundary=i == len(mbs) - 1)
-        loss_total += float(out.loss.detach())
-        parts.append((out.metrics, float(mb.loss_mask.sum())))
-        # learner/behaviour ratio per trained token: how off-policy the batch really is
-        ratio = torch.exp(torch.where(mb.loss_mask > 0, lp.detach() - mb.behaviour_logprobs, torch.zeros_like(lp)))
-        for k, v in importance_weight_histogram(ratio, IS_EDGES, mb.loss_mask).items():
-            is_hist[k] = is_hist.get(k, 0) + v
-    gn = stepper.step()
-    m.update({K.LEARNER_IS_WEIGHT_HIST.format(bin=k): float(v) for k, v in is_hist.items()})
+    losses, norms, n_micro = [], [], 0
+    for epoch in range(algo.ppo_epochs):
+        for rows in minis:
+            mini = batch if len(minis) == 1 else batch.select(rows)
+            if critic is not None:  # ppo: one value-loss step per mini-batch, on V_old and returns fixed for the batch
+                critic_parts.append(critic.update(mini, mini.old_values, mini.returns))
+            if not train_policy:
+                continue
+            denom = mini.denominators()
+            mbs = _micro_batches(mini, lcfg.micro_batch_tokens, device)
+            loss_total = 0.0
+            for i, mb in enumerate(mbs):
+                lp, ent = forward_logprobs(stepper, mb, temperature, with_entropy=True)
+                ref = None
+                if use_ref:
+                    with torch.no_grad():
+                        ref, _ = forward_logprobs(ref_module, mb, temperature)
+                out = policy_loss(LossInputs(logprobs=lp, behaviour_logprobs=mb.behaviour_logprobs,
+                                             advantages=mb.advantages, mask=mb.loss_mask,
+                                             proximal_logprobs=mb.proximal_logprobs, ref_logprobs=ref,
+                                             sample_weight=mb.sample_weight, entropy=ent, denominators=denom), algo)
+                stepper.backward(out.loss, boundary=i == len(mbs) - 1)
+                loss_total += float(out.loss.detach())
+                parts.append((out.metrics, float(mb.loss_mask.sum())))
+                if epoch == 0:  # learner/behaviour ratio per trained token at batch start: how off-policy it is
+                    prox = mb.proximal_logprobs if mb.proximal_logprobs is not None else lp.detach()
+                    ratio = torch.exp(torch.where(mb.loss_mask > 0, prox - mb.behaviour_logprobs, torch.zeros_like(lp)))
+                    for k, v in importance_weight_histogram(ratio, IS_EDGES, mb.loss_mask).items():
+                        is_hist[k] = is_hist.get(k, 0) + v
+            norms.append(stepper.step())
+            losses.append(loss_total)
+            n_micro += len(mbs)
+    if critic_parts:
+        m.update({k: float(np.mean([c[k] for c in critic_parts])) for k in critic_parts[0]})
     dt = time.perf_counter() - t0
+    m.update({K.LEARNER_STEP_TIME: dt, K.LEARNER_TRAJECTORIES: float(len(trajs)),
+              K.LEARNER_OPTIMIZER_STEPS: float(len(norms))})
+    if not train_policy:
+        return m
+    m.update({K.LEARNER_IS_WEIGHT_HIST.format(bin=k): float(v) for k, v in is_hist.items()})
     m.update({K.LEARNER_LOSS_PART.format(part=k): v for k, v in _weighted(parts).items()})
-    m.update({K.LEARNER_LOSS: loss_total, K.LEARNER_GRAD_NORM: gn, K.LEARNER_STEP_TIME: dt,
-              K.LEARNER_TOKENS_PER_S: float(batch.lengths.sum()) / dt, K.LEARNER_MICRO_BATCHES: len(mbs),
-              K.LEARNER_TRAJECTORIES: float(len(trajs)), K.LEARNER_TRAINED_TOKENS: denom.tokens})
+    m.update({K.LEARNER_LOSS: float(np.mean(losses)), K.LEARNER_GRAD_NORM: float(np.mean(norms)),
+              K.LEARNER_TOKENS_PER_S: float(batch.lengths.sum()) / dt, K.LEARNER_MICRO_BATCHES: n_micro,
+              K.LEARNER_TRAINED_TOKENS: batch.denominators().tokens})
     return m
+
+
+def mini_batch_rows(n: int, mini_batches: int) -> list[list[int]]:
+    """Rows 0..n-1 split in batch order into min(mini_batches, n) contiguous, near-equal mini-batches
+    (sizes differ by at most one; whole groups stay together when the sizes allow). OpenRLHF shuffles
+    its replay buffer instead; batch order keeps the step deterministic without a generator."""
+    k = max(1, min(mini_batches, n))
+    return [a.tolist() for a in np.array_split(np.arange(n), k)]
+
+
+def batch_logprobs(module: torch.nn.Module, batch: Batch, temperature: float, token_budget: int,
+                   device) -> torch.Tensor:
+    """[B, T-1] float32 logprobs of the whole batch under ``module`` (no gradient, micro-batched, on CPU),
+    0 where loss_mask is 0: the proximal policy at batch start, or the reference policy."""
+    out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
+    with torch.no_grad():
+        for idx in pack_micro_batches(batch.lengths.tolist(), token_budget):
+            mb = batch.select(idx).to(device)
+            lp, _ = forward_logprobs(module, mb, temperature)
+            out[torch.as_tensor(idx)[:, None], torch.arange(lp.shape[1])[None, :]] = lp.float().cpu()
+    return torch.where(batch.loss_mask > 0, out, torch.zeros_like(out))
+
+
+def batch_advantages(batch: Batch, algo: AlgoConfig, kl: torch.Tensor | None, critic=None) -> torch.Tensor:
+    """The advantage seam: per-token advantages [B, T-1] (float32, 0 where loss_mask is 0) of the whole
+    batch, computed once before the first update and held fixed over every epoch and mini-batch.
+
+    ``algo.name='ppo'`` needs ``critic`` (``learner.critic.Critic``): GAE over the critic's V_old
+    (``critic.gae_advantages``); V_old and the returns are kept on the batch (``Batch.old_values`` /
+    ``Batch.returns``) for the critic's value-loss step on every mini-batch. The other algorithms:
+    ``advantages.compute_advantages`` (group baselines, the REINFORCE++ family)."""
+    if algo.name == "ppo":
+        if critic is None:
+            raise ValueError("algo.name='ppo' trains with a critic: rl_step needs critic= (learner/critic.py)")
+        adv, batch.old_values, batch.returns = gae_advantages(critic, batch, kl, algo.kl_coef)
+        return adv.float()
+    return compute_advantages(algo.name, batch.rewards, batch.group_index, batch.loss_mask,
+                              algo_std_normalize(algo), kl=kl,
+                              kl_coef=algo.kl_coef if kl is not None else 0.0).float()
 
 
 def success_rate(group: list[Trajectory]) -> float:
