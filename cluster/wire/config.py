@@ -355,7 +355,8 @@ class LearnerConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.99])
     """AdamW [beta1, beta2], each in [0, 1)."""
     warmup_steps: int = 5
-    """Linear warmup at the start of every stage, in optimizer steps (>= 0): step s of the stage runs at
+    """Linear warmup at the start of every stage, in learner steps (>= 0; one per batch, each of
+    ``algo.ppo_epochs`` x ``algo.mini_batches`` optimizer steps at the same lr): step s of the stage runs at
     lr * (s + 1) / warmup_steps until s reaches it."""
     lr_decay: str = "constant"
     """constant | cosine | linear (after warmup, over the stage length)"""
@@ -366,7 +367,7 @@ class LearnerConfig:
     precision: str = "auto"
     """auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16"""
     groups_per_step: int = 8
-    """Whole groups per optimizer step."""
+    """Whole groups per learner step (one rollout batch; ``algo.mini_batches`` split it into optimizer steps)."""
     micro_batch_tokens: int = 8192
     """Micro-batches are packed by token budget (padded length x rows)."""
     gradient_checkpointing: bool = False
