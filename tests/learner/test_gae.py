@@ -140,3 +140,22 @@ def test_explained_variance():
     R = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     assert explained_variance(R, R, mask) == pytest.approx(1.0, abs=1e-5)
     assert explained_variance(torch.zeros_like(R), R, mask) == pytest.approx(0.0, abs=1e-4)
+
+
+def test_with_gamma_lambda_one_bridging_equals_rag_r1s_recursion_through_retrieved_tokens():
+    """RAG-R1's veRL fork ran GAE through every response token (retrieved ones carry a value and no
+    reward) and masked only the losses; at gamma = lam = 1 that gives the same advantages and returns
+    on every trained token as bridging the spans (the README's claim for configs/rag_r1.yaml)."""
+    g = torch.Generator().manual_seed(11)
+    B, L = 4, 15
+    mask = (torch.rand(B, L, generator=g) > 0.5).float()
+    v = torch.randn(B, L, generator=g, dtype=torch.float64)
+    r = outcome_token_rewards(torch.randn(B, generator=g), mask, torch.rand(B, L, generator=g), kl_coef=0.01)
+    every = torch.ones_like(mask)  # the old recursion: every position is a step
+    adv_old, ret_old = gae(r, v, every, 1.0, 1.0)
+    adv, ret = gae(r, v, mask, 1.0, 1.0)
+    m = mask > 0
+    assert torch.allclose(adv[m], adv_old[m], atol=1e-12) and torch.allclose(ret[m], ret_old[m], atol=1e-12)
+    adv_old, _ = gae(r, v, every, 0.9, 0.8)  # ... and not for gamma, lam < 1
+    adv, _ = gae(r, v, mask, 0.9, 0.8)
+    assert not torch.allclose(adv[m], adv_old[m])
