@@ -8,9 +8,9 @@ rollout loop calls, so the policy sees the same tokens in SFT as when it searche
 
 Layout of one demonstration (T = tags of the protocol)::
 
-    PROMPT     render_prompt(question)
-    MODEL      T.think_open <step thought> T.think_close T.query_open q1 [T.query_sep q2 ...] T.query_close
-    RETRIEVAL  render_documents(top docs_per_query hits of each query)
+    PROMPT     render_prompt(question)        (protocol.template / protocol.prompt, as the rollout)
+    MODEL      T.think_open <step thought> T.think_close T.query_open q1 [, q2 ...] T.query_close
+    RETRIEVAL  render_documents(top docs_per_query hits of each query, each query echoed when multi-query)
     ...        one MODEL + RETRIEVAL pair per search step
     MODEL      T.think_open <final thought> T.think_close T.answer_open <gold> T.answer_close
 
@@ -22,6 +22,10 @@ sets) repeat the step's thought.
 
 Who builds them: the driver (``cluster/driver/roles.prepare_demonstrations``, with an in-process
 retriever), which sends them to the learner as encoded groups; the learner builds no data itself.
+
+Prompt styles that prefill ``<think>`` (R1-Searcher's) drop the first MODEL segment's ``think_open``:
+the prompt already opened the block. Multi-query steps join the queries with the protocol's plain-text
+separator (RAG-R1's comma): ``" , "`` in the ``short`` style (word-level tokens), ``", "`` otherwise.
 
 Invariants: the last token of every MODEL segment is the id of query_close or answer_close (the
 rollout engine stops on those ids and includes them); MODEL logprobs are float32 zeros and version
@@ -37,7 +41,8 @@ from typing import Sequence
 
 import numpy as np
 
-from sonar.actors.prompts import TagSet, all_special_tokens, neutralise, render_documents, render_prompt
+from sonar.actors.prompts import (TagSet, neutralise, prefills_think, render_documents, render_prompt,
+                                  special_strings)
 from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, Trajectory
 
 DEFAULT_STEP_THOUGHT = "search"
@@ -72,32 +77,29 @@ def final_thought(q) -> str:
 class _Ids:
     """Tag ids and neutralised word encoding for one (tags, tokenizer) pair."""
 
-    def __init__(self, tags: TagSet, tokenizer):
+    def __init__(self, tags: TagSet, tokenizer, style: str = "short"):
         self.tags, self.tok = tags, tokenizer
-        self.specials = all_special_tokens()
+        self.specials = special_strings(tokenizer)
         self.id = {t: tokenizer.convert_tokens_to_ids(t) for t in tags.special_tokens()}
+        self.joiner = f" {tags.query_sep} " if style == "short" else f"{tags.query_sep} "
 
     def words(self, text: str) -> list[int]:
         return list(self.tok.encode(neutralise(text, self.specials), add_special_tokens=False))
 
-    def _think(self, thought: str) -> list[int]:
+    def _think(self, thought: str, opened: bool = False) -> list[int]:
         if not self.tags.think_open:
             return []
-        return [self.id[self.tags.think_open], *self.words(thought), self.id[self.tags.think_close]]
+        head = [] if opened else [self.id[self.tags.think_open]]
+        return [*head, *self.words(thought), self.id[self.tags.think_close]]
 
-    def search(self, queries: Sequence[str], thought: str) -> list[int]:
+    def search(self, queries: Sequence[str], thought: str, opened: bool = False) -> list[int]:
         t = self.tags
-        ids = self._think(thought) + [self.id[t.query_open]]
-        for j, query in enumerate(queries):
-            if j:
-                ids.append(self.id[t.query_sep])
-            ids.extend(self.words(query))
-        ids.append(self.id[t.query_close])
-        return ids
+        body = self.joiner.join(queries) if t.multi_query else " ".join(queries)
+        return self._think(thought, opened) + [self.id[t.query_open], *self.words(body), self.id[t.query_close]]
 
-    def answer(self, text: str, thought: str) -> list[int]:
+    def answer(self, text: str, thought: str, opened: bool = False) -> list[int]:
         t = self.tags
-        return self._think(thought) + [self.id[t.answer_open], *self.words(text), self.id[t.answer_close]]
+        return self._think(thought, opened) + [self.id[t.answer_open], *self.words(text), self.id[t.answer_close]]
 
 
 def _model_segment(ids: list[int]) -> Segment:
@@ -113,10 +115,13 @@ def make_demonstrations(questions: Sequence, tags: TagSet, tokenizer, retriever,
     """
     if k < proto.docs_per_query:
         raise ValueError(f"k={k} < protocol.docs_per_query={proto.docs_per_query}")
-    enc = _Ids(tags, tokenizer)
+    style = getattr(proto, "prompt", "short")
+    enc = _Ids(tags, tokenizer, style)
+    prefilled = prefills_think(style)
     plans = [search_steps(q, tags, proto) for q in questions]
     segments: list[list[Segment]] = [
-        [Segment(SegmentKind.PROMPT, np.asarray(render_prompt(tags, q.question, tokenizer, proto.template), np.int32))]
+        [Segment(SegmentKind.PROMPT, np.asarray(render_prompt(tags, q.question, tokenizer, proto.template, style),
+                                                np.int32))]
         for q in questions]
     searches: list[list[SearchCall]] = [[] for _ in questions]
     for s in range(max((len(p) for p in plans), default=0)):
@@ -133,9 +138,9 @@ def make_demonstrations(questions: Sequence, tags: TagSet, tokenizer, retriever,
             queries, thought = plans[i][s]
             hits = [list(r)[:proto.docs_per_query] for r in results[pos:pos + len(queries)]]
             pos += len(queries)
-            segments[i].append(_model_segment(enc.search(queries, thought)))
+            segments[i].append(_model_segment(enc.search(queries, thought, opened=prefilled and s == 0)))
             docs = render_documents(tags, [[(h.title, h.text) for h in hs] for hs in hits], tokenizer,
-                                    proto.max_doc_tokens)
+                                    proto.max_doc_tokens, queries=list(queries), style=style)
             segments[i].append(Segment(SegmentKind.RETRIEVAL, np.asarray(docs, np.int32)))
             searches[i].append(SearchCall(turn=s, queries=list(queries),
                                           doc_ids=[[h.doc_id for h in hs] for hs in hits],
@@ -143,7 +148,7 @@ def make_demonstrations(questions: Sequence, tags: TagSet, tokenizer, retriever,
     out = []
     for i, q in enumerate(questions):
         gold = q.golds[0]
-        segments[i].append(_model_segment(enc.answer(gold, final_thought(q))))
+        segments[i].append(_model_segment(enc.answer(gold, final_thought(q), opened=prefilled and not plans[i])))
         out.append(Trajectory(
             traj_id=f"demo-{q.qid}", group_id=f"demo-{q.qid}", prompt_id=q.qid, actor_id=-1,
             segments=segments[i], reward=1.0, searches=searches[i], finish_reason=FinishReason.ANSWERED,

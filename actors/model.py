@@ -12,7 +12,9 @@ Invariants:
   tokenizer's, so ``generate`` stops on ``<eos>`` and pads with ``<pad>``.
 - Attention is "sdpa" (``cluster.wire.policy.ATTN_IMPLEMENTATION``: measured there).
 - Every role loads the policy from one Hugging Face directory with ``cluster.wire.policy.load_policy``;
-  ``materialise_policy`` writes that directory for a run (or names ``model.path`` as it is).
+  ``materialise_policy`` writes that directory for a run (or names ``model.path`` as it is when its
+  tokenizer already has the tags; otherwise it writes ``model.path`` with the tags added, see
+  ``actors.tokenizer`` for why tags are special tokens).
 """
 from __future__ import annotations
 
@@ -57,20 +59,45 @@ def build_policy(cfg, tokenizer) -> LlamaForCausalLM:
     return model.float().eval()
 
 
+def add_tags_to_policy(model, tokenizer) -> list[str]:
+    """Add every protocol tag the tokenizer lacks as a special token and resize the model's embeddings
+    (new rows at the mean of the old ones, ``mean_resizing``). Returns the tags added (none: unchanged)."""
+    from sonar.actors.tokenizer import add_tags
+
+    added = add_tags(tokenizer)
+    if added:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    return added
+
+
 def materialise_policy(cfg, world, out_dir: str | Path, extra_vocab: Sequence[str] = ()) -> str:
     """The directory every role loads the run's initial policy from (``cluster.wire.policy.load_policy``).
 
-    ``cfg.path`` set: that directory, used as it is (checked, not copied). Unset: the world's word
-    tokenizer and a random tiny Llama (``build_policy``) saved into ``out_dir``; a pure function of
-    (``cfg``, world), so a resumed run writes the same initial weights again. ``extra_vocab``: words
-    the tiny model's tokenizer needs beyond the world's (the driver's ``cluster/driver/data.py:extra_vocab``,
-    for runs on dataset files).
+    ``cfg.path`` set: when its tokenizer already has every protocol tag as one token, that directory
+    is used as it is (checked, not copied). Otherwise the model and tokenizer are loaded, the tags
+    added as special tokens and the embeddings resized (``add_tags_to_policy``), and the result is
+    written into ``out_dir``: the user's directory is never modified, and every role (vLLM included)
+    loads the same resized policy. Unset: the world's word tokenizer and a random tiny Llama
+    (``build_policy``) saved into ``out_dir``; a pure function of (``cfg``, world), so a resumed run
+    writes the same initial weights again. ``extra_vocab``: words the tiny model's tokenizer needs
+    beyond the world's (the driver's ``cluster/driver/data.py:extra_vocab``, for runs on dataset files).
     """
     if cfg.path:
+        from sonar.actors.tokenizer import missing_tags
+        from sonar.cluster.wire.policy import load_tokenizer
+
         path = Path(os.path.expanduser(cfg.path))
         if not (path / "config.json").is_file():
             raise ValueError(f"model.path={cfg.path!r} is not a Hugging Face model directory (no config.json)")
-        return str(path)
+        if not missing_tags(load_tokenizer(path)):
+            return str(path)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        # The checkpoint's own dtype (a bf16 model stays bf16 on disk); every role casts on load.
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="auto")
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        add_tags_to_policy(model, tokenizer)
+        return str(save_policy(model, tokenizer, out_dir))
     from sonar.actors.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer([*world.vocab(), *extra_vocab])
@@ -78,9 +105,12 @@ def materialise_policy(cfg, world, out_dir: str | Path, extra_vocab: Sequence[st
 
 
 def policy_and_tokenizer(cfg, world):
-    """``cfg.path`` set: load that directory; else the world's word tokenizer + a random tiny Llama."""
+    """``cfg.path`` set: load that directory (tags added in memory if it lacks them); else the world's
+    word tokenizer + a random tiny Llama."""
     if cfg.path:
-        return load_policy(os.path.expanduser(cfg.path))
+        model, tokenizer = load_policy(os.path.expanduser(cfg.path))
+        add_tags_to_policy(model, tokenizer)
+        return model, tokenizer
     from sonar.actors.tokenizer import build_tokenizer
     tokenizer = build_tokenizer(world.vocab())
     return build_policy(cfg, tokenizer), tokenizer

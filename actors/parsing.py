@@ -29,7 +29,7 @@ Rules, in order of precedence (the reason strings are module constants, ``REASON
    block, ``query_close`` / ``answer_close`` is ``*_CLOSE_WITHOUT_OPEN``.
 4. A complete query block: single-query protocols (``tags.query_sep is None``) take the stripped
    block as ONE query (a separator-looking string inside it is plain text). Multi-query protocols
-   split on ``query_sep``, strip, drop empty pieces, keep the first ``max_queries`` and count the
+   split on ``query_sep`` (RAG-R1's plain comma, as its ``generation_mq.py`` splits), strip, drop empty pieces, keep the first ``max_queries`` and count the
    rest in ``Search.dropped`` (empty pieces are not counted). No query left: ``Malformed(EMPTY_QUERY)``.
 5. A complete answer block: the stripped text; empty is ``Malformed(EMPTY_ANSWER)``.
 6. The turn ends without a complete block: inside a query -> ``UNTERMINATED_QUERY``, inside an

@@ -1,12 +1,40 @@
-"""Tag sets and prompt templates: the one place the tag strings live.
+"""Tag sets, prompt templates and the rendering of prompts, documents and messages to token ids:
+the one place the tag strings and the protocols' fixed texts live.
 
-Every tag is a special token of the tokenizer (one id each), so the rollout loop stops on token ids
-and retrieved text can never open or close a tag once it is neutralised (see ``neutralise``).
+Tags are special tokens (one id each). Sonar chose that over multi-token tag strings because the
+rollout is token in, token out: the loop stops on the *ids* of ``query_close`` / ``answer_close``,
+a MODEL segment ends exactly on that id, and the loss mask follows segment boundaries without any
+string-to-token alignment. A stock tokenizer does not know the tags, so
+``actors.tokenizer.add_tags`` adds them as special tokens and ``actors.model.materialise_policy``
+resizes the embeddings and writes the result into the run's policy directory, which every role
+(learner, rollout workers, vLLM) loads. Upstream (R1-Searcher, Search-R1, RAG-R1) keeps the tags as
+plain text and stops on strings; the texts below are theirs, only their tags are single ids here.
 
-Pure module: standard library only.
+Untrusted text (questions, retrieved documents, queries echoed back) goes through ``neutralise``
+with *every* special token of the tokenizer (``special_strings``: the tags, ``<eos>``, chat-role
+markers...), so it can never encode to a special id: it cannot open or close a block, end the
+sequence, or forge a chat turn.
+
+Prompt styles (``ProtocolConfig.prompt``):
+
+* ``short``: ``question : <q>`` only. The tiny random model learns the format by SFT, and every
+  word is in the synthetic world's vocabulary.
+* ``r1_searcher_base`` / ``r1_searcher_instruct``: R1-Searcher's base prompt (plain text, ends with
+  ``Assistant: <think>``) and its instruct prompt (system + user through the tokenizer's chat
+  template, then ``<think>`` prefilled).
+* ``search_r1``: Search-R1's prompt (the question inside the instruction).
+* ``rag_r1``: RAG-R1's prompt, single-query (protocol ``rag_r1``) or multi-query (``rag_r1_multi``:
+  comma-separated queries, up to three per step).
+
+Documents: ``short`` keeps Sonar's compact block (``<|doc|>`` between documents; multi-query groups
+each echo ``query : <q>``); the upstream styles render the block as each paper's code does (see
+``render_documents``). The invalid-action message (``render_invalid``) is Search-R1's / RAG-R1's.
+
+Pure module: standard library only (the tokenizer is duck-typed).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 
@@ -22,19 +50,19 @@ class TagSet:
     answer_open: str
     answer_close: str
     query_sep: str | None
-    """Separator between several queries in one search step (multi-query protocols only)."""
+    """Plain-text separator between several queries in one search step (multi-query protocols only;
+    RAG-R1 splits on a comma). Not a tag and not a special token."""
     doc_sep: str
-    """Separator between documents inside one injected block."""
+    """Separator between documents in the ``short`` documents block (a special token)."""
 
     @property
     def multi_query(self) -> bool:
         return self.query_sep is not None
 
     def special_tokens(self) -> list[str]:
+        """The tags of this protocol: each is one special token of the policy's tokenizer."""
         toks = [self.think_open, self.think_close, self.query_open, self.query_close,
                 self.docs_open, self.docs_close, self.answer_open, self.answer_close, self.doc_sep]
-        if self.query_sep:
-            toks.append(self.query_sep)
         return list(dict.fromkeys(toks))
 
 
@@ -47,11 +75,25 @@ PROTOCOLS: dict[str, TagSet] = {
     # Search-R1: <search>/<information>/<answer>, optional <think>.
     "search_r1": TagSet("search_r1", "<think>", "</think>", "<search>", "</search>",
                         "<information>", "</information>", "<answer>", "</answer>", None, "<|doc|>"),
-    # RAG-R1 (arXiv 2507.02962) multi-query: several queries in one step, one batched retrieval,
-    # the documents of each query grouped in the injected block.
+    # RAG-R1 (arXiv 2507.02962) single-query: Search-R1's tags.
+    "rag_r1": TagSet("rag_r1", "<think>", "</think>", "<search>", "</search>",
+                     "<information>", "</information>", "<answer>", "</answer>", None, "<|doc|>"),
+    # RAG-R1 multi-query: "<search> q1,q2 </search>", one batched retrieval, the documents of each
+    # query grouped under that query in the injected block.
     "rag_r1_multi": TagSet("rag_r1_multi", "<think>", "</think>", "<search>", "</search>",
-                           "<information>", "</information>", "<answer>", "</answer>", "<|sep|>", "<|doc|>"),
+                           "<information>", "</information>", "<answer>", "</answer>", ",", "<|doc|>"),
 }
+
+PROMPT_STYLES = ("short", "r1_searcher_base", "r1_searcher_instruct", "search_r1", "rag_r1")
+PROMPT_PROTOCOLS = {
+    "short": tuple(PROTOCOLS),
+    "r1_searcher_base": ("r1_searcher",),
+    "r1_searcher_instruct": ("r1_searcher",),
+    "search_r1": ("search_r1",),
+    "rag_r1": ("rag_r1", "rag_r1_multi"),
+}
+"""Which protocols (tag sets) each prompt style describes. ``config.validate`` keeps a copy of this
+table (the wire imports nothing of actors); ``tests/actors/test_prompts.py`` checks they agree."""
 
 
 def get_protocol(name: str) -> TagSet:
@@ -62,23 +104,36 @@ def get_protocol(name: str) -> TagSet:
 
 
 def all_special_tokens() -> list[str]:
-    """Union over protocols, so one tokenizer serves every protocol."""
+    """Union of the tags over protocols, so one tokenizer (and one policy directory) serves every protocol."""
     out: list[str] = []
     for ts in PROTOCOLS.values():
         out.extend(ts.special_tokens())
     return list(dict.fromkeys(out))
 
 
-# ---------------------------------------------------------------- rendering to token ids
-# The tokenizer is duck-typed: ``encode(text, add_special_tokens=False) -> list[int]`` and
-# ``convert_tokens_to_ids(token) -> int`` (any Hugging Face tokenizer).
+def special_strings(tokenizer=None) -> list[str]:
+    """Every string that encodes to a special id: the tags, plus (given a tokenizer) its special tokens
+    (``<eos>``, ``<pad>``...) and every added token (chat-role markers such as ``<|im_start|>``)."""
+    out = list(all_special_tokens())
+    if tokenizer is not None:
+        out.extend(str(t) for t in (getattr(tokenizer, "all_special_tokens", None) or []))
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        out.extend(str(getattr(t, "content", t)) for t in added.values())
+    return [s for s in dict.fromkeys(out) if s]
+
+
+# ---------------------------------------------------------------- texts
+# The tokenizer is duck-typed: ``encode(text, add_special_tokens=False) -> list[int]``,
+# ``convert_tokens_to_ids(token) -> int`` and, for chat templates, ``apply_chat_template``.
 
 INSTRUCTIONS = {
     "r1_searcher": "answer the question . search with {qo} query {qc} , read the documents , then answer in {ao} {ac} .",
     "search_r1": "answer the question . think in {to} {tc} , search with {qo} query {qc} , answer in {ao} {ac} .",
+    "rag_r1": "answer the question . think in {to} {tc} , search with {qo} query {qc} , answer in {ao} {ac} .",
     "rag_r1_multi": ("answer the question . think in {to} {tc} , search with {qo} query {sep} query {qc} , "
                      "answer in {ao} {ac} ."),
 }
+"""Short instructions in the synthetic world's words (kept for the world's vocabulary)."""
 
 
 def instruction(tags: TagSet) -> str:
@@ -87,52 +142,228 @@ def instruction(tags: TagSet) -> str:
         ao=tags.answer_open, ac=tags.answer_close, sep=tags.query_sep or "")
 
 
+# R1-Searcher, OpenRLHF-RAG/openrlhf/datasets/prompts_dataset.py (preprocess_data), verbatim.
+R1_SEARCHER_SYSTEM = """You are a helpful assistant.
+Given a question, you should answer it by first thinking about the reasoning process in the mind and then providing the final answer.
+The output format of reasoning process and final answer are enclosed within <think> </think> and <answer> </answer> tags, respectively, i.e., "<think> reasoning process here </think>\n\n<answer> final answer here </answer>".
+During the thinking process, **you can perform searching for uncertain knowledge** if necessary with the format of "<|begin_of_query|> search query (only list keywords, such as **"keyword_1 keyword_2 ..."**)<|end_of_query|>". **A query must involve only a single triple**.
+Then, the search system will provide you with the retrieval information with the format of "<|begin_of_documents|> ...search results... <|end_of_documents|>"."""
+
+R1_SEARCHER_BASE = """The User asks a question, and the Assistant solves it.
+The Assistant first thinks about the reasoning process in the mind and then provides the User with the final answer.
+The output format of reasoning process and final answer are enclosed within <think> </think> and <answer> </answer> tags, respectively, i.e., "<think> reasoning process here </think>\n\n<answer> final answer here </answer>".
+During the thinking process, **the Assistant can perform searching** for uncertain knowledge if necessary with the format of "<|begin_of_query|> search query (only list keywords, such as **"keyword_1 keyword_2 ..."**)<|end_of_query|>". **A query must involve only a single triple**.
+Then, the search system will provide the Assistant with the retrieval information with the format of "<|begin_of_documents|> ...search results... <|end_of_documents|>".
+
+User:{question}
+Assistant: <think>"""
+
+# Search-R1, scripts/data_process/nq_search.py (make_prefix, template 'base'), verbatim.
+SEARCH_R1 = ("Answer the given question. "
+             "You must conduct reasoning inside <think> and </think> first every time you get new information. "
+             "After reasoning, if you find you lack some knowledge, you can call a search engine by <search> query "
+             "</search> and it will return the top searched results between <information> and </information>. "
+             "You can search as many times as your want. "
+             "If you find no further external knowledge needed, you can directly provide the answer inside <answer> "
+             "and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
+             "Question: {question}\n")
+
+# RAG-R1 (inclusionAI/AWorld-RL), RAG-R1/scripts/data_process/hotpotqa_search.py: Search-R1's text.
+RAG_R1 = SEARCH_R1
+# RAG-R1/scripts/data_process/hotpotqa_search_mq.py (make_prefix), verbatim.
+RAG_R1_MULTI = ("Answer the given question. "
+                "You must conduct reasoning inside <think> and </think> first every time you get new information. "
+                "After reasoning, if you find you lack some knowledge, you can call a search engine by <search> "
+                "query_1,query_2 </search> and it will return the top searched results for each query between "
+                "<information> and </information>. "
+                "You can search as many times as you want, using up to three queries each time. "
+                "If you find no further external knowledge needed, you can directly provide the answer inside "
+                "<answer> and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
+                "Question: {question}\n")
+
+# Search-R1 search_r1/llm_agent/generation.py and RAG-R1 rag_r1/llm_agent/generation_mq.py
+# (execute_predictions), verbatim with the protocol's tags.
+INVALID_MESSAGE = ("\nMy previous action is invalid. If I want to search, I should put the query between {qo} and "
+                   "{qc}. If I want to give the final answer, I should put the answer between {ao} and {ac}. "
+                   "Let me try again.\n")
+INVALID_SHORT = "no query and no answer ."
+"""The ``short`` style's message, in words of the synthetic world's vocabulary."""
+SHORT_FIXED_TEXTS = ("question :", "no results", "title : text", "query :", INVALID_SHORT)
+"""Every fixed word the ``short`` style renders (the synthetic world puts them in its vocabulary)."""
+
+
+def check_style(tags: TagSet, style: str, template: str) -> None:
+    """Raise ``ValueError`` for a prompt style that does not describe ``tags`` or needs the other template."""
+    if style not in PROMPT_PROTOCOLS:
+        raise ValueError(f"protocol.prompt={style!r} is not one of {list(PROMPT_STYLES)}")
+    if tags.name not in PROMPT_PROTOCOLS[style]:
+        raise ValueError(f"protocol.prompt={style!r} describes protocol(s) {list(PROMPT_PROTOCOLS[style])}, "
+                         f"not protocol.name={tags.name!r}")
+    if style == "r1_searcher_base" and template != "base":
+        raise ValueError(f"protocol.prompt='r1_searcher_base' is a plain-text prompt; protocol.template={template!r} "
+                         "must be 'base' (use r1_searcher_instruct with the chat template)")
+    if style == "r1_searcher_instruct" and template != "chat":
+        raise ValueError(f"protocol.prompt='r1_searcher_instruct' goes through the chat template; "
+                         f"protocol.template={template!r} must be 'chat'")
+
+
+def prefills_think(style: str) -> bool:
+    """R1-Searcher's prompts end with ``<think>``: the model's first turn starts inside the think block."""
+    return style in ("r1_searcher_base", "r1_searcher_instruct")
+
+
 def neutralise(text: str, specials: list[str]) -> str:
     """Break every special-token string inside untrusted text (retrieved documents, questions).
 
     Tags are special tokens, so an un-neutralised ``</information>`` inside a document would encode
-    to the real closing tag and let retrieved text close (or open) a block. Replacing ``<`` / ``>``
-    by look-alikes inside those strings keeps the text readable and makes it encode as plain words.
+    to the real closing tag and let retrieved text close (or open) a block; an ``<eos>`` would end the
+    sequence. Replacing ``<`` / ``>`` / ``|`` by look-alikes inside those strings keeps the text
+    readable and makes it encode as plain text. Pass ``special_strings(tokenizer)``.
     """
     for tok in sorted(specials, key=len, reverse=True):
         if tok in text:
-            text = text.replace(tok, tok.replace("<", "‹").replace(">", "›").replace("|", "¦"))
+            text = text.replace(tok, _defang(tok))
     return text
 
 
-def render_prompt(tags: TagSet, question: str, tokenizer, template: str = "base", short: bool = True) -> list[int]:
-    """Prompt token ids. ``short`` drops the instruction (tiny models learn the format by SFT)."""
-    question = neutralise(question, all_special_tokens())
-    body = f"question : {question}" if short else f"{instruction(tags)} question : {question}"
+def _defang(tok: str) -> str:
+    out = tok.replace("<", "‹").replace(">", "›").replace("|", "¦").replace("[", "⁅").replace("]", "⁆")
+    if out == tok:  # a special token without any of those characters: break it with a zero-width joiner
+        out = tok[:1] + "\u2060" + tok[1:]
+    return out
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+
+
+def _chat(tokenizer, messages: list[dict]) -> list[int]:
+    # transformers 5 returns a BatchEncoding unless return_dict=False.
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return [int(i) for i in ids]
+
+
+def render_prompt(tags: TagSet, question: str, tokenizer, template: str = "base", style: str = "short") -> list[int]:
+    """Prompt token ids for one question (see the module docstring for the styles).
+
+    ``template='chat'`` wraps the text in the tokenizer's chat template as the user's message
+    (``r1_searcher_instruct``: R1-Searcher's system message, the question as the user's, ``<think>``
+    appended after the generation prompt, as its ``prompts_dataset.py`` does). The question is
+    neutralised against every special token of the tokenizer.
+    """
+    check_style(tags, style, template)
+    question = neutralise(question, special_strings(tokenizer))
+    if style == "r1_searcher_instruct":
+        ids = _chat(tokenizer, [{"role": "system", "content": R1_SEARCHER_SYSTEM}, {"role": "user", "content": question}])
+        return ids + [int(tokenizer.convert_tokens_to_ids(tags.think_open))]
+    if style == "short":
+        body = f"question : {question}"
+    elif style == "r1_searcher_base":
+        body = R1_SEARCHER_BASE.format(question=question)
+    elif style == "search_r1":
+        body = SEARCH_R1.format(question=question)
+    else:  # rag_r1
+        body = (RAG_R1_MULTI if tags.multi_query else RAG_R1).format(question=question)
     if template == "chat":
-        # transformers 5 returns a BatchEncoding unless return_dict=False.
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": body}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
-        return [int(i) for i in ids]
-    return list(tokenizer.encode(body, add_special_tokens=False))
+        return _chat(tokenizer, [{"role": "user", "content": body}])
+    return _encode(tokenizer, body)
+
+
+def _truncate(tokenizer, text: str, max_tokens: int) -> str:
+    ids = _encode(tokenizer, text)
+    if len(ids) <= max_tokens:
+        return text
+    return tokenizer.decode(ids[:max_tokens], skip_special_tokens=False)
 
 
 def render_documents(tags: TagSet, per_query_docs: list[list[tuple[str, str]]], tokenizer,
-                     max_doc_tokens: int, error: str | None = None) -> list[int]:
-    """Token ids of one injected block: docs_open, per query its documents, docs_close.
+                     max_doc_tokens: int, error: str | None = None, queries: list[str] | None = None,
+                     style: str = "short") -> list[int]:
+    """Token ids of one injected documents block.
 
-    ``per_query_docs[i]`` is the (title, text) list of query i, so multi-query steps keep each query's
-    documents grouped. A failed or empty search injects the text "no results".
-    Retrieval tokens are never trained (segment kind RETRIEVAL), so their exact form only has to match
-    between demonstrations and rollouts, which both call this function.
+    ``per_query_docs[i]`` is the (title, text) list of query i (``queries[i]``, echoed by the
+    multi-query formats), so multi-query steps keep each query's documents grouped. Every title,
+    text and echoed query is neutralised; each document is cut to ``max_doc_tokens`` tokens.
+    Formats (tags in braces are the protocol's):
+
+    * ``short``: ``{docs_open} <|doc|> title : text <|doc|> ... {docs_close}``; an empty or failed
+      search gives ``<|doc|> no results``. Multi-query: each group starts ``query : <q>`` and an empty
+      group reads ``<|doc|> no results``.
+    * R1-Searcher (``r1_searcher_*``, its ``experience_maker.py``): ``\\n\\n{docs_open}\\n(1)title
+      text\\n(2)...{docs_close}\\n\\n``; no documents: ``None``.
+    * Search-R1 (``search_r1``, its ``generation.py``): ``\\n\\n{docs_open}Doc 1(Title: t) text\\nDoc 2
+      ...{docs_close}\\n\\n``.
+    * RAG-R1 single-query (``generation_sq.py``): ``\\n{docs_open}\\nDoc 1: "t"\\ntext\\n...\\n{docs_close}\\n``;
+      multi-query (``generation_mq.py``): the same frame around ``json.dumps({"query": [...],
+      "documents": ["Doc 1: ...\\nDoc 2: ...", ...]}, indent=2)``, one documents string per query.
+
+    Retrieval tokens are never trained (segment kind RETRIEVAL); demonstrations and rollouts both
+    call this function, so the policy sees the same tokens in SFT and in RL.
     """
-    specials = all_special_tokens()
-    ids = [tokenizer.convert_tokens_to_ids(tags.docs_open)]
-    sep = tokenizer.convert_tokens_to_ids(tags.doc_sep)
-    any_doc = False
-    for docs in per_query_docs:
-        for title, text in docs:
-            any_doc = True
-            body = tokenizer.encode(neutralise(f"{title} : {text}", specials), add_special_tokens=False)
+    specials = special_strings(tokenizer)
+    queries = list(queries) if queries is not None else [""] * len(per_query_docs)
+    if len(queries) != len(per_query_docs):
+        raise ValueError(f"{len(queries)} queries for {len(per_query_docs)} document groups")
+    if style == "short":
+        return _short_documents(tags, per_query_docs, queries, tokenizer, max_doc_tokens, specials)
+
+    def doc(title: str, text: str) -> tuple[str, str]:
+        return neutralise(title, specials), _truncate(tokenizer, neutralise(text, specials), max_doc_tokens)
+
+    if style in ("r1_searcher_base", "r1_searcher_instruct"):
+        docs = [doc(t, x) for group in per_query_docs for t, x in group]
+        body = "".join(f"({j + 1}){t}\n{x}\n" for j, (t, x) in enumerate(docs)) or "None"
+        text = f"\n\n{tags.docs_open}\n{body}{tags.docs_close}\n\n"
+    elif style == "search_r1":
+        docs = [doc(t, x) for group in per_query_docs for t, x in group]
+        body = "".join(f"Doc {j + 1}(Title: {t}) {x}\n" for j, (t, x) in enumerate(docs))
+        text = f"\n\n{tags.docs_open}{body.strip()}{tags.docs_close}\n\n"
+    elif style == "rag_r1":
+        groups = ["\n".join(f'Doc {j + 1}: "{t}"\n{x}' for j, (t, x) in enumerate(doc(*d) for d in group))
+                  for group in per_query_docs]
+        if tags.multi_query:
+            body = json.dumps({"query": [neutralise(q, specials) for q in queries], "documents": groups}, indent=2)
+        else:
+            body = "\n".join(g for g in groups if g)
+        text = f"\n{tags.docs_open}\n{body.strip()}\n{tags.docs_close}\n"
+    else:
+        raise ValueError(f"protocol.prompt={style!r} is not one of {list(PROMPT_STYLES)}")
+    return _encode(tokenizer, text)
+
+
+def _short_documents(tags: TagSet, per_query_docs, queries, tokenizer, max_doc_tokens: int,
+                     specials: list[str]) -> list[int]:
+    ids = [int(tokenizer.convert_tokens_to_ids(tags.docs_open))]
+    sep = int(tokenizer.convert_tokens_to_ids(tags.doc_sep))
+    no_results = _encode(tokenizer, "no results")
+    if tags.multi_query:
+        for q, docs in zip(queries, per_query_docs):
+            ids.extend(_encode(tokenizer, neutralise(f"query : {q}", specials)))
+            for title, text in docs or [(None, None)]:
+                ids.append(sep)
+                ids.extend(no_results if title is None
+                           else _encode(tokenizer, neutralise(f"{title} : {text}", specials))[:max_doc_tokens])
+    else:
+        any_doc = False
+        for docs in per_query_docs:
+            for title, text in docs:
+                any_doc = True
+                ids.append(sep)
+                ids.extend(_encode(tokenizer, neutralise(f"{title} : {text}", specials))[:max_doc_tokens])
+        if not any_doc:
             ids.append(sep)
-            ids.extend(body[:max_doc_tokens])
-    if not any_doc:
-        ids.append(sep)
-        ids.extend(tokenizer.encode("no results", add_special_tokens=False))
-    ids.append(tokenizer.convert_tokens_to_ids(tags.docs_close))
+            ids.extend(no_results)
+    ids.append(int(tokenizer.convert_tokens_to_ids(tags.docs_close)))
     return ids
+
+
+def render_invalid(tags: TagSet, tokenizer, style: str = "short") -> list[int]:
+    """Token ids of the message injected after an invalid action (``protocol.on_invalid='message'``).
+
+    Upstream styles: Search-R1's / RAG-R1's text with the protocol's tags. ``short``: a few words
+    of the synthetic world. Injected as a RETRIEVAL segment: never trained (loss mask 0).
+    """
+    if style == "short":
+        return _encode(tokenizer, INVALID_SHORT)
+    return _encode(tokenizer, INVALID_MESSAGE.format(qo=tags.query_open, qc=tags.query_close,
+                                                     ao=tags.answer_open, ac=tags.answer_close))

@@ -13,7 +13,7 @@ Shape of one call (``rollout_groups``): every item becomes ``group_size`` trajec
    retriever, blocking or not), then ``_inject``, per trajectory: the documents are de-duplicated
    across its queries of this step, ``docs_per_query`` kept per query, and the block
    ``render_documents(...)`` is appended as a RETRIEVAL segment (neutralised there, so a document can
-   never produce a tag id).
+   never produce a tag id). Multi-query formats echo each query above its documents.
 
 ``_finish`` then labels and rewards each trajectory.
 
@@ -23,9 +23,14 @@ decoded only to parse an action and is never re-tokenised.
 Finish rules (``cluster.wire.protocol.FinishReason``), decided per trajectory:
 
 - ``Answer`` -> ANSWERED, ``prediction`` = the answer text.
-- ``Search`` when ``proto.max_turns`` searches were already made -> MAX_TURNS (not executed).
-- ``Malformed`` -> MALFORMED, unless the context has reached ``proto.max_total_tokens``, then
-  MAX_TOKENS (the turn was cut by the trajectory budget, not by the policy's own format).
+- ``Search`` when ``proto.max_turns`` turns (searches and invalid actions answered with a message)
+  were already made -> MAX_TURNS (not executed).
+- ``Malformed`` (an invalid action) -> with ``proto.on_invalid='message'`` and turns left, the
+  upstream message (``prompts.render_invalid``, Search-R1 / RAG-R1) is appended as a RETRIEVAL
+  segment (loss mask 0) and the trajectory continues, as Search-R1's and RAG-R1's loops do;
+  otherwise (``'end'``, or no turn left) -> MALFORMED. Either way MAX_TOKENS instead when the context
+  has reached ``proto.max_total_tokens`` (the turn was cut by the trajectory budget, not by the
+  policy's own format).
 - The prompt alone, or an injected documents block, would leave no room within
   ``proto.max_total_tokens`` -> MAX_TOKENS (the block is then not appended; its SearchCall is kept).
   The context never exceeds the budget: each turn's cap is the budget left.
@@ -51,7 +56,7 @@ from typing import Any, Callable
 import numpy as np
 
 from sonar.actors.engine import Engine, Generation, SamplingParams
-from sonar.actors.prompts import TagSet, render_documents, render_prompt
+from sonar.actors.prompts import TagSet, render_documents, render_invalid, render_prompt
 from sonar.cluster.wire.config import ProtocolConfig
 from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, Trajectory
 from sonar.retrieval.base import AsyncRetriever, Hit, RetrievalError, Retriever, check_retriever, search_async
@@ -82,6 +87,8 @@ class RolloutStats:
     retriever_calls: int = 0
     """Batched ``retriever.batch_search`` calls (at most one per turn)."""
     failed_searches: int = 0
+    invalid_messages: int = 0
+    """Invalid actions answered with the invalid-action message (``protocol.on_invalid='message'``)."""
     retrieval_latency_ms: list[float] = field(default_factory=list)
     """Wall latency of each batched retriever call."""
     generate_s: float = 0.0
@@ -100,6 +107,7 @@ class RolloutStats:
             "trajectories": self.trajectories, "generated_tokens": self.generated_tokens, "turns": self.turns,
             "engine_calls": self.engine_calls, "searches": self.searches, "queries": self.queries,
             "retriever_calls": self.retriever_calls, "failed_searches": self.failed_searches,
+            "invalid_messages": self.invalid_messages,
             "generate_s": self.generate_s, "retrieve_s": self.retrieve_s, "wall_s": self.wall_s,
             "tokens_per_s": self.tokens_per_s,
             "retrieval_latency_ms_mean": float(lat.mean()) if lat.size else 0.0,
@@ -117,7 +125,13 @@ class _State:
     traj: Trajectory
     ctx: list[int]
     searches_done: int = 0
+    invalid_done: int = 0
+    """Invalid actions answered with a message; they count against ``max_turns`` with the searches."""
     done: bool = False
+
+    @property
+    def turns_used(self) -> int:
+        return self.searches_done + self.invalid_done
 
     def finish(self, reason: str) -> None:
         self.traj.finish_reason = reason
@@ -141,6 +155,8 @@ class _Call:
     parse_fn: Callable[[str, TagSet, int], Any]
     retrieval_timeout_s: float | None
     stop_ids: tuple[int, ...]
+    invalid_ids: tuple[int, ...]
+    """The invalid-action message (``prompts.render_invalid``), rendered once per call."""
     caps_ok: bool
     """The engine takes per-prompt caps (``max_new_tokens_per_prompt``)."""
     stats: RolloutStats
@@ -150,7 +166,9 @@ def _token_id(tokenizer, token: str) -> int:
     tid = tokenizer.convert_tokens_to_ids(token)
     unk = getattr(tokenizer, "unk_token_id", None)
     if tid is None or (unk is not None and tid == unk and token != getattr(tokenizer, "unk_token", None)):
-        raise ValueError(f"tokenizer has no token for tag {token!r}: tags must be special tokens")
+        raise ValueError(f"tokenizer has no token for tag {token!r}: tags must be special tokens (a stock "
+                         "tokenizer gets them from actors.tokenizer.add_tags; a policy directory from "
+                         "actors.model.materialise_policy)")
     return int(tid)
 
 
@@ -207,8 +225,8 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
 
     t_start = time.perf_counter()
     call = _Call(engine, retriever if search_enabled else None, tokenizer, tags, proto, temperature, top_p, k,
-                 seed, parse_fn, retrieval_timeout_s, _stop_ids(tokenizer, tags), _accepts_caps(engine),
-                 RolloutStats())
+                 seed, parse_fn, retrieval_timeout_s, _stop_ids(tokenizer, tags),
+                 tuple(render_invalid(tags, tokenizer, proto.prompt)), _accepts_caps(engine), RolloutStats())
     groups, states = _prepare(items, group_size, call, actor_id, stage)
     turn = 0
     while active := [s for s in states if not s.done]:
@@ -233,7 +251,7 @@ def _prepare(items: list[PromptItem], group_size: int, call: _Call, actor_id: in
     states: list[_State] = []
     for gi, item in enumerate(items):
         prompt = [int(t) for t in render_prompt(call.tags, item.question, call.tokenizer,
-                                                template=call.proto.template)]
+                                                template=call.proto.template, style=call.proto.prompt)]
         group_id = f"a{actor_id}-{call_uid}-g{gi}"
         group = []
         for j in range(group_size):
@@ -293,7 +311,8 @@ def model_segments(ids: np.ndarray, lps: np.ndarray, version: int,
 def _act(call: _Call, active: list[_State], gens: list[Generation],
          caps: list[int]) -> list[tuple[_State, list[str], int]]:
     """Each row's new ids become a MODEL segment; ONLY those ids are decoded (special tokens kept) and
-    parsed. An answer, a malformed turn or a search past ``max_turns`` finishes the trajectory.
+    parsed. An answer, a search past ``max_turns`` or an invalid action (unless answered with the
+    invalid-action message, ``_invalid``) finishes the trajectory.
     Returns the trajectories that search this turn: (state, queries, queries dropped by the budget)."""
     proto = call.proto
     searching: list[tuple[_State, list[str], int]] = []
@@ -314,15 +333,35 @@ def _act(call: _Call, active: list[_State], gens: list[Generation],
             s.traj.prediction = action.text
             s.finish(FinishReason.ANSWERED)
         elif kind == "Search":
-            if s.searches_done >= proto.max_turns:
+            if s.turns_used >= proto.max_turns:
                 s.finish(FinishReason.MAX_TURNS)
             else:
                 searching.append((s, list(action.queries), int(getattr(action, "dropped", 0))))
         elif kind == "Malformed":
-            s.finish(FinishReason.MAX_TOKENS if len(s.ctx) >= proto.max_total_tokens else FinishReason.MALFORMED)
+            _invalid(call, s)
         else:
             raise TypeError(f"parse_fn returned {action!r}; expected Search, Answer or Malformed")
     return searching
+
+
+def _invalid(call: _Call, s: _State) -> None:
+    """An invalid action: MAX_TOKENS if the context is full; with ``on_invalid='message'`` and a turn
+    left, the message as a RETRIEVAL segment (never trained) and the trajectory goes on; else MALFORMED.
+    A message that would overflow ``max_total_tokens`` is not appended (MAX_TOKENS)."""
+    proto = call.proto
+    if len(s.ctx) >= proto.max_total_tokens:
+        s.finish(FinishReason.MAX_TOKENS)
+    elif proto.on_invalid != "message" or s.turns_used >= proto.max_turns:
+        s.finish(FinishReason.MALFORMED)
+    elif len(s.ctx) + len(call.invalid_ids) > proto.max_total_tokens:
+        s.finish(FinishReason.MAX_TOKENS)
+    else:
+        s.traj.segments.append(Segment(SegmentKind.RETRIEVAL, np.asarray(call.invalid_ids, np.int32)))
+        s.ctx.extend(call.invalid_ids)
+        s.invalid_done += 1
+        call.stats.invalid_messages += 1
+        if len(s.ctx) >= proto.max_total_tokens:
+            s.finish(FinishReason.MAX_TOKENS)
 
 
 async def _search_and_inject(call: _Call, searching: list[tuple[_State, list[str], int]], turn: int) -> None:
@@ -398,7 +437,8 @@ def _inject(call: _Call, s: _State, queries: list[str], dropped: int, results: d
     call.stats.queries += len(queries)
     if error is not None:
         call.stats.failed_searches += 1
-    block = render_documents(call.tags, per_query_docs, call.tokenizer, proto.max_doc_tokens, error=error)
+    block = render_documents(call.tags, per_query_docs, call.tokenizer, proto.max_doc_tokens, error=error,
+                             queries=queries, style=proto.prompt)
     if len(s.ctx) + len(block) > proto.max_total_tokens:
         s.finish(FinishReason.MAX_TOKENS)
         return

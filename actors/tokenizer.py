@@ -1,4 +1,15 @@
-"""Word-level tokenizer built from the synthetic world's closed vocabulary.
+"""Word-level tokenizer built from the synthetic world's closed vocabulary, and the tags for any
+Hugging Face tokenizer (``missing_tags`` / ``add_tags``).
+
+Tags with a stock tokenizer: Sonar adds every protocol tag as a *special* token (one id each, matched
+before pre-tokenisation, never split or merged) rather than keeping tags as multi-token strings. The
+rollout is token in, token out: it stops on the ids of ``query_close`` / ``answer_close``, a model turn
+ends exactly on that id, and masks follow segment boundaries with no string-to-token alignment; with
+multi-token tags a stop string can end inside a token (BPE merges across the boundary) and the mask
+would need re-alignment. The price: the new embedding rows start untrained (``actors.model.add_tags_to_policy``
+initialises them at the mean embedding) and the resized policy must be what every role loads, so
+``actors.model.materialise_policy`` writes it into the run's policy directory (the user's model
+directory is never modified).
 
 Why word level: every name syllable, year and template word is one id, so names are two tokens,
 trajectories stay short (tokens cost time on 2 cores) and the vocabulary is tiny: the default world
@@ -34,6 +45,37 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant : {% endif %}"
 )
 """Plain-word chat frame ("<bos> user : ... assistant :"): every word is in the vocabulary."""
+
+
+def missing_tags(tokenizer, tags: Sequence[str] | None = None) -> list[str]:
+    """The tags (default: every protocol's, ``prompts.all_special_tokens()``) that do not encode to
+    exactly one id of ``tokenizer``, in order."""
+    tags = all_special_tokens() if tags is None else list(tags)
+    unk = getattr(tokenizer, "unk_token_id", None)
+    out = []
+    for t in tags:
+        ids = list(tokenizer.encode(t, add_special_tokens=False))
+        if len(ids) != 1 or (unk is not None and ids[0] == unk):
+            out.append(t)
+    return out
+
+
+def add_tags(tokenizer, tags: Sequence[str] | None = None) -> list[str]:
+    """Add the missing tags to ``tokenizer`` as special tokens (in place); returns those added.
+
+    Each becomes one id (``len(tokenizer)`` grows by the number added); the caller resizes the model's
+    embeddings (``actors.model.add_tags_to_policy``). Special, so ``decode(skip_special_tokens=False)``
+    keeps them and ``prompts.special_strings`` neutralises them in untrusted text.
+    """
+    from tokenizers import AddedToken
+
+    missing = missing_tags(tokenizer, tags)
+    if missing:
+        tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in missing], special_tokens=True)
+    still = missing_tags(tokenizer, missing)
+    if still:
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} still splits {still} after adding them as special tokens")
+    return missing
 
 
 def build_tokenizer(vocab: Sequence[str]) -> PreTrainedTokenizerFast:

@@ -99,12 +99,13 @@ def test_parallel_queries_per_protocol(world, tok, bm25):
     multi = make_demonstration(q, get_protocol("rag_r1_multi"), tok, bm25, _proto("rag_r1_multi"), 1)
     assert [c.queries for c in multi.searches] == [[a, b]]
     text = tok.decode(multi.token_ids())
-    assert f"<search> {a} <|sep|> {b} </search>" in text
+    assert f"<search> {a} , {b} </search>" in text
+    # RAG-R1's grouped block: each query echoed before its documents
+    assert re.search(rf"<information> query : {a} <\|doc\|> .*? query : {b} <\|doc\|> .*? </information>", text)
     for pname in ("search_r1", "r1_searcher"):
         t = make_demonstration(q, get_protocol(pname), tok, bm25, _proto(pname), 1)
         assert [c.queries for c in t.searches] == [[a], [b]]
-        sep = tok.convert_tokens_to_ids("<|sep|>")
-        assert sep not in t.token_ids().tolist()
+        assert "," not in tok.decode(t.token_ids()).split("?", 1)[1]
     # the per-step query budget splits a step
     t = make_demonstration(q, get_protocol("rag_r1_multi"), tok, bm25, _proto("rag_r1_multi", max_queries_per_step=1), 1)
     assert [c.queries for c in t.searches] == [[a], [b]]
@@ -117,7 +118,7 @@ def test_decoded_demo_is_parseable(world, tok, bm25):
     queries = re.findall(r"<search> (.*?) </search>", text)
     assert queries == [q.plan[0][0], q.plan[1][0]]
     assert re.findall(r"<answer> (.*?) </answer>", text) == q.golds
-    assert len(re.findall(r"<information> <\|doc\|> .*? </information>", text)) == 2
+    assert re.findall(r"<information> query : (.*?) <\|doc\|> .*? </information>", text) == queries
     assert re.findall(r"<think> (.*?) </think>", text) == q.thoughts
 
 

@@ -1,8 +1,8 @@
 """Table-driven tests of actors.parsing for every protocol.
 
 Cases are templates over the tag roles ({qo} query_open, {qc} query_close, {ao}/{ac} answer,
-{to}/{tc} think, {do}/{dc} documents, {ds} doc separator). {sep} is always the string "<|sep|>":
-a tag for rag_r1_multi, plain text for the single-query protocols.
+{to}/{tc} think, {do}/{dc} documents, {ds} doc separator). {sep} is always RAG-R1's comma: the query
+separator for rag_r1_multi, plain text for the single-query protocols.
 """
 import random
 
@@ -12,8 +12,8 @@ from sonar.actors import parsing as P
 from sonar.actors.parsing import Answer, Malformed, Search, format_ok, is_terminal, parse_turn, searched
 from sonar.actors.prompts import PROTOCOLS, all_special_tokens, neutralise
 
-SEP = "<|sep|>"
-SINGLE = ("r1_searcher", "search_r1")
+SEP = ","
+SINGLE = ("r1_searcher", "search_r1", "rag_r1")
 MULTI = ("rag_r1_multi",)
 ALL = SINGLE + MULTI
 
@@ -102,6 +102,17 @@ def test_max_queries_budget():
     assert parse_turn(text, t, 5) == Search(["a", "b", "c"], dropped=0)
     with pytest.raises(ValueError, match="max_queries=0"):
         parse_turn(text, t, 0)
+
+
+def test_rag_r1_multi_comma_format_as_released():
+    """RAG-R1's prompt example ``<search> query_1,query_2 </search>``: split on commas, stripped, empty
+    pieces dropped (its generation_mq.py batch_search)."""
+    t = PROTOCOLS["rag_r1_multi"]
+    assert t.query_sep == "," and "," not in t.special_tokens()
+    assert parse_turn("<think> two facts </think><search> query_1,query_2 </search>", t, 3) == \
+        Search(["query_1", "query_2"])
+    assert parse_turn("<search> capital of france , , founder of acme,</search>", t, 3) == \
+        Search(["capital of france", "founder of acme"])
 
 
 def test_single_query_budget_never_drops():

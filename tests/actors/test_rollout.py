@@ -22,7 +22,7 @@ from tests.waiting import DEADLINE_S, await_until
 
 TAGS = get_protocol("rag_r1_multi")
 WORDS = ("question : what is the capital of france germany paris berlin city country river "
-         "no results a b c d e evil").split()
+         "no results a b c d e evil query , and answer .").split()
 
 
 def word_tokenizer(words=WORDS):
@@ -171,7 +171,9 @@ def test_search_then_answer_segments_masks_and_one_batched_call():
         np.testing.assert_allclose(t.segments[1].logprobs, -0.01 * np.arange(1, len(t.segments[1]) + 1))
         assert all(s.version == 7 for s in t.segments if s.kind == SegmentKind.MODEL)
         expect_block = render_documents(TAGS, [[(f"capital of {q}", f"capital of {q} is a city")]], TOK,
-                                        ProtocolConfig().max_doc_tokens)
+                                        ProtocolConfig().max_doc_tokens, queries=[f"capital of {q}"])
+        assert TOK.decode(expect_block) == (f"<information> query : capital of {q} <|doc|> capital of {q} : "
+                                            f"capital of {q} is a city </information>")
         assert t.segments[2].token_ids.tolist() == expect_block
         assert t.searches == [dataclasses.replace(t.searches[0], turn=0, queries=[f"capital of {q}"],
                                                   doc_ids=[[f"doc:capital of {q}"]], error=None, dropped_queries=0)]
@@ -188,7 +190,7 @@ def test_search_then_answer_segments_masks_and_one_batched_call():
 
 def test_multi_query_step_one_call_and_doc_dedup():
     def script(ctx, turn):
-        return "<search> a <|sep|> b <|sep|> c <|sep|> d </search>" if turn == 0 else "<answer> paris </answer>"
+        return "<search> a , b , c , d </search>" if turn == 0 else "<answer> paris </answer>"
 
     h = {n: Hit(n, f"title {n}", f"text {n}", 1.0) for n in ("d1", "d2", "d3")}
     ret = FakeRetriever({"a": [h["d1"], h["d2"]], "b": [h["d1"], h["d3"]], "c": [h["d2"], h["d1"]]})
@@ -200,8 +202,11 @@ def test_multi_query_step_one_call_and_doc_dedup():
         assert call.queries == ["a", "b", "c"] and call.dropped_queries == 1
         assert call.doc_ids == [["d1"], ["d3"], ["d2"]]  # d1 already shown this step -> b backfills d3
         expect = render_documents(TAGS, [[("title d1", "text d1")], [("title d3", "text d3")],
-                                         [("title d2", "text d2")]], TOK, 96)
+                                         [("title d2", "text d2")]], TOK, 96, queries=["a", "b", "c"])
         assert t.segments[2].token_ids.tolist() == expect
+        assert TOK.decode(expect) == ("<information> query : a <|doc|> [UNK] [UNK] : [UNK] [UNK] query : b <|doc|> "
+                                      "[UNK] [UNK] : [UNK] [UNK] query : c <|doc|> [UNK] [UNK] : [UNK] [UNK] "
+                                      "</information>")  # each query echoed above its group
     assert stats.queries == 9
 
 
@@ -210,9 +215,10 @@ def test_multi_query_step_one_call_and_doc_dedup():
                                        (RuntimeError("backend bug"), "internal")])
 def test_retriever_failure_is_data_and_rollout_continues(fail, kind):
     groups, stats = run(engine=ScriptedEngine(search_then_answer), retriever=FakeRetriever(fail=fail))
-    no_results = render_documents(TAGS, [[]], TOK, 96)
-    assert TOK.decode(no_results[2:-1]) == "no results"
     for t in (t for g in groups for t in g):
+        q = t.searches[0].queries[0]
+        no_results = render_documents(TAGS, [[]], TOK, 96, queries=[q])
+        assert TOK.decode(no_results) == f"<information> query : {q} <|doc|> no results </information>"
         assert t.searches[0].error == kind and t.searches[0].doc_ids == [[]]
         assert t.segments[2].kind == SegmentKind.RETRIEVAL and t.segments[2].token_ids.tolist() == no_results
         assert t.finish_reason == FinishReason.ANSWERED and len(t.segments) == 4  # answered anyway
@@ -254,7 +260,8 @@ def test_a_blocking_retriever_plugs_in():
 # ---------------------------------------------------------------- finish reasons
 def test_unterminated_output_is_malformed_with_reward():
     eng = ScriptedEngine(lambda ctx, turn: "<answer> paris " + "city " * 100)
-    groups, _ = run(engine=eng, retriever=FakeRetriever(), proto=ProtocolConfig(max_new_tokens_per_turn=10))
+    groups, _ = run(engine=eng, retriever=FakeRetriever(),
+                    proto=ProtocolConfig(max_new_tokens_per_turn=10, on_invalid="end"))
     for t in (t for g in groups for t in g):
         assert t.finish_reason == FinishReason.MALFORMED and t.prediction is None
         assert len(t.segments[1]) == 10 and t.reward == 0.0 and t.reward_parts["em"] == 0.0
@@ -275,7 +282,8 @@ def test_max_total_tokens_never_exceeded():
     eng = ScriptedEngine(lambda ctx, turn: "<search> capital of france </search>")
     # room for exactly one search step + a block, then the budget runs out inside turn 1
     first = len(enc("<search> capital of france </search>"))
-    block = len(render_documents(TAGS, [[("capital of france", "capital of france is a city")]], TOK, 96))
+    block = len(render_documents(TAGS, [[("capital of france", "capital of france is a city")]], TOK, 96,
+                                 queries=["capital of france"]))
     budget = prompt_len + first + block + 3
     groups, _ = run(ITEMS[:1], engine=eng, retriever=FakeRetriever(), group_size=1,
                     proto=ProtocolConfig(max_total_tokens=budget))
@@ -309,7 +317,7 @@ def test_rows_with_different_budgets_share_one_call(per_prompt_caps):
     long_len = len(render_prompt(TAGS, items[0].question, TOK))
     eng = ScriptedEngine(lambda ctx, turn: "city " * 40, per_prompt_caps=per_prompt_caps)
     groups, _ = run(items, engine=eng, retriever=FakeRetriever(), group_size=1,
-                    proto=ProtocolConfig(max_total_tokens=long_len + 5, max_new_tokens_per_turn=12))
+                    proto=ProtocolConfig(max_total_tokens=long_len + 5, max_new_tokens_per_turn=12, on_invalid="end"))
     assert len(eng.calls) == 1
     assert eng.calls[0]["caps"] == ([5, 12] if per_prompt_caps else None)
     long_t, short_t = groups[0][0], groups[1][0]
@@ -335,8 +343,8 @@ def test_search_disabled_returns_no_documents():
     ret = FakeRetriever()
     groups, stats = run(engine=ScriptedEngine(search_then_answer), retriever=ret, search_enabled=False)
     assert ret.calls == [] and stats.retriever_calls == 0
-    no_results = render_documents(TAGS, [[]], TOK, 96)
     for t in (t for g in groups for t in g):
+        no_results = render_documents(TAGS, [[]], TOK, 96, queries=t.searches[0].queries)
         assert t.searches[0].doc_ids == [[]] and t.searches[0].error is None
         assert t.segments[2].token_ids.tolist() == no_results
     groups, _ = run(engine=ScriptedEngine(search_then_answer), retriever=None, search_enabled=False)
@@ -397,7 +405,7 @@ def test_end_to_end_with_hfengine_and_word_tokenizer():
                                          max_position_embeddings=256, tie_word_embeddings=True))
     engine = HFEngine(model, eos_token_id=tok.eos_token_id)
     ret = FakeRetriever({})
-    proto = ProtocolConfig(max_new_tokens_per_turn=12, max_total_tokens=96, max_turns=3)
+    proto = ProtocolConfig(max_new_tokens_per_turn=12, max_total_tokens=96, max_turns=3, on_invalid="end")
     groups, stats = asyncio.run(rollout_groups(
         [PromptItem("q0", "what capital of france", ["paris"]), PromptItem("q1", "capital of france", ["paris"])],
         engine=engine, retriever=ret, tokenizer=tok, tags=TAGS, proto=proto, temperature=1.0, group_size=16,
