@@ -150,3 +150,41 @@ def test_training_eval_and_sonar_eval_give_the_same_numbers(setup, tmp_path):
                 b[qid][field] = [{**c, "latency_ms": 0} for c in b[qid][field]]
             assert a[qid][field] == b[qid][field], (qid, field)
         assert a[qid]["prediction"] == "zom trur" and a[qid]["searches"][0]["doc_ids"][0]
+
+
+def _ambiguous_file(setup, path):
+    """The world's first 5 training questions as ``{question, answer}`` lines: no ``idx`` (so not
+    detectably R1-Searcher's layout), and nothing else that names a format."""
+    from sonar.actors.datasets import load_dataset
+
+    _, tmp = setup
+    items = load_dataset(tmp / "train.jsonl")
+    path.write_text("".join(json.dumps({"question": i.question, "answer": i.golds[0]}) + "\n" for i in items))
+    return path, items
+
+
+def test_eval_format_reads_a_file_detection_cannot_tell(setup, tmp_path):
+    from sonar.actors.datasets import DatasetError
+    from sonar.cluster.driver.evaluate import run_eval
+
+    cfg, tmp = setup
+    path, items = _ambiguous_file(setup, tmp_path / "qa.jsonl")
+    with pytest.raises(DatasetError, match="cannot detect the format"):
+        run_eval(cfg, str(tmp / "hf"), [str(path)], str(tmp_path / "refused"))
+    assert not (tmp_path / "refused").exists()  # refused before the policy was loaded or anything written
+    table = run_eval(cfg, str(tmp / "hf"), [str(path)], str(tmp_path / "out"), fmt="r1_searcher")
+    assert table["qa"]["n"] == 5
+    recs = [json.loads(l) for l in open(tmp_path / "out" / "predictions-qa.jsonl")]
+    assert [r["question"] for r in recs] == [i.question for i in items]
+    assert [r["golden_answers"] for r in recs] == [[i.golds[0]] for i in items]
+
+
+def test_eval_cli_names_the_format_flag_when_detection_cannot_tell(setup, tmp_path):
+    _, tmp = setup
+    path, _ = _ambiguous_file(setup, tmp_path / "qa.jsonl")
+    out = subprocess.run([sys.executable, "-m", "sonar", "eval", "--config", "configs/smoke.yaml", "--checkpoint",
+                          str(tmp / "hf"), "--data", str(path), f"run.root={tmp_path}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "sonar: data error" in out.stderr and "qa.jsonl" in out.stderr and "--format" in out.stderr
+    assert "Traceback" not in out.stderr
