@@ -2,9 +2,10 @@
 
 It trains on what it is given: the policy is loaded from the run's Hugging Face directory
 (``cluster.wire.policy``), SFT demonstrations arrive from the driver as encoded groups
-(``learner.sft_data``), and RL groups are pulled from the replay queue. Each optimizer step
-(``learner.train_step``) bumps the policy version; weights go to the rollout workers over the
-broadcast group (rank 0). It imports nothing of Sonar but the wires.
+(``learner.sft_data``), and RL groups are pulled from the replay queue. Each learner step
+(``learner.train_step``: one SFT batch, or one rollout batch of ``algo.ppo_epochs x algo.mini_batches``
+optimizer steps) bumps the policy version once, so the policy lag counts rollout batches; weights go
+to the rollout workers over the broadcast group (rank 0). It imports nothing of Sonar but the wires.
 On CPU DeepSpeed runs fp32 with gloo; its shared-memory comm op (a ~90 s JIT build on a fresh
 machine, useless for one CPU rank) is skipped.
 
