@@ -6,6 +6,7 @@ running the upstream functions (hotpot_evaluate_v1.py, R1-Searcher evaluation/me
 same strings in a scratch script: 0 mismatches on these rows and on 20,000 random strings over the
 characters the two normalisations treat differently."""
 import asyncio
+import re
 
 import pytest
 
@@ -299,3 +300,46 @@ def test_make_reward_fn_decodes_the_rollout_as_the_server_reads_it():
     assert t.reward == -1.0 and t.reward_parts["penalty"] == -2.0
     assert run(code("code_llama", name="r1_stage1")).reward == 2.0
     assert run(RewardConfig(name="r1_stage2")).reward == 1.0  # paper: no decoding needed
+
+
+# ---------------------------------------------------------------- RewardConfig validation
+@pytest.mark.parametrize("overrides,match", [
+    (["stages.0.reward.name=r1_stage3"], "stages[0].reward.name='r1_stage3'"),
+    (["stages.0.reward.name=r1_stage2", "stages.0.reward.variant=code_mistral"], "stages[0].reward.variant='code_mistral'"),
+    (["stages.0.reward.name=answer_em", "stages.0.reward.variant=code_llama"],
+     r"stages\[0\].reward.variant='code_llama'.*stages\[0\].reward.name='answer_em'"),
+    (["stages.0.reward.name=r1_stage1", "stages.0.reward.variant=code_qwen"],
+     r"stages\[0\].reward.variant='code_qwen'.*'r1_stage1'.*no Qwen stage-1"),
+    (["stages.0.reward.format_penalty=2.0"], r"stages\[0\].reward.format_penalty=2.0 must be"),
+    (["stages.0.reward.format_penalty=nan"], r"stages\[0\].reward.format_penalty=nan must be"),
+    (["stages.0.reward.format_weight=-0.1"], r"stages\[0\].reward.format_weight=-0.1 must be"),
+])
+def test_reward_config_validation_names_field_and_value(overrides, match):
+    from sonar.cluster.wire.config import load_config
+
+    with pytest.raises(ValueError, match=match if "\\" in match else re.escape(match)):
+        load_config([], overrides)
+
+
+def test_reward_config_variants_load():
+    from sonar.cluster.wire.config import load_config
+
+    for name, variant in [("r1_stage1", "code_llama"), ("r1_stage2", "code_qwen"), ("r1_stage2", "code_llama"),
+                          ("search_r1", "paper")]:
+        cfg = load_config([], [f"stages.0.reward.name={name}", f"stages.0.reward.variant={variant}"])
+        assert (cfg.stages[0].reward.name, cfg.stages[0].reward.variant) == (name, variant)
+
+
+def test_presets_use_the_released_rewards():
+    """search_r1.yaml: Search-R1's EM without a format term; r1_searcher.yaml: the paper's -2; rag_r1.yaml: qa_em."""
+    from sonar.cluster.wire.config import CONFIG_DIR, load_config
+
+    rl = {n: [s.reward for s in load_config([CONFIG_DIR / f"{n}.yaml"]).stages if s.kind == "rl"]
+          for n in ("search_r1", "r1_searcher", "rag_r1")}
+    (sr1,) = rl["search_r1"]
+    assert sr1.name == "search_r1"
+    wrong = traj(prediction="Rome")  # answered, wrong: a format term would pay here; Search-R1 pays 0
+    assert trajectory_reward(sr1, wrong).total == 0.0 and trajectory_reward(sr1, traj()).total == 1.0
+    assert [(r.name, r.variant) for r in rl["r1_searcher"]] == [("r1_stage1", "paper"), ("r1_stage2", "paper")]
+    assert rl["r1_searcher"][1].format_penalty == -2.0
+    assert [r.name for r in rl["rag_r1"]] == ["rag_r1"]
