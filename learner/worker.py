@@ -25,6 +25,10 @@ from sonar.cluster.wire.config import Config, StageConfig
 from sonar.cluster.wire.protocol import StepResult
 
 
+REFERENCE_FILE = "reference.pt"
+"""In a checkpoint taken while a stage with a KL term runs: that stage's frozen reference policy."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -158,14 +162,29 @@ class Learner:
         self.ref_module = None
         if stage.kind == "rl" and stage.algo.kl_coef > 0:
             # A fresh module loaded with the gathered weights (a deepcopy of a ZeRO-3 module would
-            # copy empty partitions).
+            # copy empty partitions). Resumed mid-stage, the current weights are not the stage's start:
+            # the reference comes from the checkpoint, which saved it (``REFERENCE_FILE``).
             ref = self._fresh_policy()
+            if start_step > 0:
+                ref.load_state_dict(self._resumed_reference(stage_index), strict=True)
             self.ref_module = ref.to(self.device).eval().requires_grad_(False)
         if stage.kind == "sft":
             if not demonstrations:
                 raise ValueError(f"stages[{stage_index}] (kind 'sft') started without demonstrations")
             info["demonstrations"] = self.sft_data.set_demonstrations(demonstrations)
         return info
+
+    def _resumed_reference(self, stage_index: int) -> dict:
+        """The KL reference a mid-stage checkpoint saved (the policy at the start of its stage)."""
+        import torch
+
+        path = getattr(self, "_resume_from", None)
+        ref = None if path is None else os.path.join(path, REFERENCE_FILE)
+        if ref is None or not os.path.isfile(ref):
+            raise ValueError(f"stages[{stage_index}] resumes at step {self.stage_step} with a KL term, but the "
+                             f"checkpoint {path!r} holds no {REFERENCE_FILE} (the policy at the stage's start): "
+                             "the KL reference cannot be rebuilt")
+        return torch.load(ref, map_location="cpu", weights_only=True)
 
     def _fresh_policy(self):
         """A plain (non-DeepSpeed) copy of the policy holding the current weights: gathered, so it
@@ -257,6 +276,11 @@ class Learner:
             self.export_hf(str(tmp / "hf"))
             if self.critic is not None:
                 self.critic.save(tmp)
+            if self.ref_module is not None:  # a resume mid-stage needs the stage's KL reference
+                import torch
+
+                torch.save({k: v.detach().cpu() for k, v in self.ref_module.state_dict().items()},
+                           tmp / REFERENCE_FILE)
 
         return save_checkpoint(self.engine, path, state, write_extra=extra)
 
@@ -264,6 +288,7 @@ class Learner:
         from sonar.learner.checkpoint import load_checkpoint
 
         state = load_checkpoint(self.engine, path)
+        self._resume_from = path  # begin_stage(start_step > 0) reads the KL reference from here
         self.version = state["version"]
         self.global_step = state["global_step"]
         self.stage_step = state["stage_step"]
