@@ -28,7 +28,8 @@ def _load(args) -> "Config":
     try:
         return load_config(args.config or [DEFAULT_CONFIG], args.overrides)
     except (ConfigError, ValueError) as e:
-        print(f"sonar: config error: {e}", file=sys.stderr)
+        msg = " ".join(str(e).split())  # one line, whatever the message held
+        print(f"sonar: config error: {msg}", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -73,22 +74,36 @@ def main(argv: list[str] | None = None) -> int:
     cfg = _load(args)
     if args.cmd == "train":
         from sonar.cluster.driver.loop import train
+        from sonar.cluster.driver.run import ResumeError
 
         try:
             train(cfg)
+        except ResumeError as e:  # checked before Ray, a run directory or an MLflow run: one line
+            print(f"sonar: resume error: {e}", file=sys.stderr)
+            return 2
         except KeyboardInterrupt:
             print("sonar: interrupted; MLflow run marked KILLED, Ray shut down", file=sys.stderr)
             return 130
         return 0
     if args.cmd == "eval":
         from sonar.actors.datasets import DatasetError
-        from sonar.cluster.driver.evaluate import run_eval
+        from sonar.cluster.driver.evaluate import EvalError, EvalFailed, run_eval
+        from sonar.retrieval.corpus import CorpusError
 
         try:
             run_eval(cfg, args.checkpoint, args.data, args.out, fmt=args.fmt)
         except DatasetError as e:  # names the file, line and field: no traceback needed
             print(f"sonar: data error: {e}", file=sys.stderr)
             return 2
+        except (EvalError, CorpusError) as e:  # names the file (checkpoint, weights, corpus)
+            print(f"sonar: eval error: {e}", file=sys.stderr)
+            return 2
+        except EvalFailed as e:  # part-way: finished datasets kept, MLflow run FAILED, traceback in error.log
+            print(f"sonar: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("sonar: interrupted; MLflow run marked KILLED, finished datasets kept", file=sys.stderr)
+            return 130
         return 0
     return 2
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence, Union
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -496,8 +496,24 @@ class ClusterConfig:
     """Ray address to join; None: RAY_ADDRESS if set, else a local cluster on 127.0.0.1."""
     num_cpus: Optional[int] = None
     """CPUs of the local cluster (None: detect)."""
-    max_worker_restarts: int = 0
-    """Restarts allowed per rollout worker before the run fails."""
+    max_worker_restarts: int = 2
+    """Restarts allowed per rollout worker before the run fails (>= 0). Every driver call to a worker
+    goes through one place (``roles.call_workers``): a dead worker is restarted, its claimed prompts
+    requeued and the broadcast group rebuilt; past this many restarts the run fails naming the worker."""
+    max_replica_restarts: int = 2
+    """Ray restarts of each retrieval replica after its process dies (the actor's ``max_restarts``, >= 0);
+    the driver pings the replicas every RL step and fails the run, naming the replica, once none is
+    left alive."""
+    retrieval_wait_s: float = 120.0
+    """While no retrieval replica is healthy, a search waits up to this many seconds for one to come
+    back (> 0) instead of failing at once; a search that still fails is an infrastructure failure."""
+    requeue_failed_searches: bool = True
+    """A group in which a search failed for infrastructure reasons (timeout, connection, dead replica,
+    internal error) is not trained: its prompt is requeued (counted as ``replay/requeued``). False:
+    such searches stay data (a "no results" document), as before."""
+    auto_resume: int = 1
+    """How many times the driver restarts the run's roles from the last complete checkpoint of this
+    run when the learner dies (>= 0; 0: a dead learner fails the run)."""
     health_timeout_s: float = 60.0
     """A worker silent for this long is reported dead."""
     step_timeout_s: float = 600.0
@@ -526,6 +542,9 @@ class RunConfig:
     """Checkpoint path or 'latest'."""
     checkpoint_every: int = 0
     """Learner steps between checkpoints (0: only at the end of each stage)."""
+    keep_checkpoints: int = 0
+    """Complete checkpoints kept in the run directory: after each save the oldest beyond this many are
+    deleted (never the newest complete one, never one being written). 0: keep all."""
     log_every: int = 1
     """SFT stages: send the learner's metrics to MLflow every this many steps (>= 1). RL steps are
     always logged (the run summary reads every one)."""
@@ -635,11 +654,113 @@ def inflight_budget(cfg: "Config") -> int:
     return b
 
 
+RANGES: dict[str, str] = {
+    "run.seed": ">= 0", "run.checkpoint_every": ">= 0", "run.keep_checkpoints": ">= 0", "run.log_every": ">= 1",
+    "world.seed": ">= 0", "world.num_entities": ">= 18", "world.heldout_fraction": "(0, 1)",
+    "world.num_heldout_eval": ">= 0",
+    "model.hidden_size": ">= 1", "model.num_layers": ">= 1", "model.num_heads": ">= 1",
+    "model.intermediate_size": ">= 1", "model.max_position_embeddings": ">= 1", "model.seed": ">= 0",
+    "protocol.max_turns": ">= 0", "protocol.max_queries_per_step": ">= 1", "protocol.docs_per_query": ">= 1",
+    "protocol.max_new_tokens_per_turn": ">= 1", "protocol.max_total_tokens": ">= 1",
+    "protocol.max_doc_tokens": ">= 1",
+    "retrieval.k": ">= 1", "retrieval.rerank_candidates": ">= 1", "retrieval.cache_size": ">= 0",
+    "retrieval.max_query_chars": ">= 1", "retrieval.timeout_s": "> 0", "retrieval.max_retries": ">= 0",
+    "retrieval.backoff_s": ">= 0", "retrieval.breaker_failures": ">= 1", "retrieval.breaker_reset_s": ">= 0",
+    "retrieval.replicas": ">= 1", "retrieval.batch_window_ms": ">= 0", "retrieval.max_batch": ">= 1",
+    "retrieval.max_concurrency": ">= 1",
+    "retrieval.elastic.request_timeout_s": "> 0", "retrieval.elastic.bm25_k1": ">= 0",
+    "retrieval.elastic.bm25_b": "[0, 1]", "retrieval.elastic.title_boost": "> 0",
+    "rollout.num_workers": ">= 1", "rollout.group_size": ">= 1", "rollout.groups_per_request": ">= 1",
+    "rollout.batches_in_flight": ">= 1", "rollout.temperature": ">= 0", "rollout.top_p": "(0, 1]",
+    "rollout.max_batch_rows": ">= 1", "rollout.num_cpus_per_worker": ">= 0", "rollout.num_gpus_per_worker": ">= 0",
+    "rollout.tensor_parallel_size": ">= 1", "rollout.vllm_kv_cache_gib": ">= 0",
+    "rollout.vllm_gpu_memory_utilization": "(0, 1]",
+    "learner.weight_decay": ">= 0", "learner.betas": "[0, 1)", "learner.warmup_steps": ">= 0",
+    "learner.grad_clip": ">= 0", "learner.zero_stage": "[0, 3]", "learner.groups_per_step": ">= 1",
+    "learner.micro_batch_tokens": ">= 1", "learner.broadcast_every": ">= 1", "learner.num_gpus": ">= 0",
+    "learner.num_cpus": ">= 0",
+    "critic.lr": "> 0", "critic.gamma": "[0, 1]", "critic.lam": "[0, 1]", "critic.value_clip": ">= 0",
+    "critic.warmup_steps": ">= 0",
+    "replay.capacity_groups": ">= 1", "replay.max_policy_lag": ">= 0", "replay.stale_downweight": "[0, 1]",
+    "replay.max_inflight_groups": ">= -1",
+    "stages.N.steps": ">= 0", "stages.N.lr": "> 0", "stages.N.batch_size": ">= 1", "stages.N.difficulty": "[0, 1]",
+    "stages.N.reward.format_weight": ">= 0", "stages.N.reward.format_penalty": "<= 0",
+    "stages.N.algo.clip_low": "[0, 1)", "stages.N.algo.clip_high": ">= 0", "stages.N.algo.loss_norm_const": "> 0",
+    "stages.N.algo.kl_coef": ">= 0", "stages.N.algo.tis_cap": "> 0", "stages.N.algo.vtrace_rho_bar": "> 0",
+    "stages.N.algo.vtrace_c_bar": "> 0", "stages.N.algo.ppo_epochs": ">= 1", "stages.N.algo.mini_batches": ">= 1",
+    "eval.batch_size": ">= 1",
+    "cluster.num_cpus": ">= 1", "cluster.max_worker_restarts": ">= 0", "cluster.max_replica_restarts": ">= 0",
+    "cluster.retrieval_wait_s": "> 0", "cluster.auto_resume": ">= 0", "cluster.health_timeout_s": "> 0",
+    "cluster.step_timeout_s": "> 0",
+}
+"""The valid range of every numeric field (int or float, and each element of a list of numbers),
+checked at load by :func:`_check_ranges` before any other check: ``> a``, ``>= a``, ``<= a`` or an
+interval ``[a, b]`` / ``(a, b)`` / ``[a, b)`` / ``(a, b]``. Every float must also be finite (no NaN,
+no inf); None (an Optional field left unset) is not checked. Keys are dotted paths; ``stages.N.`` is
+any stage. tests/cluster/test_config_ranges.py fails on a numeric field without a row here (and on a
+row without a bad value in its table). ``world.num_entities`` >= 18: the world's minimum per entity
+kind (``actors/world.py:_MIN_PER_KIND``, which a test keeps equal)."""
+
+_RANGE_RE = re.compile(r"^\s*(?:(>=|>|<=)\s*(-?[\d.]+)|([\[(])\s*(-?[\d.]+)\s*,\s*(-?[\d.]+)\s*([\])]))\s*$")
+
+
+def _parse_range(spec: str) -> tuple[float, bool, float, bool]:
+    """``spec`` -> (low, low inclusive, high, high inclusive)."""
+    m = _RANGE_RE.match(spec)
+    if not m:
+        raise AssertionError(f"RANGES: cannot parse {spec!r}")
+    op, a, lb, lo, hi, rb = m.groups()
+    if op == ">=":
+        return float(a), True, math.inf, False
+    if op == ">":
+        return float(a), False, math.inf, False
+    if op == "<=":
+        return -math.inf, False, float(a), True
+    return float(lo), lb == "[", float(hi), rb == "]"
+
+
+_PARSED_RANGES = {k: _parse_range(v) for k, v in RANGES.items()}
+
+
+def _numeric(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_ranges(cfg: Any, path: str = "", key: str = "") -> None:
+    """Every numeric field of the config (recursively, every stage) against :data:`RANGES`: a value out
+    of its range, NaN or inf raises ValueError naming the dotted field and the value."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        p, k = f"{path}{f.name}", f"{key}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_ranges(value, p + ".", k + ".")
+        elif isinstance(value, (list, tuple)) and value and dataclasses.is_dataclass(value[0]):
+            for i, item in enumerate(value):
+                _check_ranges(item, f"{p}[{i}].", k + ".N.")
+        elif isinstance(value, (list, tuple)) and value and all(_numeric(v) for v in value):
+            for i, v in enumerate(value):
+                _check_range(f"{p}[{i}]", k, v)
+        elif _numeric(value):
+            _check_range(p, k, value)
+
+
+def _check_range(path: str, key: str, value: float) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{path}={value} must be a finite number" + (f" {RANGES[key]}" if key in RANGES else ""))
+    if key not in _PARSED_RANGES:
+        return
+    lo, lo_in, hi, hi_in = _PARSED_RANGES[key]
+    if not ((value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi)):
+        spec = RANGES[key]
+        raise ValueError(f"{path}={value} must be {'in ' if spec[0] in '[(' else ''}{spec}")
+
+
 def validate(cfg: Config) -> Config:
     """Every check, one function per section; each raises ValueError naming the fields and values.
 
     A check that relates two sections lives with the field it constrains (e.g. ``replay.capacity_groups``
     against ``learner.groups_per_step`` in :func:`_check_replay`)."""
+    _check_ranges(cfg)
     _check_world(cfg)
     _check_model(cfg)
     _check_protocol(cfg)
@@ -951,6 +1072,12 @@ def _check_data(cfg: Config, where: str, data, fmt: str) -> None:
 
 def _check_cluster(cfg: Config) -> None:
     _check_choices(cfg, "cluster")
+    c = cfg.cluster
+    for name in ("max_worker_restarts", "max_replica_restarts", "auto_resume"):
+        if getattr(c, name) < 0:
+            raise ValueError(f"cluster.{name}={getattr(c, name)} must be >= 0")
+    if not c.retrieval_wait_s > 0:
+        raise ValueError(f"cluster.retrieval_wait_s={c.retrieval_wait_s} must be > 0")
 
 
 def _check_run(cfg: Config) -> None:
@@ -958,6 +1085,8 @@ def _check_run(cfg: Config) -> None:
         raise ValueError(f"run.log_every={cfg.run.log_every} must be >= 1")
     if cfg.run.checkpoint_every < 0:
         raise ValueError(f"run.checkpoint_every={cfg.run.checkpoint_every} must be >= 0 (0: only at stage ends)")
+    if cfg.run.keep_checkpoints < 0:
+        raise ValueError(f"run.keep_checkpoints={cfg.run.keep_checkpoints} must be >= 0 (0: keep all)")
 
 
 def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ()) -> Config:
@@ -968,7 +1097,7 @@ def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ())
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            merged = OmegaConf.merge(merged, OmegaConf.load(p))
+            merged = OmegaConf.merge(merged, _load_yaml(p))
         except OmegaConfBaseException as e:
             raise ConfigError(f"{p}: {_explain(e)}") from None
     # Overrides are applied to a plain copy and merged back into the schema, which re-checks every
@@ -981,13 +1110,45 @@ def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ())
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {o!r}: value is not valid YAML: {e}") from None
+            raise ConfigError(f"override {o!r}: value is not valid YAML: {_one_line(e)}") from None
         _set_path(plain, key.strip(), value, o)
+    _refuse_secret_env(plain)
     try:
         obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), plain))
     except OmegaConfBaseException as e:
         raise ConfigError(f"command line: {_explain(e)}") from None
     return validate(obj)
+
+
+MAX_YAML_NODES = 10_000
+"""Bound on a config file's YAML nodes after alias expansion (an alias bomb is refused, not expanded);
+passed to OmegaConf explicitly, so ``OMEGACONF_MAX_YAML_EXPANDED_NODES`` cannot lift it."""
+
+
+def _load_yaml(p: Path) -> DictConfig:
+    """One config file, safely (OmegaConf's safe loader: no ``!!python/...`` tags, aliases bounded by
+    :data:`MAX_YAML_NODES`). Anything wrong with it is one line of :class:`ConfigError` naming the file."""
+    try:
+        node = OmegaConf.load(p, max_yaml_expanded_nodes=MAX_YAML_NODES)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e)
+        if "expansion exceeds" in what:  # OmegaConf's alias bound: its advice (an env var) does not apply here
+            what = f"more than {MAX_YAML_NODES} nodes after alias expansion (an alias bomb?); refused"
+        raise ConfigError(f"{p}: invalid YAML{where}: {_one_line(what)}") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: invalid YAML: nested too deeply") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: cannot read ({_one_line(str(e))})") from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections (run:, learner:, stages:, ...), "
+                          f"got a {'list' if isinstance(node, ListConfig) else type(node).__name__}")
+    return node
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
 
 
 def _set_path(node: Any, key: str, value: Any, override: str) -> None:
@@ -1025,12 +1186,22 @@ def to_yaml(cfg: Config) -> str:
     return redact(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
 
 
-_USERINFO = re.compile(r"(\w+://)[^/@\s]+@")
+from sonar.cluster.wire.redact import ENV_INTERPOLATION, SECRET_FIELD, redact  # noqa: E402  (the one redaction)
 
 
-def redact(value: str) -> str:
-    """Drop ``user:password@`` from URLs (a tracking URI or ES host written with credentials)."""
-    return _USERINFO.sub(r"\1***@", value)
+def _refuse_secret_env(node: Any, path: str = "") -> None:
+    """``${oc.env:...}`` into a secret-looking field (``redact.SECRET_FIELD``) is refused: resolved, it
+    would copy an environment secret into ``config.yaml`` and the MLflow params. Secrets stay in the
+    environment, named by the ``*_env`` fields and read where they are used."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _refuse_secret_env(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _refuse_secret_env(v, f"{path}.{i}")
+    elif isinstance(node, str) and ENV_INTERPOLATION.search(node) and SECRET_FIELD.search(path.rsplit(".", 1)[-1]):
+        raise ConfigError(f"{path}={node!r}: environment interpolation into a secret-looking field is refused "
+                          f"(it would be written to config.yaml and MLflow); keep the secret in the environment")
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:
