@@ -30,8 +30,9 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def save_checkpoint(engine, path: str | Path, state: dict, write_extra=None) -> str:
-    """``write_extra(tmp_dir)`` adds files (the Hugging Face export under ``hf/``) before the rename."""
+def save_checkpoint(engine, path: str | Path, state: dict, write_extra=None, keep: int = 0) -> str:
+    """``write_extra(tmp_dir)`` adds files (the Hugging Face export under ``hf/``) before the rename.
+    ``keep`` > 0: afterwards, prune the checkpoints beside it to the newest ``keep`` (``prune_checkpoints``)."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     if tmp.exists():
@@ -51,7 +52,42 @@ def save_checkpoint(engine, path: str | Path, state: dict, write_extra=None) -> 
     latest_tmp = path.parent / f"latest.tmp-{os.getpid()}"
     latest_tmp.write_text(path.name + "\n")
     latest_tmp.replace(latest)
+    if keep:
+        prune_checkpoints(path.parent, keep)
     return str(path)
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """The complete checkpoints in ``root`` (a run's ``checkpoints/``), oldest first (by the time their
+    ``COMPLETE`` marker was written). Directories being written (``<tag>.tmp-<pid>``) and partial
+    ones are not listed."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and ".tmp-" not in p.name and ".deleting-" not in p.name
+             and (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: ((p / COMPLETE).stat().st_mtime_ns, p.name))
+
+
+def prune_checkpoints(root: str | Path, keep: int) -> list[str]:
+    """Delete the oldest complete checkpoints in ``root`` beyond the newest ``keep`` (0: keep all).
+    The one ``latest`` names is never deleted, nor anything that is not complete (a checkpoint being
+    written, a partial one: those are left for a human). Returns the deleted paths."""
+    if keep <= 0:
+        return []
+    root = Path(root)
+    ckpts = complete_checkpoints(root)
+    try:
+        latest = (root / "latest").read_text().strip()
+    except OSError:
+        latest = None
+    doomed = [p for p in ckpts[:max(0, len(ckpts) - keep)] if p.name != latest]
+    for p in doomed:
+        # Renamed first, so a crash mid-delete leaves a non-checkpoint name, never a half-deleted "complete" one.
+        trash = p.with_name(f"{p.name}.deleting-{os.getpid()}")
+        p.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return [str(p) for p in doomed]
 
 
 def _json_default(o):

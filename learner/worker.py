@@ -282,7 +282,7 @@ class Learner:
                 torch.save({k: v.detach().cpu() for k, v in self.ref_module.state_dict().items()},
                            tmp / REFERENCE_FILE)
 
-        return save_checkpoint(self.engine, path, state, write_extra=extra)
+        return save_checkpoint(self.engine, path, state, write_extra=extra, keep=self.cfg.run.keep_checkpoints)
 
     def load_checkpoint(self, path: str) -> dict:
         from sonar.learner.checkpoint import load_checkpoint

@@ -40,8 +40,8 @@ import re
 import threading
 from collections import Counter
 from typing import Any, Iterable, Iterator, Mapping, Sequence
-from urllib.parse import urlsplit, urlunsplit
 
+from sonar.cluster.wire.redact import redact
 from sonar.retrieval.base import Hit, RetrievalError
 
 log = logging.getLogger(__name__)
@@ -108,17 +108,9 @@ def _response_error(resp: Mapping[str, Any]) -> RetrievalError:
 
 
 def redact_url(url: str) -> str:
-    """``https://user:pw@host:9200/x`` -> ``https://host:9200/x``."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable url>"
-    if parts.username is None and parts.password is None:
-        return url
-    netloc = parts.hostname or ""
-    if parts.port:
-        netloc = f"{netloc}:{parts.port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    """``https://user:pw@host:9200/x`` -> ``https://***@host:9200/x`` (``sonar.cluster.wire.redact``, the one
+    redaction: an ``@``, a space or a ``/`` in the password is removed whole)."""
+    return redact(url)
 
 
 # --------------------------------------------------------------------------------------- index
