@@ -30,7 +30,7 @@ def test_eval_writes_predictions_table_and_mlflow(setup):
 
     cfg, tmp = setup
     table = run_eval(cfg, str(tmp / "hf"), [str(tmp / "heldout.jsonl"), str(tmp / "train.jsonl")], str(tmp / "out"))
-    assert table["heldout"]["n"] == 12 and table["train"]["n"] == 5
+    assert table["heldout"]["n"] == 12 and table[f"{tmp.name}-train"]["n"] == 5  # a split-named file: dir-split
     for row in table.values():
         assert 0.0 <= row["em"] <= row["f1"] + 1e-9  # EM=1 implies F1=1, so mean EM <= mean F1
         assert row["tokens_per_q"] > 0 and row["latency_s_per_q"] > 0
@@ -188,3 +188,139 @@ def test_eval_cli_names_the_format_flag_when_detection_cannot_tell(setup, tmp_pa
     assert out.returncode == 2, out.stderr[-2000:]
     assert "sonar: data error" in out.stderr and "qa.jsonl" in out.stderr and "--format" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------- keeps what it measured, refuses early
+
+def test_dataset_names_are_unique_and_name_dataset_and_split(tmp_path):
+    from sonar.actors.datasets import DatasetError
+    from sonar.cluster.driver.evaluate import dataset_names
+
+    p = lambda rel: tmp_path / rel  # noqa: E731
+    # FlashRAG's <dataset>/<split>.jsonl: the directory names the dataset
+    assert dataset_names([p("hotpotqa/dev.jsonl"), p("nq/dev.jsonl"), p("nq/test.jsonl.gz")]) == \
+        ["hotpotqa-dev", "nq-dev", "nq-test"]
+    # a stem that is a dataset name stays alone; a clash takes in the directory, then more of the path
+    assert dataset_names([p("bamboogle.jsonl"), p("a/qa.jsonl"), p("b/qa.jsonl")]) == ["bamboogle", "a-qa", "b-qa"]
+    assert dataset_names([p("x/hotpotqa/dev.jsonl"), p("y/hotpotqa/dev.jsonl")]) == ["x-hotpotqa-dev", "y-hotpotqa-dev"]
+    # characters MLflow keys refuse, and full paths that sanitise alike
+    assert dataset_names([p("a b/dev.jsonl"), p("a_b/dev.jsonl")]) == ["a_b-dev", "a_b-dev-2"]
+    with pytest.raises(DatasetError, match="given twice"):
+        dataset_names([p("nq/dev.jsonl"), p("nq/../nq/dev.jsonl")])
+
+
+@pytest.fixture
+def flashrag_layout(setup, tmp_path):
+    """Two datasets in FlashRAG's <dataset>/dev.jsonl layout (4 and 3 held-out questions)."""
+    _, tmp = setup
+    lines = (tmp / "heldout.jsonl").read_text().splitlines(keepends=True)
+    for name, part in (("hotpotqa", lines[:4]), ("nq", lines[4:7])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "dev.jsonl").write_text("".join(part))
+    return [str(tmp_path / "hotpotqa" / "dev.jsonl"), str(tmp_path / "nq" / "dev.jsonl")]
+
+
+def test_flashrag_layout_keeps_one_predictions_file_and_row_per_dataset(setup, flashrag_layout, tmp_path):
+    from sonar.cluster.driver.evaluate import run_eval
+
+    cfg, tmp = setup
+    table = run_eval(cfg, str(tmp / "hf"), flashrag_layout, str(tmp_path / "out"))
+    assert {k: v["n"] for k, v in table.items()} == {"hotpotqa-dev": 4, "nq-dev": 3}
+    for name, n in (("hotpotqa-dev", 4), ("nq-dev", 3)):
+        assert len((tmp_path / "out" / f"predictions-{name}.jsonl").read_text().splitlines()) == n
+    md = (tmp_path / "out" / "eval.md").read_text()
+    assert "| hotpotqa-dev | 4 |" in md and "| nq-dev | 3 |" in md
+
+
+def _mlflow_runs(out: Path, experiment: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id])
+
+
+def test_a_failure_after_the_first_dataset_marks_failed_and_keeps_it(setup, flashrag_layout, tmp_path, monkeypatch):
+    """The second dataset's evaluation raises (an injected fault in the one evaluation path): the first
+    dataset's predictions and table row stay, the MLflow run is FAILED with the first dataset's metrics,
+    and the error names the dataset that failed and where the traceback went."""
+    from sonar.actors import evaluation
+    from sonar.cluster.driver.evaluate import EvalFailed, run_eval
+
+    cfg, tmp = setup
+    real, calls = evaluation.greedy_records, []
+
+    async def failing_second(prompts, **kw):
+        calls.append(len(prompts))
+        if len(calls) == 2:
+            raise RuntimeError("search service went away")
+        return await real(prompts, **kw)
+
+    monkeypatch.setattr(evaluation, "greedy_records", failing_second)
+    out = tmp_path / "out"
+    with pytest.raises(EvalFailed, match=r"dataset nq-dev \(.*nq/dev.jsonl\): RuntimeError: search service went away") as ei:
+        run_eval(cfg, str(tmp / "hf"), flashrag_layout, str(out))
+    assert calls == [4, 3] and list(ei.value.finished) == ["hotpotqa-dev"]
+    assert "1 finished dataset(s) kept" in str(ei.value)
+    assert len((out / "predictions-hotpotqa-dev.jsonl").read_text().splitlines()) == 4
+    assert not (out / "predictions-nq-dev.jsonl").exists()
+    md = (out / "eval.md").read_text()
+    assert "| hotpotqa-dev | 4 |" in md and "nq-dev" not in md
+    assert "search service went away" in (out / "error.log").read_text()
+    (run,) = _mlflow_runs(out, cfg.tracking.experiment)
+    assert run.info.status == "FAILED"
+    assert run.data.metrics and all(k.startswith("eval/hotpotqa-dev/") for k in run.data.metrics)
+    assert run.data.params["eval.data.nq-dev"] == flashrag_layout[1]
+
+
+def test_every_data_file_is_validated_before_any_model_work(setup, flashrag_layout, tmp_path, monkeypatch):
+    """A malformed third file is refused before the policy is loaded and before anything is written."""
+    from sonar.actors.datasets import DatasetError
+    from sonar.cluster.driver import evaluate
+
+    cfg, tmp = setup
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q?", "golden_answers": ["a"]}\n{not json\n')
+    monkeypatch.setattr(evaluate, "_load_policy", lambda d: pytest.fail("the policy was loaded"))
+    with pytest.raises(DatasetError, match="bad.jsonl"):
+        evaluate.run_eval(cfg, str(tmp / "hf"), [*flashrag_layout, str(bad)], str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def _truncated_policy(setup, dst: Path, keep: float) -> Path:
+    import shutil
+
+    _, tmp = setup
+    shutil.copytree(tmp / "hf", dst)
+    w = dst / "model.safetensors"
+    data = w.read_bytes()
+    w.write_bytes(data[:int(len(data) * keep)])
+    return w
+
+
+@pytest.mark.parametrize("keep", [0.001, 0.9])  # a broken header; a valid header, data cut short
+def test_a_corrupt_weights_file_is_named(setup, tmp_path, keep):
+    from sonar.cluster.driver.evaluate import EvalError, check_policy_files
+
+    w = _truncated_policy(setup, tmp_path / "hf", keep)
+    with pytest.raises(EvalError, match=f"{w}: corrupt weights file"):
+        check_policy_files(tmp_path / "hf")
+
+
+def test_eval_cli_user_errors_are_one_line_naming_the_file_exit_2(setup, flashrag_layout, tmp_path):
+    """Corrupt weights, a checkpoint without a model and the same file twice: exit 2, one line each,
+    naming the file, no traceback, nothing written."""
+    _, tmp = setup
+    w = _truncated_policy(setup, tmp_path / "bad_hf", 0.5)
+    cases = [([str(tmp_path / "bad_hf")] + ["--data", flashrag_layout[0]], str(w)),
+             ([str(tmp_path / "nothing")] + ["--data", flashrag_layout[0]], "nothing"),
+             ([str(tmp / "hf")] + ["--data", flashrag_layout[0], "--data", flashrag_layout[0]], "given twice")]
+    for args, named in cases:
+        out = subprocess.run([sys.executable, "-m", "sonar", "eval", "--config", "configs/smoke.yaml",
+                              "--out", str(tmp_path / "out"), "--checkpoint", *args, f"run.root={tmp_path}"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2, out.stderr[-2000:]
+        errors = [l for l in out.stderr.splitlines() if l.startswith("sonar:")]
+        assert len(errors) == 1 and named in errors[0], out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
+        assert not (tmp_path / "out").exists()

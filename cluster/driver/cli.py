@@ -4,6 +4,7 @@
     sonar eval --config C --checkpoint DIR --data FILE [--data FILE2 ...] [--format F] [key=value ...]
     sonar score PREDICTIONS.jsonl [...] [--pred-field F --gold-field G]
     sonar bench NAME [--quick] [...]
+    sonar chaos --config C --minutes N [--kill-every K] [--seed S] [--compare] [key=value ...]
 """
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         from sonar.actors.scoring import main as score_main
 
         return score_main(argv[1:])
+    if argv and argv[0] == "chaos":
+        from sonar.cluster.driver.chaos import main as chaos_main
+
+        return chaos_main(argv[1:])
     if argv and argv[0] == "bench":
         from sonar.bench.run import main as bench_main
 
@@ -70,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("overrides", nargs="*")
     sub.add_parser("score", help="score predictions JSONL files")
     sub.add_parser("bench", help="run a benchmark from bench/")
+    sub.add_parser("chaos", help="train while killing workers, the search service and the learner; account for every prompt")
     args = p.parse_args(argv)
     cfg = _load(args)
     if args.cmd == "train":

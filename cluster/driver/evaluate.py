@@ -3,9 +3,20 @@
 It runs the evaluation path of training (``actors/evaluation.py``: greedy ``rollout_groups``, one
 sample per question, the same records and the same summary), in-process, over each dataset, and
 reports EM, F1, cover-EM, searches, tokens and latency per question. It writes
-``predictions-<dataset>.jsonl`` (question, golden answers, prediction, its scores, full decoded
-trace) and ``eval.md`` (a Markdown table), and logs the summaries to MLflow as
-``eval/<dataset>/...``.
+``predictions-<name>.jsonl`` (question, golden answers, prediction, its scores, full decoded
+trace) and ``eval.md`` (a Markdown table), and logs the summaries to MLflow as ``eval/<name>/...``.
+
+What it measured it keeps, and what it refuses it refuses early:
+
+* every dataset file is loaded and parsed, and the policy directory's files checked, before any
+  model work and before anything is written (a bad file is one ``EvalError``/``DatasetError`` line
+  naming it);
+* output names are unique: ``<stem>``, or ``<dataset>-<split>`` for FlashRAG's
+  ``<dataset>/<split>.jsonl`` layout (``hotpotqa/dev.jsonl`` -> ``hotpotqa-dev``), with more of the
+  path where two files would still share a name (:func:`dataset_names`);
+* each dataset's predictions file and table row are written (and logged) as soon as it finishes; a
+  failure after that marks the MLflow run FAILED (KILLED on Ctrl-C), keeps the finished datasets'
+  results and raises ``EvalFailed`` naming the dataset, with the traceback in ``<out>/error.log``.
 
 The policy is a Hugging Face model directory, a Sonar checkpoint (its ``hf/`` export), or a run
 directory (its final ``model/``).
@@ -15,12 +26,69 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
+import traceback
 from pathlib import Path
 
 from sonar.cluster.wire.config import Config, flatten, to_dict, to_yaml
 
 log = logging.getLogger("sonar.eval")
+
+SPLIT_STEMS = frozenset({"train", "dev", "test", "val", "valid", "validation", "eval"})
+"""File stems that name a split, not a dataset (FlashRAG's ``<dataset>/<split>.jsonl``): the
+directory is part of the output name."""
+_DATA_SUFFIXES = (".gz", ".jsonl", ".json", ".parquet")
+
+
+class EvalError(ValueError):
+    """A user error found before evaluation starts (checkpoint, policy files, arguments); one line
+    that names the file."""
+
+
+class EvalFailed(RuntimeError):
+    """Evaluation failed part-way: names the dataset, where the finished datasets' results are and
+    where the traceback is. ``finished``: the table of the datasets that completed."""
+
+    def __init__(self, message: str, finished: dict):
+        super().__init__(message)
+        self.finished = finished
+
+
+def _stem(path: Path) -> str:
+    name = path.name
+    while (suffix := next((s for s in _DATA_SUFFIXES if name.endswith(s) and len(name) > len(s)), None)):
+        name = name[:-len(suffix)]
+    return name
+
+
+def dataset_names(paths: list[str | Path]) -> list[str]:
+    """A unique output name per data file, in order: the stem (``nq.jsonl`` -> ``nq``), with the
+    parent directory first when the stem is a split (``hotpotqa/dev.jsonl`` -> ``hotpotqa-dev``), and
+    more parent directories for the files that would still share a name. Characters MLflow keys
+    refuse become ``_``. The same file given twice raises ``EvalError`` naming it."""
+    from sonar.actors.datasets import DatasetError
+
+    paths = [Path(p) for p in paths]
+    seen: dict[Path, Path] = {}
+    for p in paths:
+        r = p.resolve()
+        if r in seen:
+            raise DatasetError(f"{p}: given twice as --data (also as {seen[r]})")
+        seen[r] = p
+    parts = [[*(d for d in p.resolve().parent.parts if d not in ("/", "")), _stem(p)] for p in paths]
+    depth = [1 + (parts_[-1].lower() in SPLIT_STEMS) for parts_ in parts]
+
+    while True:
+        raw = [tuple(parts[i][-depth[i]:]) for i in range(len(paths))]
+        clash = [i for i, n in enumerate(raw) if raw.count(n) > 1 and depth[i] < len(parts[i])]
+        if not clash:
+            break
+        for i in clash:
+            depth[i] += 1
+    names = [re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join(r)) for r in raw]
+    # full paths that sanitise alike ("a b/x" and "a_b/x"): the second and later are numbered
+    return [n if i == names.index(n) else f"{n}-{names[:i].count(n) + 1}" for i, n in enumerate(names)]
 
 
 def resolve_model_dir(checkpoint: str) -> Path:
@@ -34,6 +102,45 @@ def resolve_model_dir(checkpoint: str) -> Path:
                             "(looked for config.json in it, in hf/ and in model/)")
 
 
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def check_policy_files(model_dir: Path) -> None:
+    """Refuse, naming the file, a policy directory whose JSON files do not parse or whose safetensors
+    weights are unreadable (bad header, truncated data): found before any model work. Raises EvalError."""
+    for f in sorted(model_dir.glob("*.json")):
+        try:
+            json.loads(f.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise EvalError(f"{f}: not a readable JSON file ({_one_line(e)})") from None
+    weights = sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin"))
+    if not weights:
+        raise EvalError(f"--checkpoint {model_dir}: no weights file (*.safetensors or *.bin) in it")
+    from safetensors import safe_open
+
+    for f in weights:
+        if f.suffix != ".safetensors":
+            continue
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    st.get_slice(key)  # checks each tensor's byte range against the file
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise EvalError(f"{f}: corrupt weights file ({_one_line(e)})") from None
+
+
+def _load_policy(model_dir: Path):
+    from sonar.actors.model import load_policy
+
+    check_policy_files(model_dir)
+    try:
+        return load_policy(model_dir)
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises, name the directory
+        raise EvalError(f"--checkpoint {model_dir}: cannot load the policy ({_one_line(e)})") from None
+
+
 def _default_corpus(cfg: Config) -> str:
     from sonar.cluster.driver.roles import prepare_corpus
 
@@ -42,25 +149,31 @@ def _default_corpus(cfg: Config) -> str:
 
 def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str | None = None,
              fmt: str = "auto") -> dict:
-    """Evaluate the policy at ``checkpoint`` on each of ``data_files``; returns {dataset: summary}.
+    """Evaluate the policy at ``checkpoint`` on each of ``data_files``; returns {name: summary}, names
+    from :func:`dataset_names`.
 
     ``fmt``: the files' format (``actors.datasets.FORMATS`` or an alias; ``--format``), for files whose
     format detection cannot tell; "auto" detects per file. Every file is loaded (and a malformed one
-    refused, naming file, line and field) before the policy is."""
+    refused, naming file, line and field) and the policy's files checked before the policy is loaded
+    or anything written. Raises DatasetError / EvalError (user errors, nothing written) or EvalFailed
+    (after the output directory exists; finished datasets kept, MLflow run FAILED)."""
     from tqdm import tqdm
 
+    from sonar.actors import evaluation
     from sonar.actors.datasets import load_dataset
     from sonar.actors.engine import HFEngine
-    from sonar.actors.evaluation import eval_metrics, greedy_records, markdown, summarize
-    from sonar.actors.model import load_policy
     from sonar.actors.prompts import get_protocol
     from sonar.actors.rollout import PromptItem
     from sonar.cluster.driver import tracking
     from sonar.retrieval.factory import build_retriever
 
-    datasets = [(path, load_dataset(path, fmt=fmt)) for path in data_files]
-    model_dir = resolve_model_dir(checkpoint)
-    model, tokenizer = load_policy(model_dir)
+    names = dataset_names(data_files)
+    datasets = [(name, path, load_dataset(path, fmt=fmt)) for name, path in zip(names, data_files)]
+    try:
+        model_dir = resolve_model_dir(checkpoint)
+    except FileNotFoundError as e:
+        raise EvalError(str(e)) from None
+    model, tokenizer = _load_policy(model_dir)
     engine = HFEngine(model, eos_token_id=tokenizer.eos_token_id)
     tags = get_protocol(cfg.protocol.name)
     corpus = cfg.retrieval.corpus or _default_corpus(cfg)
@@ -69,25 +182,45 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
     sink = tracking.make_sink(cfg.tracking.enabled, out, cfg.tracking.uri, cfg.tracking.experiment, f"eval-{out.name}")
-    sink.log_params({**flatten(to_dict(cfg)), "eval.checkpoint": str(model_dir)})
     table: dict[str, dict] = {}
-    for path, items in datasets:
-        name = Path(path).stem
-        prompts = [PromptItem(prompt_id=it.qid, question=it.question, golds=list(it.golds)) for it in items]
-        with tqdm(total=len(prompts), desc=f"eval {name}", unit="q") as bar:
-            records = asyncio.run(greedy_records(
-                prompts, engine=engine, retriever=retriever, tokenizer=tokenizer, tags=tags, proto=cfg.protocol,
-                k=cfg.retrieval.k, reward=cfg.stages[-1].reward, batch_size=cfg.eval.batch_size,
-                progress=bar.update))
-        with open(out / f"predictions-{name}.jsonl", "w") as fh:
-            for r in records:
-                fh.write(json.dumps(r) + "\n")
-        table[name] = summarize(records)
-        sink.log_metrics(eval_metrics(name, table[name]), step=0)
-        sink.log_artifact(str(out / f"predictions-{name}.jsonl"))
-    md = markdown(table)
-    (out / "eval.md").write_text(md)
-    sink.log_artifact(str(out / "eval.md"))
+    current = None
+    try:
+        sink.log_params({**flatten(to_dict(cfg)), "eval.checkpoint": str(model_dir),
+                         **{f"eval.data.{name}": str(path) for name, path, _ in datasets}})
+        for name, path, items in datasets:
+            current = (name, path)
+            prompts = [PromptItem(prompt_id=it.qid, question=it.question, golds=list(it.golds)) for it in items]
+            with tqdm(total=len(prompts), desc=f"eval {name}", unit="q") as bar:
+                records = asyncio.run(evaluation.greedy_records(
+                    prompts, engine=engine, retriever=retriever, tokenizer=tokenizer, tags=tags, proto=cfg.protocol,
+                    k=cfg.retrieval.k, reward=cfg.stages[-1].reward, batch_size=cfg.eval.batch_size,
+                    progress=bar.update))
+            pred = out / f"predictions-{name}.jsonl"
+            tmp = pred.with_suffix(".jsonl.tmp")
+            with open(tmp, "w") as fh:
+                for r in records:
+                    fh.write(json.dumps(r) + "\n")
+            tmp.replace(pred)  # a predictions file is whole or absent
+            table[name] = evaluation.summarize(records)
+            (out / "eval.md").write_text(evaluation.markdown(table))  # the rows finished so far
+            sink.log_metrics(evaluation.eval_metrics(name, table[name]), step=0)
+            sink.log_artifact(str(pred))
+            sink.log_artifact(str(out / "eval.md"))
+            current = None
+    except BaseException as e:
+        interrupted = isinstance(e, KeyboardInterrupt)
+        try:
+            sink.finish("KILLED" if interrupted else "FAILED")
+        except BaseException:  # noqa: BLE001 - the original error is the one to report
+            log.exception("could not mark the MLflow run")
+        if interrupted or not isinstance(e, Exception):
+            raise
+        (out / "error.log").write_text("".join(traceback.format_exception(e)))
+        where = f"dataset {current[0]} ({current[1]})" if current else "logging"
+        kept = f"{len(table)} finished dataset(s) kept in {out}" if table else f"no dataset finished; output in {out}"
+        raise EvalFailed(f"evaluation failed on {where}: {_one_line(e)}; {kept}; MLflow run {sink.run_id} "
+                         f"marked FAILED; traceback in {out / 'error.log'}", table) from e
     sink.finish("FINISHED")
-    print("\n" + md + f"\npredictions and table in {out} (MLflow run {sink.run_id})\n", flush=True)
+    print("\n" + evaluation.markdown(table) + f"\npredictions and table in {out} (MLflow run {sink.run_id})\n",
+          flush=True)
     return table
