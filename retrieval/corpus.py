@@ -18,6 +18,13 @@ Decisions on bad input (each error names the file and the line):
 - control characters (C0 except tab and newline, DEL, C1) are stripped from id, title and text;
   the number of passages touched is counted (``CorpusStats.control_stripped``).
 - integer ids are accepted and converted to ``str``.
+- duplicate ids are refused, in both ``on_error`` modes: a full pass ends with :class:`CorpusError`
+  naming the id and both lines (an index would hold the passage twice, or an Elasticsearch index
+  would keep only the last, and a hit's id would no longer name one passage). Deduplicating would
+  have to choose which text is right; the corpus' author can. The check keeps 16 bytes per passage
+  (a 64-bit hash of the id and its line) and runs when the pass ends.
+- a corpus without a single passage (an empty file, only blank or skipped lines) is refused with
+  :class:`CorpusError` naming the file, when the pass ends.
 
 Queries (:func:`normalise_query`): control characters become spaces, whitespace runs collapse to
 one space, the result is stripped and cut at ``max_chars`` (on a word boundary when one is close).
@@ -35,6 +42,8 @@ import json
 import logging
 import os
 import re
+import zlib
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -86,8 +95,35 @@ class CorpusStats:
 
 def _open_binary(path: Path):
     if path.suffix == ".gz":
-        return gzip.open(path, "rb")
+        return _GzipLines(path)
     return open(path, "rb", buffering=1 << 20)
+
+
+class _GzipLines:
+    """The lines of a ``.gz`` corpus; a truncated or corrupt archive raises :class:`CorpusError` naming
+    the file and the line being read when it broke (in either ``on_error`` mode: the rest is unreadable)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._f = gzip.open(path, "rb")
+
+    def __enter__(self) -> "_GzipLines":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+    def __iter__(self) -> Iterator[bytes]:
+        line = 0
+        while True:
+            try:
+                raw = self._f.readline()
+            except (EOFError, OSError, zlib.error) as e:  # truncated (EOFError), not gzip / bad CRC (OSError)
+                raise CorpusError(self.path, line + 1, f"truncated or corrupt gzip archive ({e})") from None
+            if not raw:
+                return
+            line += 1
+            yield raw
 
 
 def strip_controls(s: str) -> tuple[str, bool]:
@@ -129,15 +165,26 @@ class CorpusReader:
             yield p
 
     def records(self, after_line: int = 0) -> Iterator[tuple[int, Passage]]:
-        """Yield ``(line_no, passage)`` for every valid line with ``line_no > after_line``."""
+        """Yield ``(line_no, passage)`` for every valid line with ``line_no > after_line``. When the
+        pass ends, duplicate ids (lines before ``after_line`` included) and a corpus with no passage
+        raise :class:`CorpusError`."""
         st = self.stats = CorpusStats()
         self.bytes_read = 0
         path = self.path
+        hashes, lines = array("Q"), array("Q")
+        before = 0  # valid passages at or before after_line (a resumed pass still checks their ids)
         with _open_binary(path) as f:
             for line_no, raw in enumerate(f, start=1):
                 st.lines += 1
                 self.bytes_read += len(raw)
                 if line_no <= after_line:
+                    try:
+                        p, _ = self._parse(raw.decode("utf-8", errors="replace"), line_no)
+                    except CorpusError:
+                        continue
+                    hashes.append(_id_hash(p.doc_id))
+                    lines.append(line_no)
+                    before += 1
                     continue
                 try:
                     line = raw.decode("utf-8")
@@ -161,10 +208,46 @@ class CorpusReader:
                     continue
                 st.control_stripped += touched
                 st.passages += 1
+                hashes.append(_id_hash(passage.doc_id))
+                lines.append(line_no)
                 yield line_no, passage
         if st.bad_utf8 > _WARN_FIRST or st.skipped > _WARN_FIRST:
             log.warning("%s: %d lines with invalid UTF-8 (first: %s), %d lines skipped",
                         path, st.bad_utf8, st.bad_utf8_lines, st.skipped)
+        if st.passages + before == 0:
+            raise CorpusError(path, 0, f"the corpus has no passages ({st.lines} lines, {st.blank} blank, "
+                                       f"{st.skipped} skipped)")
+        self._check_unique(hashes, lines)
+
+    def _check_unique(self, hashes: array, lines: array) -> None:
+        import numpy as np
+
+        h = np.frombuffer(hashes, dtype=np.uint64)
+        if len(h) < 2:
+            return
+        order = np.argsort(h, kind="stable")
+        same = np.flatnonzero(h[order][1:] == h[order][:-1])
+        if not len(same):
+            return
+        ln = np.frombuffer(lines, dtype=np.uint64)
+        pairs = sorted((int(ln[order[i]]), int(ln[order[i + 1]])) for i in same)
+        ids = self._ids_at({x for pair in pairs for x in pair})
+        dups = [(a, b) for a, b in pairs if ids.get(a) == ids.get(b)]  # a 64-bit collision is not a duplicate
+        if dups:
+            a, b = min(dups, key=lambda pair: pair[1])
+            more = f" ({len(dups)} duplicate ids in all)" if len(dups) > 1 else ""
+            raise CorpusError(self.path, b, f"duplicate id {ids[b]!r}, first at line {a}{more}: ids must be unique")
+
+    def _ids_at(self, wanted: set[int]) -> dict[int, str]:
+        out: dict[int, str] = {}
+        last = max(wanted)
+        with _open_binary(self.path) as f:
+            for line_no, raw in enumerate(f, start=1):
+                if line_no in wanted:
+                    out[line_no] = self._parse(raw.decode("utf-8", errors="replace"), line_no)[0].doc_id
+                if line_no >= last:
+                    break
+        return out
 
     def _parse(self, line: str, line_no: int) -> tuple[Passage, bool]:
         path = self.path
@@ -172,6 +255,10 @@ class CorpusReader:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise CorpusError(path, line_no, f"not valid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise CorpusError(path, line_no, "not valid JSON (nested too deeply)") from None
+        except ValueError as e:  # an integer over the interpreter's digit limit (4,300 by default)
+            raise CorpusError(path, line_no, f"not valid JSON ({e})") from None
         if not isinstance(obj, dict):
             raise CorpusError(path, line_no, f"expected a JSON object, got {type(obj).__name__}")
         doc_id = obj.get("id")
@@ -198,6 +285,10 @@ class CorpusReader:
         title, t1 = strip_controls(title)
         text, t2 = strip_controls(text)
         return Passage(doc_id, title, text), (t0 or t1 or t2)
+
+
+def _id_hash(doc_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(doc_id.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
 def iter_corpus(path: str | os.PathLike, on_error: str = "raise") -> Iterator[Passage]:

@@ -18,7 +18,9 @@ for another corpus, an index without a marker, or an index with fewer documents 
 says raise :class:`IndexBuildError` explaining what was found and what to do (``overwrite=True``
 deletes an index this module built; a foreign directory is never deleted). A file lock serialises
 concurrent builders of one directory (several workers starting at once): the second waits and then
-reuses the finished index.
+reuses the finished index. A corpus with a duplicate id or no passage at all is refused
+(``corpus.CorpusError`` from the reader, raised before the last commit): the index stays incomplete, so a
+rerun refuses it again rather than reusing it.
 
 Search (:class:`TantivyRetriever`): queries are never given to tantivy's query parser. Each query is
 normalised (``corpus.normalise_query``), tokenised with an analyzer equal to ``en_stem``, English

@@ -83,3 +83,63 @@ def test_missing_checkpoint_and_latest_resolution(tmp_path):
     save_checkpoint(engine, run / "checkpoints" / "step4", {"version": 4})
     assert resolve_checkpoint(str(run), str(tmp_path)) == str(run / "checkpoints" / "step4")
     assert resolve_checkpoint("latest", str(tmp_path)) == str(run / "checkpoints" / "step4")
+
+
+# -- run.keep_checkpoints: pruning -----------------------------------------------------------------
+
+def fake_checkpoint(root, name, t_ns, complete=True):
+    """A directory shaped like a checkpoint whose COMPLETE marker was written at ``t_ns``."""
+    p = root / name
+    (p / "ds").mkdir(parents=True)
+    (p / "state.json").write_text("{}")
+    if complete:
+        (p / "COMPLETE").write_text("ok\n")
+        os.utime(p / "COMPLETE", ns=(t_ns, t_ns))
+    return p
+
+
+def test_prune_keeps_the_newest_complete_and_never_touches_partial_or_in_progress(tmp_path):
+    from sonar.learner.checkpoint import complete_checkpoints, prune_checkpoints
+
+    root = tmp_path / "checkpoints"
+    # names sort the other way round from their completion times: order is by COMPLETE, not name
+    for i, name in enumerate(["step9", "step7", "stage0", "step3"]):
+        fake_checkpoint(root, name, 1_000_000_000 * (i + 1))
+    writing = fake_checkpoint(root, "step11.tmp-4242", 9_000_000_000)  # being written (has COMPLETE already)
+    partial = fake_checkpoint(root, "step5", 0, complete=False)
+    (root / "latest").write_text("step3\n")
+    assert [p.name for p in complete_checkpoints(root)] == ["step9", "step7", "stage0", "step3"]
+    deleted = prune_checkpoints(root, keep=2)
+    assert sorted(os.path.basename(d) for d in deleted) == ["step7", "step9"]
+    assert sorted(p.name for p in root.iterdir()) == sorted(["stage0", "step3", writing.name, partial.name, "latest"])
+    assert prune_checkpoints(root, keep=0) == [] and prune_checkpoints(root, keep=2) == []
+
+
+def test_prune_never_deletes_the_checkpoint_latest_names(tmp_path):
+    from sonar.learner.checkpoint import prune_checkpoints
+
+    root = tmp_path / "checkpoints"
+    for i, name in enumerate(["a", "b", "c"]):
+        fake_checkpoint(root, name, 1_000_000_000 * (i + 1))
+    (root / "latest").write_text("a\n")  # oldest by time, but the one a resume would load
+    prune_checkpoints(root, keep=1)
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["a", "c"]
+
+
+def test_save_checkpoint_with_keep_leaves_the_newest_and_resume_finds_it(tmp_path):
+    engine = make_engine()
+    run = tmp_path / "run1"
+    for step in (2, 4, 6):
+        train_a_bit(engine, 1)
+        save_checkpoint(engine, run / "checkpoints" / f"step{step}", {"version": step}, keep=2)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step4", "step6"]
+    assert resolve_checkpoint(str(run), str(tmp_path)) == str(run / "checkpoints" / "step6")
+    assert load_checkpoint(make_engine(), run / "checkpoints" / "step4")["version"] == 4  # intact
+
+
+def test_keep_checkpoints_is_validated():
+    from sonar.cluster.wire.config import load_config
+
+    assert load_config([], ["run.keep_checkpoints=3"]).run.keep_checkpoints == 3
+    with pytest.raises(ValueError, match=r"run\.keep_checkpoints=-1"):
+        load_config([], ["run.keep_checkpoints=-1"])

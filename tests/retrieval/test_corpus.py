@@ -146,3 +146,51 @@ def test_synthetic_corpus_is_deterministic(tmp_path):
     ps = list(iter_corpus(a))
     assert len(ps) == 50 and len({p.doc_id for p in ps}) == 50
     assert all(len(p.text.split()) >= 20 for p in ps)
+
+
+# -- duplicate ids and empty corpora are refused ---------------------------------------------------
+
+def _write(path, lines):
+    path.write_text("".join(lines))
+    return path
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_duplicate_ids_are_refused_naming_both_lines(tmp_path, on_error):
+    from sonar.retrieval.corpus import CorpusError, CorpusReader
+
+    p = _write(tmp_path / "c.jsonl", ['{"id": "a", "text": "x"}\n', '{"id": 7, "text": "y"}\n', "\n",
+                                      '{"id": "b", "text": "z"}\n', '{"id": "7", "text": "w"}\n'])
+    with pytest.raises(CorpusError) as e:
+        list(CorpusReader(p, on_error=on_error))
+    assert e.value.path == str(p) and e.value.line == 5
+    assert "duplicate id '7', first at line 2" in str(e.value)
+
+
+def test_a_resumed_pass_still_sees_duplicates_before_its_start(tmp_path):
+    from sonar.retrieval.corpus import CorpusError, CorpusReader
+
+    p = _write(tmp_path / "c.jsonl", ['{"id": "a", "text": "x"}\n', '{"id": "b", "text": "y"}\n',
+                                      '{"id": "a", "text": "z"}\n'])
+    with pytest.raises(CorpusError, match="duplicate id 'a', first at line 1"):
+        list(CorpusReader(p).records(after_line=2))
+    with pytest.raises(CorpusError, match="duplicate id 'a'"):  # every line before the start
+        list(CorpusReader(p).records(after_line=3))
+
+
+def test_unique_ids_pass_and_count(tmp_path):
+    from sonar.retrieval.corpus import CorpusReader
+
+    p = _write(tmp_path / "c.jsonl", [f'{{"id": "{i}", "text": "t{i}"}}\n' for i in range(300)])
+    r = CorpusReader(p)
+    assert [x.doc_id for x in r] == [str(i) for i in range(300)] and r.stats.passages == 300
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n", '{"id": "", "text": "x"}\n'])
+def test_an_empty_corpus_is_refused_naming_the_file(tmp_path, content):
+    from sonar.retrieval.corpus import CorpusError, CorpusReader
+
+    p = _write(tmp_path / "empty.jsonl", [content])
+    with pytest.raises(CorpusError, match="no passages") as e:
+        list(CorpusReader(p, on_error="skip"))
+    assert str(p) in str(e.value)

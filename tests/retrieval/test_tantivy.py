@@ -233,3 +233,27 @@ def test_query_terms_match_index_terms(small):
     for d in DOCS:
         for t in small._analyzer_all.analyze(d["text"]):
             assert s.doc_freq("text", t) > 0, t
+
+
+def test_duplicate_ids_are_not_indexed_twice_and_a_rerun_still_refuses(tmp_path):
+    from sonar.retrieval.corpus import CorpusError
+
+    corpus = tmp_path / "dup.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"d{i % 5 if i == 7 else i}", "text": f"passage {i}"}) + "\n"
+                              for i in range(10)))  # line 8 repeats d2
+    for _ in range(2):  # batch_size 3: lines 1-6 were committed; the rerun resumes and still refuses
+        with pytest.raises(CorpusError, match="duplicate id 'd2', first at line 3") as e:
+            build_index(corpus, tmp_path / "idx", batch_size=3, progress=False)
+        assert e.value.line == 8
+        assert not index_is_complete(tmp_path / "idx", corpus)
+
+
+def test_an_empty_corpus_is_not_indexed(tmp_path):
+    from sonar.retrieval.corpus import CorpusError
+
+    corpus = tmp_path / "empty.jsonl"
+    corpus.write_text("\n")
+    with pytest.raises(CorpusError, match="no passages") as e:
+        build_index(corpus, tmp_path / "idx", progress=False)
+    assert str(corpus) in str(e.value)
+    assert not index_is_complete(tmp_path / "idx", corpus)
