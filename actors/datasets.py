@@ -76,6 +76,7 @@ import csv
 import gzip
 import io
 import json
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -115,6 +116,11 @@ def _base_suffix(path: Path) -> str:
     return Path(path.stem).suffix.lower() if path.suffix == ".gz" else path.suffix.lower()
 
 
+def _json_limit(e: Exception) -> str:
+    """What ``json.loads`` raised past a limit of the interpreter, not of the JSON grammar."""
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e)
+
+
 def _iter_jsonl(path: Path, text: str) -> Iterator[tuple[str, Any]]:
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -123,6 +129,8 @@ def _iter_jsonl(path: Path, text: str) -> Iterator[tuple[str, Any]]:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise DatasetError(f"{path}: line {lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        except (RecursionError, ValueError) as e:
+            raise DatasetError(f"{path}: line {lineno}: invalid JSON ({_json_limit(e)})") from None
         yield f"line {lineno}", rec
 
 
@@ -149,6 +157,8 @@ def _records(path: Path) -> tuple[str, list[tuple[str, Any]]]:
         raise DatasetError(f"{path}: no such file") from None
     except (UnicodeDecodeError, OSError) as e:
         raise DatasetError(f"{path}: cannot read ({e})") from None
+    except (EOFError, zlib.error) as e:  # a .gz cut short or corrupt (a bad header or CRC is an OSError)
+        raise DatasetError(f"{path}: truncated or corrupt gzip archive ({e})") from None
     if text.startswith("\ufeff"):
         text = text[1:]
     suffix = _base_suffix(path)
@@ -165,6 +175,8 @@ def _records(path: Path) -> tuple[str, list[tuple[str, Any]]]:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise DatasetError(f"{path}: invalid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+        except (RecursionError, ValueError) as e:
+            raise DatasetError(f"{path}: invalid JSON ({_json_limit(e)})") from None
         return "json", [(f"record {i}", rec) for i, rec in enumerate(data)]
     if suffix == ".json" and stripped.startswith("{"):
         # a single JSON object holding a list (e.g. {"data": [...]}) or a JSONL file named .json
@@ -172,6 +184,8 @@ def _records(path: Path) -> tuple[str, list[tuple[str, Any]]]:
             data = json.loads(text)
         except json.JSONDecodeError:
             return "jsonl", list(_iter_jsonl(path, text))
+        except (RecursionError, ValueError) as e:
+            raise DatasetError(f"{path}: invalid JSON ({_json_limit(e)})") from None
         for key in ("data", "examples", "records"):
             if isinstance(data.get(key), list):
                 return "json", [(f"record {i}", rec) for i, rec in enumerate(data[key])]

@@ -76,6 +76,11 @@ def _get(rec: Any, dotted: str) -> Any:
     return cur
 
 
+def _json_limit(e: Exception) -> str:
+    """What ``json.loads`` raised past a limit of the interpreter (nesting depth, integer digits)."""
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e)
+
+
 def _records(path: Path) -> list[tuple[str, Any]]:
     try:
         text = path.read_text(encoding="utf-8")
@@ -90,6 +95,8 @@ def _records(path: Path) -> list[tuple[str, Any]]:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ScoreError(f"{path}: invalid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+        except (RecursionError, ValueError) as e:  # past the interpreter's nesting or integer-digit limit
+            raise ScoreError(f"{path}: invalid JSON ({_json_limit(e)})") from None
         return [(f"record {i}", r) for i, r in enumerate(data)]
     out = []
     for lineno, line in enumerate(text.splitlines(), 1):
@@ -99,6 +106,8 @@ def _records(path: Path) -> list[tuple[str, Any]]:
             out.append((f"line {lineno}", json.loads(line)))
         except json.JSONDecodeError as e:
             raise ScoreError(f"{path}: line {lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        except (RecursionError, ValueError) as e:
+            raise ScoreError(f"{path}: line {lineno}: invalid JSON ({_json_limit(e)})") from None
     return out
 
 
