@@ -316,6 +316,15 @@ class RolloutWorker:
             search_enabled=search_enabled, actor_id=self.worker_id))
 
 
+INFRA_ERRORS = frozenset({"timeout", "connection", "internal", "http_5xx", "http_429", "breaker_open"})
+"""Search errors of the infrastructure, not of the query (``RetrievalError.KINDS`` less ``bad_request``)."""
+
+
+def infra_failed(group: list[Trajectory]) -> bool:
+    """Whether any search of the group failed for infrastructure reasons (``INFRA_ERRORS``)."""
+    return any(s.error in INFRA_ERRORS for t in group for s in t.searches)
+
+
 # Coroutines live outside the actor class: one `async def` method would turn the Ray actor into an
 # asyncio actor, whose event loop then forbids the asyncio.run() of the synchronous methods.
 async def _aproduce(w: "RolloutWorker", replay, stage_index: int, stage: StageConfig, n: int, batch_no: int) -> None:
@@ -330,6 +339,13 @@ async def _aproduce(w: "RolloutWorker", replay, stage_index: int, stage: StageCo
     items = [w._prompt_item(i, stage) for i in idx]
     groups, rstats = await _arollout(w, items, stage_index, stage, w.cfg.rollout.temperature, seed=seed)
     for i, group in zip(idx, groups):
+        if w.cfg.cluster.requeue_failed_searches and infra_failed(group):
+            # A search failed for infrastructure reasons (dead replica, timeout...): not trained, and
+            # the prompt goes back to the replay's cursor (cluster.requeue_failed_searches).
+            await asyncio.wrap_future(replay.requeue.remote(w.worker_id, i).future())
+            with w._lock:
+                w._stats["requeued_infra"] = w._stats.get("requeued_infra", 0) + 1
+            continue
         ok = await asyncio.wrap_future(replay.put.remote(
             encode_group(group), group_min_version(group), len(group), i, w.worker_id).future())
         w._record(group, ok)

@@ -62,7 +62,11 @@ class RetrievalClient:
     """Client of the retrieval pool (see the module docstring): a ``Retriever`` (``batch_search``
     blocks) with a native coroutine ``abatch_search``."""
 
-    def __init__(self, handles: Sequence[Any], timeout_s: float = 10.0, recheck_s: float = 5.0, name: str = "service"):
+    def __init__(self, handles: Sequence[Any], timeout_s: float = 10.0, recheck_s: float = 5.0, name: str = "service",
+                 wait_healthy_s: float = 0.0):
+        """``wait_healthy_s``: while no replica is healthy (all dead or restarting), a search waits up to
+        this long for one to come back (re-probing every ``recheck_s``) before it fails with
+        ``RetrievalError('connection')``; 0: fail at once."""
         if not handles:
             raise ValueError("RetrievalClient needs at least one actor handle")
         if timeout_s <= 0:
@@ -71,6 +75,7 @@ class RetrievalClient:
         self.timeout_s = float(timeout_s)
         self.recheck_s = float(recheck_s)
         self.name = name
+        self.wait_healthy_s = float(wait_healthy_s)
         self._init_state()
 
     def _init_state(self) -> None:
@@ -81,9 +86,11 @@ class RetrievalClient:
         self._errors: Counter[str] = Counter()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"handles": self.handles, "timeout_s": self.timeout_s, "recheck_s": self.recheck_s, "name": self.name}
+        return {"handles": self.handles, "timeout_s": self.timeout_s, "recheck_s": self.recheck_s, "name": self.name,
+                "wait_healthy_s": self.wait_healthy_s}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("wait_healthy_s", 0.0)
         self.__dict__.update(state)
         self._init_state()
 
@@ -155,8 +162,42 @@ class RetrievalClient:
         return RetrievalError("internal", f"retrieval replica {i}: {type(e).__name__}: {str(e)[:500]}")
 
     # ----------------------------------------------------------------------------------- search
+    def _retry_after(self, e: RetrievalError, deadline: float) -> float | None:
+        """Seconds to wait before trying again when ``e`` says a replica is dead or none is healthy and
+        ``deadline`` (``wait_healthy_s`` after the first attempt) has not passed; None: give up."""
+        if e.kind != "connection" or time.monotonic() >= deadline:
+            return None
+        with self._lock:
+            self._c["waits_for_replica"] += 1
+        return min(max(self.recheck_s / 4, 0.01), max(deadline - time.monotonic(), 0.0))
+
     def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
-        """Blocks until the reply (``ray.get``); for callers outside an event loop."""
+        """Blocks until the reply (``ray.get``); for callers outside an event loop. A dead replica or
+        none healthy: retried on the next healthy one for up to ``wait_healthy_s``."""
+        deadline = time.monotonic() + self.wait_healthy_s
+        while True:
+            try:
+                return self._batch_search_once(queries, k)
+            except RetrievalError as e:
+                pause = self._retry_after(e, deadline)
+                if pause is None:
+                    raise
+                time.sleep(pause)  # waiting for a replica's restart (bounded by wait_healthy_s)
+
+    async def abatch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        """Awaits the reply without a thread (the rollout loop's path, through ``base.search_async``);
+        retried like ``batch_search`` while no replica is healthy."""
+        deadline = time.monotonic() + self.wait_healthy_s
+        while True:
+            try:
+                return await self._abatch_search_once(queries, k)
+            except RetrievalError as e:
+                pause = self._retry_after(e, deadline)
+                if pause is None:
+                    raise
+                await asyncio.sleep(pause)
+
+    def _batch_search_once(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
         queries = list(queries)
         if not queries:
             return []
@@ -167,8 +208,7 @@ class RetrievalClient:
                 raise _Expired from None
         return self._unwrap_counted(reply)
 
-    async def abatch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
-        """Awaits the reply without a thread (the rollout loop's path, through ``base.search_async``)."""
+    async def _abatch_search_once(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
         queries = list(queries)
         if not queries:
             return []
@@ -213,6 +253,7 @@ class RetrievalClient:
         with self._lock:
             return {"calls": self._c["calls"], "errors": dict(self._errors),
                     "replica_deaths": self._c["replica_deaths"], "replica_recoveries": self._c["replica_recoveries"],
+                    "waits_for_replica": self._c["waits_for_replica"],
                     "replicas": [{"dead": r.dead, "inflight": r.inflight, "failures": r.failures,
                                   "last_error": r.last_error} for r in self._replicas]}
 

@@ -10,9 +10,10 @@ import time
 from sonar.cluster.driver.data import stage_questions, write_stage_prompts
 from sonar.cluster.driver.reports import (Throughput, evaluate, print_summary, record_prompts, replay_metrics,
                                          retrieval_metrics)
-from sonar.cluster.driver.roles import (Hooks, Roles, check_workers, export_model, maybe_checkpoint,
-                                       maybe_resume, prepare_demonstrations, push_weights, save_checkpoint,
-                                       start_roles, stop_roles, stop_rollouts, verify_weights)
+from sonar.cluster.driver.roles import (Hooks, Roles, call_workers, check_retrieval, check_workers, export_model,
+                                       maybe_checkpoint, maybe_resume, prepare_demonstrations, push_weights,
+                                       save_checkpoint, start_roles, stop_roles, stop_rollouts, verify_weights)
+from sonar.cluster.driver.faults import auto_resume_config, learner_died
 from sonar.cluster.driver.run import Run, start_run
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, StageConfig
@@ -24,24 +25,18 @@ def train(cfg: Config, hooks: Hooks | None = None) -> dict:
     run = start_run(cfg)
     roles = None
     try:
-        roles = start_roles(cfg, run, hooks)  # waits until every role answers and the broadcast group is up
-        start_stage, start_step = maybe_resume(cfg, roles, run)  # waits for the learner to load a checkpoint
-        for index, stage in enumerate(cfg.stages):
-            if index < start_stage:
-                continue
-            first = start_step if index == start_stage else 0
-            log.info("stage %d %r (%s): steps %d..%d", index, stage.name, stage.kind, first, stage.steps)
-            if stage.kind == "sft":
-                run_sft_stage(cfg, roles, run, index, stage, first)
-            else:
-                run_rl_stage(cfg, roles, run, index, stage, first)
-            save_checkpoint(roles, run, index + 1, 0, tag=f"stage{index}")  # waits: a resume starts here
-        run.results["weights"] = verify_weights(roles)  # waits for every checksum: all must hold the same weights
-        run.results["final"] = evaluate(cfg, roles, run, split="after")  # waits for every worker's shard
-        export_model(cfg, roles, run)  # waits for the learner's HF export
-        summary = print_summary(cfg, roles, run)
-        run.finish("FINISHED")
-        return summary
+        attempt_cfg, owns = cfg, False
+        while True:
+            try:
+                roles = start_roles(attempt_cfg, run, hooks)  # waits for every role and the broadcast group
+                roles.owns_ray = owns = roles.owns_ray or owns  # Ray outlives an auto-resume
+                return _train_roles(attempt_cfg, roles, run)
+            except BaseException as e:
+                # A dead learner: roles restarted from this run's last complete checkpoint, while
+                # cluster.auto_resume lasts (faults.learner_died decides; anything else propagates).
+                if not learner_died(cfg, roles, run, e):
+                    raise
+                attempt_cfg, roles = auto_resume_config(cfg, roles, run), None
     except KeyboardInterrupt:
         run.finish("KILLED")
         raise
@@ -50,6 +45,27 @@ def train(cfg: Config, hooks: Hooks | None = None) -> dict:
         raise
     finally:
         stop_roles(roles)
+
+
+def _train_roles(cfg: Config, roles: Roles, run: Run) -> dict:
+    """The stages, the final checks, evaluation and export, on roles that are up."""
+    start_stage, start_step = maybe_resume(cfg, roles, run)  # waits for the learner to load a checkpoint
+    for index, stage in enumerate(cfg.stages):
+        if index < start_stage or run.results.get("stopped_early"):
+            continue
+        first = start_step if index == start_stage else 0
+        log.info("stage %d %r (%s): steps %d..%d", index, stage.name, stage.kind, first, stage.steps)
+        if stage.kind == "sft":
+            run_sft_stage(cfg, roles, run, index, stage, first)
+        else:
+            run_rl_stage(cfg, roles, run, index, stage, first)
+        save_checkpoint(roles, run, index + 1, 0, tag=f"stage{index}")  # waits: a resume starts here
+    run.results["weights"] = verify_weights(roles)  # waits for every checksum: all must hold the same weights
+    run.results["final"] = evaluate(cfg, roles, run, split="after")  # waits for every worker's shard
+    export_model(cfg, roles, run)  # waits for the learner's HF export
+    summary = print_summary(cfg, roles, run)
+    run.finish("FINISHED")
+    return summary
 
 
 def run_sft_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageConfig, start_step: int = 0) -> None:
@@ -92,13 +108,15 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
     ray.get(roles.replay.set_num_prompts.remote(len(questions)))
     ray.get(roles.replay.reopen.remote())  # wait: the previous stage closed the replay; workers put next
     sync = cfg.cluster.mode == "sync"
+    roles.active = (index, stage)  # a worker restarted from here on starts its rollout loop too
     if not sync:  # wait only until each loop has started; they run until stop_rollouts
-        ray.get([w.start.remote(roles.replay, index, stage) for w in roles.workers])
+        call_workers(roles, lambda w, i: w.start.remote(roles.replay, index, stage), "start")
     steps, t_stage, throughput = start_step, time.monotonic(), Throughput()
     while steps < stage.steps:
         if sync:
             generate_in_lockstep(cfg, roles, index, stage, steps)  # waits for the batch: that is the lockstep
         worker_metrics = check_workers(cfg, roles, index, stage)  # waits for health: a dead worker surfaces here
+        worker_metrics.update(check_retrieval(cfg, roles))  # waits for every replica's ping (or the deadline)
         # Wait for one learner step. The learner waits at most 10 s for groups, so a stalled rollout
         # side comes back as `waiting` and meets the health check above instead of hanging here.
         res = ray.get(roles.learner.rl_step.remote(roles.replay, stage, 10.0), timeout=cfg.cluster.step_timeout_s)
@@ -121,6 +139,9 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
                      m.get(K.LEARNER_REWARD_MEAN, float("nan")), m.get(K.LEARNER_POLICY_LAG_MAX),
                      m.get(K.ROLLOUT_SEARCH_CALLS_MEAN, float("nan")), m.get(K.REPLAY_DROPPED_STALE))
         maybe_checkpoint(cfg, roles, run, index, steps)  # waits for the learner's save when one is due
+        if roles.hooks.on_step is not None and roles.hooks.on_step(roles, run, index, steps):
+            run.results["stopped_early"] = {"stage": index, "steps": steps}
+            break
     stop_rollouts(roles)  # waits until every loop has ended and the replay is drained: the stage is over
     run.results.setdefault("rl", {})[index] = {"steps": steps, "seconds": time.monotonic() - t_stage}
 
@@ -132,6 +153,9 @@ def generate_in_lockstep(cfg: Config, roles: Roles, index: int, stage: StageConf
     n, k = cfg.learner.groups_per_step, len(roles.workers)
     shares = [n // k + (1 if i < n % k else 0) for i in range(k)]
     # Wait for every share: the learner's next step must see only groups sampled by the current weights.
-    ray.get([w.generate_groups.remote(roles.replay, index, stage, s, step)
-             for w, s in zip(roles.workers, shares) if s], timeout=cfg.cluster.step_timeout_s)
+    # A worker that dies meanwhile is restarted; its share is missing from this batch (the learner
+    # waits, the loop generates again).
+    call_workers(roles, lambda w, i: w.generate_groups.remote(roles.replay, index, stage, shares[i], step),
+                 "generate_groups", retry=False, timeout=cfg.cluster.step_timeout_s,
+                 only=[i for i, s in enumerate(shares) if s])
 

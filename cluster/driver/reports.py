@@ -64,7 +64,13 @@ def retrieval_metrics(roles: Roles) -> dict:
     """Service-side retrieval metrics (QPS, latency, batch size, cache hit rate, errors by kind)."""
     import ray
 
-    stats = [s for s in ray.get([h.stats.remote() for h in roles.retrieval]) if s]
+    stats = []
+    for ref in [h.stats.remote() for h in roles.retrieval]:
+        try:
+            stats.append(ray.get(ref))
+        except ray.exceptions.RayActorError:  # a dead or restarting replica has no stats now
+            continue
+    stats = [s for s in stats if s]
     if not stats:
         return {}
     m = {K.RETRIEVAL_QPS: sum(s["qps"] for s in stats),
@@ -86,7 +92,8 @@ def replay_metrics(roles: Roles) -> dict:
 
     s = ray.get(roles.replay.stats.remote())
     return {K.REPLAY_DEPTH: s["depth_groups"], K.REPLAY_PRODUCED: s["produced"], K.REPLAY_CONSUMED: s["consumed"],
-            K.REPLAY_DROPPED_STALE: s["dropped_stale"], K.REPLAY_REQUEUED: s["requeued_prompts"]}
+            K.REPLAY_DROPPED_STALE: s["dropped_stale"], K.REPLAY_REQUEUED: s["requeued_prompts"],
+            K.REPLAY_REQUEUED_INFRA: s.get("requeued_infra", 0)}
 
 
 def evaluate(cfg: Config, roles: Roles, run: Run, split: str) -> dict:
@@ -106,8 +113,12 @@ def evaluate(cfg: Config, roles: Roles, run: Run, split: str) -> dict:
     for mode in (["search", "no_search"] if cfg.eval.no_search else ["search"]):
         shards = [questions[i::len(roles.workers)] for i in range(len(roles.workers))]
         # Sync point: the summary is over every question, so wait for every worker's shard.
-        recs = [r for rs in ray.get([w.evaluate.remote(s, mode == "search", stage)
-                                     for w, s in zip(roles.workers, shards) if s]) for r in rs]
+        # call_workers: a worker that dies meanwhile is restarted and its shard evaluated again.
+        from sonar.cluster.driver.roles import call_workers
+
+        use = [i for i, s in enumerate(shards) if s]
+        recs = [r for rs in call_workers(roles, lambda w, i: w.evaluate.remote(shards[i], mode == "search", stage),
+                                         "evaluate", only=use) for r in rs]
         row = out[mode] = summarize(recs)
         key = f"{split}_{mode}"
         run.log(eval_metrics(key, row))
@@ -124,8 +135,6 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
     before = run.results.get("before", {})
     after = run.results.get("final", {})
     stats = ray.get(roles.replay.stats.remote())
-    lags = [h.get(K.LEARNER_POLICY_LAG_MAX, 0) for h in run.history]
-    rl_hist = [h for h in run.history if K.ROLLOUT_TRAJECTORIES in h]
     wall = time.monotonic() - run.t0
     summary = {
         "run_dir": str(run.dir), "mlflow_run_id": run.sink.run_id, "wall_s": wall,
@@ -135,9 +144,12 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
         "acc_r_after_search": after.get("search", {}).get("acc_r"),
         "searches_per_question": after.get("search", {}).get("searches_per_q"),
         "trajectories_per_s": stats["consumed"] / max(1e-9, sum(v["seconds"] for v in run.results.get("rl", {}).values()) or wall),
-        "tokens_per_s": float(np.mean([h.get(K.LEARNER_TOKENS_PER_S, 0) for h in rl_hist])) if rl_hist else None,
-        "policy_lag_max": max(lags) if lags else 0, "replay": stats, "weights": run.results.get("weights"),
-        "learner_steps": sum(1 for h in run.history if K.LEARNER_VERSION in h),
+        "tokens_per_s": run.totals.tokens_per_s_mean,  # running aggregates: the history is a window
+        "policy_lag_max": run.totals.policy_lag_max, "replay": stats, "weights": run.results.get("weights"),
+        "learner_steps": run.totals.learner_steps,
+        "faults": {"worker_restarts": run.results.get("faults", {}).get("worker_restarts", 0)
+                   + sum(getattr(roles, "restarts", {}).values()),
+                   "learner_resumes": run.results.get("faults", {}).get("learner_resumes", 0)},
     }
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     rows = [("held-out EM (search) before RL", summary["em_before_search"]),

@@ -35,6 +35,11 @@ class Hooks:
     retriever_wrap: Callable | None = None
     """Handed to ``build_retriever`` (``retrieval/factory.py``) in every retrieval replica: wraps the
     search backend, below the reranker and the cache."""
+    on_step: Callable | None = None
+    """Called in the driver's process (never sent to an actor) after every logged RL step, as
+    ``on_step(roles, run, stage_index, steps)``; a truthy return ends training early (the current stage
+    stops, later stages are skipped, the run finishes as usual). The fault tests and ``sonar chaos``
+    kill processes from here, so the faults land in the middle of an RL stage of the driver's own loop."""
 
 
 @dataclass
@@ -50,6 +55,11 @@ class Roles:
     """What the roles were started with; a restarted worker gets the same engine hook."""
     policy: str = ""
     """The Hugging Face directory of the run's initial policy, which every role loads (``prepare_policy``)."""
+    cfg: Config | None = None
+    """The run's config (restarts need it)."""
+    active: tuple | None = None
+    """(stage index, StageConfig) while an RL stage's rollout loops run (a restarted worker starts its
+    loop too); None otherwise."""
 
 
 def init_ray(cfg: Config) -> bool:
@@ -103,7 +113,7 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
             f"rollout.num_gpus_per_worker={cfg.rollout.num_gpus_per_worker}; available {ray.available_resources()})"
         ) from None
     roles = Roles(retrieval, replay, learner, workers, {i: 0 for i in range(len(workers))},
-                  owns_ray=owns, hooks=hooks, policy=policy)
+                  owns_ray=owns, hooks=hooks, policy=policy, cfg=cfg)
     connect_broadcast(cfg, roles)
     return roles
 
@@ -171,8 +181,11 @@ def start_retrieval(cfg: Config, run: Run, corpus: str, wrap_backend: Callable |
     rcfg = cfg.retrieval
     index_root = indexes_dir(cfg)
     build_retriever(rcfg, corpus, index_root)  # builds the index once, before replicas open it
+    # retrieval.replicas actors; Ray restarts a dead one (cluster.max_replica_restarts) under the same handle,
+    # so the workers' clients keep working once it answers again.
     client = start_retrieval_service(
-        rcfg, lambda: build_retriever(rcfg, corpus, index_root, wrap_backend=wrap_backend))  # retrieval.replicas actors
+        rcfg, lambda: build_retriever(rcfg, corpus, index_root, wrap_backend=wrap_backend),
+        max_restarts=cfg.cluster.max_replica_restarts)
     return list(client.handles)
 
 
@@ -188,8 +201,11 @@ def start_worker(cfg: Config, i: int, retrieval: list, engine_wrap: Callable | N
     from sonar.actors.worker import RolloutWorker
     from sonar.retrieval.client import RetrievalClient
 
-    client = RetrievalClient(retrieval, timeout_s=cfg.retrieval.timeout_s)
-    eval_client = RetrievalClient(retrieval, timeout_s=cfg.cluster.step_timeout_s, name="service-eval")
+    # While no replica is healthy (dead, restarting), searches wait up to cluster.retrieval_wait_s for one.
+    client = RetrievalClient(retrieval, timeout_s=cfg.retrieval.timeout_s, recheck_s=REPLICA_RECHECK_S,
+                             wait_healthy_s=cfg.cluster.retrieval_wait_s)
+    eval_client = RetrievalClient(retrieval, timeout_s=cfg.cluster.step_timeout_s, name="service-eval",
+                                  recheck_s=REPLICA_RECHECK_S, wait_healthy_s=cfg.cluster.retrieval_wait_s)
     return ray.remote(RolloutWorker).options(
         num_cpus=cfg.rollout.num_cpus_per_worker, num_gpus=cfg.rollout.num_gpus_per_worker,
         max_concurrency=4, name=None).remote(i, cfg, client, eval_retriever=eval_client, policy=policy,
@@ -227,13 +243,65 @@ def connect_broadcast(cfg: Config, roles: Roles) -> None:
 
 
 def push_weights(roles: Roles) -> dict:
-    """One collective push: learner -> every worker. Only the version number crosses Ray."""
+    """One collective push: learner -> every worker. Only the version number crosses Ray.
+
+    A worker that died meanwhile is restarted (``restart_worker``: the group is rebuilt with the new
+    worker and the weights pushed again inside it), or the run fails naming it."""
     import ray
 
     v = ray.get(roles.learner.ping.remote())["version"]
-    out = ray.get([roles.learner.broadcast.remote()] + [w.receive_weights.remote(v) for w in roles.workers])
-    sent = out[0]
+    sent_ref = roles.learner.broadcast.remote()
+    got = call_workers(roles, lambda w, i: w.receive_weights.remote(v), "receive_weights", retry=False)
+    if any(g is _DIED for g in got):
+        # The learner's half of the broken collective fails (its peer is gone) or was superseded:
+        # restart_worker rebuilt the group and pushed the current weights to every worker.
+        try:
+            ray.get(sent_ref)
+        except ray.exceptions.RayActorError:
+            raise
+        except Exception:  # noqa: BLE001 - the broken group's send; the rebuilt one delivered
+            pass
+        return {}
+    sent = ray.get(sent_ref)
     return {K.WEIGHTS_SYNC_S: sent["seconds"], K.WEIGHTS_GBPS: sent["bytes"] / max(sent["seconds"], 1e-9) / 1e9}
+
+
+REPLICA_RECHECK_S = 1.0
+"""Seconds between two health probes of a dead retrieval replica in the workers' clients."""
+
+_DIED = object()
+"""``call_workers``' result for a worker that died during the call and was restarted (``retry=False``)."""
+
+
+def call_workers(roles: Roles, call: Callable, what: str, *, retry: bool = True, timeout: float | None = None,
+                 only: list[int] | None = None) -> list:
+    """The one place the driver calls rollout workers: ``call(handle, index)`` -> ObjectRef for every
+    worker (or those in ``only``), all at once; returns their results in worker order.
+
+    A worker whose call fails because it died (``RayActorError``) is restarted (``restart_worker``:
+    its claimed prompts requeued, the broadcast group rebuilt, its rollout loop started when a stage is
+    running) within ``cluster.max_worker_restarts``, else ``WorkerFailed`` names it and the call. With
+    ``retry`` the call is then made once more on the new worker; without, its result is ``_DIED``.
+    Any other error is the call's own and propagates."""
+    import ray
+
+    cfg = roles.cfg
+    idx = list(range(len(roles.workers))) if only is None else list(only)
+    refs = {i: call(roles.workers[i], i) for i in idx}
+    out: dict[int, object] = {}
+    dead: list[tuple[int, str]] = []
+    for i in idx:
+        try:
+            out[i] = ray.get(refs[i], timeout=timeout)
+        except ray.exceptions.RayActorError as e:
+            dead.append((i, f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+            out[i] = _DIED
+    for i, err in dead:
+        stage_index, stage = roles.active or (None, None)
+        restart_worker(cfg, roles, i, err, stage_index, stage)
+        if retry:
+            out[i] = call_workers(roles, call, what, retry=False, timeout=timeout, only=[i])[0]
+    return [out[i] for i in idx]
 
 
 def stop_roles(roles: Roles | None) -> None:
@@ -284,7 +352,12 @@ class WorkerFailed(RuntimeError):
     pass
 
 
-def restart_worker(cfg: Config, roles: Roles, i: int, err: str, stage_index: int, stage: StageConfig) -> None:
+def restart_worker(cfg: Config, roles: Roles, i: int, err: str, stage_index: int | None = None,
+                   stage: StageConfig | None = None) -> None:
+    """Worker ``i`` died or hangs: requeue its claimed prompts, start a new one in its place (within
+    ``cluster.max_worker_restarts``, else ``WorkerFailed`` naming it), rebuild the broadcast group with
+    it and push the current weights. When ``stage`` is given (an RL stage is running, async mode) the
+    rollout loops are paused for the rebuild and started again, the new worker's too."""
     import ray
 
     requeued = ray.get(roles.replay.release_worker.remote(i))
@@ -298,22 +371,26 @@ def restart_worker(cfg: Config, roles: Roles, i: int, err: str, stage_index: int
     except Exception:
         pass
     roles.workers[i] = start_worker(cfg, i, roles.retrieval, roles.hooks.engine_wrap, policy=roles.policy)
-    ray.get(roles.workers[i].ready.remote())
+    ray.get(roles.workers[i].ready.remote(), timeout=cfg.cluster.step_timeout_s)
+    running = stage is not None and cfg.cluster.mode == "async"
     # The broadcast group includes every rank, so it is rebuilt: pause the others first (closing the
     # queue releases a producer blocked on backpressure; its prompt is requeued), then resume all.
-    ray.get(roles.replay.close.remote())
-    ray.get([w.stop.remote() for j, w in enumerate(roles.workers) if j != i])
-    ray.get(roles.replay.reopen.remote())
+    if running:
+        ray.get(roles.replay.close.remote())
+        call_workers(roles, lambda w, j: w.stop.remote(), "stop", retry=False,
+                     only=[j for j in range(len(roles.workers)) if j != i])
+        ray.get(roles.replay.reopen.remote())
     connect_broadcast(cfg, roles)
-    if cfg.cluster.mode == "async":
-        ray.get([w.start.remote(roles.replay, stage_index, stage) for w in roles.workers])
+    if running:
+        call_workers(roles, lambda w, j: w.start.remote(roles.replay, stage_index, stage), "start")
 
 
 def stop_rollouts(roles: Roles) -> None:
     import ray
 
+    roles.active = None  # a worker found dead from here on is restarted without a rollout loop
     ray.get(roles.replay.close.remote())
-    ray.get([w.stop.remote() for w in roles.workers])
+    call_workers(roles, lambda w, i: w.stop.remote(), "stop", retry=False)
     ray.get(roles.replay.drain.remote())
 
 
@@ -322,16 +399,79 @@ def verify_weights(roles: Roles) -> dict:
     import ray
 
     push_weights(roles)
-    ray.get([w.apply_staged_weights.remote() for w in roles.workers])
+    call_workers(roles, lambda w, i: w.apply_staged_weights.remote(), "apply_staged_weights")
     learner = ray.get(roles.learner.checksum.remote())
-    workers = ray.get([w.checksum.remote() for w in roles.workers])
-    produced = [ray.get(w.health.remote())["stats"]["trajectories"] for w in roles.workers]
+    workers = call_workers(roles, lambda w, i: w.checksum.remote(), "checksum")
+    produced = [h["stats"]["trajectories"] for h in call_workers(roles, lambda w, i: w.health.remote(), "health")]
     ok = all(w["version"] == learner["version"] and
              (w["checksum"] is None or abs(w["checksum"] - learner["checksum"]) <= 1e-9 * abs(learner["checksum"]))
              for w in workers)
     if not ok:
         raise RuntimeError(f"weights diverged after the final push: learner {learner}, workers {workers}")
     return {"learner": learner, "workers": workers, "worker_trajectories": produced}
+
+
+class ReplicaFailed(RuntimeError):
+    pass
+
+
+class LearnerDied(RuntimeError):
+    pass
+
+
+def check_retrieval(cfg: Config, roles: Roles) -> dict:
+    """Ping every retrieval replica at once (``health()``: a cheap actor call), one shared deadline
+    (``cluster.health_timeout_s``). A replica Ray is restarting (``ActorUnavailableError``), or that
+    is silent, counts as unhealthy for now: the workers' clients wait for it (``cluster.retrieval_wait_s``).
+    One that is gone for good (its ``cluster.max_replica_restarts`` used up) is reported; when every
+    replica is gone the run fails with ``ReplicaFailed`` naming them. Returns the healthy count."""
+    import ray
+
+    refs = [h.health.remote() for h in roles.retrieval]
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=cfg.cluster.health_timeout_s)[0])
+    healthy, gone = 0, []
+    for i, ref in enumerate(refs):
+        if ref not in ready:
+            continue
+        try:
+            healthy += bool(ray.get(ref).get("ok"))
+        except ray.exceptions.ActorDiedError as e:
+            gone.append(f"retrieval replica {i}: {type(e).__name__}")
+        except ray.exceptions.RayActorError:  # restarting (ActorUnavailableError): it comes back
+            pass
+    if gone and len(gone) == len(refs):
+        raise ReplicaFailed(f"every retrieval replica is dead and cluster.max_replica_restarts="
+                            f"{cfg.cluster.max_replica_restarts} is used up: {'; '.join(gone)}")
+    if gone:
+        log.warning("retrieval running degraded: %s", "; ".join(gone))
+    return {K.RETRIEVAL_REPLICAS_HEALTHY: float(healthy)}
+
+
+def learner_dead(cfg: Config, roles: Roles | None) -> bool:
+    """Whether the learner actor is gone (its ``ping`` raises ``RayActorError``)."""
+    import ray
+
+    if roles is None:
+        return False
+    try:
+        ray.get(roles.learner.ping.remote(), timeout=cfg.cluster.health_timeout_s)
+    except ray.exceptions.RayActorError:
+        return True
+    except Exception:  # noqa: BLE001 - alive but busy or failing: not a death
+        return False
+    return False
+
+
+def kill_roles(roles: Roles) -> None:
+    """Kill every actor of ``roles`` (workers, learner, replay, retrieval replicas), keeping Ray up:
+    a learner death ends this set of roles and ``train`` starts a new one (``cluster.auto_resume``)."""
+    import ray
+
+    for h in [*roles.workers, roles.learner, roles.replay, *roles.retrieval]:
+        try:
+            ray.kill(h, no_restart=True)
+        except Exception:  # noqa: BLE001 - gone already
+            pass
 
 
 def maybe_checkpoint(cfg: Config, roles: Roles, run: Run, stage_index: int, steps: int) -> None:
@@ -360,7 +500,8 @@ def maybe_resume(cfg: Config, roles: Roles, run: Run) -> tuple[int, int]:
 
     from sonar.learner.checkpoint import resolve_checkpoint
 
-    path = resolve_checkpoint(cfg.run.resume, cfg.run.root)
+    # Resolved and checked by start_run, before Ray started (a harness's own Run may not have it).
+    path = run.resume_from or resolve_checkpoint(cfg.run.resume, cfg.run.root)
     state = ray.get(roles.learner.load_checkpoint.remote(path))
     # The saved cursor spans the question set of the stage it was walking (files or the world): size
     # the replay's cursor to match before loading it (its check then holds).
@@ -369,7 +510,9 @@ def maybe_resume(cfg: Config, roles: Roles, run: Run) -> tuple[int, int]:
     ray.get(roles.replay.load_state_dict.remote(state["replay"]))
     run.step = state.get("run_step", 0)
     push_weights(roles)
-    run.sink.log_params({"run.resumed_from": path})
+    # MLflow params are write-once: an auto-resume (cluster.auto_resume) logs its checkpoint under its own key.
+    n = run.results.get("faults", {}).get("learner_resumes", 0)
+    run.sink.log_params({"run.resumed_from" if n == 0 else f"run.auto_resumed_from.{n}": path})
     log.info("resumed from %s at version %d, stage %d step %d", path, state["version"], state["resume_stage"],
              state["resume_step"])
     return int(state["resume_stage"]), int(state["resume_step"])

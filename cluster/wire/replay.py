@@ -281,6 +281,16 @@ class ReplayQueue:
             cond.notify_all()
             return n
 
+    async def requeue(self, worker_id: int, prompt_index: int) -> None:
+        """A claimed prompt whose group is not put (its searches failed for infrastructure reasons):
+        back to the front of the cursor, counted in ``requeued_prompts`` and ``requeued_infra``. Its
+        trajectories were never produced, so the accounting is unchanged."""
+        cond = self._c()
+        async with cond:
+            self.core.requeue_claim(worker_id, prompt_index)
+            self.core.counts["requeued_infra"] = self.core.counts.get("requeued_infra", 0) + 1
+            cond.notify_all()
+
     async def put(self, payload: bytes, min_version: int, num_trajs: int, prompt_index: int, worker_id: int) -> bool:
         """Waits while the queue is full (backpressure). Returns False if the queue was closed."""
         cond = self._c()
