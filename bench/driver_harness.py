@@ -136,7 +136,7 @@ def run_training(cfg, sim=None, *, evaluate_after: bool = True, export: bool = F
         out["startup_s"] = time.monotonic() - t0
         for index, stage in enumerate(cfg.stages):
             before = _worker_stats(roles)
-            first_step = len(run.history)
+            first_step = run.rows_logged  # the history is a window (Run.HISTORY_WINDOW rows)
             ts = time.monotonic()
             if stage.kind == "sft":
                 D_loop.run_sft_stage(cfg, roles, run, index, stage)
@@ -147,7 +147,7 @@ def run_training(cfg, sim=None, *, evaluate_after: bool = True, export: bool = F
                    "t_start": ts, "t_end": ts + seconds,
                    "loop_seconds": run.results.get("rl", {}).get(index, {}).get("seconds", seconds),
                    "workers": _diff(_worker_stats(roles), before),
-                   "history": [h for h in run.history[first_step:] if h.get("stage") == index]}
+                   "history": [h for h in run.history_since(first_step) if h.get("stage") == index]}
             out["stages"].append(rec)
         out["replay"] = ray.get(roles.replay.stats.remote())
         out["weights"] = D_roles.verify_weights(roles)

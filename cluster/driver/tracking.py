@@ -11,9 +11,12 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 from typing import Mapping, Protocol
+
+from sonar.cluster.wire.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +103,9 @@ class MLflowSink:
             exp_id = mlflow.create_experiment(experiment, artifact_location=artifact_location)
         else:
             exp_id = exp.experiment_id
-        self._run = mlflow.start_run(experiment_id=exp_id, run_name=run_name)
+        # A run whose driver was SIGKILLed stays RUNNING: mark it before starting this one.
+        self.marked_dead = mark_dead_runs(self.uri, exp_id)
+        self._run = mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=owner_tags())
         self.run_id = self._run.info.run_id
 
     def log_params(self, params: Mapping[str, str]) -> None:
@@ -128,6 +133,87 @@ class MLflowSink:
         if self._mlflow.active_run() is not None:
             with _atomic_write():
                 self._mlflow.end_run(status=status)
+
+
+HOST_TAG, PID_TAG, PID_START_TAG = "sonar.host", "sonar.pid", "sonar.pid_start"
+DEAD_STATUS = "FAILED"
+"""What a run left RUNNING by a dead driver becomes (MLflow's KILLED means "stopped by the user")."""
+
+
+def _pid_start(pid: int) -> str | None:
+    """The process's start time (distinguishes a reused pid); None when there is no such process."""
+    try:
+        import psutil
+
+        return f"{psutil.Process(pid).create_time():.2f}"
+    except ImportError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "?"
+    except Exception:  # psutil.NoSuchProcess, AccessDenied, ...
+        return None
+
+
+def owner_tags(pid: int | None = None) -> dict[str, str]:
+    """Tags naming the driver process that owns a run: host, pid and the pid's start time."""
+    pid = os.getpid() if pid is None else pid
+    return {HOST_TAG: socket.gethostname(), PID_TAG: str(pid), PID_START_TAG: _pid_start(pid) or "?"}
+
+
+def owner_alive(tags: Mapping[str, str]) -> bool | None:
+    """Whether the driver that tagged a run still runs: None when it cannot be told (another host,
+    no tags: a run from before these tags, or from another program)."""
+    if tags.get(HOST_TAG) != socket.gethostname() or not str(tags.get(PID_TAG, "")).isdigit():
+        return None
+    start = _pid_start(int(tags[PID_TAG]))
+    if start is None:
+        return False
+    recorded = tags.get(PID_START_TAG, "?")
+    return start == recorded or "?" in (start, recorded)
+
+
+def mark_dead_runs(uri: str, experiment_id: str) -> list[str]:
+    """Runs of the experiment still RUNNING whose driver (same host, by pid and start time) is gone
+    are marked FAILED (``DEAD_STATUS``), with the tag ``sonar.end_reason``; returns their ids."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    dead = []
+    try:
+        runs = client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=1000)
+    except Exception as e:  # a store that cannot search must not stop the run
+        log.warning("could not look for stale MLflow runs in %s: %s", redact(uri), e)
+        return dead
+    for r in runs:
+        if owner_alive(r.data.tags) is False:
+            with _atomic_write():
+                client.set_tag(r.info.run_id, "sonar.end_reason", "driver process gone (killed)")
+                client.set_terminated(r.info.run_id, status=DEAD_STATUS)
+            dead.append(r.info.run_id)
+            log.warning("MLflow run %s was left RUNNING by driver pid %s, which is gone: marked %s",
+                        r.info.run_id, r.data.tags.get(PID_TAG), DEAD_STATUS)
+    return dead
+
+
+def mark_dead_runs_in_run_dir(run_dir: str | Path) -> list[str]:
+    """The same, in the default store of an earlier run directory (``<run_dir>/mlflow.db``): a resume
+    starts a new directory, so it marks the run it resumes if that run was killed."""
+    db = Path(run_dir) / "mlflow.db"
+    if not db.is_file():
+        return []
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{db.resolve()}"
+    try:
+        exps = MlflowClient(tracking_uri=uri).search_experiments()
+    except Exception as e:
+        log.warning("could not read the MLflow store %s: %s", db, e)
+        return []
+    return [rid for e in exps for rid in mark_dead_runs(uri, e.experiment_id)]
 
 
 def make_sink(enabled: bool, run_dir: str | Path, uri: str | None, experiment: str, run_name: str) -> Sink:
