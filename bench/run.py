@@ -24,6 +24,7 @@ BENCHMARKS = {
     "codec-and-queue": "msgpack trajectory codec MB/s and replay-queue put/get items/s, one by one vs batched",
     "retrieval": "retrieval latency and throughput per backend",
     "end-to-end": "steps/s and tokens/s of the full training loop",
+    "soak": "RSS of the driver, learner and workers over a long run: slope after warm-up (MB/min)",
     "engines": "tokens/s of the rollout engines (transformers static and continuous, vLLM) at 1, 8 and 64 rows",
 }
 USAGE = "usage: sonar bench NAME [--quick] [--out DIR] [options of NAME]   (sonar bench NAME -h for them)"

@@ -1,0 +1,190 @@
+"""soak: does any process of a long run grow? RSS of the driver, the learner and each rollout worker over time.
+
+Question (issue 14, "a soak benchmark"): run training for ``--minutes N`` through the production driver
+functions (``bench.driver_harness.run_training``, as end-to-end does) and sample, every ``--every``
+seconds, the resident set size of the driver (this process), the learner and every rollout worker
+(their pids from the actors' own ``ping`` / ``ready``; psutil reads the RSS). After a warm-up (the
+first ``--warmup`` fraction of the samples: imports, allocator pools, the first batches, the
+evaluation) each role's RSS must be flat: the benchmark reports the least-squares slope of RSS
+against time after the warm-up, in MB per minute, per role (``rss_slope_mb_per_min/<role>``; the
+workers' as a summary over the workers), and the RSS at the end of the warm-up and at the end.
+
+How the run lasts N minutes: the last RL stage is given a very large number of steps, and when N
+minutes have passed since the roles answered, the sampler interrupts the driver's main thread
+(``_thread.interrupt_main``: the same KeyboardInterrupt a Ctrl-C gives, so the roles are stopped the
+way a user's Ctrl-C stops them). The interrupted run is expected; the samples are the result.
+
+``--quick`` (CI smoke test, < 1 minute): ``configs/smoke.yaml`` with 5 SFT steps, 0.3 minutes of RL,
+a sample every second: it checks the plumbing and the JSON, not the slope.
+"""
+from __future__ import annotations
+
+import _thread
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+
+from sonar.bench.common import REPO_ROOT, bench_settings, driver_bench_parser, setup_env, summarise, write_result
+
+setup_env()
+
+NAME = "soak"
+FULL = {"config": "configs/tiny.yaml", "minutes": 5.0, "every_s": 5.0, "warmup": 0.3,
+        "overrides": ["eval.before=false", "world.num_heldout_eval=8"], "repeats": 1}
+QUICK = {"config": "configs/smoke.yaml", "minutes": 0.3, "every_s": 1.0, "warmup": 0.3,
+         "overrides": ["stages.0.steps=5", "eval.before=false", "world.num_heldout_eval=4", "eval.no_search=false",
+                       "eval.batch_size=4"], "repeats": 1}
+log = logging.getLogger("sonar.bench")
+
+
+def rss_slope(t_s: list[float], rss_bytes: list[float]) -> float:
+    """Least-squares slope of RSS against time, in MB (1e6 bytes) per minute."""
+    if len(t_s) < 2:
+        raise ValueError("rss_slope: need at least two samples")
+    t_min = np.asarray(t_s, dtype=np.float64) / 60.0
+    mb = np.asarray(rss_bytes, dtype=np.float64) / 1e6
+    return float(np.polyfit(t_min - t_min.mean(), mb, 1)[0])
+
+
+class RssSampler:
+    """Every ``every_s`` seconds, the RSS of each named pid; after ``minutes``, interrupts the main thread."""
+
+    def __init__(self, every_s: float, minutes: float):
+        self.every_s, self.minutes = every_s, minutes
+        self.pids: dict[str, int] = {}
+        self.samples: dict[str, list[tuple[float, int]]] = {}
+        self.t0 = None
+        self.interrupted = False
+        self._stop = threading.Event()
+        self._thread = None
+
+    def start(self, pids: dict[str, int]) -> None:
+        self.pids = dict(pids)
+        self.samples = {role: [] for role in pids}
+        self.t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        import psutil
+
+        t = time.monotonic() - self.t0
+        for role, pid in self.pids.items():
+            try:
+                self.samples[role].append((t, psutil.Process(pid).memory_info().rss))
+            except psutil.Error:  # the process is gone (the run is ending)
+                pass
+
+    def _loop(self) -> None:
+        deadline = self.t0 + 60.0 * self.minutes
+        while not self._stop.is_set():
+            self._sample()
+            if time.monotonic() >= deadline:
+                self.interrupted = True
+                _thread.interrupt_main()  # a Ctrl-C for the driver: it stops the roles
+                return
+            self._stop.wait(min(self.every_s, max(0.0, deadline - time.monotonic())))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def role_pids(roles) -> dict[str, int]:
+    """Pids of the driver, the learner and each worker, as the actors report them."""
+    import ray
+
+    pids = {"driver": os.getpid(), "learner": int(ray.get(roles.learner.ping.remote())["pid"])}
+    for i, r in enumerate(ray.get([w.ready.remote() for w in roles.workers])):
+        pids[f"worker{i}"] = int(r["pid"])
+    return pids
+
+
+def analyse(samples: dict[str, list[tuple[float, int]]], warmup: float) -> dict:
+    """Per role: slope after the warm-up (MB/min) and the RSS (MB) at the warm-up's end and at the end."""
+    out = {}
+    for role, ss in samples.items():
+        if len(ss) < 3:
+            continue
+        cut = min(int(len(ss) * warmup), len(ss) - 2)
+        t, rss = [s[0] for s in ss[cut:]], [s[1] for s in ss[cut:]]
+        out[role] = {"slope_mb_per_min": rss_slope(t, rss), "rss_mb_after_warmup": rss[0] / 1e6,
+                     "rss_mb_end": rss[-1] / 1e6, "samples": len(ss), "warmup_samples": cut,
+                     "seconds_measured": t[-1] - t[0]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = driver_bench_parser(NAME, __doc__.splitlines()[0], "the run's config")
+    p.add_argument("--minutes", type=float, default=None, help="how long to train after the roles answered "
+                                                               "(default 5; quick 0.3)")
+    p.add_argument("--every", type=float, default=None, help="seconds between samples (default 5; quick 1)")
+    p.add_argument("--warmup", type=float, default=None, help="fraction of the samples taken as warm-up (0.3)")
+    p.add_argument("--config", default=None, help="run config (default configs/tiny.yaml; quick: smoke.yaml)")
+    args = p.parse_args(argv)
+    bench = bench_settings(args, QUICK, FULL)
+    for key, val in (("minutes", args.minutes), ("every_s", args.every), ("warmup", args.warmup),
+                     ("config", args.config)):
+        if val is not None:
+            bench[key] = val
+    from sonar.bench.driver_harness import run_training
+    from sonar.cluster.wire.config import load_config, to_dict
+
+    base = load_config([REPO_ROOT / bench["config"]], bench["overrides"] + args.overrides)
+    last_rl = max(i for i, s in enumerate(base.stages) if s.kind == "rl")
+    cfg = load_config([REPO_ROOT / bench["config"]],
+                      bench["overrides"] + [f"stages.{last_rl}.steps=1000000"] + args.overrides)
+    sampler = RssSampler(bench["every_s"], bench["minutes"])
+    t0 = time.monotonic()
+    try:
+        run_training(cfg, evaluate_after=False, on_roles=lambda roles: sampler.start(role_pids(roles)))
+    except KeyboardInterrupt:
+        if not sampler.interrupted:
+            raise
+    finally:
+        sampler.stop()
+    wall = time.monotonic() - t0
+    roles = analyse(sampler.samples, bench["warmup"])
+    if "driver" not in roles or "learner" not in roles:
+        log.error("soak: too few samples (%s); run longer (--minutes)", {r: len(s) for r, s in sampler.samples.items()})
+        return 1
+    workers = [v for r, v in roles.items() if r.startswith("worker")]
+    metrics = {}
+    for name, group in (("driver", [roles["driver"]]), ("learner", [roles["learner"]]), ("worker", workers)):
+        if group:
+            metrics[f"rss_slope_mb_per_min/{name}"] = summarise(g["slope_mb_per_min"] for g in group)
+            metrics[f"rss_mb_end/{name}"] = summarise(g["rss_mb_end"] for g in group)
+            metrics[f"rss_mb_after_warmup/{name}"] = summarise(g["rss_mb_after_warmup"] for g in group)
+    for role, v in roles.items():
+        log.info("soak %-8s RSS %.1f -> %.1f MB over %.0f s after warm-up: slope %+.3f MB/min (%d samples)",
+                 role, v["rss_mb_after_warmup"], v["rss_mb_end"], v["seconds_measured"], v["slope_mb_per_min"],
+                 v["samples"])
+    samples = {r: [[round(t, 2), int(b)] for t, b in s] for r, s in sampler.samples.items()}
+
+    def plot(png):
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for r, s in samples.items():
+            if s:
+                ax.plot([x[0] / 60 for x in s], [x[1] / 1e6 for x in s], label=r)
+        ax.set_xlabel("minutes since the roles answered")
+        ax.set_ylabel("RSS (MB)")
+        ax.set_title(f"soak: RSS per role ({bench['config']}, {bench['minutes']} min)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(png, dpi=100)
+
+    config = {"quick": bool(args.quick), **bench, "cli_overrides": args.overrides, "resolved": to_dict(cfg)}
+    path = write_result(NAME, config, metrics, plot, args.out,
+                        extra={"roles": roles, "samples": samples, "wall_s": wall, "pids": sampler.pids})
+    print(f"soak: wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
