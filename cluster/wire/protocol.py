@@ -13,9 +13,12 @@ Pure module: numpy + msgpack only.
 from __future__ import annotations
 
 import dataclasses
+import re
+import types
+import typing
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 import numpy as np
@@ -54,7 +57,8 @@ class Segment:
     """Policy version that sampled this segment (MODEL only; -1 otherwise)."""
 
     def __post_init__(self) -> None:
-        self.kind = SegmentKind(self.kind)
+        if type(self.kind) is not SegmentKind:  # an enum call costs more than the rest of this check
+            self.kind = SegmentKind(self.kind)
         self.token_ids = np.asarray(self.token_ids, dtype=np.int32).reshape(-1)
         if self.kind == SegmentKind.MODEL:
             if self.logprobs is None:
@@ -151,12 +155,120 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
+_ARRAY_DTYPE = re.compile(r"^[<>|][iuf](1|2|4|8)$")
+"""``dtype.str`` of an array on the wire: signed, unsigned or float, 1-8 bytes; never object, string or void."""
+_MAX_NDIM = 8
+
+
 def _ext_hook(code: int, data: bytes) -> Any:
+    """An ndarray: 4-byte little-endian header length, msgpack [dtype.str, shape], raw bytes. Every
+    part is checked (dtype, shape, byte count) before numpy sees it."""
     if code != _EXT_NDARRAY:
         raise ProtocolError(f"unknown msgpack ext type {code}")
+    if len(data) < 4:
+        raise ProtocolError(f"ndarray ext of {len(data)} bytes has no header length")
     n = int.from_bytes(data[:4], "little")
-    dtype, shape = msgpack.unpackb(data[4:4 + n], raw=False)
-    return np.frombuffer(data[4 + n:], dtype=np.dtype(dtype)).reshape(shape).copy()
+    if 4 + n > len(data):
+        raise ProtocolError(f"ndarray header length {n} exceeds the ext's {len(data) - 4} bytes")
+    try:
+        header = msgpack.unpackb(data[4:4 + n], raw=False)
+    except Exception as e:  # msgpack's errors have no common base
+        raise ProtocolError(f"ndarray header undecodable ({type(e).__name__}: {e})") from None
+    if not (isinstance(header, list) and len(header) == 2 and isinstance(header[0], str)
+            and isinstance(header[1], list) and len(header[1]) <= _MAX_NDIM
+            and all(type(d) is int and d >= 0 for d in header[1])):
+        raise ProtocolError(f"ndarray header {header!r:.80} is not [dtype, shape]")
+    dtype_str, shape = header
+    if not _ARRAY_DTYPE.match(dtype_str):
+        raise ProtocolError(f"ndarray dtype {dtype_str!r:.40} is not a plain numeric dtype")
+    try:
+        dtype = np.dtype(dtype_str)
+    except TypeError:  # '|f1': no such float
+        raise ProtocolError(f"ndarray dtype {dtype_str!r} is not a numpy dtype") from None
+    if dtype.str != dtype_str:  # e.g. '<i3' parses to nothing numpy would have written
+        raise ProtocolError(f"ndarray dtype {dtype_str!r:.40} is not one numpy writes")
+    count = 1
+    for d in shape:
+        count *= d
+    body = len(data) - 4 - n
+    if count * dtype.itemsize != body:
+        raise ProtocolError(f"ndarray {dtype_str} of shape {shape} needs {count * dtype.itemsize} bytes, got {body}")
+    return np.frombuffer(data[4 + n:], dtype=dtype).reshape(shape).copy()
+
+
+def _kind(tp: Any) -> tuple[Callable[[Any], bool], str]:
+    """(predicate, description) of a field annotation, for the decoder's structure checks. msgpack
+    gives back what the encoder wrote: lists for lists, dicts for dicts, int or float for a float field
+    (a Python int stored there), ndarrays from the ext hook. An annotation this does not know fails at
+    import, so a new wire field cannot go unchecked."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return (lambda v: True), "anything"
+    if tp is type(None):
+        return (lambda v: v is None), "None"
+    if tp is bool:
+        return (lambda v: isinstance(v, bool)), "bool"
+    if tp is int:
+        return (lambda v: type(v) is int), "int"
+    if tp is float:
+        return (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)), "float"
+    if tp is str:
+        return (lambda v: isinstance(v, str)), "str"
+    if tp is np.ndarray:
+        return (lambda v: isinstance(v, np.ndarray)), "ndarray"
+    if origin in (typing.Union, types.UnionType):
+        parts = [_kind(a) for a in args]
+        return (lambda v: any(f(v) for f, _ in parts)), " | ".join(d for _, d in parts)
+    if origin is list and len(args) == 1:
+        f, d = _kind(args[0])
+        return (lambda v: isinstance(v, list) and all(f(x) for x in v)), f"list[{d}]"
+    if origin is dict and len(args) == 2:
+        (fk, dk), (fv, dv) = _kind(args[0]), _kind(args[1])
+        return (lambda v: isinstance(v, dict) and all(fk(k) and fv(x) for k, x in v.items())), f"dict[{dk}, {dv}]"
+    raise TypeError(f"protocol: no decoder check for the annotation {tp!r}; add one to _kind")
+
+
+def _fields(cls: type, skip: tuple[str, ...] = ()) -> dict[str, tuple[Callable[[Any], bool], str]]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: _kind(hints[f.name]) for f in dataclasses.fields(cls) if f.name not in skip}
+
+
+_TRAJ_FIELDS = _fields(Trajectory, skip=("segments", "searches"))
+_SEARCH_FIELDS = _fields(SearchCall)
+_TRAJ_KEYS = frozenset(f.name for f in dataclasses.fields(Trajectory))
+_KINDS = {int(k): k for k in SegmentKind}
+
+
+def _check_keys(d: Any, expected: frozenset, where: str) -> None:
+    if not isinstance(d, dict):
+        raise ProtocolError(f"{where}: expected a map, got {type(d).__name__}")
+    if d.keys() != expected:
+        missing, extra = sorted(expected - d.keys()), sorted(map(repr, d.keys() - expected))
+        raise ProtocolError(f"{where}: missing keys {missing}, unknown keys {extra[:5]}")
+
+
+def _check_values(d: dict, fields: dict, where: str) -> None:
+    for name, (ok, desc) in fields.items():
+        if not ok(d[name]):
+            raise ProtocolError(f"{where}.{name}: expected {desc}, got {type(d[name]).__name__}")
+
+
+def _segment_from_obj(s: Any, where: str) -> Segment:
+    if not (isinstance(s, list) and len(s) == 4):
+        raise ProtocolError(f"{where}: expected [kind, token_ids, logprobs, version], got {type(s).__name__}")
+    kind, ids, lp, version = s
+    if type(kind) is not int or kind not in _KINDS:
+        raise ProtocolError(f"{where}: kind {kind!r:.40} is not one of {sorted(_KINDS)}")
+    if not (isinstance(ids, np.ndarray) and ids.dtype == np.int32 and ids.ndim == 1):
+        raise ProtocolError(f"{where}: token_ids must be a 1-d int32 array")
+    if lp is not None and not (isinstance(lp, np.ndarray) and lp.dtype == np.float32 and lp.ndim == 1):
+        raise ProtocolError(f"{where}: logprobs must be None or a 1-d float32 array")
+    if type(version) is not int:
+        raise ProtocolError(f"{where}: version must be an int, got {type(version).__name__}")
+    try:
+        return Segment(_KINDS[kind], ids, lp, version)
+    except ProtocolError as e:  # MODEL without logprobs, shapes that differ, logprobs on another kind
+        raise ProtocolError(f"{where}: {e}") from None
 
 
 def _traj_to_obj(t: Trajectory) -> dict:
@@ -166,11 +278,27 @@ def _traj_to_obj(t: Trajectory) -> dict:
     return d
 
 
-def _traj_from_obj(d: dict) -> Trajectory:
+def _traj_from_obj(d: Any, where: str = "trajectory") -> Trajectory:
+    """A decoded payload -> Trajectory, every key and type checked first: anything malformed is a
+    ProtocolError naming where it is, never a TypeError or KeyError from the constructors."""
+    _check_keys(d, _TRAJ_KEYS, where)
+    _check_values(d, _TRAJ_FIELDS, where)
     d = dict(d)
-    d["segments"] = [Segment(SegmentKind(k), ids, lp, v) for k, ids, lp, v in d["segments"]]
-    d["searches"] = [SearchCall(**c) for c in d["searches"]]
+    if not isinstance(d["segments"], list):
+        raise ProtocolError(f"{where}.segments: expected a list, got {type(d['segments']).__name__}")
+    d["segments"] = [_segment_from_obj(s, f"{where}.segments[{i}]") for i, s in enumerate(d["segments"])]
+    if not isinstance(d["searches"], list):
+        raise ProtocolError(f"{where}.searches: expected a list, got {type(d['searches']).__name__}")
+    searches = []
+    for i, c in enumerate(d["searches"]):
+        _check_keys(c, _SEARCH_KEYS, f"{where}.searches[{i}]")
+        _check_values(c, _SEARCH_FIELDS, f"{where}.searches[{i}]")
+        searches.append(SearchCall(**c))
+    d["searches"] = searches
     return Trajectory(**d)
+
+
+_SEARCH_KEYS = frozenset(_SEARCH_FIELDS)
 
 
 def encode_trajectory(t: Trajectory) -> bytes:
@@ -186,23 +314,34 @@ def encode_group(trajs: list[Trajectory]) -> bytes:
 def _unpack(data: bytes, expect: str) -> Any:
     try:
         msg = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
-    except (msgpack.UnpackException, ValueError) as e:
-        raise ProtocolError(f"undecodable message: {e}") from None
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgpack's errors (ExtraData, StackError, FormatError, TypeError...) share no base
+        raise ProtocolError(f"undecodable message ({type(e).__name__}: {e})") from None
     if not isinstance(msg, dict) or "v" not in msg:
         raise ProtocolError("message without schema version")
-    if msg["v"] != SCHEMA_VERSION:
-        raise ProtocolError(f"schema version {msg['v']} != supported {SCHEMA_VERSION}")
+    if type(msg["v"]) is not int or msg["v"] != SCHEMA_VERSION:
+        raise ProtocolError(f"schema version {msg['v']!r:.40} != supported {SCHEMA_VERSION}")
     if msg.get("t") != expect:
-        raise ProtocolError(f"expected a {expect!r} message, got {msg.get('t')!r}")
+        raise ProtocolError(f"expected a {expect!r} message, got {msg.get('t')!r:.40}")
+    _check_keys(msg, _ENVELOPE, "message")
     return msg["p"]
 
 
+_ENVELOPE = frozenset(("v", "t", "p"))
+
+
 def decode_trajectory(data: bytes) -> Trajectory:
+    """Raises ProtocolError for anything but a well-formed trajectory message of this schema version."""
     return _traj_from_obj(_unpack(data, "traj"))
 
 
 def decode_group(data: bytes) -> list[Trajectory]:
-    return [_traj_from_obj(d) for d in _unpack(data, "group")]
+    """Raises ProtocolError for anything but a well-formed group message of this schema version."""
+    payload = _unpack(data, "group")
+    if not isinstance(payload, list):
+        raise ProtocolError(f"group payload: expected a list of trajectories, got {type(payload).__name__}")
+    return [_traj_from_obj(d, f"group[{i}]") for i, d in enumerate(payload)]
 
 
 @dataclass
