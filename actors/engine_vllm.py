@@ -155,6 +155,15 @@ class VLLMEngine:
             disable_log_stats=True)
         if kv_cache_gib > 0:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
+        import torch
+
+        if not torch.cuda.is_available():
+            # Chunked prefill splits a long prefill across steps and, for a row with its own seed (every
+            # row here), rewinds that row's generator offset for the discarded sample; a CPU generator
+            # refuses ("CPU Generator does not use offset") and the engine core dies. Without chunking a
+            # prefill runs whole, so a step's token budget must hold the longest sequence.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(int(max_model_len), 4096)
         if self.tensor_parallel_size > 1:
             kwargs["distributed_executor_backend"] = "mp"  # vLLM's workers on this actor's GPUs, not Ray actors
         try:

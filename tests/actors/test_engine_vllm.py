@@ -275,6 +275,19 @@ def test_with_top_p_below_one_vllm_records_the_nucleus_samplers_own_logprob(env)
     assert worst <= LOGPROB_ATOL
 
 
+def test_a_prefill_larger_than_one_step_with_seeded_rows_does_not_kill_the_engine(env):
+    """64 seeded rows whose prompts (22,400 tokens) exceed a step's token budget. With chunked prefill,
+    vLLM splits a prefill across steps and rewinds the row's generator offset for the discarded sample,
+    which a CPU generator refuses ("CPU Generator does not use offset": the engine core died in the
+    async-vs-sync benchmark); the engine turns chunked prefill off where torch has no CUDA."""
+    rng = np.random.default_rng(3)
+    vocab = len(env.tok)
+    prompts = [rng.integers(4, vocab, 350).astype(np.int32) for _ in range(64)]
+    gens = env.engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=11))
+    assert len(gens) == 64 and all(0 < len(g.token_ids) <= 4 for g in gens)
+    assert len({tuple(g.token_ids) for g in gens}) > 1
+
+
 def test_concurrent_callers_share_the_engine_and_each_gets_its_own_rows(env):
     p = SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=env.stops)
     alone = [g.token_ids.tolist() for g in env.engine.generate(PROMPTS, p)]
