@@ -46,6 +46,31 @@ def _import_deepspeed_without_shm_jit():
     return deepspeed
 
 
+def _init_process_group_on_loopback(backend: str, rank: int, world_size: int, master_port: int | None) -> None:
+    """The learner's default process group (DeepSpeed adopts it), with every socket on 127.0.0.1.
+
+    ``deepspeed.init_distributed`` would call ``init_process_group("env://")``, whose master TCPStore
+    listens on every interface; here rank 0's store listens on 127.0.0.1 only (``master_store``), the
+    group is built on it (``store=``), and gloo's pair sockets (this group's and the subgroups DeepSpeed
+    creates later) use the loopback interface (``GLOO_SOCKET_IFNAME``, unless the user set it).
+    ``master_port`` None: rank 0 takes a port the OS picks (a single-rank learner)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from sonar.cluster.wire.weights import loopback_interface, master_store
+
+    timeout = datetime.timedelta(minutes=30)
+    if rank == 0:
+        store = master_store("127.0.0.1", master_port or 0, world_size, timeout.total_seconds())
+    else:
+        store = dist.TCPStore("127.0.0.1", int(master_port), world_size, is_master=False, timeout=timeout)
+    os.environ["MASTER_PORT"] = str(store.port)
+    if backend == "gloo":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
 class Learner:
     """``policy``: the Hugging Face directory of the run's initial policy (the driver materialises it;
     the KL reference and the exports are built from it too)."""
@@ -63,7 +88,7 @@ class Learner:
         self.policy = policy
         self.on_gpu = torch.cuda.is_available() and cfg.learner.num_gpus > 0
         os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port or free_port()))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port or 0))
         deepspeed = _import_deepspeed_without_shm_jit()
         torch.manual_seed(cfg.run.seed)
         model, self.tokenizer = load_policy(policy)
@@ -75,7 +100,8 @@ class Learner:
         opt = torch.optim.AdamW(params, lr=0.0, betas=tuple(cfg.learner.betas), weight_decay=cfg.learner.weight_decay)
         backend = resolve_backend(cfg.learner, self.on_gpu)
         if not torch.distributed.is_initialized():
-            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+            _init_process_group_on_loopback(backend, rank, world_size, master_port)
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # adopts that group
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=opt, config=deepspeed_config(cfg.learner, self.on_gpu))
         self.device = self.engine.device

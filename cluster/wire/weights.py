@@ -9,11 +9,17 @@ Tensors travel in flat buckets of ``bucket_bytes`` (one dtype per bucket): one c
 instead of one per parameter, which is what makes the push cheap. Only a small "version v ready"
 message travels through Ray. Every rank must call ``GroupMember.create`` concurrently: group creation
 blocks until all ranks have joined.
+
+Sockets stay on the address they were given: rank 0's store listens on ``master_addr`` only (torch's
+own master TCPStore would listen on every interface) and each rank's gloo pair sockets on the local
+address that reaches ``master_addr`` (127.0.0.1 for a local run); see :func:`master_store`.
 """
 from __future__ import annotations
 
 import datetime
 import hashlib
+import ipaddress
+import socket
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -125,12 +131,73 @@ def checksum(named: Iterable[tuple[str, torch.Tensor]]) -> float:
     return total
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) resolves to a loopback address only."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def local_address_towards(host: str) -> str:
+    """The address of this machine's interface that reaches ``host`` (the route's source address;
+    no packet is sent): 127.0.0.1 for a loopback ``host``, the node's own address otherwise. A rank's
+    gloo pair sockets listen there and nowhere else."""
+    family, _, _, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
+
+
+def loopback_interface() -> str:
+    """The name of the interface that holds 127.0.0.1 (``lo`` on Linux, ``lo0`` on macOS)."""
+    try:
+        import psutil
+
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs):
+                return name
+    except ImportError:  # pragma: no cover - psutil ships with Ray
+        pass
+    return "lo"
+
+
+def master_store(host: str, port: int, world_size: int, timeout_s: float = 300.0,
+                 wait_for_workers: bool = False) -> dist.TCPStore:
+    """Rank 0's TCPStore, listening on ``host`` only (``port`` 0: a port the OS picks, ``.port``).
+
+    ``TCPStore(host, port, is_master=True)`` binds its server on every interface whatever ``host``
+    says (torch 2.13: ``*:port``, IPv6 any); here Sonar binds the listening socket itself on ``host``
+    and hands it over (``master_listen_fd``; the store owns and closes it)."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(max(128, world_size))
+        bound = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(host, bound, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=wait_for_workers, master_listen_fd=sock.detach())
+
+
+def gloo_options(master_addr: str, timeout: datetime.timedelta) -> "dist.ProcessGroupGloo._Options":
+    """Gloo options whose one device listens on the local address that reaches ``master_addr`` (the
+    default device resolves the hostname, which may be any interface)."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_addr))]
+    return opts
+
+
 def open_store(host: str, world_size: int, timeout_s: float = 300.0) -> dist.TCPStore:
-    """Rank 0's rendezvous store, listening now on a port the OS picks (``.port``) and held until the
-    group closes: no window in which another process can take a port chosen for it. ``host``: the
-    address the other ranks dial (the learner's node address)."""
-    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    """Rank 0's rendezvous store, listening now on ``host`` only, on a port the OS picks (``.port``),
+    and held until the group closes: no window in which another process can take a port chosen for
+    it. ``host``: the address the other ranks dial (the learner's node address; 127.0.0.1 locally)."""
+    return master_store(host, 0, world_size, timeout_s)
 
 
 class BroadcastGroup:
@@ -148,11 +215,15 @@ class BroadcastGroup:
                              f"{master_port}; got rank {rank}")
         self.rank, self.world_size, self.backend = rank, world_size, backend
         timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = store if store is not None else dist.TCPStore(
-            master_addr, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=True)
+        if store is not None:
+            self._store = store
+        elif rank == 0:
+            self._store = master_store(master_addr, master_port, world_size, timeout_s, wait_for_workers=True)
+        else:
+            self._store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
         store = dist.PrefixStore(prefix, self._store)
-        if backend == "gloo":
-            self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        if backend == "gloo":  # pair sockets on the interface that reaches master_addr, nowhere else
+            self._pg = dist.ProcessGroupGloo(store, rank, world_size, gloo_options(master_addr, timeout))
             self.device = torch.device("cpu")
         else:  # pragma: no cover - needs CUDA
             self._pg = dist.ProcessGroupNCCL(store, rank, world_size)
