@@ -6,7 +6,10 @@ version that produced them. The loss mask follows from the segment kinds (MODEL 
 is born with the tokens and never rebuilt from strings.
 
 Arrays travel as raw bytes with dtype and shape (msgpack ext type 1), never as Python lists.
-Every encoded message carries ``SCHEMA_VERSION``; decoding another version raises ``ProtocolError``.
+Every encoded message carries ``SCHEMA_VERSION``; decoding another version raises ``ProtocolError``,
+and so does anything else malformed: the decoder checks every key and type against the dataclasses'
+annotations and every array header (dtype, shape, byte count) before building objects, so no
+TypeError/KeyError/ValueError escapes it (tests/cluster/test_protocol_fuzz.py).
 
 Pure module: numpy + msgpack only.
 """
