@@ -125,7 +125,8 @@ def test_training_eval_and_sonar_eval_give_the_same_numbers(setup, tmp_path):
         run = start_run(cfg)
         handles = start_retrieval(cfg, run, prepare_corpus(cfg, run))
         worker = start_worker(cfg, 0, handles, policy=str(policy))
-        training = reports.evaluate(cfg, SimpleNamespace(workers=[worker]), run, split="parity")["search"]
+        training = reports.evaluate(cfg, SimpleNamespace(workers=[worker], cfg=cfg, active=None), run,
+                                    split="parity")["search"]
         for h in [worker, *handles]:
             ray.kill(h, no_restart=True)
     finally:
