@@ -104,12 +104,20 @@ class StopAfter:
         return self.seen >= self.steps
 
 
-def chaos_config(cfg: Config) -> Config:
+def chaos_config(cfg: Config, minutes: float | None = None, kill_every_s: float | None = None) -> Config:
     """RL stages unbounded (the clock ends them); a checkpoint every 5 RL steps unless the config has
-    its own (the learner resumes from it)."""
+    its own (the learner resumes from it). Given the schedule, the restart budgets cover it: every
+    scheduled worker kill may hit the same worker (``cluster.max_worker_restarts`` at least the number of
+    kills + 1), and the learner's one kill needs ``cluster.auto_resume`` >= 1. A budget the schedule
+    exhausts would end the run by design, which is not what a chaos run measures."""
     stages = [dataclasses.replace(s, steps=UNBOUNDED_STEPS) if s.kind == "rl" else s for s in cfg.stages]
     run = cfg.run if cfg.run.checkpoint_every else dataclasses.replace(cfg.run, checkpoint_every=5)
-    return dataclasses.replace(cfg, stages=stages, run=run)
+    cluster = cfg.cluster
+    if minutes is not None and kill_every_s:
+        kills = int(math.ceil(minutes * 60.0 / kill_every_s))
+        cluster = dataclasses.replace(cluster, max_worker_restarts=max(cluster.max_worker_restarts, kills + 1),
+                                      auto_resume=max(cluster.auto_resume, 1))
+    return dataclasses.replace(cfg, stages=stages, run=run, cluster=cluster)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -170,7 +178,7 @@ def run_chaos(cfg: Config, minutes: float, kill_every_s: float, seed: int = 0, c
     from sonar.cluster.driver.roles import Hooks
     from sonar.cluster.driver.run import world_of
 
-    cfg = chaos_config(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=seed)))
+    cfg = chaos_config(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=seed)), minutes, kill_every_s)
     chaos = Chaos(minutes, kill_every_s, seed, kill_replica=kill_replica, kill_learner=kill_learner)
     t0 = time.monotonic()
     summary = train(cfg, Hooks(on_step=chaos))

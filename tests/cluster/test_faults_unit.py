@@ -150,3 +150,18 @@ def test_chaos_schedule_on_a_fake_clock(tmp_path, monkeypatch):
     assert [t for t, w in killed if w == "retrieval replica 0"] == [15.0]
     assert [t for t, w in killed if w == "learner"] == [45.0]  # due at 30 s, waits for a checkpoint
     assert out[-1] is True and not any(out[:-1])  # 60 s: training ends
+
+
+def test_chaos_restart_budgets_cover_the_kill_schedule():
+    """Ten minutes of a kill every 60 s may hit one worker ten times: the budget must not end the run
+    (it did, at the third kill, with the default cluster.max_worker_restarts=2)."""
+    from sonar.cluster.driver.chaos import UNBOUNDED_STEPS, chaos_config
+    from sonar.cluster.wire.config import load_config
+
+    cfg = load_config([], ["cluster.max_worker_restarts=2", "cluster.auto_resume=0"])
+    out = chaos_config(cfg, minutes=10, kill_every_s=60)
+    assert out.cluster.max_worker_restarts == 11 and out.cluster.auto_resume == 1
+    assert all(s.steps == UNBOUNDED_STEPS for s in out.stages if s.kind == "rl")
+    big = load_config([], ["cluster.max_worker_restarts=50", "cluster.auto_resume=3"])
+    kept = chaos_config(big, minutes=1, kill_every_s=30)
+    assert (kept.cluster.max_worker_restarts, kept.cluster.auto_resume) == (50, 3)  # never lowered
