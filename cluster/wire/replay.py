@@ -21,7 +21,9 @@ but not so many that they would be stale before they are trained. ``ReplayQueue.
 ``wait_s`` for room and otherwise returns [] (the worker retries).
 
 Prompts: workers claim prompt indices from a seeded epoch permutation. A claim is released when its
-group is put; the claims of a dead worker are requeued at the front, so no prompt is lost.
+group is put; the claims of a dead worker are requeued at the front, so no prompt is lost. A put is
+accepted only against an outstanding claim (one claim admits one group), so a put that outlived its
+dead worker cannot train a requeued prompt a second time.
 """
 from __future__ import annotations
 
@@ -146,6 +148,10 @@ class ReplayCore:
         idx = self.cursor.take(n)
         self.claims.setdefault(worker_id, []).extend(idx)
         return idx
+
+    def holds_claim(self, worker_id: int, prompt_index: int) -> bool:
+        """Whether ``worker_id`` still holds an outstanding claim on ``prompt_index``."""
+        return prompt_index in self.claims.get(worker_id, ())
 
     def release_worker(self, worker_id: int) -> int:
         """Requeue every outstanding claim of a dead worker; returns how many."""
@@ -297,6 +303,13 @@ class ReplayQueue:
         async with cond:
             while self.core.full() and not self._closed:
                 await cond.wait()
+            if not self.core.holds_claim(worker_id, prompt_index):
+                # The claim was released while this put waited for room: its worker was declared dead
+                # and the prompt requeued, so another claim now owns it. This put outlived its caller
+                # (an actor keeps running a call whose caller died); adding the group would train the
+                # prompt twice. Its trajectories never count as produced.
+                self.core.counts["orphan_puts"] = self.core.counts.get("orphan_puts", 0) + 1
+                return False
             if self._closed:
                 self.core.requeue_claim(worker_id, prompt_index)  # never silently lost
                 return False

@@ -100,8 +100,9 @@ def test_state_dict_requeues_queued_prompts():
 def test_queue_actor_logic_backpressure_and_timeout():
     async def scenario():
         q = ReplayQueue(capacity_groups=1, max_policy_lag=4, stale_policy="drop", num_prompts=10, seed=0)
-        assert await q.put(b"a", 0, 1, 0, 0)
-        blocked = asyncio.create_task(q.put(b"b", 0, 1, 1, 0))
+        idx = await q.claim(0, 2)
+        assert await q.put(b"a", 0, 1, idx[0], 0)
+        blocked = asyncio.create_task(q.put(b"b", 0, 1, idx[1], 0))
         await settle()
         assert not blocked.done()  # the queue is full: the producer waits
         got = await q.get(1, 0, timeout_s=1.0)
@@ -456,3 +457,29 @@ def test_property_budget_holds_with_concurrent_async_workers_and_learner():
 
     q = asyncio.run(scenario())
     assert q.core.balance()["balanced"]
+
+
+def test_a_put_that_outlives_its_dead_worker_cannot_train_a_requeued_prompt_twice():
+    """Found by the 10-minute chaos run: a worker's put waited for room in a full queue, the worker was
+    SIGKILLed, the driver requeued its claims, another worker trained the requeued prompt, and then the
+    orphaned put landed too: the prompt was trained twice in one learner step."""
+    async def scenario():
+        q = ReplayQueue(1, 4, "drop", 10, 0)
+        a = await q.claim(0, 1)
+        b = await q.claim(1, 1)
+        assert await q.put(b"a", 0, 1, a[0], 0)                 # the queue is now full
+        orphan = asyncio.create_task(q.put(b"b", 0, 1, b[0], 1))
+        await settle()
+        assert not orphan.done()                               # worker 1's put waits for room...
+        assert await q.release_worker(1) == 1                  # ...worker 1 dies, its claim requeued
+        again = await q.claim(0, 1)
+        assert again == b                                      # worker 0 now owns the prompt
+        await q.get(1, 0, timeout_s=1.0)                       # room: the orphaned put wakes up
+        assert await orphan is False                           # and is refused
+        assert await q.put(b"b2", 0, 1, again[0], 0)           # the live claim's group is accepted
+        got = await q.get(1, 0, timeout_s=1.0)
+        assert got["groups"] == [b"b2"]
+        stats = await q.close()
+        assert stats["balanced"] and stats["orphan_puts"] == 1 and stats["produced"] == 2
+
+    asyncio.run(scenario())
