@@ -199,7 +199,9 @@ def test_from_config_reads_secrets_from_named_env_vars_only(monkeypatch):
     bad = ElasticConfig(hosts=["http://127.0.0.1:9", "https://alice:pw-in-url@es.example:9243"], index="i")
     with pytest.raises(ValueError, match="credentials") as ei:
         ElasticRetriever.from_config(bad)
-    assert "pw-in-url" not in str(ei.value) and "https://es.example:9243" in str(ei.value)
+    # The host is named with its userinfo redacted (cluster.wire.redact), the password never.
+    assert "pw-in-url" not in str(ei.value) and "alice" not in str(ei.value)
+    assert "https://***@es.example:9243" in str(ei.value)
     cfg = ElasticConfig(hosts=["http://127.0.0.1:9", "https://es.example:9243"], index="i",
                         api_key_env="MY_TEST_ES_KEY", request_timeout_s=3.5, verify_certs=False)
     r = ElasticRetriever.from_config(cfg)
