@@ -55,24 +55,3 @@ def test_dead_worker_without_restarts_fails_the_run_naming_it(roles_for):
 
     roles.workers.pop(1)
     stop_rollouts(roles)
-
-
-def test_dead_worker_is_restarted_and_rejoins_the_broadcast(roles_for):
-    from sonar.cluster.driver.roles import check_workers, push_weights
-
-    cfg, run, roles = roles_for(1)
-    stage = _start_rl(cfg, roles)
-    old = roles.workers[0]
-    ray.kill(old, no_restart=True)
-    wait_actor_dead(old)  # ray.kill returns before the actor is dead: a health call could still succeed
-    check_workers(cfg, roles, 1, stage)
-    assert roles.workers[0] is not old and roles.restarts[0] == 1
-    push_weights(roles)  # the rebuilt group includes the new worker
-    ray.get([w.apply_staged_weights.remote() for w in roles.workers])
-    learner = ray.get(roles.learner.checksum.remote())["checksum"]
-    for w in roles.workers:
-        assert ray.get(w.checksum.remote())["checksum"] == pytest.approx(learner, rel=1e-12)
-    from sonar.cluster.driver.roles import stop_rollouts
-
-    stop_rollouts(roles)
-    assert ray.get(roles.replay.stats.remote())["balanced"]
