@@ -96,7 +96,11 @@ def _kill_roles(roles) -> None:
     """Kill every actor this run created (the driver's stop_roles only stops the rollout loops)."""
     import ray
 
-    if roles is None:
+    if roles is None or not ray.is_initialized():
+        # stop_roles shut down the cluster this run owned, and with it every actor. A Ray call now
+        # (ray.kill included) would silently start a new default cluster (os.cpu_count() CPUs, a
+        # dashboard on 8265) in this process: the next run in it then joined that cluster and waited
+        # 600 s for CPUs it did not have (the chaos test after the soak test in one pytest process).
         return
     for h in [roles.learner, roles.replay, *roles.workers, *roles.retrieval]:
         try:
@@ -106,7 +110,7 @@ def _kill_roles(roles) -> None:
 
 
 def run_training(cfg, sim=None, *, evaluate_after: bool = True, export: bool = False,
-                 on_roles: Callable[[Any], None] | None = None) -> dict:
+                 on_roles: Callable[[Any], None] | None = None, on_step: Callable[..., bool] | None = None) -> dict:
     """Run ``cfg``'s stages through the driver's own functions, with ``sim``'s simulators (None: none);
     return measurements.
 
@@ -125,6 +129,10 @@ def run_training(cfg, sim=None, *, evaluate_after: bool = True, export: bool = F
     from sonar.cluster.driver import loop as D_loop, reports as D_reports, roles as D_roles, run as D_run
 
     hooks = sim_hooks((sim or SimConfig()).validate(cfg))
+    if on_step is not None:  # the driver's per-RL-step hook (roles.Hooks.on_step); truthy ends training
+        import dataclasses
+
+        hooks = dataclasses.replace(hooks, on_step=on_step)
     t0 = time.monotonic()
     run = D_run.start_run(cfg)
     roles = None

@@ -9,17 +9,17 @@ evaluation) each role's RSS must be flat: the benchmark reports the least-square
 against time after the warm-up, in MB per minute, per role (``rss_slope_mb_per_min/<role>``; the
 workers' as a summary over the workers), and the RSS at the end of the warm-up and at the end.
 
-How the run lasts N minutes: the last RL stage is given a very large number of steps, and when N
-minutes have passed since the roles answered, the sampler interrupts the driver's main thread
-(``_thread.interrupt_main``: the same KeyboardInterrupt a Ctrl-C gives, so the roles are stopped the
-way a user's Ctrl-C stops them). The interrupted run is expected; the samples are the result.
+How the run lasts N minutes: the last RL stage is given a very large number of steps, and the driver's
+``on_step`` hook (``roles.Hooks``) ends training at the first RL step after N minutes have passed since
+the roles answered; the roles then stop as at the end of any run. (An earlier version raised a
+KeyboardInterrupt in the main thread from the sampler; it could land anywhere, inside the roles'
+shutdown too, and left a Ray cluster with live actors behind in the test process.)
 
 ``--quick`` (CI smoke test, < 1 minute): ``configs/smoke.yaml`` with 5 SFT steps, 0.3 minutes of RL,
 a sample every second: it checks the plumbing and the JSON, not the slope.
 """
 from __future__ import annotations
 
-import _thread
 import logging
 import os
 import threading
@@ -50,7 +50,7 @@ def rss_slope(t_s: list[float], rss_bytes: list[float]) -> float:
 
 
 class RssSampler:
-    """Every ``every_s`` seconds, the RSS of each named pid; after ``minutes``, interrupts the main thread."""
+    """Every ``every_s`` seconds, the RSS of each named pid; after ``minutes``, sets ``interrupted`` (the on_step hook ``done`` then ends training)."""
 
     def __init__(self, every_s: float, minutes: float):
         self.every_s, self.minutes = every_s, minutes
@@ -83,10 +83,13 @@ class RssSampler:
         while not self._stop.is_set():
             self._sample()
             if time.monotonic() >= deadline:
-                self.interrupted = True
-                _thread.interrupt_main()  # a Ctrl-C for the driver: it stops the roles
+                self.interrupted = True  # read by the driver's on_step hook (``done``): it ends training
                 return
             self._stop.wait(min(self.every_s, max(0.0, deadline - time.monotonic())))
+
+    def done(self, roles, run, stage_index: int, steps: int) -> bool:
+        """The driver's ``on_step`` hook: end training once the N minutes have passed."""
+        return self.interrupted
 
     def stop(self) -> None:
         self._stop.set()
@@ -141,10 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     sampler = RssSampler(bench["every_s"], bench["minutes"])
     t0 = time.monotonic()
     try:
-        run_training(cfg, evaluate_after=False, on_roles=lambda roles: sampler.start(role_pids(roles)))
-    except KeyboardInterrupt:
-        if not sampler.interrupted:
-            raise
+        run_training(cfg, evaluate_after=False, on_roles=lambda roles: sampler.start(role_pids(roles)),
+                     on_step=sampler.done)
     finally:
         sampler.stop()
     wall = time.monotonic() - t0

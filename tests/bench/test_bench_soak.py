@@ -28,7 +28,12 @@ def test_analyse_drops_the_warmup_samples():
 @pytest.mark.slow
 @pytest.mark.ray
 def test_soak_quick(tmp_path):
+    import ray
+
     assert run.main(["soak", "--quick", "--out", str(tmp_path), "--set", f"run.root={tmp_path / 'runs'}"]) == 0
+    # The run ended through the driver's on_step hook and stopped its roles: no Ray cluster (and no actor
+    # holding CPUs) is left in this process for the next test.
+    assert not ray.is_initialized()
     files = sorted(tmp_path.glob("soak-*.json"))
     assert len(files) == 1
     doc = json.loads(files[0].read_text())
