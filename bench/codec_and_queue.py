@@ -178,8 +178,14 @@ def bench_codec(cfg: dict, metrics: dict, rows: list) -> None:
 
 def _replay_mode(ray, q, mode: str, payload: bytes, items: int, batch: int) -> float:
     """Run ``items`` groups through ``mode``; returns seconds. Checks every reply."""
+    # The replay accepts a group only against an outstanding claim (one claim admits one put), as a
+    # rollout worker holds one: claim the prompts first, outside the timed span.
+    claimed = ray.get(q.claim.remote(0, items)) if mode.startswith("put") else []
+    if mode.startswith("put") and len(claimed) != items:
+        raise RuntimeError(f"replay claim returned {len(claimed)} prompts, expected {items}")
+
     def put(i):
-        return q.put.remote(payload, 0, GROUP, i, 0)
+        return q.put.remote(payload, 0, GROUP, claimed[i], 0)
 
     def check_get(reply, n):
         if len(reply["groups"]) != n or reply["timed_out"] or any(len(g) != len(payload) for g in reply["groups"]):
