@@ -142,14 +142,62 @@ def git_commit(short: bool = True) -> str:
         return "unknown"
 
 
-def git_dirty() -> bool | None:
-    """True when tracked files differ from the commit (the numbers then belong to uncommitted code)."""
+ALLOW_DIRTY_ENV = "SONAR_BENCH_ALLOW_DIRTY"
+"""Set to 1 (``--allow-dirty`` sets it) to let a benchmark write results from a dirty tree; the JSON then
+says ``allow_dirty: true`` and lists the dirty files."""
+OUTPUT_PREFIXES = ("bench/results/",)
+"""Paths that are benchmark outputs, not sources: an untracked result file does not make the tree dirty."""
+
+
+def dirty_files(root: str | Path | None = None) -> list[str] | None:
+    """Paths (relative to the repository) that differ from the checked-out commit: modified, staged,
+    deleted AND untracked-but-not-ignored files, outputs under ``bench/results/`` excepted. None outside
+    a git checkout. Untracked files count: a benchmark whose own file is not committed names a commit
+    at which its code did not exist (issue 11)."""
+    root = REPO_ROOT if root is None else root
     try:
-        r = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                           capture_output=True, text=True, timeout=10, check=True)
-        return bool(r.stdout.strip())
+        r = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=root,
+                           capture_output=True, text=True, timeout=30, check=True)
     except (OSError, subprocess.SubprocessError):
         return None
+    out = []
+    for line in r.stdout.splitlines():
+        if len(line) < 4:
+            continue
+        path = line[3:]
+        if " -> " in path:  # a rename: the new name is the file that is there now
+            path = path.split(" -> ", 1)[1]
+        path = path.strip('"')
+        if not path.startswith(OUTPUT_PREFIXES):
+            out.append(path)
+    return sorted(out)
+
+
+def git_dirty(root: str | Path | None = None) -> bool | None:
+    """True when any source file differs from the commit, untracked files included (see ``dirty_files``)."""
+    files = dirty_files(root)
+    return None if files is None else bool(files)
+
+
+def allow_dirty_requested() -> bool:
+    return os.environ.get(ALLOW_DIRTY_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+class DirtyTreeError(RuntimeError):
+    """A benchmark was about to write results from a tree with uncommitted or untracked source changes."""
+
+
+def check_provenance(allow_dirty: bool | None = None, root: str | Path | None = None) -> dict:
+    """``{"commit", "dirty", "dirty_files", "allow_dirty"}`` for a result file; raises ``DirtyTreeError``
+    when the tree is dirty and dirtiness was not allowed (``allow_dirty`` None: ``$SONAR_BENCH_ALLOW_DIRTY``)."""
+    root = REPO_ROOT if root is None else root
+    allow = allow_dirty_requested() if allow_dirty is None else bool(allow_dirty)
+    files = dirty_files(root)
+    if files and not allow:
+        shown = ", ".join(files[:20]) + (f" ... ({len(files)} files)" if len(files) > 20 else "")
+        raise DirtyTreeError(f"refusing to write benchmark results: the tree at {root} has uncommitted or untracked "
+                             f"source changes ({shown}); commit them, or pass --allow-dirty (recorded in the JSON)")
+    return {"dirty": None if files is None else bool(files), "dirty_files": files or [], "allow_dirty": allow}
 
 
 def _safe(s: str) -> str:
@@ -194,14 +242,19 @@ def validate_result(doc: dict) -> None:
 
 
 def write_result(name: str, config: dict, metrics: dict, plot_fn: Callable[[Path], None] | None,
-                 out_dir: str | Path = DEFAULT_OUT, extra: dict | None = None) -> Path:
+                 out_dir: str | Path = DEFAULT_OUT, extra: dict | None = None, allow_dirty: bool | None = None) -> Path:
     """Write ``<out_dir>/<name>-<host>-<commit>.json`` and, if ``plot_fn`` is given, the PNG beside it.
 
     ``metrics``: metric name -> ``summarise(...)`` output, or -> a non-empty ``{key: summarise(...)}``
     group (one level only, string keys; see ``validate_result``). ``plot_fn(png_path)`` draws and saves the
     figure (matplotlib, Agg backend). ``extra`` holds anything that is not a summary (tables, notes,
     skipped configurations). Returns the JSON path.
+
+    Provenance: refuses (``DirtyTreeError``, nothing written) when the source tree has uncommitted or
+    untracked changes, unless ``allow_dirty`` (None: ``--allow-dirty`` / ``$SONAR_BENCH_ALLOW_DIRTY``); the
+    JSON records ``allow_dirty`` and the ``dirty_files`` either way.
     """
+    prov = check_provenance(allow_dirty)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = result_path(name, out)
@@ -212,7 +265,9 @@ def write_result(name: str, config: dict, metrics: dict, plot_fn: Callable[[Path
         "hardware": hardware_info(),
         "versions": versions(),
         "commit": git_commit(),
-        "dirty": git_dirty(),
+        "dirty": prov["dirty"],
+        "dirty_files": prov["dirty_files"],
+        "allow_dirty": prov["allow_dirty"],
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv,
         "metrics": metrics,
@@ -233,9 +288,37 @@ def write_result(name: str, config: dict, metrics: dict, plot_fn: Callable[[Path
     return path
 
 
+class _AllowDirty(argparse.Action):
+    """``--allow-dirty``: sets ``$SONAR_BENCH_ALLOW_DIRTY`` so ``write_result`` (called without the parsed
+    args by every benchmark) writes from a dirty tree and records that it was told to."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=False, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        os.environ[ALLOW_DIRTY_ENV] = "1"
+        setattr(namespace, self.dest, True)
+
+
+class _BenchParser(argparse.ArgumentParser):
+    """Checks provenance right after parsing, so a dirty tree fails in a second, not after the run."""
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns = super().parse_args(args, namespace)
+        try:
+            check_provenance()
+        except DirtyTreeError as e:
+            self.error(str(e))
+        return ns
+
+
 def base_parser(name: str, description: str) -> argparse.ArgumentParser:
-    """The options every benchmark takes: --quick (CI smoke size, under a minute), --out, --repeats."""
-    p = argparse.ArgumentParser(prog=f"sonar bench {name}", description=description)
+    """The options every benchmark takes: --quick (CI smoke size, under a minute), --out, --repeats,
+    --allow-dirty (write results from a tree with uncommitted/untracked changes; recorded in the JSON)."""
+    p = _BenchParser(prog=f"sonar bench {name}", description=description)
+    p.add_argument("--allow-dirty", action=_AllowDirty,
+                   help="write results even if the tree has uncommitted or untracked source changes "
+                        "(the JSON then says allow_dirty: true and lists the files)")
     p.add_argument("--quick", action="store_true", help="smoke-test sizes (under a minute): checks it runs")
     p.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--repeats", type=int, default=None,
