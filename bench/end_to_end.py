@@ -20,6 +20,12 @@ The per-step split, RL stage only (``steps`` learner steps in ``loop_s`` seconds
   divided by workers and steps), ``rollout_other_s`` (the rest of the worker's time: parsing,
   rewards, codec, replay put incl. backpressure).
 
+Critical path (issue 11): ``rl/critical/*`` are the driver's own per-step seconds split into the phases
+it runs in sequence (sync generation, health checks, queue wait, learner compute, learner RPC, weight
+broadcast, engine load, logging, other; ``cluster/driver/critical_path.py``): unlike the rollout view,
+they add up to ``rl/critical/wall_s`` (``rl/critical/parts_over_wall`` is 1 by construction; the test
+checks it on the quick run).
+
 Throughput: ``rl/generated_tokens_per_s`` (model tokens written by all workers / RL loop seconds),
 ``rl/learner_tokens_per_s`` (the learner's own ``learner/tokens_per_s`` while stepping, padded
 batch tokens), ``rl/trajectories_per_s`` (trajectories consumed by the learner / RL loop seconds),
@@ -55,6 +61,9 @@ QUICK = {"config": "configs/smoke.yaml", "repeats": 1,
          "overrides": ["stages.0.steps=5", "stages.1.steps=3", "world.num_heldout_eval=8", "eval.no_search=false",
                        "eval.batch_size=8"]}
 log = logging.getLogger("sonar.bench")
+CRITICAL_KEYS = (K.CRIT_WALL, K.CRIT_GENERATE_SYNC, K.CRIT_HEALTH, K.CRIT_QUEUE_WAIT, K.CRIT_LEARNER_COMPUTE,
+                 K.CRIT_LEARNER_RPC, K.CRIT_BROADCAST, K.CRIT_ENGINE_LOAD, K.CRIT_LOG, K.CRIT_OTHER)
+"""The driver's per-step critical-path split (``learner/critical/*``), reported as ``rl/critical/<part>``."""
 
 
 def measure(res: dict, sampler: dict, cfg) -> dict:
@@ -95,6 +104,15 @@ def measure(res: dict, sampler: dict, cfg) -> dict:
         # 0.0 then means "no step trained", as in an untrained --quick policy.
         m["rl/learner_tokens_per_s"] = float(np.mean(series(h, K.LEARNER_TOKENS_PER_S) or [0.0]))
         m["rl/learner_skipped_steps"] = float(sum(series(h, K.LEARNER_SKIPPED_STEP)))
+        # The critical path (cluster/driver/critical_path.py): the driver's own clock per trained step, cut
+        # into the phases it ran in sequence; the parts add up to rl/critical/wall_s (unlike the rollout
+        # view above, which sums lanes).
+        crit = {k: series(h, k) for k in CRITICAL_KEYS}
+        if crit[K.CRIT_WALL]:
+            for k, xs in crit.items():
+                m["rl/critical/" + k.rsplit("/", 1)[1]] = float(np.mean(xs or [0.0]))
+            parts = sum(m["rl/critical/" + k.rsplit("/", 1)[1]] for k in CRITICAL_KEYS if k != K.CRIT_WALL)
+            m["rl/critical/parts_over_wall"] = parts / max(m["rl/critical/wall_s"], 1e-12)
         if series(h, K.ROLLOUT_REWARD_MEAN):
             m["rl/reward_last"] = float(np.mean(series(h, K.ROLLOUT_REWARD_MEAN)[-max(1, steps // 5):]))
     m["eval_and_export_s"] = max(0.0, res["total_s"] - res["startup_s"] - sum(s["seconds"] for s in res["stages"]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 
+from sonar.cluster.driver.critical_path import StepClock
 from sonar.cluster.driver.data import stage_questions, write_stage_prompts
 from sonar.cluster.driver.reports import (Throughput, evaluate, print_summary, record_prompts, replay_metrics,
                                          retrieval_metrics)
@@ -14,6 +15,7 @@ from sonar.cluster.driver.roles import (Hooks, Roles, call_workers, check_retrie
                                        maybe_checkpoint, maybe_resume, prepare_demonstrations, push_weights,
                                        save_checkpoint, start_roles, stop_roles, stop_rollouts, verify_weights)
 from sonar.cluster.driver.faults import auto_resume_config, learner_died
+from sonar.cluster.driver.pool import Pool
 from sonar.cluster.driver.run import Run, start_run
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, StageConfig
@@ -112,36 +114,50 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
     if not sync:  # wait only until each loop has started; they run until stop_rollouts
         call_workers(roles, lambda w, i: w.start.remote(roles.replay, index, stage), "start")
     steps, t_stage, throughput = start_step, time.monotonic(), Throughput()
+    pool = Pool(cfg, len(roles.workers))  # resizes an elastic rollout pool at step boundaries (pool.py)
+    clock = StepClock()  # the step's wall time split along the critical path (critical_path.py)
     while steps < stage.steps:
         if sync:
-            generate_in_lockstep(cfg, roles, index, stage, steps)  # waits for the batch: that is the lockstep
-        worker_metrics = check_workers(cfg, roles, index, stage)  # waits for health: a dead worker surfaces here
-        worker_metrics.update(check_retrieval(cfg, roles))  # waits for every replica's ping (or the deadline)
+            with clock.phase("generate_sync"):
+                generate_in_lockstep(cfg, roles, index, stage, steps)  # waits for the batch: that is the lockstep
+        with clock.phase("health"):
+            worker_metrics = check_workers(cfg, roles, index, stage)  # waits for health: a dead worker surfaces here
+            worker_metrics.update(check_retrieval(cfg, roles))  # waits for every replica's ping (or the deadline)
         # Wait for one learner step. The learner waits at most 10 s for groups, so a stalled rollout
         # side comes back as `waiting` and meets the health check above instead of hanging here.
+        t_call = time.monotonic()
         res = ray.get(roles.learner.rl_step.remote(roles.replay, stage, 10.0), timeout=cfg.cluster.step_timeout_s)
+        clock.parts["waiting_calls" if res.waiting else "learner_call"] += time.monotonic() - t_call
         record_prompts(run, res)
         if res.waiting:
+            pool.step(roles, res.metrics.get(K.LEARNER_WAIT_S, 0.0), 0)  # a starved learner grows it
             continue
         steps += 1
         run.step += 1
         m = dict(res.metrics)
         if steps % cfg.learner.broadcast_every == 0:  # waits for the collective: bounds the policy lag
-            m.update(push_weights(roles))
-        m.update(worker_metrics)
-        m.update(replay_metrics(roles))  # waits for the replay's counters (one small actor call)
-        m.update(throughput.tick(m))
-        if steps % 10 == 0 or steps == stage.steps:
-            m.update(retrieval_metrics(roles))  # waits for every retrieval replica's stats
+            with clock.phase("push"):
+                m.update(push_weights(roles))
+        with clock.phase("log"):
+            m.update(worker_metrics)
+            m.update(replay_metrics(roles))  # waits for the replay's counters (one small actor call)
+            m.update(pool.step(roles, res.metrics.get(K.LEARNER_WAIT_S, 0.0), int(m[K.REPLAY_DEPTH])))  # may resize
+            m.update(throughput.tick(m))
+            if steps % 10 == 0 or steps == stage.steps:
+                m.update(retrieval_metrics(roles))  # waits for every retrieval replica's stats
+        m.update(clock.finish(m))  # this step's split; run.log and the checkpoint go to the next step's log_s
         run.log({**m, "stage": index})
         if steps % 5 == 0 or steps == stage.steps:
             log.info("rl step %d/%d reward %.3f lag max %s searches/traj %.2f dropped %s", steps, stage.steps,
                      m.get(K.LEARNER_REWARD_MEAN, float("nan")), m.get(K.LEARNER_POLICY_LAG_MAX),
                      m.get(K.ROLLOUT_SEARCH_CALLS_MEAN, float("nan")), m.get(K.REPLAY_DROPPED_STALE))
-        maybe_checkpoint(cfg, roles, run, index, steps)  # waits for the learner's save when one is due
+        with clock.phase("log"):
+            maybe_checkpoint(cfg, roles, run, index, steps)  # waits for the learner's save when one is due
         if roles.hooks.on_step is not None and roles.hooks.on_step(roles, run, index, steps):
             run.results["stopped_early"] = {"stage": index, "steps": steps}
             break
+    pool.close()
+    run.results.setdefault("pool", {})[index] = pool.history  # (seconds, workers) at start and each resize
     stop_rollouts(roles)  # waits until every loop has ended and the replay is drained: the stage is over
     run.results.setdefault("rl", {})[index] = {"steps": steps, "seconds": time.monotonic() - t_stage}
 

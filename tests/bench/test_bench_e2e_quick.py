@@ -102,3 +102,11 @@ def test_end_to_end_quick(tmp_path):
     roles = rep["memory"]["pss_by_role_at_peak_mb"]
     assert any("Learner" in r for r in roles) and any("RolloutWorker" in r for r in roles)
     assert rep["replay"]["balanced"]
+    # The critical path (issue 11): the driver's per-step parts add up to its step wall time, and the
+    # steps' wall times fit inside the RL loop's own clock (the rollout view sums lanes and may not).
+    parts = [k for k in m if k.startswith("rl/critical/") and k not in ("rl/critical/wall_s",
+                                                                         "rl/critical/parts_over_wall")]
+    assert len(parts) == 9 and all(m[k]["median"] >= -1e-9 for k in parts if not k.endswith("other_s"))
+    assert sum(m[k]["median"] for k in parts) == pytest.approx(m["rl/critical/wall_s"]["median"], rel=1e-6)
+    assert m["rl/critical/wall_s"]["median"] * m["rl/steps"]["median"] <= m["rl/loop_seconds"]["median"] + 1e-6
+    assert m["rl/critical/compute_s"]["median"] > 0
