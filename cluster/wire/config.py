@@ -17,13 +17,14 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+from sonar.cluster.wire.paths import CONFIG_DIR, find_config, resolve_relative, resolve_run_root
+
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
 
 
@@ -226,6 +227,12 @@ class RolloutConfig:
     the running batch every step, weights swap between steps (actors/engine_continuous.py)."""
     max_batch_rows: int = 64
     """Rows an engine decodes together at most (a continuous engine's live rows)."""
+    per_trajectory: bool = False
+    """How a batch's trajectories take their turns (actors/rollout.py). False: in lockstep, one batched
+    generate per turn over every active row, then one batched search; a row waits for the batch's
+    slowest turn before it searches. True: every trajectory is its own coroutine (veRL's agent loop),
+    one engine call and one search per turn of its own, so no row waits for another's turn; needs an
+    engine that batches concurrent calls (``continuous_batching`` or the vllm engine)."""
     num_cpus_per_worker: float = 1.0
     """Ray CPUs reserved per rollout worker (placement; torch runs one thread per worker)."""
     num_gpus_per_worker: float = 0.0
@@ -257,6 +264,24 @@ class RolloutConfig:
     vllm_enforce_eager: bool = True
     """vllm engine: no torch.compile / CUDA graphs. True on CPU (compilation costs minutes there and
     gains little for small models); set False on GPU, where CUDA graphs speed up decoding."""
+    min_workers: Optional[int] = None
+    """Elastic pool: the fewest rollout workers the driver shrinks to (>= 1; None: ``num_workers``).
+    The pool starts at ``num_workers``; with min_workers < max_workers the driver's pool controller
+    (``cluster/driver/pool.py``) resizes it at learner-step boundaries (async mode only)."""
+    max_workers: Optional[int] = None
+    """Elastic pool: the most rollout workers the driver grows to (>= num_workers; None: ``num_workers``,
+    a fixed pool). The driver asks the Ray autoscaler for the bundles of this target
+    (``ray.autoscaler.sdk.request_resources``) before it starts a worker."""
+    pool_window_s: float = 30.0
+    """Elastic pool: seconds of learner steps the controller looks back over before a decision (> 0)."""
+    pool_grow_wait_share: float = 0.3
+    """Elastic pool: add a worker when the learner spent more than this share of the window waiting for
+    groups (``learner/wait_s`` over wall time), in (0, 1]."""
+    pool_shrink_full_share: float = 0.8
+    """Elastic pool: remove a worker when the replay was full (depth >= ``replay.capacity_groups``) at
+    more than this share of the window's learner steps, in (0, 1]."""
+    pool_cooldown_s: float = 30.0
+    """Elastic pool: seconds after a resize before the next decision (>= 0); the window restarts too."""
 
 
 @dataclass(frozen=True)
@@ -372,15 +397,36 @@ class LearnerConfig:
     """Micro-batches are packed by token budget (padded length x rows)."""
     gradient_checkpointing: bool = False
     """Recompute activations during the backward pass: less activation memory for one more forward."""
+    logits_chunk_tokens: int = 1024
+    """Token logprobs and entropy computed from the final hidden states in chunks of this many tokens
+    (>= 0; 0: unchunked, the model's full [tokens, vocab] float32 logits of a micro-batch at once). Each
+    chunk's logits are recomputed in the backward pass (``learner/algo/chunked.py``), so at most this many
+    tokens' logits exist at once: 1024 x 151,936 float32 is 0.6 GiB, against 18.5 GiB unchunked for a
+    32,768-token micro-batch. Same results as unchunked up to float rounding."""
     broadcast_every: int = 1
     """Push weights to the rollout workers every k learner steps."""
     dist_backend: str = "auto"
     """auto (nccl on GPU, gloo on CPU) | gloo | nccl"""
     num_gpus: float = 0.0
-    """Ray GPUs for the learner actor; > 0 with CUDA present trains on the GPU (then ``precision=auto``
-    means bf16 and ``dist_backend=auto`` means nccl)."""
+    """Ray GPUs for each learner rank (at most 1: one GPU per rank; more GPUs means more ranks,
+    ``learner.num_ranks``); > 0 with CUDA present trains on the GPU (then ``precision=auto`` means bf16
+    and ``dist_backend=auto`` means nccl)."""
     num_cpus: float = 1.0
-    """Ray CPUs reserved for the learner actor (placement)."""
+    """Ray CPUs reserved for each learner rank (placement)."""
+    num_ranks: int = 1
+    """Data-parallel DeepSpeed ranks of the learner (>= 1): one Ray actor per rank (one GPU each, or a
+    gloo process on CPU) in one placement group, one torch.distributed group; ZeRO shards across them
+    and every step's batch is split across them by token budget. Rank 0 talks to the driver."""
+    placement_strategy: str = "STRICT_PACK"
+    """Ray placement-group strategy of the learner ranks' bundles: STRICT_PACK (one node) | PACK |
+    SPREAD | STRICT_SPREAD."""
+    rendezvous: str = "auto"
+    """Address rank 0 binds the learner ranks' torch.distributed store on: auto (the node address Ray
+    reports: 127.0.0.1 on a local loopback cluster, the node IP on a real one) | loopback (127.0.0.1
+    always; all ranks must then share rank 0's node)."""
+    offload_optimizer: bool = False
+    """ZeRO-Offload of the optimizer state to CPU memory (needs learner.zero_stage >= 1). The learner
+    then uses DeepSpeed's own AdamW (DeepSpeedCPUAdam, JIT-built on first use) instead of torch's."""
 
 
 @dataclass(frozen=True)
@@ -479,13 +525,22 @@ class TrackingConfig:
     """MLflow: where the run's params, metrics and artifacts go (only the driver writes)."""
 
     uri: Optional[str] = None
-    """MLflow tracking URI; None: sqlite in the run directory. Tokens come from MLFLOW_TRACKING_TOKEN."""
-    experiment: str = "sonar"
-    """MLflow experiment name (created when missing)."""
+    """MLflow tracking URI; None: ``MLFLOW_TRACKING_URI`` if set, else one sqlite store per project,
+    ``<run.root>/mlflow.db``, shared by every run, resume and ``sonar eval``. Tokens come from
+    MLFLOW_TRACKING_TOKEN."""
+    experiment: Optional[str] = None
+    """MLflow experiment name (created when missing); None: ``MLFLOW_EXPERIMENT_NAME`` if set, else "sonar"."""
     enabled: bool = True
     """False: no MLflow run; metrics still land in <run_dir>/metrics.jsonl."""
     log_model: bool = True
-    """Save the final policy in Hugging Face format as a run artifact."""
+    """Log the final policy with MLflow's transformers flavour (a text-generation model, HF folder inside)."""
+    registered_model_name: str = ""
+    """Register the logged final policy under this model-registry name (needs ``log_model``); "": do not register."""
+    async_logging: bool = True
+    """Metrics go to MLflow from a background thread in batches (MLflow's async logging); the run's end
+    (FINISHED, KILLED or FAILED) flushes them. False: each step's ``log_metrics`` waits for the store."""
+    system_metrics: bool = True
+    """Log CPU, memory, disk and network (GPU with pynvml) as ``system/*`` metrics beside the run."""
 
 
 @dataclass(frozen=True)
@@ -522,6 +577,19 @@ class ClusterConfig:
     mode: str = "async"
     """async: workers generate while the learner trains (bounded by replay.max_policy_lag);
     sync: generate a batch, then train, then broadcast, in lockstep (the baseline async is measured against)."""
+    bind_host: str = "auto"
+    """Where the learner's weight-broadcast rendezvous listens and the workers dial it. auto: 127.0.0.1
+    when the Ray cluster has one node, else the learner's node address (``ray.util.get_node_ip_address``);
+    loopback: 127.0.0.1 (every role on one node); or an address of the learner's node."""
+    role_resources: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    """Extra Ray resources per role, to pin roles to node types: keys learner | rollout | retrieval
+    (e.g. ``{learner: {node_gpu: 1}, rollout: {node_rollout: 1}}``, custom resources the nodes declare),
+    added to the CPUs/GPUs each role already asks for; a rollout entry is per worker. Values >= 0."""
+    upload_files: bool = False
+    """When the learner's node cannot see ``run.dir`` (no shared storage, checked at start): false fails
+    the run at start naming the directory; true streams the learner's checkpoints and HF export to the
+    driver's ``run.dir`` through the Ray object store after each save (a resume then needs the files where
+    the learner runs: put ``run.root`` on shared storage for ``run.resume``/``cluster.auto_resume``)."""
 
 
 @dataclass(frozen=True)
@@ -534,10 +602,13 @@ class RunConfig:
     """Seed of what is random at run time: the learner's torch RNG, the SFT batch order, the prompt
     order of the replay cursor and the rollout workers' sampling seeds. The world (``world.seed``) and
     the random model's init (``model.seed``) have their own."""
-    root: str = "runs"
-    """Run directories are created under this folder."""
+    root: str = ""
+    """Run directories (and the corpus, index and vector caches) are created under this folder, made
+    absolute at load (``cluster/wire/paths.py``). Empty: ``$SONAR_RUN_ROOT``, else ``./runs``; inside a
+    Ray job's uploaded working directory (Ray's temporary package folder) relative paths go under
+    ``$SONAR_RUN_ROOT`` or ``~/sonar-runs`` instead, never into that folder."""
     run_dir: Optional[str] = None
-    """Explicit run directory (default: <root>/<name>-<timestamp>)."""
+    """Explicit run directory (default: <root>/<name>-<timestamp>); relative: against the same base as root."""
     resume: Optional[str] = None
     """Checkpoint path or 'latest'."""
     checkpoint_every: int = 0
@@ -596,6 +667,8 @@ _CHOICES = {
     "learner.lr_decay": ("constant", "cosine", "linear"),
     "learner.precision": ("auto", "fp32", "bf16"),
     "learner.dist_backend": ("auto", "gloo", "nccl"),
+    "learner.placement_strategy": ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"),
+    "learner.rendezvous": ("auto", "loopback"),
     "replay.stale_policy": ("drop", "downweight"),
     "critic.mode": ("separate", "head"),
 }
@@ -675,10 +748,13 @@ RANGES: dict[str, str] = {
     "rollout.max_batch_rows": ">= 1", "rollout.num_cpus_per_worker": ">= 0", "rollout.num_gpus_per_worker": ">= 0",
     "rollout.tensor_parallel_size": ">= 1", "rollout.vllm_kv_cache_gib": ">= 0",
     "rollout.vllm_gpu_memory_utilization": "(0, 1]",
+    "rollout.min_workers": ">= 1", "rollout.max_workers": ">= 1", "rollout.pool_window_s": "> 0",
+    "rollout.pool_grow_wait_share": "(0, 1]", "rollout.pool_shrink_full_share": "(0, 1]",
+    "rollout.pool_cooldown_s": ">= 0",
     "learner.weight_decay": ">= 0", "learner.betas": "[0, 1)", "learner.warmup_steps": ">= 0",
     "learner.grad_clip": ">= 0", "learner.zero_stage": "[0, 3]", "learner.groups_per_step": ">= 1",
-    "learner.micro_batch_tokens": ">= 1", "learner.broadcast_every": ">= 1", "learner.num_gpus": ">= 0",
-    "learner.num_cpus": ">= 0",
+    "learner.micro_batch_tokens": ">= 1", "learner.logits_chunk_tokens": ">= 0", "learner.broadcast_every": ">= 1", "learner.num_gpus": ">= 0",
+    "learner.num_cpus": ">= 0", "learner.num_ranks": ">= 1",
     "critic.lr": "> 0", "critic.gamma": "[0, 1]", "critic.lam": "[0, 1]", "critic.value_clip": ">= 0",
     "critic.warmup_steps": ">= 0",
     "replay.capacity_groups": ">= 1", "replay.max_policy_lag": ">= 0", "replay.stale_downweight": "[0, 1]",
@@ -773,6 +849,7 @@ def validate(cfg: Config) -> Config:
     _check_eval(cfg)
     _check_cluster(cfg)
     _check_run(cfg)
+    _check_tracking(cfg)
     return cfg
 
 
@@ -856,6 +933,11 @@ def _check_rollout(cfg: Config) -> None:
     _check_gpu_placement(cfg)
     if r.max_batch_rows < 1:
         raise ValueError(f"rollout.max_batch_rows={r.max_batch_rows} must be >= 1")
+    if r.per_trajectory and not (r.continuous_batching or r.engine == "vllm"):
+        raise ValueError(f"rollout.per_trajectory=True needs an engine that batches concurrent calls "
+                         f"(rollout.continuous_batching=True or rollout.engine='vllm'), got "
+                         f"rollout.engine={r.engine!r}, rollout.continuous_batching={r.continuous_batching}: "
+                         "a static engine would run the trajectories one at a time")
 
 
 def _check_vllm(cfg: Config) -> None:
@@ -938,6 +1020,21 @@ def _check_learner(cfg: Config) -> None:
         raise ValueError(f"learner.zero_stage={L.zero_stage} must be 0, 1, 2 or 3")
     if L.broadcast_every < 1:
         raise ValueError(f"learner.broadcast_every={L.broadcast_every} must be >= 1")
+    if L.logits_chunk_tokens < 0:
+        raise ValueError(f"learner.logits_chunk_tokens={L.logits_chunk_tokens} must be >= 0 (0: unchunked)")
+    if L.num_ranks < 1:
+        raise ValueError(f"learner.num_ranks={L.num_ranks} must be >= 1")
+    if L.num_gpus > 1:
+        raise ValueError(f"learner.num_gpus={L.num_gpus} is per rank and at most 1: one DeepSpeed rank drives one "
+                         f"GPU; for {L.num_gpus:g} GPUs set learner.num_ranks={int(math.ceil(L.num_gpus))} and "
+                         "learner.num_gpus=1")
+    if L.rendezvous == "loopback" and L.num_ranks > 1 and L.placement_strategy != "STRICT_PACK":
+        raise ValueError(f"learner.rendezvous='loopback' with learner.num_ranks={L.num_ranks} and "
+                         f"learner.placement_strategy={L.placement_strategy!r}: loopback reaches only rank 0's node; "
+                         "use STRICT_PACK or rendezvous='auto'")
+    if L.offload_optimizer and L.zero_stage < 1:
+        raise ValueError(f"learner.offload_optimizer=True with learner.zero_stage={L.zero_stage}: optimizer "
+                         "offload is a ZeRO feature (stage 1, 2 or 3)")
     if L.broadcast_every > cfg.replay.max_policy_lag + 1:
         raise ValueError(
             f"learner.broadcast_every={L.broadcast_every} > replay.max_policy_lag+1={cfg.replay.max_policy_lag + 1}: "
@@ -1080,7 +1177,21 @@ def _check_cluster(cfg: Config) -> None:
         raise ValueError(f"cluster.retrieval_wait_s={c.retrieval_wait_s} must be > 0")
 
 
+def _check_tracking(cfg: Config) -> None:
+    t = cfg.tracking
+    if t.experiment is not None and not t.experiment.strip():
+        raise ValueError(f"tracking.experiment={t.experiment!r} must be a non-empty name (or null: MLFLOW_EXPERIMENT_NAME, else 'sonar')")
+    name = t.registered_model_name
+    if name and (name != name.strip() or any(c in name for c in "/:%")):
+        raise ValueError(f"tracking.registered_model_name={name!r} must have no surrounding spaces and no '/', ':' or '%'")
+    if name and not t.log_model:
+        raise ValueError(f"tracking.registered_model_name={name!r} needs tracking.log_model=true (got false)")
+
+
 def _check_run(cfg: Config) -> None:
+    if not Path(cfg.run.root).is_absolute():
+        raise ValueError(f"run.root={cfg.run.root!r} must be absolute once loaded (load_config resolves it; "
+                         f"pass a config through load_config or resolve_paths)")
     if cfg.run.log_every < 1:
         raise ValueError(f"run.log_every={cfg.run.log_every} must be >= 1")
     if cfg.run.checkpoint_every < 0:
@@ -1093,9 +1204,10 @@ def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ())
     """Schema <- YAML files (in order) <- CLI dotlist -> validated frozen Config."""
     merged = OmegaConf.structured(Config)
     for p in paths:
-        p = Path(p)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            p = find_config(p)  # a file, or a shipped preset by name (`tiny`, `configs/smoke.yaml`)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         try:
             merged = OmegaConf.merge(merged, _load_yaml(p))
         except OmegaConfBaseException as e:
@@ -1117,7 +1229,27 @@ def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ())
         obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), plain))
     except OmegaConfBaseException as e:
         raise ConfigError(f"command line: {_explain(e)}") from None
-    return validate(obj)
+    return validate(resolve_paths(obj))
+
+
+_NOTED: set = set()
+
+
+def resolve_paths(cfg: Config, environ: Optional[dict] = None, cwd: Optional[str] = None) -> Config:
+    """``run.root``, a relative ``run.run_dir`` and a relative ``retrieval.index_dir`` made absolute
+    (``paths.resolve_run_root``: never Ray's temporary package folder). Idempotent."""
+    import logging
+    import os
+
+    environ = os.environ if environ is None else environ
+    cwd = os.getcwd() if cwd is None else cwd
+    root, note = resolve_run_root(cfg.run.root, environ, cwd)
+    if note and note not in _NOTED:  # once per process
+        _NOTED.add(note)
+        logging.getLogger("sonar").warning(note)
+    run = dataclasses.replace(cfg.run, root=str(root), run_dir=resolve_relative(cfg.run.run_dir, environ, cwd))
+    retrieval = dataclasses.replace(cfg.retrieval, index_dir=resolve_relative(cfg.retrieval.index_dir, environ, cwd))
+    return dataclasses.replace(cfg, run=run, retrieval=retrieval)
 
 
 MAX_YAML_NODES = 10_000
