@@ -17,6 +17,11 @@ Shape of one call (``rollout_groups``): every item becomes ``group_size`` trajec
 
 ``_finish`` then labels and rewards each trajectory.
 
+With ``per_trajectory=True`` (``rollout.per_trajectory``) the same three steps run per trajectory
+instead, each trajectory its own coroutine (``_run_trajectory``): a one-row ``engine.generate``, then
+its own search as soon as its turn ends, so a fast row never waits for a slow row of the same call
+(veRL's agent loop). The engine must batch concurrent calls (continuous batching, vLLM).
+
 Token in, token out: the next turn's context is the concatenation of the segments' ids; text is
 decoded only to parse an action and is never re-tokenised.
 
@@ -47,9 +52,13 @@ documents without calling the retriever.
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import inspect
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -195,7 +204,7 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
                          search_enabled: bool = True, seed: int | None = None,
                          parse_fn: Callable[[str, TagSet, int], Any] | None = None,
                          retrieval_timeout_s: float | None = None,
-                         top_p: float = 1.0) -> tuple[list[list[Trajectory]], RolloutStats]:
+                         top_p: float = 1.0, per_trajectory: bool = False) -> tuple[list[list[Trajectory]], RolloutStats]:
     """Roll out ``group_size`` trajectories per item; returns (groups in item order, stats).
 
     ``retriever``: any retriever of ``retrieval.base`` (a blocking ``batch_search`` runs in a thread,
@@ -208,6 +217,12 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
     ``retrieval_timeout_s``: bound on one batched retriever call; a timeout fails that turn's searches
     (error ``"timeout"``), like any exception from the retriever.
     ``reward_fn(traj)`` returns an object with ``.total`` (float) and ``.parts`` (dict[str, float]).
+    ``per_trajectory`` (``rollout.per_trajectory``): every trajectory runs as its own coroutine
+    (``_run_trajectory``: one single-row ``engine.generate`` and one search per turn of its own), so no
+    row waits for another row's turn before it searches, as in veRL's agent loop; the engine must batch
+    concurrent calls (the continuous or vLLM engine). Row r's turn t then samples with its own seed
+    (``row_seed(seed, r, t)``), since rows no longer share one call's generator. ``generate_s`` and
+    ``retrieve_s`` are then summed over trajectories whose calls overlap: they can exceed ``wall_s``.
     """
     if group_size < 1:
         raise ValueError(f"group_size={group_size} must be >= 1")
@@ -228,6 +243,8 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
                  seed, parse_fn, retrieval_timeout_s, _stop_ids(tokenizer, tags),
                  tuple(render_invalid(tags, tokenizer, proto.prompt)), _accepts_caps(engine), RolloutStats())
     groups, states = _prepare(items, group_size, call, actor_id, stage)
+    if per_trajectory:
+        await asyncio.gather(*(_run_trajectory(call, s, row) for row, s in enumerate(states) if not s.done))
     turn = 0
     while active := [s for s in states if not s.done]:
         gens, caps = await _generate(call, active, turn)
@@ -267,18 +284,60 @@ def _prepare(items: list[PromptItem], group_size: int, call: _Call, actor_id: in
     return groups, states
 
 
-async def _generate(call: _Call, active: list[_State], turn: int) -> tuple[list[Generation], list[int]]:
+def row_seed(seed: int, row: int, turn: int) -> int:
+    """The sampling seed of row ``row``'s turn ``turn`` of a per-trajectory rollout seeded ``seed``:
+    distinct per (seed, row, turn) (a hash, not a sum, so neighbouring calls' rows never collide),
+    in [0, 2**63)."""
+    digest = hashlib.blake2b(f"{seed}/{row}/{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+_ROW_POOL: ThreadPoolExecutor | None = None
+_ROW_POOL_LOCK = threading.Lock()
+
+
+def _row_pool() -> ThreadPoolExecutor:
+    """Threads for per-trajectory engine calls. asyncio's default pool has min(32, cores + 4) threads,
+    which would cap a worker's concurrent rows at 6 on a 2-core host; each waiting call holds one
+    thread, so this pool is sized for a full engine of rows (threads start only when needed)."""
+    global _ROW_POOL
+    with _ROW_POOL_LOCK:
+        if _ROW_POOL is None:
+            _ROW_POOL = ThreadPoolExecutor(max_workers=1024, thread_name_prefix="rollout-row")
+        return _ROW_POOL
+
+
+async def _run_trajectory(call: _Call, s: _State, row: int) -> None:
+    """One trajectory on its own (``per_trajectory``): generate -> act -> search -> inject, turn by
+    turn, sharing nothing with the other rows but the engine and the retriever."""
+    turn = 0
+    while not s.done:
+        gens, caps = await _generate(call, [s], turn, row=row)
+        searching = _act(call, [s], gens, caps)
+        if searching:
+            await _search_and_inject(call, searching, turn)
+        turn += 1
+
+
+async def _generate(call: _Call, active: list[_State], turn: int,
+                    row: int | None = None) -> tuple[list[Generation], list[int]]:
     """One turn of generation: ONE batched ``engine.generate`` over every active trajectory, in a
     thread (the event loop stays free); each row capped at the budget it has left (>= 1 here).
+    ``row``: the single trajectory's index in a per-trajectory rollout (its own seed and thread pool).
     Returns the generations and the caps, row for row."""
     proto = call.proto
     caps = [min(proto.max_new_tokens_per_turn, proto.max_total_tokens - len(s.ctx)) for s in active]
+    seed = None if call.seed is None else (call.seed + turn if row is None else row_seed(call.seed, row, turn))
     params = SamplingParams(max_new_tokens=max(caps), temperature=call.temperature, top_p=call.top_p,
-                            stop_token_ids=call.stop_ids, seed=None if call.seed is None else call.seed + turn)
+                            stop_token_ids=call.stop_ids, seed=seed)
     prompts = [np.asarray(s.ctx, dtype=np.int32) for s in active]
     kwargs = {"max_new_tokens_per_prompt": caps} if call.caps_ok and min(caps) < max(caps) else {}
     t0 = time.perf_counter()
-    gens: list[Generation] = await asyncio.to_thread(call.engine.generate, prompts, params, **kwargs)
+    if row is None:
+        gens: list[Generation] = await asyncio.to_thread(call.engine.generate, prompts, params, **kwargs)
+    else:
+        gens = await asyncio.get_running_loop().run_in_executor(
+            _row_pool(), functools.partial(call.engine.generate, prompts, params, **kwargs))
     call.stats.generate_s += time.perf_counter() - t0
     call.stats.engine_calls += 1
     if len(gens) != len(active):

@@ -248,16 +248,19 @@ class RolloutWorker:
 
     def generate_groups(self, replay, stage_index: int, stage: StageConfig, n_groups: int, batch_no: int) -> dict:
         """Synchronous mode: produce exactly ``n_groups`` groups with the current weights, then return.
-        The same ``batches_in_flight`` concurrency as async mode, so the two modes differ only in lockstep."""
+        The whole share is submitted at once, as veRL's synchronous trainer does: every request of
+        ``groups_per_request`` groups starts now, with no ``batches_in_flight`` cap (the lanes are how
+        async mode runs ahead; a step's batch has nothing to run ahead of), so the engine's
+        ``max_batch_rows`` bounds the rows in flight here as it does in async mode; with
+        ``rollout.per_trajectory`` every trajectory is its own coroutine, as in async mode. The two
+        modes then differ only in overlap with training and the staleness bound."""
         self.engine.apply_staged()
         t0 = time.perf_counter()
         per = self.cfg.rollout.groups_per_request
         sizes = [min(per, n_groups - s) for s in range(0, n_groups, per)]
-        sem = asyncio.Semaphore(self.cfg.rollout.batches_in_flight)
 
         async def one(j: int, n: int) -> None:
-            async with sem:
-                await _aproduce(self, replay, stage_index, stage, n, batch_no * 1000 + j)
+            await _aproduce(self, replay, stage_index, stage, n, batch_no * 1000 + j)
 
         async def all_() -> None:
             await asyncio.gather(*(one(j, n) for j, n in enumerate(sizes)))
@@ -365,4 +368,5 @@ async def _arollout(w: "RolloutWorker", items, stage_index: int, stage: StageCon
         proto=w.cfg.protocol, temperature=temperature, top_p=w.cfg.rollout.top_p,  # greedy ignores top_p
         group_size=w.cfg.rollout.group_size if temperature > 0 else 1,
         k=w.cfg.retrieval.k, reward_fn=make_reward_fn(stage.reward, w.tokenizer, w.tags),
-        actor_id=w.worker_id, stage=stage_index, search_enabled=search_enabled, seed=seed)
+        actor_id=w.worker_id, stage=stage_index, search_enabled=search_enabled, seed=seed,
+        per_trajectory=w.cfg.rollout.per_trajectory)
