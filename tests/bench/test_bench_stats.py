@@ -1,0 +1,52 @@
+"""bench/stats.py: the t distribution and the seed confidence intervals, pinned on closed forms and on
+published table values (no scipy)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sonar.bench.stats import mean_ci, t_quantile, t_two_sided_cdf, within
+
+
+@pytest.mark.parametrize("t", [0.1, 0.7, 1.0, 2.5, 12.0])
+def test_cdf_matches_the_closed_forms_for_df_1_2_3(t):
+    # df=1 (Cauchy): P(|T|<=t) = 2 atan(t)/pi; df=2: t / sqrt(2 + t^2);
+    # df=3: (2/pi) (atan(t/sqrt3) + sqrt3 t / (3 + t^2))
+    assert t_two_sided_cdf(t, 1) == pytest.approx(2 * math.atan(t) / math.pi, abs=1e-13)
+    assert t_two_sided_cdf(t, 2) == pytest.approx(t / math.sqrt(2 + t * t), abs=1e-13)
+    r3 = math.sqrt(3)
+    assert t_two_sided_cdf(t, 3) == pytest.approx(2 / math.pi * (math.atan(t / r3) + r3 * t / (3 + t * t)), abs=1e-13)
+
+
+@pytest.mark.parametrize("df,expected", [(1, 12.7062047), (2, 4.3026527), (3, 3.1824463), (4, 2.7764451),
+                                         (5, 2.5705818), (9, 2.2621572), (10, 2.2281389), (30, 2.0422725)])
+def test_quantile_matches_the_t_table(df, expected):
+    assert t_quantile(0.95, df) == pytest.approx(expected, abs=1e-6)
+
+
+def test_quantile_inverts_the_closed_forms():
+    # df=1: tan(pi * level / 2); df=2: sqrt(2 level^2 / (1 - level^2))
+    for level in (0.5, 0.9, 0.95, 0.99):
+        assert t_quantile(level, 1) == pytest.approx(math.tan(math.pi * level / 2), rel=1e-10)
+        assert t_quantile(level, 2) == pytest.approx(math.sqrt(2 * level ** 2 / (1 - level ** 2)), rel=1e-10)
+    assert t_quantile(0.95, 10_000) == pytest.approx(1.959964, abs=1e-3)  # tends to the normal quantile
+
+
+def test_mean_ci_on_known_numbers():
+    ci = mean_ci([1.0, 2.0, 3.0])  # mean 2, sd 1, half = 4.3026527 / sqrt(3)
+    assert ci["mean"] == 2.0 and ci["sd"] == pytest.approx(1.0) and ci["n"] == 3
+    assert ci["half"] == pytest.approx(4.3026527 / math.sqrt(3), abs=1e-6)
+    assert (ci["lo"], ci["hi"]) == pytest.approx((2 - 2.4841377, 2 + 2.4841377), abs=1e-6)
+    assert within(4.4, ci) is True and within(4.5, ci) is False and within(-0.49, ci) is False
+    two = mean_ci([0.80, 0.84])  # sd = 0.04 / sqrt 2, half = 12.7062047 * 0.02
+    assert two["half"] == pytest.approx(12.7062047 * 0.02, abs=1e-7)
+
+
+def test_one_seed_has_no_interval():
+    ci = mean_ci([0.7])
+    assert ci["mean"] == 0.7 and math.isnan(ci["lo"]) and math.isnan(ci["half"]) and within(0.7, ci) is None
+    with pytest.raises(ValueError, match="no samples"):
+        mean_ci([])
+    with pytest.raises(ValueError, match="df=0"):
+        t_two_sided_cdf(1.0, 0)
