@@ -304,7 +304,14 @@ class _BenchParser(argparse.ArgumentParser):
     """Checks provenance right after parsing, so a dirty tree fails in a second, not after the run."""
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
-        ns = super().parse_args(args, namespace)
+        # intermixed: bare key=value overrides may sit before or after the options
+        ns = self.parse_intermixed_args(args, namespace) if self._has_overrides else super().parse_args(args, namespace)
+        if self._has_overrides:
+            if ns.set_overrides:
+                print("sonar bench: --set KEY=VALUE is deprecated; pass bare KEY=VALUE as `sonar train` does",
+                      file=sys.stderr)
+            ns.overrides = list(ns.set_overrides) + list(ns.overrides)
+            del ns.set_overrides
         try:
             check_provenance()
         except DirtyTreeError as e:
@@ -316,6 +323,7 @@ def base_parser(name: str, description: str) -> argparse.ArgumentParser:
     """The options every benchmark takes: --quick (CI smoke size, under a minute), --out, --repeats,
     --allow-dirty (write results from a tree with uncommitted/untracked changes; recorded in the JSON)."""
     p = _BenchParser(prog=f"sonar bench {name}", description=description)
+    p._has_overrides = False
     p.add_argument("--allow-dirty", action=_AllowDirty,
                    help="write results even if the tree has uncommitted or untracked source changes "
                         "(the JSON then says allow_dirty: true and lists the files)")
@@ -327,10 +335,14 @@ def base_parser(name: str, description: str) -> argparse.ArgumentParser:
 
 
 def driver_bench_parser(name: str, description: str, config_hint: str) -> argparse.ArgumentParser:
-    """``base_parser`` plus ``--set KEY=VALUE`` (repeatable): for benchmarks that run Sonar's driver."""
+    """``base_parser`` plus bare ``KEY=VALUE`` overrides, the syntax of every subcommand (``--set KEY=VALUE``
+    is kept as a deprecated alias): for benchmarks that run Sonar's driver."""
     p = base_parser(name, description)
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help=f"extra config overrides on top of {config_hint} (repeatable)")
+    p._has_overrides = True
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help=f"extra config overrides on top of {config_hint}")
+    p.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="deprecated alias of a bare KEY=VALUE")
     return p
 
 

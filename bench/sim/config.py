@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 SECTION = "sim"
 ENGINES = ("real", "bench")
+DECODE_COSTS = ("flat", "gpu_7b")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,17 @@ class SimConfig:
     sleeps for its longest row, ``decode_latency.py``); the continuous engine is replaced by
     ``PacedContinuousHFEngine`` (every step lasts this long, and a hidden token holds a batch slot,
     ``paced_engine.py``). The hidden tokens are not returned and not trained."""
+    decode_cost: str = "flat"
+    """What a simulated decode step costs. flat: ``decode_ms_per_token`` per step whatever the batch (an
+    assumption, kept as the default so earlier results stay comparable). gpu_7b: ``t(rows, ctx) = t0 +
+    a*rows + b*sum(ctx)/1000`` ms, fitted to published vLLM measurements of a 7B model on one H100
+    (``gpu_cost.py``, which cites them); it turns the simulation on by itself and ignores
+    ``decode_ms_per_token``. Every result names the model it ran under (``gpu_cost.sim_cost_label``)."""
+    learner_delay_ms: float = 0.0
+    """SIMULATED extra learner time per RL step, in ms (>= 0; 0 simulates nothing): the driver waits this
+    long after every logged RL step (its ``on_step`` hook) before it asks for the next one, as if the
+    learner's step took that much longer. ``sonar bench sensitivity`` varies it to change the learner's
+    share of a step."""
     decode_median_tokens: float = 16.0
     """Median of the lognormal hidden reasoning length per turn, in tokens (1 <= median <= max)."""
     decode_sigma: float = 0.7
@@ -63,14 +75,18 @@ class SimConfig:
         ``Config``), also the combinations with ``rollout.*`` that cannot run."""
         if self.engine not in ENGINES:
             raise ValueError(f"sim.engine={self.engine!r} is not one of {list(ENGINES)}")
-        for name in ("token_ms", "decode_ms_per_token", "retrieval_latency_ms", "retrieval_latency_sigma"):
+        if self.decode_cost not in DECODE_COSTS:
+            raise ValueError(f"sim.decode_cost={self.decode_cost!r} is not one of {list(DECODE_COSTS)}")
+        for name in ("token_ms", "decode_ms_per_token", "retrieval_latency_ms", "retrieval_latency_sigma",
+                     "learner_delay_ms"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"sim.{name}={v} must be a finite number >= 0")
-        if self.decode_ms_per_token > 0:  # the length distribution is read only when decode time is simulated
+        if self.simulates_decode:  # the length distribution is read only when decode time is simulated
             if self.engine == "bench":
-                raise ValueError(f"sim.decode_ms_per_token={self.decode_ms_per_token} > 0 with sim.engine='bench': "
-                                 "the bench engine already simulates decode time (sim.token_ms); use one or the other")
+                raise ValueError(f"sim.decode_ms_per_token={self.decode_ms_per_token} > 0 or sim.decode_cost="
+                                 f"{self.decode_cost!r} with sim.engine='bench': the bench engine already simulates "
+                                 "decode time (sim.token_ms); use one or the other")
             m, s, mx = self.decode_median_tokens, self.decode_sigma, self.decode_max_tokens
             if not (math.isfinite(m) and 1 <= m <= mx) or not (math.isfinite(s) and s >= 0):
                 raise ValueError(f"sim.decode_median_tokens={m}, sim.decode_max_tokens={mx}, sim.decode_sigma={s}: "
@@ -82,6 +98,11 @@ class SimConfig:
                                  f"got rollout.engine={r.engine!r}, rollout.continuous_batching={r.continuous_batching} "
                                  "(the bench engine is a static-batch transformers engine)")
         return self
+
+    @property
+    def simulates_decode(self) -> bool:
+        """True when the engine hook paces decode steps (flat ``decode_ms_per_token`` > 0, or gpu_7b)."""
+        return self.decode_ms_per_token > 0 or self.decode_cost == "gpu_7b"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -123,14 +144,17 @@ def load_bench_config(paths: Sequence[str | Path], overrides: Sequence[str] = ()
     """``(Config, SimConfig)`` from config files that may hold a ``sim:`` section and overrides that may
     be ``sim.KEY=VALUE``; both validated, and checked together (``SimConfig.validate(cfg)``)."""
     from sonar.cluster.wire.config import ConfigError, load_config
+    from sonar.cluster.wire.paths import find_config
 
     prod_overrides, sim_overrides = split_overrides(overrides)
     sections: list[tuple[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="sonar-bench-config-") as tmp:
         prod_paths, copies = [], {}
-        for i, p in enumerate(Path(x) for x in paths):
-            if not p.is_file():
-                raise ConfigError(f"config file {str(p)!r} does not exist")
+        for i, x in enumerate(paths):
+            try:
+                p = find_config(x)  # a file, or a shipped preset by name
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
             try:
                 doc = OmegaConf.load(p)
             except (OmegaConfBaseException, yaml.YAMLError) as e:

@@ -1,6 +1,9 @@
 """``sonar`` command line: train, eval, score, bench.
 
-    sonar train [--config FILE ...] [key=value ...]     # default: configs/tiny.yaml
+    sonar train [--config C ...] [key=value ...]        # default: the tiny preset; C: a file or a preset name
+    sonar config show|validate [--config C ...] [key=value ...]
+    sonar config list                                  # the shipped presets
+    sonar --version
     sonar eval --config C --checkpoint DIR --data FILE [--data FILE2 ...] [--format F] [key=value ...]
     sonar score PREDICTIONS.jsonl [...] [--pred-field F --gold-field G]
     sonar bench NAME [--quick] [...]
@@ -34,6 +37,39 @@ def _load(args) -> "Config":
         raise SystemExit(2)
 
 
+CONFIG_HELP = ("YAML file or preset name (`sonar config list`), repeatable, merged in order; "
+               "default: the tiny preset")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sonar-rl")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def config_command(args) -> int:
+    """``sonar config show|validate|list``: nothing is started, no directory is written."""
+    from sonar.cluster.wire.config import to_yaml
+    from sonar.cluster.wire.paths import preset_summary, presets
+
+    if args.config_cmd == "list":
+        found = presets()
+        width = max((len(n) for n in found), default=0)
+        for name, path in found.items():
+            print(f"{name:<{width}}  {preset_summary(path)}")
+        return 0
+    cfg = _load(args)  # exits 2 with the field and value on an error
+    if args.config_cmd == "show":
+        print(to_yaml(cfg), end="")
+    else:
+        print(f"sonar: config ok ({', '.join(map(str, args.config or [DEFAULT_CONFIG.stem]))}"
+              f"{' + ' + str(len(args.overrides)) + ' overrides' if args.overrides else ''})")
+    return 0
+
+
 def _sigterm_as_interrupt() -> None:
     """`ray job stop` and schedulers send SIGTERM: treat it like Ctrl-C (MLflow run KILLED, Ray shut down)."""
     def handler(signum, frame):
@@ -60,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     p = argparse.ArgumentParser(prog="sonar")
+    p.add_argument("--version", action="version", version=f"sonar {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="train (default: configs/tiny.yaml)")
-    t.add_argument("--config", action="append", help="YAML override file(s), merged in order")
+    t = sub.add_parser("train", help="train (default: the tiny preset)")
+    t.add_argument("--config", action="append", help=CONFIG_HELP)
     t.add_argument("overrides", nargs="*", help="key=value overrides")
     e = sub.add_parser("eval", help="greedy evaluation of a checkpoint over dataset files")
     e.add_argument("--config", action="append")
@@ -73,10 +110,20 @@ def main(argv: list[str] | None = None) -> int:
                         "bamboogle, r1_searcher, verl (aliases: search_r1, rag_r1, parquet, ...); default auto")
     e.add_argument("--out", default=None, help="output directory")
     e.add_argument("overrides", nargs="*")
+    c = sub.add_parser("config", help="print, check or list configs without running anything")
+    c_sub = c.add_subparsers(dest="config_cmd", required=True)
+    for verb, text in (("show", "print the resolved config as YAML"),
+                       ("validate", "load and check the config; exit 0, or 2 naming the field")):
+        v = c_sub.add_parser(verb, help=text)
+        v.add_argument("--config", action="append", help=CONFIG_HELP)
+        v.add_argument("overrides", nargs="*", help="key=value overrides")
+    c_sub.add_parser("list", help="the shipped presets (`--config NAME`) with their first comment line")
     sub.add_parser("score", help="score predictions JSONL files")
     sub.add_parser("bench", help="run a benchmark from bench/")
     sub.add_parser("chaos", help="train while killing workers, the search service and the learner; account for every prompt")
     args = p.parse_args(argv)
+    if args.cmd == "config":
+        return config_command(args)
     cfg = _load(args)
     if args.cmd == "train":
         from sonar.cluster.driver.loop import train

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Callable
 
 from sonar.cluster.driver.data import cursor_prompts
-from sonar.cluster.driver.reports import rollout_metrics
+from sonar.cluster.driver.reports import eval_table, rollout_metrics
 from sonar.cluster.driver.run import Run, world_of
 from sonar.cluster.wire import metrics as K
-from sonar.cluster.wire.config import Config, StageConfig, inflight_budget
+from sonar.cluster.wire.config import Config, StageConfig, inflight_budget, to_yaml
 
 log = logging.getLogger("sonar")
 
@@ -60,6 +60,9 @@ class Roles:
     active: tuple | None = None
     """(stage index, StageConfig) while an RL stage's rollout loops run (a restarted worker starts its
     loop too); None otherwise."""
+    files_node: str | None = None
+    """The learner's Ray node id when the driver cannot see its ``run.dir`` and ``cluster.upload_files``
+    streams its checkpoints and export here (``files.py``); None: the files are shared."""
 
 
 def init_ray(cfg: Config) -> bool:
@@ -71,17 +74,19 @@ def init_ray(cfg: Config) -> bool:
     if ray.is_initialized():
         return False
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    env = {"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                        "HF_HUB_OFFLINE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}}
-    if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=True)
-    else:
-        # address="local": always a new private cluster, never a stray one found in /tmp/ray.
-        # Logical CPUs: enough for every role's request, so a local run never waits for resources
-        # (the processes share the physical cores; each uses one thread).
-        needed = cfg.learner.num_cpus + cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker
-        ray.init(address="local", num_cpus=cfg.cluster.num_cpus or int(max(4, os.cpu_count() or 1, needed + 0.999)),
-                 include_dashboard=False, _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=True)
+    from sonar.cluster.driver.jobs import driver_runtime_env, keep_sigterm_handler
+
+    env = driver_runtime_env(os.environ)  # merged with a job's --runtime-env-json, never conflicting
+    with keep_sigterm_handler():  # ray.init's own SIGTERM handler would turn `ray job stop` into FAILED
+        if address:
+            ray.init(address=address, runtime_env=env, log_to_driver=True)
+        else:
+            # address="local": always a new private cluster, never a stray one found in /tmp/ray.
+            # Logical CPUs: enough for every role's request, so a local run never waits for resources
+            # (the processes share the physical cores; each uses one thread).
+            needed = cfg.learner.num_cpus + cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker
+            ray.init(address="local", num_cpus=cfg.cluster.num_cpus or int(max(4, os.cpu_count() or 1, needed + 0.999)),
+                     include_dashboard=False, _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=True)
     return True
 
 
@@ -100,7 +105,8 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
     replay = ray.remote(num_cpus=0)(ReplayQueue).options(max_concurrency=1000).remote(
         cfg.replay.capacity_groups, cfg.replay.max_policy_lag, cfg.replay.stale_policy, num_train, cfg.run.seed,
         inflight_budget(cfg))
-    learner = ray.remote(Learner).options(num_cpus=cfg.learner.num_cpus, num_gpus=cfg.learner.num_gpus).remote(cfg, policy)
+    learner = ray.remote(Learner).options(num_cpus=cfg.learner.num_cpus, num_gpus=cfg.learner.num_gpus,
+                                          resources=role_resources(cfg, "learner")).remote(cfg, policy)
     workers = [start_worker(cfg, i, retrieval, hooks.engine_wrap, policy=policy) for i in range(cfg.rollout.num_workers)]
     try:
         ray.get([learner.ping.remote()] + [w.ready.remote() for w in workers], timeout=cfg.cluster.step_timeout_s)
@@ -115,7 +121,21 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
     roles = Roles(retrieval, replay, learner, workers, {i: 0 for i in range(len(workers))},
                   owns_ray=owns, hooks=hooks, policy=policy, cfg=cfg)
     connect_broadcast(cfg, roles)
+    roles.files_node = unshared_learner_node(cfg, roles, run)
     return roles
+
+
+def unshared_learner_node(cfg: Config, roles: Roles, run: Run) -> str | None:
+    """None when the driver sees the learner's ``run.dir`` (one node, or shared storage); else the
+    learner's node id, to upload from (``files.check_run_dir`` fails first unless ``cluster.upload_files``)."""
+    import ray
+
+    from sonar.cluster.driver.files import check_run_dir
+
+    if sum(1 for n in ray.nodes() if n.get("Alive")) <= 1:
+        return None
+    node = node_of(roles.learner, cfg.cluster.health_timeout_s)
+    return None if check_run_dir(cfg, node, run.dir) else node
 
 
 def prepare_corpus(cfg: Config, run: Run) -> str:
@@ -185,7 +205,7 @@ def start_retrieval(cfg: Config, run: Run, corpus: str, wrap_backend: Callable |
     # so the workers' clients keep working once it answers again.
     client = start_retrieval_service(
         rcfg, lambda: build_retriever(rcfg, corpus, index_root, wrap_backend=wrap_backend),
-        max_restarts=cfg.cluster.max_replica_restarts)
+        max_restarts=cfg.cluster.max_replica_restarts, actor_options={"resources": role_resources(cfg, "retrieval")})
     return list(client.handles)
 
 
@@ -208,8 +228,39 @@ def start_worker(cfg: Config, i: int, retrieval: list, engine_wrap: Callable | N
                                   recheck_s=REPLICA_RECHECK_S, wait_healthy_s=cfg.cluster.retrieval_wait_s)
     return ray.remote(RolloutWorker).options(
         num_cpus=cfg.rollout.num_cpus_per_worker, num_gpus=cfg.rollout.num_gpus_per_worker,
-        max_concurrency=4, name=None).remote(i, cfg, client, eval_retriever=eval_client, policy=policy,
+        resources=role_resources(cfg, "rollout"), max_concurrency=4, name=None).remote(i, cfg, client, eval_retriever=eval_client, policy=policy,
                                              engine_wrap=engine_wrap)
+
+
+def role_resources(cfg: Config, role: str) -> dict | None:
+    """The extra Ray resources ``cluster.role_resources`` gives ``role`` (None: none), e.g. a custom
+    resource only one node type declares, so the role lands there."""
+    return dict(cfg.cluster.role_resources.get(role, {})) or None
+
+
+def node_of(handle, timeout_s: float) -> str:
+    """The Ray node id an actor runs on (asked of the actor itself)."""
+    import ray
+
+    return ray.get(handle.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()),
+                   timeout=timeout_s)
+
+
+def check_reachable(cfg: Config, roles: Roles, addr: str) -> None:
+    """A broadcast rendezvous on loopback (``cluster.bind_host``) reaches only the learner's own node:
+    fail naming the workers elsewhere, rather than letting them time out dialling their own loopback."""
+    import ray
+
+    from sonar.cluster.wire.weights import is_loopback
+
+    if not is_loopback(addr) or sum(1 for n in ray.nodes() if n.get("Alive")) <= 1:
+        return
+    home = node_of(roles.learner, cfg.cluster.health_timeout_s)
+    away = [i for i, w in enumerate(roles.workers) if node_of(w, cfg.cluster.health_timeout_s) != home]
+    if away:
+        raise RuntimeError(f"cluster.bind_host={cfg.cluster.bind_host!r}: the learner's broadcast listens on {addr}, "
+                           f"but rollout workers {away} run on other nodes and cannot reach it (use 'auto' or the "
+                           "learner node's address)")
 
 
 def connect_broadcast(cfg: Config, roles: Roles) -> None:
@@ -229,6 +280,7 @@ def connect_broadcast(cfg: Config, roles: Roles) -> None:
     bases = [1 + sum(ranks[:i]) for i in range(len(ranks))]
     n = 1 + sum(ranks)
     addr, port = ray.get(roles.learner.broadcast_endpoint.remote(n), timeout=cfg.cluster.health_timeout_s)
+    check_reachable(cfg, roles, addr)
     backend = broadcast_backend(cfg)
     # The learner's specs (names, shapes, dtypes: a few KB) set the buckets' dtypes on every rank: a bf16
     # learner sends bf16 to engines holding float32, which cast on load.
@@ -489,6 +541,10 @@ def save_checkpoint(roles: Roles, run: Run, resume_stage: int, resume_step: int,
     path = ray.get(roles.learner.save_checkpoint.remote(
         path, {"resume_stage": resume_stage, "resume_step": resume_step, "replay": replay_state,
                "run_step": run.step}))
+    if roles.files_node is not None:  # the learner's node does not share run.dir: bring it here
+        from sonar.cluster.driver.files import fetch_dir
+
+        fetch_dir(roles.files_node, path, path)
     log.info("checkpoint saved: %s", path)
     return path
 
@@ -522,7 +578,15 @@ def export_model(cfg: Config, roles: Roles, run: Run) -> str:
     import ray
 
     path = ray.get(roles.learner.export_hf.remote(str(run.dir / "model")))
-    if cfg.tracking.log_model:
-        run.sink.log_artifacts(path, "model")
+    if roles.files_node is not None:  # the learner's node does not share run.dir: bring it here
+        from sonar.cluster.driver.files import fetch_dir
+
+        fetch_dir(roles.files_node, path, path)
+    if cfg.tracking.log_model:  # transformers flavour, registered when tracking.registered_model_name is set
+        import yaml
+
+        uri = run.sink.log_model(path, eval_table=eval_table(run.results), config=yaml.safe_load(to_yaml(cfg)))
+        if uri:
+            log.info("final policy logged to MLflow as %s", uri)
     return path
 

@@ -1,0 +1,56 @@
+"""`sonar --version`, `sonar config show|validate|list`, one override syntax (in-process: no Ray, no run)."""
+from importlib.metadata import version
+
+import pytest
+import yaml
+
+from sonar.cluster.driver.cli import main
+from sonar.cluster.wire.paths import presets
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"sonar {version('sonar-rl')}"
+
+
+def test_config_show_prints_the_resolved_yaml_with_overrides(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SONAR_RUN_ROOT", raising=False)
+    assert main(["config", "show", "--config", "smoke", "run.name=shown", "rollout.num_workers=3"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["run"]["name"] == "shown" and shown["rollout"]["num_workers"] == 3
+    assert shown["run"]["root"] == str(tmp_path / "runs")  # made explicit
+    assert shown["world"]["num_entities"] == yaml.safe_load(presets()["smoke"].read_text())["world"]["num_entities"]
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_config_validate_exits_0_or_2_with_the_field(capsys):
+    assert main(["config", "validate", "--config", "smoke"]) == 0
+    assert "config ok" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["config", "validate", "--config", "smoke", "run.log_every=0"])
+    assert e.value.code == 2
+    assert "run.log_every=0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["config", "validate", "--config", "no-such-preset"])
+    assert e.value.code == 2 and "not a preset name" in capsys.readouterr().err
+
+
+def test_config_list_names_every_preset_with_its_first_comment(capsys):
+    assert main(["config", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines] == list(presets())
+    assert any(ln.startswith("tiny") and "the embedded default" in ln for ln in lines)
+
+
+def test_bench_takes_bare_overrides_and_set_as_a_deprecated_alias(monkeypatch, capsys):
+    import sonar.bench.common as common
+
+    monkeypatch.setattr(common, "check_provenance", lambda: None)
+    p = common.driver_bench_parser("x", "d", "c")
+    ns = p.parse_args(["a.b=1", "--quick", "c.d=2", "--set", "e.f=3"])
+    assert ns.quick and ns.overrides == ["e.f=3", "a.b=1", "c.d=2"]
+    assert "deprecated" in capsys.readouterr().err
+    assert p.parse_args([]).overrides == []
