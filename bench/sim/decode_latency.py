@@ -27,6 +27,10 @@ Knobs (``sim.decode_*``, wired in by ``hooks.SimEngineWrap`` through the product
 16-row call waits ~550 ms for its longest row. The hidden reasoning tokens are not trained: the
 learner's cost is that of the visible tokens.
 
+With ``cost`` (``sim.decode_cost=gpu_7b``: ``gpu_cost.Gpu7BCost``) a call instead sleeps
+``sum over k = 1..max(L) of cost(rows with L >= k, sum over them of (prompt + visible tokens + k))``:
+step k decodes the rows still reasoning, each with its context so far (``static_sleep_ms``).
+
 Static engines only: for ``ContinuousHFEngine`` (``rollout.continuous_batching``) the same knobs drive
 ``paced_engine.PacedContinuousHFEngine``, where the simulated tokens hold batch slots.
 
@@ -65,6 +69,18 @@ class ReasoningLengths:
         return np.clip(np.rint(x), 1, self.max_tokens).astype(np.int64)
 
 
+def static_sleep_ms(cost, ctx: Sequence[int], lengths: Sequence[int]) -> float:
+    """Decode time of one static batch: rows with contexts ``ctx`` reason ``lengths`` more tokens each,
+    decoding together; step k (1..max length) costs ``cost(rows with length >= k, sum of their ctx + k)``."""
+    ctx_a, len_a = np.asarray(ctx, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    total = 0.0
+    for k in range(1, int(len_a.max(initial=0)) + 1):
+        alive = len_a >= k
+        n = int(alive.sum())
+        total += cost(n, int(ctx_a[alive].sum()) + n * k)
+    return total
+
+
 class DecodeLatencyEngine:
     """An ``Engine`` that delegates to ``inner`` and then sleeps the decode time of long-tailed turns.
 
@@ -74,14 +90,16 @@ class DecodeLatencyEngine:
 
     engine_kind = "decode_latency"
 
-    def __init__(self, inner: Engine, ms_per_token: float, median_tokens: float, sigma: float,
-                 max_tokens: int, seed: int = 0):
-        if not math.isfinite(ms_per_token) or ms_per_token <= 0:
+    def __init__(self, inner: Engine, ms_per_token: float | None, median_tokens: float, sigma: float,
+                 max_tokens: int, seed: int = 0, cost=None):
+        if cost is None and (ms_per_token is None or not math.isfinite(ms_per_token) or ms_per_token <= 0):
             raise ValueError(f"ms_per_token={ms_per_token} must be a finite number > 0 "
                              "(sim.decode_ms_per_token)")
+        self.cost = cost
+        """None: flat ``ms_per_token`` per step; else ``cost(rows, ctx_tokens) -> ms`` per step."""
         self.lengths = ReasoningLengths(median_tokens, sigma, max_tokens, seed)
         self.inner = inner
-        self.ms_per_token = float(ms_per_token)
+        self.ms_per_token = float(ms_per_token) if ms_per_token is not None else float("nan")
         self.median_tokens, self.sigma, self.max_tokens = (self.lengths.median_tokens, self.lengths.sigma,
                                                            self.lengths.max_tokens)
         self._lock = threading.Lock()  # the "device": one call at a time, weights swap between calls
@@ -108,7 +126,11 @@ class DecodeLatencyEngine:
             else:
                 gens = self.inner.generate(prompts, params, max_new_tokens_per_prompt)
             lengths = self.draw_tokens(len(gens))
-            sleep_s = self.ms_per_token * int(lengths.max(initial=0)) / 1000.0
+            if self.cost is None:
+                sleep_s = self.ms_per_token * int(lengths.max(initial=0)) / 1000.0
+            else:
+                ctx = [len(p) + len(g.token_ids) for p, g in zip(prompts, gens)]
+                sleep_s = static_sleep_ms(self.cost, ctx, lengths) / 1000.0
             if sleep_s > 0:
                 time.sleep(sleep_s)
         with self._stats_lock:

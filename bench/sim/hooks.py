@@ -7,7 +7,9 @@
   replaces a ``ContinuousHFEngine`` with ``PacedContinuousHFEngine`` and wraps any other engine in
   ``DecodeLatencyEngine``;
 - ``retriever_wrap = SimRetrieverWrap(...)`` for ``build_retriever`` (``retrieval/factory.py``) in every
-  retrieval replica: ``sim.retrieval_latency_ms`` > 0 wraps the backend in ``LatencyInjectingRetriever``.
+  retrieval replica: ``sim.retrieval_latency_ms`` > 0 wraps the backend in ``LatencyInjectingRetriever``;
+- ``on_step = LearnerDelay(sim.learner_delay_ms)`` for the driver (``sim.learner_delay_ms`` > 0): a
+  simulated longer learner step.
 
 A hook that would change nothing is None, so a ``SimConfig()`` runs production untouched. Both are
 instances of top-level classes holding plain values: Ray pickles them into the actors.
@@ -35,19 +37,24 @@ class SimEngineWrap:
 
             return BenchEngine(model, tokenizer, get_protocol(cfg.protocol.name), token_ms=s.token_ms,
                                seed=cfg.run.seed * 101 + worker_id)
-        if s.decode_ms_per_token <= 0:
+        if not s.simulates_decode:
             return engine
         pacing = dict(median_tokens=s.decode_median_tokens, sigma=s.decode_sigma, max_tokens=s.decode_max_tokens,
                       seed=cfg.run.seed * 1009 + worker_id)
+        # flat keeps the fixed step time (decode_ms_per_token); gpu_7b charges t(rows, ctx) (gpu_cost.py)
+        from sonar.bench.sim.gpu_cost import make_cost
+
+        cost = make_cost(s) if s.decode_cost != "flat" else None
         from sonar.actors.engine_continuous import ContinuousHFEngine
 
         if isinstance(engine, ContinuousHFEngine):  # concurrent calls: pace its steps, never serialise them
             from sonar.bench.sim.paced_engine import PacedContinuousHFEngine
 
-            return PacedContinuousHFEngine.like(engine, step_ms=s.decode_ms_per_token, **pacing)
+            return PacedContinuousHFEngine.like(engine, step_ms=s.decode_ms_per_token if cost is None else None,
+                                                cost=cost, **pacing)
         from sonar.bench.sim.decode_latency import DecodeLatencyEngine
 
-        return DecodeLatencyEngine(engine, s.decode_ms_per_token, **pacing)
+        return DecodeLatencyEngine(engine, s.decode_ms_per_token if cost is None else None, cost=cost, **pacing)
 
     def __repr__(self) -> str:
         return f"SimEngineWrap({self.sim})"
@@ -68,10 +75,31 @@ class SimRetrieverWrap:
         return f"SimRetrieverWrap(median_ms={self.median_ms}, sigma={self.sigma})"
 
 
+class LearnerDelay:
+    """The driver's ``on_step`` hook for ``sim.learner_delay_ms``: after every logged RL step the driver
+    waits ``delay_ms`` before it asks the learner for the next one (SIMULATED learner time). Never ends
+    training; ``waited_s`` sums the waits."""
+
+    def __init__(self, delay_ms: float):
+        self.delay_ms = float(delay_ms)
+        self.waited_s = 0.0
+
+    def __call__(self, roles, run, stage_index, steps) -> bool:
+        import time
+
+        time.sleep(self.delay_ms / 1000.0)  # simulated work, not synchronisation: nothing waits on it
+        self.waited_s += self.delay_ms / 1000.0
+        return False
+
+    def __repr__(self) -> str:
+        return f"LearnerDelay(delay_ms={self.delay_ms})"
+
+
 def sim_hooks(sim: SimConfig) -> Hooks:
     """The production driver's ``Hooks`` that apply ``sim`` (None where it simulates nothing)."""
     sim.validate()
-    engine = SimEngineWrap(sim) if sim.engine == "bench" or sim.decode_ms_per_token > 0 else None
+    engine = SimEngineWrap(sim) if sim.engine == "bench" or sim.simulates_decode else None
     retriever = (SimRetrieverWrap(sim.retrieval_latency_ms, sim.retrieval_latency_sigma)
                  if sim.retrieval_latency_ms > 0 else None)
-    return Hooks(engine_wrap=engine, retriever_wrap=retriever)
+    on_step = LearnerDelay(sim.learner_delay_ms) if sim.learner_delay_ms > 0 else None
+    return Hooks(engine_wrap=engine, retriever_wrap=retriever, on_step=on_step)
