@@ -1,0 +1,57 @@
+"""A wheel built from the repository ships the presets: installed outside the checkout, `sonar` finds
+`--config smoke` by name and its default config with no --config (about 15 s: build, install, two CLI calls).
+
+The wheel goes into a throwaway venv whose only link to the project venv is a ``.pth`` line naming its
+site-packages (the dependencies, no download); the project's editable install is not seen there (its
+``.pth`` hook runs only in the project venv's own site dir), so ``sonar`` is imported from the wheel."""
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(cmd, **kw):
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kw)
+    assert p.returncode == 0, f"{cmd} exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+    return p.stdout
+
+
+def test_wheel_runs_config_commands_with_presets_from_outside_the_checkout(tmp_path):
+    # The tracked files only (what a clean checkout holds), so the wheel is the repository's, not the tree's litter.
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    src = tmp_path / "src"
+    for f in filter(None, files):
+        rel = f.decode()
+        if (ROOT / rel).is_file():
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            (src / rel).write_bytes((ROOT / rel).read_bytes())
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"),
+          str(src)])
+    wheel = next((tmp_path / "dist").glob("sonar_rl-*.whl"))
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    py = venv / "bin" / "python"
+    site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
+    (site / "_project_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)])
+
+    away = tmp_path / "away"
+    away.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    env.pop("SONAR_RUN_ROOT", None)
+    sonar = str(venv / "bin" / "sonar")
+    where = _run([str(py), "-c", "import sonar.cluster.wire.paths as p; print(p.CONFIG_DIR)"], cwd=away, env=env)
+    assert Path(where.strip()).is_relative_to(site), f"sonar imported from {where}, not the wheel in {site}"
+    shown = yaml.safe_load(_run([sonar, "config", "show", "--config", "smoke"], cwd=away, env=env))
+    assert shown["run"]["name"] == "smoke" and shown["run"]["root"] == str(away / "runs")
+    # the README's `--config configs/smoke.yaml` where no configs/ folder exists
+    assert yaml.safe_load(_run([sonar, "config", "show", "--config", "configs/smoke.yaml"], cwd=away, env=env)) == shown
+    assert "config ok (tiny)" in _run([sonar, "config", "validate"], cwd=away, env=env)  # the default, from the wheel
+    listed = _run([sonar, "config", "list"], cwd=away, env=env)
+    assert {"tiny", "smoke"} <= {ln.split()[0] for ln in listed.splitlines()}
+    assert not (away / "runs").exists()
