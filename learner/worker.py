@@ -147,9 +147,10 @@ class Learner:
         ``setup_broadcast`` takes it, so no other process can grab the port in between."""
         import ray
 
-        from sonar.cluster.wire.weights import open_store
+        from sonar.cluster.wire.weights import open_store, resolve_bind_host
 
-        host = ray.util.get_node_ip_address()
+        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        host = resolve_bind_host(self.cfg.cluster.bind_host, ray.util.get_node_ip_address(), nodes)
         self._bcast_store = open_store(host, world_size)
         return host, int(self._bcast_store.port)
 

@@ -278,6 +278,25 @@ class RolloutConfig:
     """Elastic pool: add a worker when the learner spent more than this share of the window waiting for
     groups (``learner/wait_s`` over wall time), in (0, 1]."""
     pool_shrink_full_share: float = 0.8
+    """Elastic pool: remove a worker when the replay was full at more than this share of the window's
+    learner steps, in (0, 1]. Full: depth >= ``replay.capacity_groups`` - ``learner.groups_per_step``
+    right after the learner took its batch (blocked producers refill it at once)."""
+    pool_cooldown_s: float = 30.0
+    """Elastic pool: seconds after a resize before the next decision (>= 0); the window restarts too."""
+    min_workers: Optional[int] = None
+    """Elastic pool: the fewest rollout workers the driver shrinks to (>= 1; None: ``num_workers``).
+    The pool starts at ``num_workers``; with min_workers < max_workers the driver's pool controller
+    (``cluster/driver/pool.py``) resizes it at learner-step boundaries (async mode only)."""
+    max_workers: Optional[int] = None
+    """Elastic pool: the most rollout workers the driver grows to (>= num_workers; None: ``num_workers``,
+    a fixed pool). The driver asks the Ray autoscaler for the bundles of this target
+    (``ray.autoscaler.sdk.request_resources``) before it starts a worker."""
+    pool_window_s: float = 30.0
+    """Elastic pool: seconds of learner steps the controller looks back over before a decision (> 0)."""
+    pool_grow_wait_share: float = 0.3
+    """Elastic pool: add a worker when the learner spent more than this share of the window waiting for
+    groups (``learner/wait_s`` over wall time), in (0, 1]."""
+    pool_shrink_full_share: float = 0.8
     """Elastic pool: remove a worker when the replay was full (depth >= ``replay.capacity_groups``) at
     more than this share of the window's learner steps, in (0, 1]."""
     pool_cooldown_s: float = 30.0
@@ -590,6 +609,19 @@ class ClusterConfig:
     the run at start naming the directory; true streams the learner's checkpoints and HF export to the
     driver's ``run.dir`` through the Ray object store after each save (a resume then needs the files where
     the learner runs: put ``run.root`` on shared storage for ``run.resume``/``cluster.auto_resume``)."""
+    bind_host: str = "auto"
+    """Where the learner's weight-broadcast rendezvous listens and the workers dial it. auto: 127.0.0.1
+    when the Ray cluster has one node, else the learner's node address (``ray.util.get_node_ip_address``);
+    loopback: 127.0.0.1 (every role on one node); or an address of the learner's node."""
+    role_resources: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    """Extra Ray resources per role, to pin roles to node types: keys learner | rollout | retrieval
+    (e.g. ``{learner: {node_gpu: 1}, rollout: {node_rollout: 1}}``, custom resources the nodes declare),
+    added to the CPUs/GPUs each role already asks for; a rollout entry is per worker. Values >= 0."""
+    upload_files: bool = False
+    """When the learner's node cannot see ``run.dir`` (no shared storage, checked at start): false fails
+    the run at start naming the directory; true streams the learner's checkpoints and HF export to the
+    driver's ``run.dir`` through the Ray object store after each save (a resume then needs the files where
+    the learner runs: put ``run.root`` on shared storage for ``run.resume``/``cluster.auto_resume``)."""
 
 
 @dataclass(frozen=True)
@@ -717,6 +749,17 @@ def algo_loss_agg(a: AlgoConfig) -> str:
     return "seq_sum_norm" if a.name == "dr_grpo" else "token_mean"
 
 
+ROLE_NAMES = ("learner", "rollout", "retrieval")
+"""The roles ``cluster.role_resources`` may pin."""
+
+
+def pool_bounds(cfg: "Config") -> tuple[int, int]:
+    """Resolved (``rollout.min_workers``, ``rollout.max_workers``): None is ``rollout.num_workers``."""
+    r = cfg.rollout
+    return (r.num_workers if r.min_workers is None else r.min_workers,
+            r.num_workers if r.max_workers is None else r.max_workers)
+
+
 def inflight_budget(cfg: "Config") -> int:
     """Resolved ``replay.max_inflight_groups`` in async mode (0: unlimited); sync mode is never gated."""
     if cfg.cluster.mode != "async":
@@ -748,6 +791,9 @@ RANGES: dict[str, str] = {
     "rollout.max_batch_rows": ">= 1", "rollout.num_cpus_per_worker": ">= 0", "rollout.num_gpus_per_worker": ">= 0",
     "rollout.tensor_parallel_size": ">= 1", "rollout.vllm_kv_cache_gib": ">= 0",
     "rollout.vllm_gpu_memory_utilization": "(0, 1]",
+    "rollout.min_workers": ">= 1", "rollout.max_workers": ">= 1", "rollout.pool_window_s": "> 0",
+    "rollout.pool_grow_wait_share": "(0, 1]", "rollout.pool_shrink_full_share": "(0, 1]",
+    "rollout.pool_cooldown_s": ">= 0",
     "rollout.min_workers": ">= 1", "rollout.max_workers": ">= 1", "rollout.pool_window_s": "> 0",
     "rollout.pool_grow_wait_share": "(0, 1]", "rollout.pool_shrink_full_share": "(0, 1]",
     "rollout.pool_cooldown_s": ">= 0",
@@ -933,6 +979,13 @@ def _check_rollout(cfg: Config) -> None:
     _check_gpu_placement(cfg)
     if r.max_batch_rows < 1:
         raise ValueError(f"rollout.max_batch_rows={r.max_batch_rows} must be >= 1")
+    lo, hi = pool_bounds(cfg)
+    if not lo <= r.num_workers <= hi:
+        raise ValueError(f"rollout.min_workers={r.min_workers}, rollout.num_workers={r.num_workers}, "
+                         f"rollout.max_workers={r.max_workers}: need min_workers <= num_workers <= max_workers")
+    if lo < hi and cfg.cluster.mode != "async":
+        raise ValueError(f"rollout.min_workers={lo} < rollout.max_workers={hi} (an elastic pool) needs "
+                         f"cluster.mode='async', got {cfg.cluster.mode!r}")
     if r.per_trajectory and not (r.continuous_batching or r.engine == "vllm"):
         raise ValueError(f"rollout.per_trajectory=True needs an engine that batches concurrent calls "
                          f"(rollout.continuous_batching=True or rollout.engine='vllm'), got "
@@ -1175,6 +1228,22 @@ def _check_cluster(cfg: Config) -> None:
             raise ValueError(f"cluster.{name}={getattr(c, name)} must be >= 0")
     if not c.retrieval_wait_s > 0:
         raise ValueError(f"cluster.retrieval_wait_s={c.retrieval_wait_s} must be > 0")
+    if c.bind_host not in ("auto", "loopback"):
+        import ipaddress
+
+        try:
+            ipaddress.ip_address(c.bind_host)
+        except ValueError:
+            raise ValueError(f"cluster.bind_host={c.bind_host!r} is not 'auto', 'loopback' or an IP address") from None
+    for role, res in c.role_resources.items():
+        if role not in ROLE_NAMES:
+            raise ValueError(f"cluster.role_resources.{role}: unknown role (one of {', '.join(ROLE_NAMES)})")
+        for name, amount in res.items():
+            if name in ("CPU", "GPU"):
+                raise ValueError(f"cluster.role_resources.{role}.{name}={amount}: CPUs and GPUs are asked for by "
+                                 "learner.num_cpus/num_gpus and rollout.num_cpus_per_worker/num_gpus_per_worker")
+            if not (math.isfinite(amount) and amount >= 0):
+                raise ValueError(f"cluster.role_resources.{role}.{name}={amount} must be finite and >= 0")
 
 
 def _check_tracking(cfg: Config) -> None:

@@ -150,6 +150,15 @@ def local_address_towards(host: str) -> str:
         return s.getsockname()[0]
 
 
+def resolve_bind_host(setting: str, node_ip: str, num_nodes: int) -> str:
+    """The address the learner's broadcast rendezvous listens on and the workers dial
+    (``cluster.bind_host``): loopback -> 127.0.0.1; auto -> 127.0.0.1 on a one-node Ray cluster, else
+    ``node_ip`` (the learner's node address as Ray knows it); anything else is an address of that node."""
+    if setting == "loopback" or (setting == "auto" and num_nodes <= 1):
+        return "127.0.0.1"
+    return node_ip if setting == "auto" else setting
+
+
 def loopback_interface() -> str:
     """The name of the interface that holds 127.0.0.1 (``lo`` on Linux, ``lo0`` on macOS)."""
     try:
