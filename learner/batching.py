@@ -200,3 +200,20 @@ def microbatch_loss_scale(dp_world_size: int = 1, grad_accum_steps: int = 1) -> 
     if dp_world_size < 1 or grad_accum_steps < 1:
         raise ValueError(f"dp_world_size={dp_world_size} and grad_accum_steps={grad_accum_steps} must be >= 1")
     return float(dp_world_size * grad_accum_steps)
+
+
+def shard_rows(lengths: Sequence[int], world_size: int) -> list[list[int]]:
+    """Rows of a batch split across ``world_size`` data-parallel ranks, balanced by token count:
+    longest first (ties by index), each to the rank holding the fewest tokens so far (ties: the lowest
+    rank). Deterministic, so every rank computes the same split from the same batch; each rank's rows
+    are in ascending order; a rank gets no rows only when there are fewer rows than ranks."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    lengths = [int(n) for n in lengths]
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        shards[r].append(i)
+        load[r] += max(lengths[i], 1)
+    return [sorted(s) for s in shards]

@@ -30,15 +30,35 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def save_checkpoint(engine, path: str | Path, state: dict, write_extra=None, keep: int = 0) -> str:
+def save_checkpoint(engine, path: str | Path, state: dict, write_extra=None, keep: int = 0,
+                    rank: int = 0, world_size: int = 1) -> str:
     """``write_extra(tmp_dir)`` adds files (the Hugging Face export under ``hf/``) before the rename.
-    ``keep`` > 0: afterwards, prune the checkpoints beside it to the newest ``keep`` (``prune_checkpoints``)."""
+    ``keep`` > 0: afterwards, prune the checkpoints beside it to the newest ``keep`` (``prune_checkpoints``).
+
+    Data parallel (``world_size`` > 1, every rank calls this with the same ``path``): every rank writes its
+    DeepSpeed partition into rank 0's temporary directory; rank 0 alone writes the rest (RNG, state,
+    ``write_extra``) and renames. Needs a directory every rank reaches (one node, or shared storage)."""
+    import torch.distributed as dist
+
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    pid = os.getpid()
+    if world_size > 1:
+        box = [pid]
+        dist.broadcast_object_list(box, src=0)
+        pid = box[0]
+    tmp = path.with_name(f"{path.name}.tmp-{pid}")
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    if world_size > 1:
+        dist.barrier()
     engine.save_checkpoint(str(tmp / "ds"), tag="engine")
+    if world_size > 1:
+        dist.barrier()
+    if rank != 0:
+        dist.barrier()  # rank 0 renamed: the checkpoint exists when any rank returns
+        return str(path)
     (tmp / "state.json").write_text(json.dumps(state, default=_json_default, indent=1))
     torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
                tmp / "rng.pt")
@@ -54,6 +74,8 @@ def save_checkpoint(engine, path: str | Path, state: dict, write_extra=None, kee
     latest_tmp.replace(latest)
     if keep:
         prune_checkpoints(path.parent, keep)
+    if world_size > 1:
+        dist.barrier()
     return str(path)
 
 

@@ -41,7 +41,19 @@ def deepspeed_config(cfg: LearnerConfig, on_gpu: bool) -> dict:
     }
     if precision == "bf16":
         ds["bf16"] = {"enabled": True}
+    if cfg.offload_optimizer:
+        # DeepSpeed refuses a client torch optimizer with offload: its own AdamW (DeepSpeedCPUAdam over the
+        # offloaded state) is built from this section; lr 0 is a placeholder (every step sets it).
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0, "betas": list(cfg.betas),
+                                                       "weight_decay": cfg.weight_decay}}
     return ds
+
+
+def uses_client_optimizer(cfg: LearnerConfig) -> bool:
+    """Whether the learner passes its own torch AdamW to DeepSpeed (False: DeepSpeed builds its own from
+    ``deepspeed_config``'s ``optimizer`` section, which optimizer offload needs)."""
+    return not cfg.offload_optimizer
 
 
 def lr_at(step: int, base_lr: float, warmup_steps: int, decay: str, total_steps: int) -> float:

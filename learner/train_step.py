@@ -26,7 +26,7 @@ from sonar.cluster.wire.protocol import Trajectory
 from sonar.learner.algo.advantages import compute_advantages, dynamic_sampling_mask
 from sonar.learner.algo.losses import LossInputs, entropy_from_logits, kl_estimate, policy_loss, sft_loss, token_logprobs
 from sonar.learner.algo.staleness import apply_staleness, importance_weight_histogram, lag_histogram
-from sonar.learner.batching import Batch, collate, pack_micro_batches
+from sonar.learner.batching import Batch, collate, pack_micro_batches, shard_rows
 from sonar.learner.critic import gae_advantages
 
 
@@ -115,6 +115,43 @@ def _micro_batches(batch: Batch, token_budget: int, device) -> list[Batch]:
     return [batch.select(idx).to(device) for idx in pack_micro_batches(batch.lengths.tolist(), token_budget)]
 
 
+def _rank_micro_batches(batch: Batch, token_budget: int, device,
+                        dp: tuple[int, int] = (0, 1)) -> tuple[list[Batch], list[float]]:
+    """This data-parallel rank's micro-batches of ``batch`` and the factor each loss is multiplied by.
+
+    ``dp = (rank, world_size)``. One rank: every micro-batch, factor 1. More: the rows are split by token
+    count (``shard_rows``, the same split on every rank), each rank packs its own rows, and ranks with
+    fewer micro-batches than the most loaded one take dummy micro-batches (one of its rows, factor 0):
+    every rank runs the same number of forward/backward passes, so ZeRO's collectives (ZeRO-3's parameter
+    gathers, ZeRO-2's gradient reduce-scatters) pair up. The losses are normalised by the *global*
+    denominators, so the ranks' gradients sum to the batch gradient; DeepSpeed averages them over the
+    ranks, hence the factor ``world_size``."""
+    rank, world = dp
+    if world == 1:
+        mbs = _micro_batches(batch, token_budget, device)
+        return mbs, [1.0] * len(mbs)
+    lengths = batch.lengths.tolist()
+    shards = shard_rows(lengths, world)
+    packs = [[[s[j] for j in idx] for idx in pack_micro_batches([lengths[i] for i in s], token_budget)] if s else []
+             for s in shards]
+    n = max(1, max(len(p) for p in packs))
+    mine = packs[rank]
+    filler = [shards[rank][0] if shards[rank] else 0]
+    mbs = [batch.select(rows).to(device) for rows in mine] + [batch.select(filler).to(device)] * (n - len(mine))
+    return mbs, [float(world)] * len(mine) + [0.0] * (n - len(mine))
+
+
+def _dp_sum(x: float, dp: tuple[int, int]) -> float:
+    """``x`` summed over the data-parallel ranks (one all-reduce; the ranks' default process group)."""
+    if dp[1] == 1:
+        return x
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0])
+
+
 def _weighted(metrics: list[tuple[dict, float]]) -> dict[str, float]:
     """Token-weighted means over micro-batches; ``*_max`` keys take the max, ``num_tokens`` the sum."""
     total = sum(w for _, w in metrics) or 1.0
@@ -132,19 +169,22 @@ def _weighted(metrics: list[tuple[dict, float]]) -> dict[str, float]:
 
 
 def sft_step(stepper: Stepper, trajs: list[Trajectory], lcfg: LearnerConfig, pad_id: int,
-             device="cpu") -> dict[str, float]:
-    """Token-mean NLL over MODEL tokens only (prompt and retrieved tokens carry no loss)."""
+             device="cpu", dp: tuple[int, int] = (0, 1)) -> dict[str, float]:
+    """Token-mean NLL over MODEL tokens only (prompt and retrieved tokens carry no loss).
+    ``dp = (rank, world_size)``: every rank passes the whole batch and trains its share
+    (``_rank_micro_batches``); the logged loss is the whole batch's."""
     t0 = time.perf_counter()
     batch = collate(trajs, None, pad_id)
     denom = batch.denominators()
-    mbs = _micro_batches(batch, lcfg.micro_batch_tokens, device)
+    mbs, scales = _rank_micro_batches(batch, lcfg.micro_batch_tokens, device, dp)
     stepper.module.train()
     loss_total = 0.0
     for i, mb in enumerate(mbs):
         lp, _ = forward_logprobs(stepper, mb, 1.0)
         out = sft_loss(lp, mb.loss_mask, denom)
-        stepper.backward(out.loss, boundary=i == len(mbs) - 1)
-        loss_total += float(out.loss.detach())
+        stepper.backward(out.loss * scales[i] if dp[1] > 1 else out.loss, boundary=i == len(mbs) - 1)
+        loss_total += float(out.loss.detach()) if scales[i] else 0.0
+    loss_total = _dp_sum(loss_total, dp)
     gn = stepper.step()
     dt = time.perf_counter() - t0
     tokens = int(batch.lengths.sum())
@@ -156,7 +196,7 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
             lcfg: LearnerConfig, rcfg: ReplayConfig, temperature: float, pad_id: int, device="cpu",
             ref_module: torch.nn.Module | None = None,
             difficulty: tuple[float, float] = (0.0, 1.0), critic=None,
-            train_policy: bool = True) -> dict[str, float]:
+            train_policy: bool = True, dp: tuple[int, int] = (0, 1)) -> dict[str, float]:
     """One learner step on a rollout batch of whole groups. Groups outside the ``difficulty`` success-rate
     range and (with the resolved ``algo.dynamic_sampling``) groups with all-equal rewards are dropped and
     counted; if nothing carries signal the optimizer does not step.
@@ -171,7 +211,13 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
 
     ``algo.name='ppo'`` needs ``critic`` (``learner.critic.Critic``): the advantages are GAE over the
     critic's V_old (``critic.gae_advantages``), and the critic takes one value-loss step per mini-batch,
-    before the policy's. ``train_policy=False`` (the critic's warmup) runs only the critic's steps."""
+    before the policy's. ``train_policy=False`` (the critic's warmup) runs only the critic's steps.
+
+    ``dp = (rank, world_size)``: data parallel. Every rank passes the same groups and computes the same
+    filtering, advantages and (proximal/reference) logprobs on the whole batch; the update's micro-batches
+    are split across the ranks by token count (``_rank_micro_batches``), the loss normalised by the whole
+    mini-batch's denominators. The logged loss is the whole batch's; loss parts and the importance-weight
+    histogram are this rank's share."""
     t0 = time.perf_counter()
     n_groups = len(groups)
     groups = apply_staleness(groups, lags, rcfg)
@@ -235,7 +281,7 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
             if not train_policy:
                 continue
             denom = mini.denominators()
-            mbs = _micro_batches(mini, lcfg.micro_batch_tokens, device)
+            mbs, scales = _rank_micro_batches(mini, lcfg.micro_batch_tokens, device, dp)
             loss_total = 0.0
             for i, mb in enumerate(mbs):
                 lp, ent = forward_logprobs(stepper, mb, temperature, with_entropy=True)
@@ -247,7 +293,9 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
                                              advantages=mb.advantages, mask=mb.loss_mask,
                                              proximal_logprobs=mb.proximal_logprobs, ref_logprobs=ref,
                                              sample_weight=mb.sample_weight, entropy=ent, denominators=denom), algo)
-                stepper.backward(out.loss, boundary=i == len(mbs) - 1)
+                stepper.backward(out.loss * scales[i] if dp[1] > 1 else out.loss, boundary=i == len(mbs) - 1)
+                if not scales[i]:
+                    continue  # a dummy micro-batch (data parallel): it only keeps the collectives paired
                 loss_total += float(out.loss.detach())
                 parts.append((out.metrics, float(mb.loss_mask.sum())))
                 if epoch == 0:  # learner/behaviour ratio per trained token at batch start: how off-policy it is
@@ -256,7 +304,7 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
                     for k, v in importance_weight_histogram(ratio, IS_EDGES, mb.loss_mask).items():
                         is_hist[k] = is_hist.get(k, 0) + v
             norms.append(stepper.step())
-            losses.append(loss_total)
+            losses.append(_dp_sum(loss_total, dp))
             n_micro += len(mbs)
     if critic_parts:
         m.update({k: float(np.mean([c[k] for c in critic_parts])) for k in critic_parts[0]})

@@ -13,11 +13,12 @@ Create with ``ray.remote(Learner)``; nothing here imports Ray at module level.
 """
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Sequence
 
 from sonar.cluster.wire import metrics as K
@@ -46,49 +47,92 @@ def _import_deepspeed_without_shm_jit():
     return deepspeed
 
 
-def _init_process_group_on_loopback(backend: str, rank: int, world_size: int, master_port: int | None) -> None:
-    """The learner's default process group (DeepSpeed adopts it), with every socket on 127.0.0.1.
+RENDEZVOUS_TIMEOUT_S = 1800.0
+"""The learner ranks' store and process-group timeout (seconds)."""
+
+
+def _init_process_group_on_loopback(backend: str, rank: int, world_size: int, master_port: int | None,
+                                    master_addr: str = "127.0.0.1", store=None) -> None:
+    """The learner's default process group (DeepSpeed adopts it), every socket on ``master_addr``'s side.
 
     ``deepspeed.init_distributed`` would call ``init_process_group("env://")``, whose master TCPStore
-    listens on every interface; here rank 0's store listens on 127.0.0.1 only (``master_store``), the
-    group is built on it (``store=``), and gloo's pair sockets (this group's and the subgroups DeepSpeed
-    creates later) use the loopback interface (``GLOO_SOCKET_IFNAME``, unless the user set it).
-    ``master_port`` None: rank 0 takes a port the OS picks (a single-rank learner)."""
+    listens on every interface; here rank 0's store listens on ``master_addr`` only (``master_store``; a
+    ``store`` rank 0 bound already is used as is), the group is built on it (``store=``), and on loopback
+    gloo's pair sockets (this group's and the subgroups DeepSpeed creates later) use the loopback
+    interface (``GLOO_SOCKET_IFNAME``, unless the user set it). ``master_port`` None: rank 0 takes a port
+    the OS picks (a single-rank learner, or one that binds before starting its peers)."""
     import datetime
 
     import torch.distributed as dist
 
-    from sonar.cluster.wire.weights import loopback_interface, master_store
+    from sonar.cluster.wire.weights import is_loopback, loopback_interface, master_store
 
-    timeout = datetime.timedelta(minutes=30)
-    if rank == 0:
-        store = master_store("127.0.0.1", master_port or 0, world_size, timeout.total_seconds())
-    else:
-        store = dist.TCPStore("127.0.0.1", int(master_port), world_size, is_master=False, timeout=timeout)
+    timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+    if store is None and rank == 0:
+        store = master_store(master_addr, master_port or 0, world_size, timeout.total_seconds())
+    elif store is None:
+        store = dist.TCPStore(master_addr, int(master_port), world_size, is_master=False, timeout=timeout)
+    os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(store.port)
-    if backend == "gloo":
+    if backend == "gloo" and is_loopback(master_addr):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def on_all_ranks(fn):
+    """A learner method every rank runs: called on rank 0 (the driver's handle), it is sent to every other
+    rank first (Ray preserves each actor's call order, so the ranks' collectives pair up), runs here, and
+    returns rank 0's result after the others finished (their errors raise here). Nested calls (a
+    collective method calling another) do not fan out again."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def run(self, *args, **kwargs):
+        if not self._peers or self._fanning:
+            return fn(self, *args, **kwargs)
+        import ray
+
+        refs = [getattr(p, name).remote(*args, **kwargs) for p in self._peers]
+        self._fanning = True
+        try:
+            out = fn(self, *args, **kwargs)
+        finally:
+            self._fanning = False
+        ray.get(refs)
+        return out
+
+    return run
 
 
 class Learner:
     """``policy``: the Hugging Face directory of the run's initial policy (the driver materialises it;
     the KL reference and the exports are built from it too)."""
 
-    def __init__(self, cfg: Config, policy: str, rank: int = 0, world_size: int = 1, master_port: int | None = None):
+    def __init__(self, cfg: Config, policy: str, rank: int = 0, world_size: int | None = None,
+                 master_port: int | None = None, master_addr: str | None = None, placement_group=None):
+        """``world_size`` (default ``learner.num_ranks``) ranks form one DeepSpeed group. Started by the
+        driver with a Ray ``placement_group`` (one bundle per rank, this actor in bundle 0), rank 0 binds
+        the group's store on its node address (``learner.rendezvous``) and starts ranks 1.. as Ray actors
+        it owns, one per bundle (they die with it). Without one, every rank is started by the caller with
+        ``master_addr``/``master_port`` (tests start the ranks as processes)."""
         os.environ["OMP_NUM_THREADS"] = "1"
         import torch
 
         torch.set_num_threads(1)
         from sonar.cluster.wire.policy import load_policy, pad_id
-        from sonar.learner.deepspeed_config import deepspeed_config, resolve_backend
+        from sonar.learner.deepspeed_config import deepspeed_config, resolve_backend, uses_client_optimizer
         from sonar.learner.sft_data import SFTData
 
         self.cfg = cfg
         self.policy = policy
+        world_size = cfg.learner.num_ranks if world_size is None else int(world_size)
+        self.rank, self.world_size = rank, world_size
+        self._peers: list = []
+        self._fanning = False
         self.on_gpu = torch.cuda.is_available() and cfg.learner.num_gpus > 0
+        master_addr = master_addr or "127.0.0.1"
         os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port or 0))
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port or 0))
         deepspeed = _import_deepspeed_without_shm_jit()
         torch.manual_seed(cfg.run.seed)
         model, self.tokenizer = load_policy(policy)
@@ -96,14 +140,23 @@ class Learner:
         if cfg.learner.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         params = [p for p in model.parameters() if p.requires_grad]
-        # lr=0.0 is a placeholder: every step sets the stage's scheduled lr first (``_set_lr``).
-        opt = torch.optim.AdamW(params, lr=0.0, betas=tuple(cfg.learner.betas), weight_decay=cfg.learner.weight_decay)
+        # lr=0.0 is a placeholder: every step sets the stage's scheduled lr first (``_set_lr``). With optimizer
+        # offload DeepSpeed builds its own AdamW from the config (it refuses a client torch optimizer).
+        opt = (torch.optim.AdamW(params, lr=0.0, betas=tuple(cfg.learner.betas), weight_decay=cfg.learner.weight_decay)
+               if uses_client_optimizer(cfg.learner) else None)
         backend = resolve_backend(cfg.learner, self.on_gpu)
         if not torch.distributed.is_initialized():
-            _init_process_group_on_loopback(backend, rank, world_size, master_port)
+            store = None
+            if rank == 0 and world_size > 1 and placement_group is not None:
+                store, master_addr = self._start_peers(placement_group)
+            _init_process_group_on_loopback(backend, rank, world_size, master_port, master_addr, store)
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # adopts that group
+        elif torch.distributed.get_world_size() != world_size:
+            raise RuntimeError(f"this process's torch.distributed group has {torch.distributed.get_world_size()} "
+                               f"ranks, the learner was asked for {world_size}")
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=opt, config=deepspeed_config(cfg.learner, self.on_gpu))
+            model=model, optimizer=opt, model_parameters=params if opt is None else None,
+            config=deepspeed_config(cfg.learner, self.on_gpu))
         self.device = self.engine.device
         from sonar.learner.train_step import DeepSpeedStepper
 
@@ -124,22 +177,51 @@ class Learner:
             self.critic = Critic(cfg.critic, cfg.learner, policy_dir=policy, policy_module=self.engine.module,
                                  device=self.device)
 
+    # ------------------------------------------------------------------ ranks
+    def _start_peers(self, placement_group):
+        """Rank 0 under Ray: bind the ranks' store (the node address Ray reports, or 127.0.0.1 with
+        ``learner.rendezvous='loopback'``) and start ranks 1.. in bundles 1.. of ``placement_group``.
+        Returns (store, address)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from sonar.cluster.wire.weights import master_store
+
+        L = self.cfg.learner
+        host = "127.0.0.1" if L.rendezvous == "loopback" else ray.util.get_node_ip_address()
+        store = master_store(host, 0, self.world_size, RENDEZVOUS_TIMEOUT_S)
+        cls = ray.remote(type(self))
+        self._peers = [cls.options(num_cpus=L.num_cpus, num_gpus=L.num_gpus, scheduling_strategy=(
+            PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=r))).remote(
+                self.cfg, self.policy, rank=r, world_size=self.world_size, master_port=store.port, master_addr=host)
+            for r in range(1, self.world_size)]
+        return store, host
+
     # ------------------------------------------------------------------ weights
-    def named_tensors(self) -> dict:
-        """Full (gathered) parameters by name, in the model's parameter order."""
+    @contextmanager
+    def _gathered(self):
+        """The full parameters by name (model order) as detached views, no copies: under ZeRO-3 gathered
+        for the block (a collective: every rank enters it), else the live parameters."""
         import deepspeed
 
-        module = self.engine.module
-        params = list(module.named_parameters())
+        params = list(self.engine.module.named_parameters())
         ctx = (deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None)
                if self.cfg.learner.zero_stage == 3 else nullcontext())
         with ctx:
-            return {n: p.detach().to("cpu" if not self.on_gpu else p.device).clone() for n, p in params}
+            yield {n: p.detach() for n, p in params}
 
+    @on_all_ranks
+    def named_tensors(self) -> dict:
+        """Full (gathered) parameters by name, in the model's parameter order: copies."""
+        with self._gathered() as views:
+            return {n: t.to("cpu" if not self.on_gpu else t.device).clone() for n, t in views.items()}
+
+    @on_all_ranks
     def param_specs(self) -> list:
         from sonar.cluster.wire.weights import TensorSpec
 
-        return [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in self.named_tensors().items()]
+        with self._gathered() as views:
+            return [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in views.items()]
 
     def broadcast_endpoint(self, world_size: int) -> tuple[str, int]:
         """Where the next broadcast group meets: this learner's node address (as Ray knows it; 127.0.0.1
@@ -166,18 +248,30 @@ class Learner:
         self._group = BroadcastGroup(master_addr, master_port, 0, world_size, backend, prefix=prefix, store=store)
         return layout_digest(specs)
 
+    @on_all_ranks
     def broadcast(self) -> dict:
+        """Rank 0 sends the full weights, packed straight from the (gathered) parameters into the group's
+        reused bucket buffers: no per-sync copy of the model. Other ranks only join ZeRO-3's gather."""
         t0 = time.perf_counter()
-        nbytes = self._group.send_weights(self._buckets, self.named_tensors())
+        if self.rank != 0:
+            if self.cfg.learner.zero_stage == 3:
+                with self._gathered():
+                    pass
+            return {}
+        with self._gathered() as views:
+            nbytes = self._group.send_weights(self._buckets, views)
         dt = time.perf_counter() - t0
         return {"version": self.version, "bytes": nbytes, "seconds": dt, "buckets": len(self._buckets)}
 
+    @on_all_ranks
     def checksum(self) -> dict:
         from sonar.cluster.wire.weights import checksum
 
-        return {"version": self.version, "checksum": checksum(self.named_tensors().items())}
+        with self._gathered() as views:
+            return {"version": self.version, "checksum": checksum(views.items())}
 
     # ------------------------------------------------------------------ stages
+    @on_all_ranks
     def begin_stage(self, stage_index: int, stage: StageConfig, start_step: int = 0,
                     demonstrations: Sequence[bytes] = ()) -> dict:
         """``start_step`` > 0 continues a stage after a resume (LR schedule and data order included).
@@ -233,14 +327,17 @@ class Learner:
             g["lr"] = lr
         return lr
 
+    @on_all_ranks
     def sft_step(self, stage: StageConfig) -> dict:
+        """Every rank draws the same batch (the same seeded order) and trains its share of it."""
         from sonar.learner.train_step import sft_step
 
         lr = self._set_lr(stage)
         metrics = sft_step(self.stepper, self.sft_data.next(stage.batch_size), self.cfg.learner,
-                           pad_id=self.pad_id, device=self.device)
+                           pad_id=self.pad_id, device=self.device, dp=(self.rank, self.world_size))
         return self._finish_step(metrics, lr)
 
+    @on_all_ranks
     def rl_step(self, replay, stage: StageConfig, timeout_s: float) -> StepResult:
         """Pull a batch of whole groups and step. ``StepResult.waiting`` if the queue had nothing
         within ``timeout_s``, so the driver can check the workers' health instead of hanging."""
@@ -249,7 +346,14 @@ class Learner:
         from sonar.cluster.wire.protocol import decode_group
 
         t_wait = time.perf_counter()
-        res = ray.get(replay.get.remote(self.cfg.learner.groups_per_step, self.version, timeout_s))
+        res = (ray.get(replay.get.remote(self.cfg.learner.groups_per_step, self.version, timeout_s))
+               if self.rank == 0 else None)
+        if self.world_size > 1:  # rank 0 alone pulls; every rank trains on the same groups
+            import torch.distributed as dist
+
+            box = [res]
+            dist.broadcast_object_list(box, src=0)
+            res = box[0]
         wait_s = time.perf_counter() - t_wait
         if not res["groups"]:
             return StepResult({K.LEARNER_WAIT_S: wait_s, K.REPLAY_DROPPED_IN_GET: res["dropped"]},
@@ -259,9 +363,11 @@ class Learner:
         metrics[K.LEARNER_WAIT_S] = wait_s
         metrics[K.REPLAY_DROPPED_IN_GET] = res["dropped"]
         out = self._finish_step(metrics, metrics.pop(K.LEARNER_LR))
-        ray.get(replay.set_learner_version.remote(self.version))
+        if self.rank == 0:
+            ray.get(replay.set_learner_version.remote(self.version))
         return StepResult(out, trained_prompts=res["prompts"], dropped_prompts=res["dropped_prompts"])
 
+    @on_all_ranks
     def train_groups(self, groups: list, lags: list[int], stage: StageConfig) -> dict:
         """The RL step on decoded groups (``rl_step``); ``learner/lr`` holds the lr it ran at. A ppo stage
         trains the critic too, and only the critic during its first ``critic.warmup_steps`` steps."""
@@ -273,7 +379,8 @@ class Learner:
                           temperature=self.cfg.rollout.temperature, pad_id=self.pad_id,
                           device=self.device, ref_module=self.ref_module, difficulty=tuple(stage.difficulty),
                           critic=self.critic if ppo else None,
-                          train_policy=not ppo or self.stage_step >= self.cfg.critic.warmup_steps)
+                          train_policy=not ppo or self.stage_step >= self.cfg.critic.warmup_steps,
+                          dp=(self.rank, self.world_size))
         metrics[K.LEARNER_LR] = lr
         return metrics
 
@@ -286,21 +393,31 @@ class Learner:
         return metrics
 
     # ------------------------------------------------------------------ export / checkpoint
+    @on_all_ranks
     def export_hf(self, path: str) -> str:
+        """Rank 0 writes the gathered policy (every rank joins ZeRO-3's gather)."""
         from sonar.cluster.wire.policy import save_policy
 
-        save_policy(self._fresh_policy(), self.tokenizer, path)
+        model = self._fresh_policy()
+        if self.rank == 0:
+            save_policy(model, self.tokenizer, path)
         return path
 
+    @on_all_ranks
     def save_checkpoint(self, path: str, client_state: dict) -> str:
+        """Every rank writes its DeepSpeed partition into the one directory; rank 0 the rest and the rename."""
         from sonar.learner.checkpoint import save_checkpoint
 
         state = dict(client_state)
         state.update(version=self.version, global_step=self.global_step, stage_step=self.stage_step,
-                     stage_index=self.stage_index, sft_data=self.sft_data.state_dict())
+                     stage_index=self.stage_index, sft_data=self.sft_data.state_dict(),
+                     num_ranks=self.world_size, zero_stage=self.cfg.learner.zero_stage)
+        policy = self._fresh_policy()  # gathered on every rank (ZeRO-3), written by rank 0
 
         def extra(tmp):
-            self.export_hf(str(tmp / "hf"))
+            from sonar.cluster.wire.policy import save_policy
+
+            save_policy(policy, self.tokenizer, str(tmp / "hf"))
             if self.critic is not None:
                 self.critic.save(tmp)
             if self.ref_module is not None:  # a resume mid-stage needs the stage's KL reference
@@ -309,8 +426,10 @@ class Learner:
                 torch.save({k: v.detach().cpu() for k, v in self.ref_module.state_dict().items()},
                            tmp / REFERENCE_FILE)
 
-        return save_checkpoint(self.engine, path, state, write_extra=extra, keep=self.cfg.run.keep_checkpoints)
+        return save_checkpoint(self.engine, path, state, write_extra=extra, keep=self.cfg.run.keep_checkpoints,
+                               rank=self.rank, world_size=self.world_size)
 
+    @on_all_ranks
     def load_checkpoint(self, path: str) -> dict:
         from sonar.learner.checkpoint import load_checkpoint
 
@@ -326,4 +445,9 @@ class Learner:
         return state
 
     def ping(self) -> dict:
-        return {"version": self.version, "pid": os.getpid(), "step": self.global_step}
+        """Rank 0 pings every other rank too (a dead rank raises here: the learner is dead)."""
+        if self._peers:
+            import ray
+
+            ray.get([p.ping.remote() for p in self._peers])
+        return {"version": self.version, "pid": os.getpid(), "step": self.global_step, "ranks": self.world_size}
