@@ -13,6 +13,7 @@ Notation: B sequences, T tokens; token tensors are [B, T-1], aligned to predicte
 """
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Protocol
 
@@ -24,6 +25,7 @@ from sonar.cluster.wire.config import (AlgoConfig, LearnerConfig, ReplayConfig, 
                                        algo_std_normalize)
 from sonar.cluster.wire.protocol import Trajectory
 from sonar.learner.algo.advantages import compute_advantages, dynamic_sampling_mask
+from sonar.learner.algo.chunked import chunked_logprobs
 from sonar.learner.algo.losses import LossInputs, entropy_from_logits, kl_estimate, policy_loss, sft_loss, token_logprobs
 from sonar.learner.algo.staleness import apply_staleness, importance_weight_histogram, lag_histogram
 from sonar.learner.batching import Batch, collate, pack_micro_batches, shard_rows
@@ -98,10 +100,33 @@ class DeepSpeedStepper:
         return norm
 
 
-def forward_logprobs(model, mb: Batch, temperature: float,
-                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _output_head(model):
+    """The output-embedding module of a Stepper's or plain module's causal LM when its forward can skip
+    the logits (``logits_to_keep``, Hugging Face Llama/Qwen and most decoders), else None."""
+    module = getattr(model, "module", model)
+    get = getattr(module, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    if head is None or "logits_to_keep" not in inspect.signature(module.forward).parameters:
+        return None
+    return head
+
+
+def forward_logprobs(model, mb: Batch, temperature: float, with_entropy: bool = False,
+                     chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, t-1] logprobs of the realised next tokens at the sampling temperature (and entropy).
-    ``model``: a Stepper (trained forward) or a plain module (reference policy)."""
+    ``model``: a Stepper (trained forward) or a plain module (reference policy).
+
+    ``chunk_tokens`` > 0 (``learner.logits_chunk_tokens``): the forward returns no logits (an empty
+    ``logits_to_keep``) and the output head runs on the final hidden states chunk by chunk
+    (``algo.chunked``), so a micro-batch's full-vocabulary logits never exist at once. A model whose
+    forward cannot skip its logits falls back to the unchunked path."""
+    head = _output_head(model) if chunk_tokens > 0 else None
+    if head is not None:
+        keep_none = torch.empty(0, dtype=torch.long, device=mb.input_ids.device)
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
+                    output_hidden_states=True, logits_to_keep=keep_none)
+        return chunked_logprobs(out.hidden_states[-1], head, mb.input_ids, temperature, chunk_tokens,
+                                with_entropy=with_entropy)
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits.float()
     lp = token_logprobs(logits, mb.input_ids, temperature)
     ent = None
@@ -180,7 +205,7 @@ def sft_step(stepper: Stepper, trajs: list[Trajectory], lcfg: LearnerConfig, pad
     stepper.module.train()
     loss_total = 0.0
     for i, mb in enumerate(mbs):
-        lp, _ = forward_logprobs(stepper, mb, 1.0)
+        lp, _ = forward_logprobs(stepper, mb, 1.0, chunk_tokens=lcfg.logits_chunk_tokens)
         out = sft_loss(lp, mb.loss_mask, denom)
         stepper.backward(out.loss * scales[i] if dp[1] > 1 else out.loss, boundary=i == len(mbs) - 1)
         loss_total += float(out.loss.detach()) if scales[i] else 0.0
@@ -255,13 +280,14 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
     need_prox = updates > 1 and algo.off_policy in ("tis", "decoupled")
     cur = None
     if need_prox or kl_reward:
-        cur = batch_logprobs(stepper.module, batch, temperature, lcfg.micro_batch_tokens, device)
+        cur = batch_logprobs(stepper.module, batch, temperature, lcfg.micro_batch_tokens, device,
+                             lcfg.logits_chunk_tokens)
         if need_prox:
             batch.proximal_logprobs = cur
     kl = None
     if kl_reward:
         # KL as a reward penalty: per-token KL(current || ref) of the batch, before the first update.
-        ref = batch_logprobs(ref_module, batch, temperature, lcfg.micro_batch_tokens, device)
+        ref = batch_logprobs(ref_module, batch, temperature, lcfg.micro_batch_tokens, device, lcfg.logits_chunk_tokens)
         kl = kl_estimate(cur, ref, algo.kl_estimator) * batch.loss_mask
         m[K.LEARNER_KL_REWARD_PENALTY] = float(algo.kl_coef * kl.sum() / max(1.0, float(batch.loss_mask.sum())))
     batch.advantages = batch_advantages(batch, algo, kl, critic)
@@ -284,11 +310,12 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
             mbs, scales = _rank_micro_batches(mini, lcfg.micro_batch_tokens, device, dp)
             loss_total = 0.0
             for i, mb in enumerate(mbs):
-                lp, ent = forward_logprobs(stepper, mb, temperature, with_entropy=True)
+                lp, ent = forward_logprobs(stepper, mb, temperature, with_entropy=True,
+                                           chunk_tokens=lcfg.logits_chunk_tokens)
                 ref = None
                 if use_ref:
                     with torch.no_grad():
-                        ref, _ = forward_logprobs(ref_module, mb, temperature)
+                        ref, _ = forward_logprobs(ref_module, mb, temperature, chunk_tokens=lcfg.logits_chunk_tokens)
                 out = policy_loss(LossInputs(logprobs=lp, behaviour_logprobs=mb.behaviour_logprobs,
                                              advantages=mb.advantages, mask=mb.loss_mask,
                                              proximal_logprobs=mb.proximal_logprobs, ref_logprobs=ref,
@@ -330,14 +357,14 @@ def mini_batch_rows(n: int, mini_batches: int) -> list[list[int]]:
 
 
 def batch_logprobs(module: torch.nn.Module, batch: Batch, temperature: float, token_budget: int,
-                   device) -> torch.Tensor:
+                   device, chunk_tokens: int = 0) -> torch.Tensor:
     """[B, T-1] float32 logprobs of the whole batch under ``module`` (no gradient, micro-batched, on CPU),
     0 where loss_mask is 0: the proximal policy at batch start, or the reference policy."""
     out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
     with torch.no_grad():
         for idx in pack_micro_batches(batch.lengths.tolist(), token_budget):
             mb = batch.select(idx).to(device)
-            lp, _ = forward_logprobs(module, mb, temperature)
+            lp, _ = forward_logprobs(module, mb, temperature, chunk_tokens=chunk_tokens)
             out[torch.as_tensor(idx)[:, None], torch.arange(lp.shape[1])[None, :]] = lp.float().cpu()
     return torch.where(batch.loss_mask > 0, out, torch.zeros_like(out))
 

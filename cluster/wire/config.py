@@ -283,24 +283,6 @@ class RolloutConfig:
     right after the learner took its batch (blocked producers refill it at once)."""
     pool_cooldown_s: float = 30.0
     """Elastic pool: seconds after a resize before the next decision (>= 0); the window restarts too."""
-    min_workers: Optional[int] = None
-    """Elastic pool: the fewest rollout workers the driver shrinks to (>= 1; None: ``num_workers``).
-    The pool starts at ``num_workers``; with min_workers < max_workers the driver's pool controller
-    (``cluster/driver/pool.py``) resizes it at learner-step boundaries (async mode only)."""
-    max_workers: Optional[int] = None
-    """Elastic pool: the most rollout workers the driver grows to (>= num_workers; None: ``num_workers``,
-    a fixed pool). The driver asks the Ray autoscaler for the bundles of this target
-    (``ray.autoscaler.sdk.request_resources``) before it starts a worker."""
-    pool_window_s: float = 30.0
-    """Elastic pool: seconds of learner steps the controller looks back over before a decision (> 0)."""
-    pool_grow_wait_share: float = 0.3
-    """Elastic pool: add a worker when the learner spent more than this share of the window waiting for
-    groups (``learner/wait_s`` over wall time), in (0, 1]."""
-    pool_shrink_full_share: float = 0.8
-    """Elastic pool: remove a worker when the replay was full (depth >= ``replay.capacity_groups``) at
-    more than this share of the window's learner steps, in (0, 1]."""
-    pool_cooldown_s: float = 30.0
-    """Elastic pool: seconds after a resize before the next decision (>= 0); the window restarts too."""
 
 
 @dataclass(frozen=True)
@@ -609,19 +591,6 @@ class ClusterConfig:
     the run at start naming the directory; true streams the learner's checkpoints and HF export to the
     driver's ``run.dir`` through the Ray object store after each save (a resume then needs the files where
     the learner runs: put ``run.root`` on shared storage for ``run.resume``/``cluster.auto_resume``)."""
-    bind_host: str = "auto"
-    """Where the learner's weight-broadcast rendezvous listens and the workers dial it. auto: 127.0.0.1
-    when the Ray cluster has one node, else the learner's node address (``ray.util.get_node_ip_address``);
-    loopback: 127.0.0.1 (every role on one node); or an address of the learner's node."""
-    role_resources: Dict[str, Dict[str, float]] = field(default_factory=dict)
-    """Extra Ray resources per role, to pin roles to node types: keys learner | rollout | retrieval
-    (e.g. ``{learner: {node_gpu: 1}, rollout: {node_rollout: 1}}``, custom resources the nodes declare),
-    added to the CPUs/GPUs each role already asks for; a rollout entry is per worker. Values >= 0."""
-    upload_files: bool = False
-    """When the learner's node cannot see ``run.dir`` (no shared storage, checked at start): false fails
-    the run at start naming the directory; true streams the learner's checkpoints and HF export to the
-    driver's ``run.dir`` through the Ray object store after each save (a resume then needs the files where
-    the learner runs: put ``run.root`` on shared storage for ``run.resume``/``cluster.auto_resume``)."""
 
 
 @dataclass(frozen=True)
@@ -791,9 +760,6 @@ RANGES: dict[str, str] = {
     "rollout.max_batch_rows": ">= 1", "rollout.num_cpus_per_worker": ">= 0", "rollout.num_gpus_per_worker": ">= 0",
     "rollout.tensor_parallel_size": ">= 1", "rollout.vllm_kv_cache_gib": ">= 0",
     "rollout.vllm_gpu_memory_utilization": "(0, 1]",
-    "rollout.min_workers": ">= 1", "rollout.max_workers": ">= 1", "rollout.pool_window_s": "> 0",
-    "rollout.pool_grow_wait_share": "(0, 1]", "rollout.pool_shrink_full_share": "(0, 1]",
-    "rollout.pool_cooldown_s": ">= 0",
     "rollout.min_workers": ">= 1", "rollout.max_workers": ">= 1", "rollout.pool_window_s": "> 0",
     "rollout.pool_grow_wait_share": "(0, 1]", "rollout.pool_shrink_full_share": "(0, 1]",
     "rollout.pool_cooldown_s": ">= 0",

@@ -445,8 +445,13 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
     z = logits[:, :-1].float()
     if temperature != 1.0:
         z = z / temperature
-    target = input_ids[:, 1:].long().unsqueeze(-1)
-    return z.gather(-1, target).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    return scaled_logprobs(z, input_ids[:, 1:])
+
+
+def scaled_logprobs(z: Tensor, target: Tensor) -> Tensor:
+    """Scaled float32 logits [..., V], target ids [...] -> gather - logsumexp [...] (also per chunk:
+    ``algo.chunked``)."""
+    return z.gather(-1, target.long().unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
@@ -459,6 +464,11 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
     z = logits[:, :-1].float()
     if temperature != 1.0:
         z = z / temperature
+    return scaled_entropy(z)
+
+
+def scaled_entropy(z: Tensor) -> Tensor:
+    """Scaled float32 logits [..., V] -> entropy [...] (also per chunk: ``algo.chunked``)."""
     logp = torch.log_softmax(z, dim=-1)
     p = logp.exp()
     # mask -inf before the product: 0 * -inf would be NaN in the forward and in the backward

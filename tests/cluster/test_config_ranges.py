@@ -77,6 +77,7 @@ BAD: dict[str, list] = {
     "learner.zero_stage": ["-1", "4"],
     "learner.groups_per_step": ["0"],
     "learner.micro_batch_tokens": ["0", "-8192"],
+    "learner.logits_chunk_tokens": ["-1"],
     "learner.broadcast_every": ["0"],
     "learner.num_gpus": ["-1", "nan"],
     "learner.num_cpus": ["-1", "inf"],

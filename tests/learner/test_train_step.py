@@ -144,7 +144,8 @@ def test_gradient_reaches_only_model_tokens(kind):
     model.lm_head.register_forward_hook(keep_logits)
     g = groups(4)[0]
     stepper = TorchStepper(model, torch.optim.SGD(model.parameters(), lr=0.0), 0.0)
-    lcfg = LearnerConfig(micro_batch_tokens=10_000)  # one micro-batch: one captured logits tensor
+    # one micro-batch, unchunked: one captured logits tensor (chunked == unchunked: test_chunked_logprobs.py)
+    lcfg = LearnerConfig(micro_batch_tokens=10_000, logits_chunk_tokens=0)
     if kind == "rl":
         rl_step(stepper, [g], [0], AlgoConfig(), lcfg, ReplayConfig(), 1.0, 0)
     else:
