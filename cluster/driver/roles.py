@@ -253,7 +253,8 @@ def check_reachable(cfg: Config, roles: Roles, addr: str) -> None:
 
     from sonar.cluster.wire.weights import is_loopback
 
-    if not is_loopback(addr) or sum(1 for n in ray.nodes() if n.get("Alive")) <= 1:
+    # Only the explicit choice: a simulated cluster's nodes have distinct 127/8 addresses of their own.
+    if cfg.cluster.bind_host != "loopback" or not is_loopback(addr) or sum(1 for n in ray.nodes() if n.get("Alive")) <= 1:
         return
     home = node_of(roles.learner, cfg.cluster.health_timeout_s)
     away = [i for i, w in enumerate(roles.workers) if node_of(w, cfg.cluster.health_timeout_s) != home]
