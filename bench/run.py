@@ -25,6 +25,7 @@ BENCHMARKS = {
     "retrieval": "retrieval latency and throughput per backend",
     "end-to-end": "steps/s and tokens/s of the full training loop",
     "soak": "RSS of the driver, learner and workers over a long run: slope after warm-up (MB/min)",
+    "multi-query": "RAG-R1's multi-query vs single-query search: per-question time, turns, retrievals at equal EM",
     "engines": "tokens/s of the rollout engines (transformers static and continuous, vLLM) at 1, 8 and 64 rows",
 }
 USAGE = "usage: sonar bench NAME [--quick] [--out DIR] [options of NAME]   (sonar bench NAME -h for them)"
