@@ -59,7 +59,11 @@ def test_mlflow_holds_params_metrics_config_and_model(smoke_run):
     from mlflow.tracking import MlflowClient
 
     _, s = smoke_run
-    client = MlflowClient(tracking_uri=f"sqlite:///{s['run_dir']}/mlflow.db")
+    from sonar.cluster.driver.tracking import run_file
+
+    info = run_file(s["run_dir"])  # the project's store (run.root/mlflow.db), recorded beside the run
+    assert info["run_id"] == s["mlflow_run_id"] and info["tracking_uri"].endswith("/mlflow.db")
+    client = MlflowClient(tracking_uri=info["tracking_uri"])
     run = client.get_run(s["mlflow_run_id"])
     assert run.info.status == "FINISHED"
     assert run.data.params["stages.1.lr"] and run.data.params["stages.1.kind"] == "rl"
@@ -69,7 +73,18 @@ def test_mlflow_holds_params_metrics_config_and_model(smoke_run):
         assert key in run.data.metrics, key
     assert len(client.get_metric_history(run.info.run_id, "learner/loss")) >= 2
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert "config.yaml" in artifacts and "model" in artifacts
+    assert {"config.yaml", "eval_summary.json", "summary.json", "predictions"} <= artifacts
+    assert "predictions/predictions-after_search.jsonl" in {a.path for a in client.list_artifacts(run.info.run_id, "predictions")}
+    assert "stage" not in run.data.metrics and run.data.tags["sonar.stage"] == "1"  # a tag, not a metric
+    assert run.data.tags["sonar.preset"] == "smoke" and run.data.tags["ray.job_id"]
+    # the final policy: a logged model with the transformers flavour, eval table and config attached
+    import mlflow
+
+    (model,) = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list",
+                                           filter_string=f"source_run_id = '{run.info.run_id}'")
+    mi = mlflow.models.get_model_info(f"models:/{model.model_id}")
+    assert "transformers" in mi.flavors and mi.metadata["sonar_eval"]["after_search"]["n"] > 0
+    assert mi.metadata["sonar_config"]["run"]["name"] == "smoke"
 
 
 def test_final_model_loads_with_transformers(smoke_run):

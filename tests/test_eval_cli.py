@@ -38,7 +38,7 @@ def test_eval_writes_predictions_table_and_mlflow(setup):
     assert len(recs) == 12 and {"question", "golden_answers", "prediction", "trace", "searches"} <= set(recs[0])
     assert recs[0]["trace"].startswith("question :")
     assert "| heldout |" in (tmp / "out" / "eval.md").read_text()
-    assert (tmp / "out" / "mlflow.db").exists()
+    assert (tmp / "mlflow.db").exists() and not (tmp / "out" / "mlflow.db").exists()  # the project's one store
 
 
 def test_score_cli_rescoring_matches(setup):
@@ -236,9 +236,12 @@ def test_flashrag_layout_keeps_one_predictions_file_and_row_per_dataset(setup, f
 def _mlflow_runs(out: Path, experiment: str):
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
-    exp = client.get_experiment_by_name(experiment)
-    return client.search_runs([exp.experiment_id])
+    from sonar.cluster.driver.tracking import run_file
+
+    info = run_file(out)  # the project's store (shared with other runs), recorded beside the output
+    client = MlflowClient(info["tracking_uri"])
+    assert client.get_experiment_by_name(experiment).experiment_id == info["experiment_id"]
+    return [client.get_run(info["run_id"])]
 
 
 def test_a_failure_after_the_first_dataset_marks_failed_and_keeps_it(setup, flashrag_layout, tmp_path, monkeypatch):
@@ -268,7 +271,7 @@ def test_a_failure_after_the_first_dataset_marks_failed_and_keeps_it(setup, flas
     md = (out / "eval.md").read_text()
     assert "| hotpotqa-dev | 4 |" in md and "nq-dev" not in md
     assert "search service went away" in (out / "error.log").read_text()
-    (run,) = _mlflow_runs(out, cfg.tracking.experiment)
+    (run,) = _mlflow_runs(out, "sonar")
     assert run.info.status == "FAILED"
     assert run.data.metrics and all(k.startswith("eval/hotpotqa-dev/") for k in run.data.metrics)
     assert run.data.params["eval.data.nq-dev"] == flashrag_layout[1]

@@ -66,6 +66,6 @@ def test_ctrl_c_marks_run_killed_and_leaves_no_processes(tmp_path):
     wait_until(lambda: not alive(), 60.0, still_running)
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")  # run.root's store
     runs = client.search_runs([client.get_experiment_by_name("sonar").experiment_id])
     assert [r.info.status for r in runs] == ["KILLED"]

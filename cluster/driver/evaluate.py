@@ -181,7 +181,9 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
     out = Path(out_dir or Path(cfg.run.root) / f"eval-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
-    sink = tracking.make_sink(cfg.tracking.enabled, out, cfg.tracking.uri, cfg.tracking.experiment, f"eval-{out.name}")
+    # The project's MLflow store, tagged with (and nested under) the training run of the checkpoint.
+    sink = tracking.make_sink(cfg, out, f"eval-{out.name}", tags={"sonar.eval.checkpoint": str(model_dir)},
+                              parent_of=model_dir)
     table: dict[str, dict] = {}
     current = None
     try:
@@ -204,8 +206,10 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
             table[name] = evaluation.summarize(records)
             (out / "eval.md").write_text(evaluation.markdown(table))  # the rows finished so far
             sink.log_metrics(evaluation.eval_metrics(name, table[name]), step=0)
-            sink.log_artifact(str(pred))
+            (out / "eval_summary.json").write_text(json.dumps(table, indent=2, default=str))
+            sink.log_artifact(str(pred), "predictions")
             sink.log_artifact(str(out / "eval.md"))
+            sink.log_artifact(str(out / "eval_summary.json"))
             current = None
     except BaseException as e:
         interrupted = isinstance(e, KeyboardInterrupt)

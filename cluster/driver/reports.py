@@ -124,9 +124,17 @@ def evaluate(cfg: Config, roles: Roles, run: Run, split: str) -> dict:
         run.log(eval_metrics(key, row))
         path = run.dir / f"predictions-{key}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        run.sink.log_artifact(str(path), "predictions")  # the predictions table, one row per question
         log.info("eval %s: EM %.3f F1 %.3f ACC_R %.3f searches/q %.2f (n=%d)", key, row["em"], row["f1"],
                  row["acc_r"], row["searches_per_q"], row["n"])
     return out
+
+
+def eval_table(results: dict) -> dict:
+    """{"<split>_<mode>": summary} of the run's held-out evaluations so far (``before_search``,
+    ``after_search``, ``after_no_search``): the eval summary logged to MLflow and attached to the model."""
+    return {f"{split}_{mode}": row for split, key in (("before", "before"), ("after", "final"))
+            for mode, row in (results.get(key) or {}).items()}
 
 
 def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
@@ -152,6 +160,10 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
                    "learner_resumes": run.results.get("faults", {}).get("learner_resumes", 0)},
     }
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    # The eval summary ({"<split>_<mode>": EM, F1, ...}) and the run's summary, as MLflow artifacts.
+    (run.dir / "eval_summary.json").write_text(json.dumps(eval_table(run.results), indent=2, default=str))
+    run.sink.log_artifact(str(run.dir / "eval_summary.json"))
+    run.sink.log_artifact(str(run.dir / "summary.json"))
     rows = [("held-out EM (search) before RL", summary["em_before_search"]),
             ("held-out EM (search) after RL", summary["em_after_search"]),
             ("held-out F1 (search) before / after", f"{_fmt(summary['f1_before_search'])} / {_fmt(summary['f1_after_search'])}"),

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from sonar.cluster.driver.data import cursor_prompts
+from sonar.cluster.driver.learner_ranks import remove_learner_group, start_learner
 from sonar.cluster.driver.reports import eval_table, rollout_metrics
 from sonar.cluster.driver.run import Run, world_of
 from sonar.cluster.wire import metrics as K
@@ -60,6 +61,8 @@ class Roles:
     active: tuple | None = None
     """(stage index, StageConfig) while an RL stage's rollout loops run (a restarted worker starts its
     loop too); None otherwise."""
+    learner_pg: object = None
+    """The learner ranks' placement group (``learner.num_ranks`` > 1), removed with the roles."""
     files_node: str | None = None
     """The learner's Ray node id when the driver cannot see its ``run.dir`` and ``cluster.upload_files``
     streams its checkpoints and export here (``files.py``); None: the files are shared."""
@@ -84,7 +87,8 @@ def init_ray(cfg: Config) -> bool:
             # address="local": always a new private cluster, never a stray one found in /tmp/ray.
             # Logical CPUs: enough for every role's request, so a local run never waits for resources
             # (the processes share the physical cores; each uses one thread).
-            needed = cfg.learner.num_cpus + cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker
+            needed = (cfg.learner.num_cpus * cfg.learner.num_ranks
+                      + cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker)
             ray.init(address="local", num_cpus=cfg.cluster.num_cpus or int(max(4, os.cpu_count() or 1, needed + 0.999)),
                      include_dashboard=False, _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=True)
     return True
@@ -94,7 +98,6 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
     import ray
 
     from sonar.cluster.wire.replay import ReplayQueue
-    from sonar.learner.worker import Learner
 
     hooks = hooks or Hooks()
     owns = init_ray(cfg)
@@ -105,8 +108,7 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
     replay = ray.remote(num_cpus=0)(ReplayQueue).options(max_concurrency=1000).remote(
         cfg.replay.capacity_groups, cfg.replay.max_policy_lag, cfg.replay.stale_policy, num_train, cfg.run.seed,
         inflight_budget(cfg))
-    learner = ray.remote(Learner).options(num_cpus=cfg.learner.num_cpus, num_gpus=cfg.learner.num_gpus,
-                                          resources=role_resources(cfg, "learner")).remote(cfg, policy)
+    learner, learner_pg = start_learner(cfg, policy, role_resources(cfg, "learner"))
     workers = [start_worker(cfg, i, retrieval, hooks.engine_wrap, policy=policy) for i in range(cfg.rollout.num_workers)]
     try:
         ray.get([learner.ping.remote()] + [w.ready.remote() for w in workers], timeout=cfg.cluster.step_timeout_s)
@@ -119,7 +121,7 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
             f"rollout.num_gpus_per_worker={cfg.rollout.num_gpus_per_worker}; available {ray.available_resources()})"
         ) from None
     roles = Roles(retrieval, replay, learner, workers, {i: 0 for i in range(len(workers))},
-                  owns_ray=owns, hooks=hooks, policy=policy, cfg=cfg)
+                  owns_ray=owns, hooks=hooks, policy=policy, cfg=cfg, learner_pg=learner_pg)
     connect_broadcast(cfg, roles)
     roles.files_node = unshared_learner_node(cfg, roles, run)
     return roles
@@ -366,6 +368,8 @@ def stop_roles(roles: Roles | None) -> None:
                 ray.get(w.stop.remote(timeout_s=5), timeout=10)
             except Exception:
                 pass
+    if roles is not None and ray.is_initialized():
+        remove_learner_group(roles.learner_pg)
     if ray.is_initialized() and (roles is None or roles.owns_ray):
         ray.shutdown()
 
@@ -525,6 +529,7 @@ def kill_roles(roles: Roles) -> None:
             ray.kill(h, no_restart=True)
         except Exception:  # noqa: BLE001 - gone already
             pass
+    remove_learner_group(roles.learner_pg)
 
 
 def maybe_checkpoint(cfg: Config, roles: Roles, run: Run, stage_index: int, steps: int) -> None:

@@ -154,9 +154,12 @@ def start_run(cfg: Config) -> Run:
     run_dir = Path(cfg.run.run_dir or Path(cfg.run.root) / name).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    sink = tracking.make_sink(cfg.tracking.enabled, run_dir, cfg.tracking.uri, cfg.tracking.experiment, name)
+    # The project's one MLflow store (env vars first); a resume continues its run's MLflow run.
+    sink = tracking.make_sink(cfg, run_dir, name,
+                              resume_dir=Path(resume_from).parent.parent if resume_from else None)
     sink.log_params(flatten(to_dict(cfg)))
-    sink.log_artifact(str(run_dir / "config.yaml"))
+    # A continued MLflow run keeps its first config at the top; each resume's beside it.
+    sink.log_artifact(str(run_dir / "config.yaml"), f"resumes/{name}" if getattr(sink, "resumed", False) else None)
     log.info("run directory %s (MLflow run %s)", run_dir, sink.run_id)
     return Run(cfg, run_dir, sink, resume_from=resume_from)
 

@@ -1,25 +1,49 @@
-"""Experiment tracking: an MLflow sink and a null sink.
+"""Experiment tracking: an MLflow sink, a null sink, and Ray dashboard metrics.
 
 Only the driver writes metrics; actors return small dicts. Keys are the slash-namespaced constants
-of ``sonar.cluster.wire.metrics``. The default store is sqlite inside the run directory (no server);
-``tracking.uri`` points at a server, whose token MLflow reads from ``MLFLOW_TRACKING_TOKEN`` in the
-environment (never from the config, never logged).
+of ``sonar.cluster.wire.metrics``. MLflow by its conventions:
+
+- Where: ``tracking.uri``, else ``MLFLOW_TRACKING_URI``, else one sqlite store per project,
+  ``<run.root>/mlflow.db`` (artifacts in ``<run.root>/mlartifacts``), shared by every run, resume and
+  ``sonar eval`` so they sit side by side in one UI. The experiment: ``tracking.experiment``, else
+  ``MLFLOW_EXPERIMENT_NAME``, else "sonar". A server's token comes from ``MLFLOW_TRACKING_TOKEN``
+  (never from the config, never logged).
+- A resume continues the MLflow run of the run it resumes (``<run_dir>/mlflow.json`` names it); a
+  param whose value changed on resume (MLflow params are write-once) becomes a ``sonar.param_changed.*`` tag.
+- Tags: git commit (+ dirty flag), Ray job id and submission id, preset (``run.name``), Sonar version,
+  owner (host, pid); the stage being trained is the ``sonar.stage`` tag, not a metric.
+- Metrics leave the training thread: MLflow's async logging batches them on a background thread, and
+  the run's end (FINISHED, KILLED or FAILED) flushes them before the status is written.
+- System metrics (``system/*``) are sampled beside the run; the final policy is logged with the
+  transformers flavour and registered under ``tracking.registered_model_name``.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
 import socket
+import subprocess
 import threading
 from pathlib import Path
-from typing import Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
+from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.redact import redact
 
 log = logging.getLogger(__name__)
 
+DEFAULT_EXPERIMENT = "sonar"
+STORE_FILE = "mlflow.db"
+"""The project's default store under ``run.root``."""
+ARTIFACTS_DIR = "mlartifacts"
+RUN_FILE = "mlflow.json"
+"""In a run (or eval) directory: the store, experiment and MLflow run id of that directory's run."""
+STAGE_TAG = "sonar.stage"
+NON_METRIC_KEYS = {"stage": STAGE_TAG}
+"""Keys of a metrics row that MLflow gets as a tag (the latest value), not as a metric series."""
 
 
 class Sink(Protocol):
@@ -29,9 +53,13 @@ class Sink(Protocol):
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
 
+    def set_tags(self, tags: Mapping[str, str]) -> None: ...
+
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None: ...
 
     def log_artifacts(self, path: str, artifact_path: str | None = None) -> None: ...
+
+    def log_model(self, path: str, eval_table: Mapping | None = None, config: Mapping | None = None) -> str | None: ...
 
     def finish(self, status: str = "FINISHED") -> None: ...
 
@@ -43,9 +71,13 @@ class NullSink:
 
     def log_metrics(self, metrics, step): pass
 
+    def set_tags(self, tags): pass
+
     def log_artifact(self, path, artifact_path=None): pass
 
     def log_artifacts(self, path, artifact_path=None): pass
+
+    def log_model(self, path, eval_table=None, config=None): return None
 
     def finish(self, status="FINISHED"): pass
 
@@ -53,6 +85,8 @@ class NullSink:
 def _clean(metrics: Mapping[str, float]) -> dict[str, float]:
     out = {}
     for k, v in metrics.items():
+        if k in NON_METRIC_KEYS:
+            continue
         try:
             f = float(v)
         except (TypeError, ValueError):
@@ -86,40 +120,168 @@ def _atomic_write():
             raise KeyboardInterrupt(f"signal {got[0]}")
 
 
-class MLflowSink:
-    """One MLflow run. Metrics are batched into one ``log_metrics`` call per step (a synchronous
-    call costs ~50 ms; one per key would dominate a tiny run)."""
+# -- where: the standard environment variables, then one store per project ---------------------------
 
-    def __init__(self, run_dir: str | Path, uri: str | None, experiment: str, run_name: str):
+def resolve_uri(uri: str | None, root: str | Path) -> str:
+    """``tracking.uri``, else ``MLFLOW_TRACKING_URI``, else ``sqlite:///<root>/mlflow.db``."""
+    if uri:
+        return uri
+    env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if env:
+        return env
+    root = Path(root).expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{root / STORE_FILE}"
+
+
+def resolve_experiment(name: str | None) -> str:
+    """``tracking.experiment``, else ``MLFLOW_EXPERIMENT_NAME``, else "sonar"."""
+    return name or os.environ.get("MLFLOW_EXPERIMENT_NAME", "").strip() or DEFAULT_EXPERIMENT
+
+
+def default_artifact_location(uri: str, root: str | Path) -> str | None:
+    """The project's artifact folder for a new experiment in the default sqlite store; None (the
+    server's or the store's own default) for any other store."""
+    if uri == f"sqlite:///{Path(root).expanduser().resolve() / STORE_FILE}":
+        return (Path(root).expanduser().resolve() / ARTIFACTS_DIR).as_uri()
+    return None
+
+
+# -- tags --------------------------------------------------------------------------------------------
+
+def git_tags(cwd: str | Path | None = None) -> dict[str, str]:
+    """``mlflow.source.git.commit`` and ``sonar.git.dirty`` of the checkout Sonar runs from (none outside git)."""
+    cwd = str(cwd or Path(__file__).resolve().parents[2])
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        if commit.returncode != 0:
+            return {}
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    tags = {"mlflow.source.git.commit": commit.stdout.strip()}
+    if dirty.returncode == 0:
+        tags["sonar.git.dirty"] = str(bool(dirty.stdout.strip())).lower()
+    return tags
+
+
+def ray_submission_id() -> str | None:
+    """The ``ray job submit`` submission id of this driver (Ray passes it in the job config), if any."""
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return None
+    try:
+        return (json.loads(raw).get("metadata") or {}).get("job_submission_id")
+    except (ValueError, AttributeError):
+        return None
+
+
+def run_tags(cfg: Any) -> dict[str, str]:
+    """Tags every Sonar run carries: git commit and dirty flag, preset (``run.name``; every shipped
+    preset names itself), Sonar version, Ray job submission id (``ray job submit``) or ``RAY_JOB_ID``."""
+    from sonar import __version__
+
+    tags = {**git_tags(), "sonar.preset": str(cfg.run.name), "sonar.version": __version__}
+    if sub := ray_submission_id():
+        tags["ray.job_submission_id"] = sub
+    if job := os.environ.get("RAY_JOB_ID"):
+        tags["ray.job_id"] = job
+    return tags
+
+
+# -- the MLflow run ----------------------------------------------------------------------------------
+
+class MLflowSink:
+    """One MLflow run. A step's metrics are one ``log_metrics`` call; with ``async_logging`` it only
+    enqueues them (MLflow's async logging thread writes batches), and ``finish`` flushes before it
+    writes the status, so nothing is lost at exit, KILLED and FAILED included."""
+
+    def __init__(self, run_dir: str | Path | None, uri: str | None, experiment: str, run_name: str, *,
+                 artifact_location: str | None = None, resume_run_id: str | None = None,
+                 tags: Mapping[str, str] | None = None, async_logging: bool = False,
+                 system_metrics: bool = False, registered_model_name: str = ""):
         import mlflow
 
         self._mlflow = mlflow
-        run_dir = Path(run_dir).resolve()
-        self.uri = uri or f"sqlite:///{run_dir / 'mlflow.db'}"
+        self.uri = uri or f"sqlite:///{Path(run_dir).resolve() / STORE_FILE}"
+        self.async_logging = async_logging
+        self.registered_model_name = registered_model_name
+        # MLflow copies the URI into MLFLOW_TRACKING_URI: put the user's value back, so the next sink
+        # in this process (a resume, ``sonar eval`` after training, a test) resolves from what the user set.
+        user_env = os.environ.get("MLFLOW_TRACKING_URI")
         mlflow.set_tracking_uri(self.uri)
+        if user_env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = user_env
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=self.uri)
         exp = mlflow.get_experiment_by_name(experiment)
         if exp is None:
-            artifact_location = None if uri else (run_dir / "mlartifacts").as_uri()
+            if artifact_location is None and not uri:  # a run directory's own store (tests, harnesses)
+                artifact_location = (Path(run_dir).resolve() / ARTIFACTS_DIR).as_uri()
             exp_id = mlflow.create_experiment(experiment, artifact_location=artifact_location)
         else:
             exp_id = exp.experiment_id
+        self.experiment_id = exp_id
         # A run whose driver was SIGKILLed stays RUNNING: mark it before starting this one.
         self.marked_dead = mark_dead_runs(self.uri, exp_id)
-        self._run = mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=owner_tags())
+        self._params: dict[str, str] = {}
+        all_tags = {**(tags or {}), **owner_tags()}
+        resumed = None
+        if resume_run_id:
+            try:
+                resumed = self._client.get_run(resume_run_id)
+            except Exception as e:  # another store, or a deleted run: a new run, said loudly
+                log.warning("MLflow run %s to continue is not in %s (%s): starting a new run", resume_run_id,
+                            redact(self.uri), str(e).splitlines()[0] if str(e) else type(e).__name__)
+        if resumed is not None:
+            self._params = dict(resumed.data.params)
+            with _atomic_write():
+                self._run = mlflow.start_run(run_id=resume_run_id, log_system_metrics=system_metrics)
+                mlflow.set_tags(all_tags)
+        else:
+            with _atomic_write():
+                self._run = mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=all_tags,
+                                             log_system_metrics=system_metrics)
+        self.resumed = resumed is not None
         self.run_id = self._run.info.run_id
+
+    def write_run_file(self, directory: str | Path) -> None:
+        """``<directory>/mlflow.json``: what a resume from this directory's checkpoints continues."""
+        (Path(directory) / RUN_FILE).write_text(json.dumps(
+            {"tracking_uri": redact(self.uri), "experiment_id": self.experiment_id, "run_id": self.run_id}))
 
     def log_params(self, params: Mapping[str, str]) -> None:
         items = {k: str(v)[:6000] for k, v in params.items()}
-        keys = list(items)
+        new = {k: v for k, v in items.items() if k not in self._params}
+        changed = {f"sonar.param_changed.{k}": v for k, v in items.items()
+                   if k in self._params and self._params[k] != v}
+        keys = list(new)
         with _atomic_write():
             for i in range(0, len(keys), 100):  # MLflow caps a batch at 100 params
-                self._mlflow.log_params({k: items[k] for k in keys[i:i + 100]})
+                self._mlflow.log_params({k: new[k] for k in keys[i:i + 100]})
+            if changed:  # params are write-once: a value a resume changed is kept as a tag
+                self._mlflow.set_tags(changed)
+        self._params.update(new)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        tags = {tag: str(metrics[k]) for k, tag in NON_METRIC_KEYS.items() if k in metrics}
+        if tags:
+            self.set_tags(tags)
         m = _clean(metrics)
         if m:
             with _atomic_write():
-                self._mlflow.log_metrics(m, step=step)
+                self._mlflow.log_metrics(m, step=step, synchronous=not self.async_logging)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        with _atomic_write():
+            self._mlflow.set_tags({k: str(v) for k, v in tags.items()}, synchronous=not self.async_logging)
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         with _atomic_write():
@@ -129,10 +291,49 @@ class MLflowSink:
         with _atomic_write():
             self._mlflow.log_artifacts(path, artifact_path)
 
+    def log_model(self, path: str, eval_table: Mapping | None = None, config: Mapping | None = None) -> str | None:
+        """The exported Hugging Face folder, logged with the transformers flavour as a text-generation
+        model (from the folder itself: nothing is loaded), with the eval table and the resolved config
+        in its metadata; registered under ``registered_model_name`` when set, the eval table then also
+        the version's description. Returns the model URI (``models:/<name>/<version>`` when registered)."""
+        import torch
+        import transformers
+
+        meta = {"sonar_eval": dict(eval_table or {}), "sonar_config": dict(config or {})}
+        with _atomic_write():
+            info = self._mlflow.transformers.log_model(
+                transformers_model=str(path), task="text-generation", name="model",
+                # explicit: MLflow's inference would import torchvision, which CPU installs lack
+                pip_requirements=[f"transformers=={transformers.__version__}", f"torch=={torch.__version__.split('+')[0]}"],
+                metadata=json.loads(json.dumps(meta, default=str)),
+                registered_model_name=self.registered_model_name or None)
+        if not self.registered_model_name:
+            return info.model_uri
+        version = str(info.registered_model_version)
+        with _atomic_write():
+            self._client.update_model_version(self.registered_model_name, version,
+                                              description=eval_markdown(eval_table or {}))
+            self._client.set_model_version_tag(self.registered_model_name, version, "sonar.run_id", self.run_id)
+        return f"models:/{self.registered_model_name}/{version}"
+
     def finish(self, status: str = "FINISHED") -> None:
         if self._mlflow.active_run() is not None:
             with _atomic_write():
+                if self.async_logging:
+                    self._mlflow.flush_async_logging()  # every queued step is written before the status
                 self._mlflow.end_run(status=status)
+
+
+def eval_markdown(table: Mapping) -> str:
+    """An eval table ({split or dataset: {metric: value}}) as a markdown table."""
+    rows = {k: v for k, v in table.items() if isinstance(v, Mapping)}
+    if not rows:
+        return ""
+    cols = sorted({c for v in rows.values() for c, x in v.items() if isinstance(x, (int, float))})
+    fmt = lambda x: f"{x:.4g}" if isinstance(x, float) else str(x)  # noqa: E731
+    lines = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    lines += [f"| {k} | " + " | ".join(fmt(v.get(c, "")) for c in cols) + " |" for k, v in rows.items()]
+    return "\n".join(lines)
 
 
 HOST_TAG, PID_TAG, PID_START_TAG = "sonar.host", "sonar.pid", "sonar.pid_start"
@@ -216,8 +417,147 @@ def mark_dead_runs_in_run_dir(run_dir: str | Path) -> list[str]:
     return [rid for e in exps for rid in mark_dead_runs(uri, e.experiment_id)]
 
 
-def make_sink(enabled: bool, run_dir: str | Path, uri: str | None, experiment: str, run_name: str) -> Sink:
-    if not enabled:
-        return NullSink()
+def run_file(directory: str | Path) -> dict | None:
+    """What ``<directory>/mlflow.json`` records (tracking URI, experiment id, run id), or None."""
+    f = Path(directory) / RUN_FILE
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def find_run_file(path: str | Path, levels: int = 4) -> dict | None:
+    """The ``mlflow.json`` of the run directory ``path`` lies in (``path`` or up to ``levels`` parents:
+    ``<run>/model``, ``<run>/checkpoints/<tag>/hf``, ...), or None."""
+    p = Path(path).resolve()
+    for d in [p, *p.parents][:levels + 1]:
+        if (info := run_file(d)) is not None:
+            return info
+    return None
+
+
+def make_sink(cfg: Any, run_dir: str | Path, run_name: str, *, tags: Mapping[str, str] | None = None,
+              resume_dir: str | Path | None = None, parent_of: str | Path | None = None) -> Sink:
+    """The run's sink from ``cfg.tracking`` (a ``Config``): where and which experiment by the standard
+    environment variables and the project store under ``cfg.run.root`` (module docstring); ``resume_dir``:
+    the directory of a run being resumed, whose MLflow run this one continues when it is in the same
+    store. ``parent_of``: a path inside a training run's directory (``sonar eval``'s checkpoint): this run
+    is tagged with that run's id (``sonar.train_run_id``) and nested under it when both are in one store
+    and experiment. Records ``<run_dir>/mlflow.json``. Wrapped so the key metrics also reach Ray's dashboard."""
+    t = cfg.tracking
+    if not t.enabled:
+        return RayDashboardSink(NullSink())
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    return MLflowSink(run_dir, uri, experiment, run_name)
+    uri = resolve_uri(t.uri, cfg.run.root)
+    resume_id = None
+    if resume_dir is not None and (prev := run_file(resume_dir)) and prev.get("tracking_uri") == redact(uri):
+        resume_id = prev.get("run_id")
+    tags = dict(tags or {})
+    if parent_of is not None and (train := find_run_file(parent_of)) and train.get("tracking_uri") == redact(uri):
+        tags["sonar.train_run_id"] = train["run_id"]
+        with contextlib.suppress(Exception):
+            from mlflow.tracking import MlflowClient
+
+            exp = MlflowClient(tracking_uri=uri).get_experiment_by_name(resolve_experiment(t.experiment))
+            if exp is not None and exp.experiment_id == train.get("experiment_id"):
+                tags["mlflow.parentRunId"] = train["run_id"]  # shown nested under the training run
+    sink = MLflowSink(run_dir, uri, resolve_experiment(t.experiment), run_name,
+                      artifact_location=default_artifact_location(uri, cfg.run.root), resume_run_id=resume_id,
+                      tags={**run_tags(cfg), **tags}, async_logging=t.async_logging,
+                      system_metrics=t.system_metrics, registered_model_name=t.registered_model_name)
+    sink.write_run_file(run_dir)
+    return RayDashboardSink(sink)
+
+
+# -- Ray's dashboard ---------------------------------------------------------------------------------
+
+RAY_GAUGES = {
+    K.LEARNER_VERSION: ("sonar_learner_version", "policy version the learner has reached"),
+    K.LEARNER_REWARD_MEAN: ("sonar_reward_mean", "mean reward of the groups of the last learner step"),
+    K.LEARNER_TOKENS_PER_S: ("sonar_learner_tokens_per_s", "learner throughput, tokens per second"),
+    K.ROLLOUT_TOKENS_PER_S: ("sonar_rollout_tokens_per_s", "rollout throughput, tokens per second"),
+    K.REPLAY_DEPTH: ("sonar_replay_depth", "groups waiting in the replay queue"),
+    K.LEARNER_POLICY_LAG_MAX: ("sonar_policy_lag_max", "largest policy lag in the last learner step"),
+}
+"""Metric key -> (Ray metric name, description): the key training metrics exported as gauges."""
+RAY_STEP_GAUGE = ("sonar_step", "driver step (the MLflow step of the last row logged)")
+RAY_ROWS_COUNTER = ("sonar_rows_logged", "metric rows the driver has logged")
+
+
+class RayDashboardSink:
+    """A sink that forwards everything to ``inner`` and also sets ``ray.util.metrics`` gauges (step,
+    reward, throughput, replay depth, policy lag; a counter of rows logged) from the driver, so they
+    show in Ray's dashboard / Prometheus. The metric objects are created on the first row logged once
+    Ray is initialised (the sink is made before ``ray.init``); then the Ray job id is tagged too.
+    ``metrics_module``: ``ray.util.metrics`` or a stand-in with the same ``Gauge``/``Counter``."""
+
+    def __init__(self, inner: Sink, metrics_module: Any = None, ray_ready: Callable[[], bool] | None = None):
+        self.inner = inner
+        self._module = metrics_module
+        self._ready = ray_ready
+        self.gauges: dict[str, Any] | None = None
+        self.counter: Any = None
+        self._broken = False
+
+    @property
+    def run_id(self):
+        return self.inner.run_id
+
+    def __getattr__(self, name):  # what only the inner sink has (uri, marked_dead, ...)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def _init_ray_metrics(self) -> bool:
+        if self.gauges is not None:
+            return True
+        if self._module is None:
+            try:
+                import ray
+            except ImportError:
+                return False
+            if not ray.is_initialized():
+                return False
+            import ray.util.metrics as module
+
+            self._module = module
+            with contextlib.suppress(Exception):  # the Ray job id, now that there is one
+                self.inner.set_tags({"ray.job_id": ray.get_runtime_context().get_job_id()})
+        elif self._ready is not None and not self._ready():
+            return False
+        Gauge, Counter = self._module.Gauge, self._module.Counter
+        self.gauges = {k: Gauge(name, description=desc) for k, (name, desc) in RAY_GAUGES.items()}
+        self.gauges["step"] = Gauge(RAY_STEP_GAUGE[0], description=RAY_STEP_GAUGE[1])
+        self.counter = Counter(RAY_ROWS_COUNTER[0], description=RAY_ROWS_COUNTER[1])
+        return True
+
+    def export(self, metrics: Mapping[str, float], step: int) -> None:
+        if self._broken:
+            return
+        try:
+            if not self._init_ray_metrics():
+                return
+            self.gauges["step"].set(float(step))
+            self.counter.inc(1.0)
+            for k, v in _clean(metrics).items():
+                if k in self.gauges:
+                    self.gauges[k].set(v)
+        except Exception as e:  # the dashboard is a view: it never stops a run
+            log.warning("could not export metrics to Ray (not exported from now on): %s", e)
+            self._broken = True
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self.inner.log_metrics(metrics, step)
+        self.export(metrics, step)
+
+    def log_params(self, params): self.inner.log_params(params)
+
+    def set_tags(self, tags): self.inner.set_tags(tags)
+
+    def log_artifact(self, path, artifact_path=None): self.inner.log_artifact(path, artifact_path)
+
+    def log_artifacts(self, path, artifact_path=None): self.inner.log_artifacts(path, artifact_path)
+
+    def log_model(self, path, eval_table=None, config=None): return self.inner.log_model(path, eval_table, config)
+
+    def finish(self, status="FINISHED"): self.inner.finish(status)
