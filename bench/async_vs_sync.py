@@ -26,6 +26,15 @@ section of bench.yaml, ``bench/sim/``, put into the production driver through it
 The SFT checkpoint is trained once and cached under ``<run.root>/bench-sft/<hash of the config parts
 and the code it depends on>``; SFT is not what is measured.
 
+Issue 11 (statistics and the fair baseline): one run per seed and setting (``--seeds``, default 0 1 2
+over sync, lag 1 and lag 2), 95 % t-intervals over seeds (``bench/stats.py``), speedups paired per seed on
+the RL-loop clock, with start-up, and on the whole command; beside each: trained and generated
+throughput, stale share, decode work per trained trajectory, and the equal-reward check (async's mean
+final held-out EM inside sync's seed interval), all under ``extra.comparison``; ``extra.cost_model``
+names the decode cost model. Sync is the fair baseline: its whole share submitted at once, one
+coroutine per trajectory in both modes (``rollout.per_trajectory``; ``actors/worker.py:generate_groups``).
+Older text below that speaks of repeats and 2 lanes predates this.
+
 What makes the comparison fair:
 
 - Both modes run the same code path (``run_rl_stage``) from the same exported checkpoint, with the
@@ -87,14 +96,26 @@ from pathlib import Path
 import numpy as np
 
 from sonar.bench.common import REPO_ROOT, bench_settings, driver_bench_parser, setup_env, summarise, write_result
+from sonar.bench.stats import mean_ci, within
 from sonar.cluster.wire import metrics as K
+
+try:  # the cost-model label (bench/sim/gpu_cost.py); a tree without it labels the flat model itself
+    from sonar.bench.sim.gpu_cost import sim_cost_label
+except ImportError:  # pragma: no cover - only on a tree that predates gpu_cost.py
+    def sim_cost_label(sim) -> dict:
+        if sim.decode_ms_per_token <= 0:
+            return {"decode_cost": "real", "form": "the engine's own decode time on this machine, nothing simulated"}
+        return {"decode_cost": "flat", "form": "decode_ms_per_token per step whatever the batch (assumed)",
+                "decode_ms_per_token": sim.decode_ms_per_token,
+                "tail": {"median_tokens": sim.decode_median_tokens, "sigma": sim.decode_sigma,
+                         "max_tokens": sim.decode_max_tokens}}
 
 setup_env()
 
 NAME = "async-vs-sync"
 CONFIG = REPO_ROOT / "configs" / "bench.yaml"
-FULL = {"lags": [1, 2, 4], "repeats": 2, "overrides": []}
-QUICK = {"lags": [2], "repeats": 1,
+FULL = {"lags": [1, 2], "seeds": [0, 1, 2], "overrides": []}
+QUICK = {"lags": [2], "seeds": [0],
          "overrides": ["world.num_entities=120", "world.num_heldout_eval=8", "rollout.group_size=4",
                        "rollout.groups_per_request=2", "learner.groups_per_step=4", "replay.capacity_groups=8",
                        "protocol.max_total_tokens=256", "sim.retrieval_latency_ms=20.0",
@@ -217,31 +238,132 @@ def measure(res: dict, cfg) -> dict:
                                   / max(1.0, sum(w.get("engine_steps", 0.0) for w in workers))
                                   if any("engine_steps" in w for w in workers) else float("nan")),
     }
+    produced = float(res["replay"]["produced"])
+    gen_tokens = float(sum(w.get("model_tokens", 0.0) for w in workers))
+    row_steps = sum(w.get("engine_live_row_steps", 0.0) for w in workers)
+    startup = float(res["startup_s"])
+    m.update({
+        # the clocks: the RL loop alone, and the command as a user waits for it (start-up included)
+        "startup_s": startup, "wall_with_startup_s": startup + wall, "command_s": float(res["total_s"]),
+        # throughput: trained (what the learner consumed) and generated (what the workers produced,
+        # stale groups included), per second of the RL loop
+        "trained_traj_per_s": consumed / wall, "generated_traj_per_s": produced / wall,
+        "generated_tokens_per_s": gen_tokens / wall,
+        # waste: the share of generated trajectories dropped as stale, and decode work per trained one
+        "stale_share": float(res["replay"]["dropped_stale"]) / max(1.0, produced),
+        "generated_per_trained": produced / max(1.0, consumed),
+        "generated_tokens_per_trained_traj": gen_tokens / max(1.0, consumed),
+    })
+    if any("engine_live_row_steps" in w for w in workers):  # decode row-steps, simulated tails included
+        m["decode_row_steps_per_trained_traj"] = row_steps / max(1.0, consumed)
     if res.get("eval"):
         m["heldout_em"] = float(res["eval"]["search"]["em"])
-    return {"metrics": m, "lag_hist": lag_histogram(h), "rewards": rewards,
-            "replay": res["replay"], "workers": workers, "startup_s": res["startup_s"]}
+    return {"metrics": m, "lag_hist": lag_histogram(h), "rewards": rewards, "curve": reward_curve(h, res),
+            "replay": res["replay"], "workers": workers, "startup_s": startup}
+
+
+def reward_curve(history: list[dict], res: dict) -> dict:
+    """Per learner step: seconds into the RL stage (the driver's ``on_step`` times, ``res["step_times"]``),
+    trajectories generated so far (the replay's counter) and generated tokens so far (an estimate: each
+    step's new trajectories times that step's mean model tokens), and the rollout reward."""
+    from sonar.bench.driver_harness import rl_stage
+
+    rows = [r for r in history if K.ROLLOUT_REWARD_MEAN in r and K.REPLAY_PRODUCED in r]
+    t0 = rl_stage(res)["t_start"]
+    times = [t - t0 for t in res.get("step_times", [])]
+    gen_tokens, total, prev = [], 0.0, 0.0
+    for r in rows:
+        produced = float(r[K.REPLAY_PRODUCED])
+        total += (produced - prev) * float(r.get(K.ROLLOUT_TOKENS_MEAN, 0.0))
+        prev = produced
+        gen_tokens.append(total)
+    n = min(len(rows), len(times)) if times else len(rows)
+    return {"t": times[:n], "generated_traj": [float(r[K.REPLAY_PRODUCED]) for r in rows][:n],
+            "generated_tokens": gen_tokens[:n], "reward": [float(r[K.ROLLOUT_REWARD_MEAN]) for r in rows][:n]}
 
 
 def run_setting(base_overrides: list[str], mode: str, lag: int | None, model_path: str | None, run_root: Path,
-                tag: str) -> dict:
+                tag: str, seed: int | None = None) -> dict:
+    """One run of one setting from the SFT checkpoint; ``seed`` sets ``run.seed`` (the RL stage's prompt
+    order and sampling; None: the config's). Returns ``measure``'s dict plus the overrides used."""
     from sonar.bench.driver_harness import load_cfg, run_training
 
     cfg0, _ = load_cfg([CONFIG], base_overrides)
     ov = list(base_overrides) + setting_overrides(mode, lag, cfg0.learner.groups_per_step)
     ov += [f"run.root={run_root}", f"run.name={NAME}-{tag}"]
+    if seed is not None:
+        ov.append(f"run.seed={seed}")
     if model_path:
         ov.append(f"model.path={model_path}")
     cfg, sim = load_cfg([CONFIG], ov)
     _, rl = split_stages(cfg)
     cfg = dataclasses.replace(cfg, stages=[rl])
-    res = run_training(cfg, sim, evaluate_after=True)
+    step_times: list[float] = []
+
+    def on_step(roles, run, index, steps) -> bool:  # the driver calls it after logging each RL step
+        step_times.append(time.monotonic())
+        return False
+
+    res = run_training(cfg, sim, evaluate_after=True, on_step=on_step)
+    res["step_times"] = step_times
     out = measure(res, cfg)
+    out["seed"] = seed
     out["overrides"] = ov
     return out
 
 
 # ------------------------------------------------------------------------------------ the benchmark
+REPORTED = ("trained_traj_per_s", "generated_traj_per_s", "generated_tokens_per_s", "stale_share",
+            "generated_per_trained", "generated_tokens_per_trained_traj", "decode_row_steps_per_trained_traj",
+            "wall_s", "wall_with_startup_s", "command_s", "heldout_em", "reward_last")
+"""The per-setting numbers reported with a seed interval (``extra.ci``) beside every speedup."""
+
+
+def _ci(values: list[float]) -> dict:
+    """``stats.mean_ci`` of the finite values, NaN as None (JSON); the per-seed values kept."""
+    vals = [float(v) for v in values if v is not None and np.isfinite(v)]
+    if not vals:
+        return {"mean": None, "n": 0, "values": []}
+    ci = mean_ci(vals)
+    return {**{k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in ci.items()},
+            "values": vals}
+
+
+def compare(per: dict[str, list[dict]], lags: list[int]) -> dict:
+    """Per lag, from the seeds (paired per seed: run i of sync against run i of the async setting):
+    the speedup on both clocks with its 95 % t-interval over seeds, and beside it every figure a reader
+    needs to weigh it (throughputs, stale share, decode work per trained trajectory), and the
+    equal-reward check: async's mean final held-out EM (and rollout reward) inside sync's seed interval."""
+    sync = per["sync"]
+    out = {}
+    for lag in lags:
+        a = per[setting_name("async", lag)]
+        pairs = list(zip(sync, a))
+        row: dict = {
+            "speedup_rl_loop": _ci([s["metrics"]["wall_s"] / x["metrics"]["wall_s"] for s, x in pairs]),
+            "speedup_with_startup": _ci([s["metrics"]["wall_with_startup_s"] / x["metrics"]["wall_with_startup_s"]
+                                         for s, x in pairs]),
+            "speedup_command": _ci([s["metrics"]["command_s"] / x["metrics"]["command_s"] for s, x in pairs]),
+        }
+        for k in REPORTED:
+            row[k] = {"sync": _ci([r["metrics"].get(k) for r in sync]), "async": _ci([r["metrics"].get(k) for r in a])}
+        checks = {}
+        for k in ("heldout_em", "reward_last"):
+            sy, asy = row[k]["sync"], row[k]["async"]
+            inside = None
+            if asy["mean"] is not None and sy.get("lo") is not None:
+                inside = within(asy["mean"], {"lo": sy["lo"], "hi": sy["hi"]})
+            checks[k] = {"async_mean": asy["mean"], "sync_mean": sy["mean"], "sync_ci95": [sy.get("lo"), sy.get("hi")],
+                         "async_within_sync_ci95": inside}
+        row["equal_reward"] = checks
+        stale = row["stale_share"]["async"]["mean"]
+        row["goal"] = {"speedup_ge_2": (row["speedup_rl_loop"]["mean"] or 0) >= 2.0,
+                       "equal_heldout_em": checks["heldout_em"]["async_within_sync_ci95"],
+                       "stale_le_10pct": None if stale is None else stale <= 0.10}
+        out[str(lag)] = row
+    return out
+
+
 def run(cfg_bench: dict) -> tuple[dict, dict]:
     from sonar.bench.driver_harness import device_info, load_cfg, loadavg, start_ray
 
@@ -251,24 +373,26 @@ def run(cfg_bench: dict) -> tuple[dict, dict]:
     owns = start_ray(base)
     import ray
 
+    seeds = list(cfg_bench["seeds"])
     try:
         model_path, sft_info = sft_checkpoint(base, sim, sft_stage)
         run_root = Path(base.run.root).resolve() / "bench-async-vs-sync"
         settings = [("sync", None)] + [("async", lag) for lag in cfg_bench["lags"]]
         per: dict[str, list[dict]] = {setting_name(m, l): [] for m, l in settings}
         load = {"start": loadavg()}
-        for rep in range(cfg_bench["repeats"]):
+        for seed in seeds:  # settings interleaved within each seed, so background load hits them alike
             for mode, lag in settings:
                 name = setting_name(mode, lag)
                 t0 = time.time()
-                r = run_setting(overrides, mode, lag, model_path, run_root, f"{name}-r{rep}")
+                r = run_setting(overrides, mode, lag, model_path, run_root, f"{name}-s{seed}", seed=seed)
                 r["loadavg_after"] = loadavg()
                 per[name].append(r)
                 m = r["metrics"]
-                log.info("%s rep %d: RL loop %.1f s (%.2f s/step), %.1f traj/s, learner idle %.2f, rollout idle "
-                         "%.2f, reward %.3f, lag hist %s (%.0f s incl. start-up)", name, rep, m["wall_s"],
-                         m["seconds_per_step"], m["trajectories_per_s"], m["learner_idle_fraction"],
-                         m["rollout_idle_fraction"], m["reward_last"], r["lag_hist"], time.time() - t0)
+                log.info("%s seed %d: RL loop %.1f s (%.2f s/step), %.1f trained traj/s, %.1f generated, stale %.2f, "
+                         "learner idle %.2f, reward %.3f, held-out EM %s, lag hist %s (%.0f s incl. start-up)", name,
+                         seed, m["wall_s"], m["seconds_per_step"], m["trained_traj_per_s"], m["generated_traj_per_s"],
+                         m["stale_share"], m["learner_idle_fraction"], m["reward_last"], m.get("heldout_em"),
+                         r["lag_hist"], time.time() - t0)
         load["end"] = loadavg()
     finally:
         if owns:
@@ -277,40 +401,39 @@ def run(cfg_bench: dict) -> tuple[dict, dict]:
     metrics: dict[str, dict] = {}
     for name, reps in per.items():
         for key in reps[0]["metrics"]:
-            vals = [r["metrics"][key] for r in reps if np.isfinite(r["metrics"][key])]
+            vals = [r["metrics"][key] for r in reps if np.isfinite(r["metrics"].get(key, float("nan")))]
             if vals:
                 metrics[f"{name}/{key}"] = summarise(vals)
         hist_keys = sorted({k for r in reps for k in r["lag_hist"]},
                            key=lambda k: (k.startswith("ge"), int(k.lstrip("ge"))))
         for k in hist_keys:
             metrics[f"{name}/policy_lag_hist/{k}"] = summarise([r["lag_hist"].get(k, 0.0) for r in reps])
-    speedup: dict[str, dict] = {}  # lag (as a string) -> summary of sync wall / async wall, paired per repeat
-    for lag in cfg_bench["lags"]:
-        name = setting_name("async", lag)
-        pairs = [s["metrics"]["wall_s"] / a["metrics"]["wall_s"] for s, a in zip(per["sync"], per[name])]
-        speedup[str(lag)] = summarise(pairs)
-    if speedup:  # validate_result rejects an empty group
-        metrics["speedup"] = speedup
-    speedup_medians = {lag: sm["median"] for lag, sm in speedup.items()}  # extra.speedup: the plot and printout
+    # speedups paired per seed: metrics.speedup (RL loop), .speedup_with_startup, .speedup_command, keyed by lag
+    groups = {"speedup": "wall_s", "speedup_with_startup": "wall_with_startup_s", "speedup_command": "command_s"}
+    for group, key in groups.items():
+        g = {str(lag): summarise([s["metrics"][key] / a["metrics"][key]
+                                  for s, a in zip(per["sync"], per[setting_name("async", lag)])])
+             for lag in cfg_bench["lags"]}
+        if g:  # validate_result rejects an empty group
+            metrics[group] = g
+    speedup_medians = {lag: sm["median"] for lag, sm in metrics.get("speedup", {}).items()}
 
     # Reading the result: the sync decomposition and the two-stage pipeline bound.
     s = {k: float(np.median([r["metrics"][k] for r in per["sync"]])) for k in per["sync"][0]["metrics"]}
     gen_phase = max(0.0, s["seconds_per_step"] - s["train_s_per_step"] - s["sync_s_per_step"])
     learner_stage = s["train_s_per_step"] + s["sync_s_per_step"]
     bound = s["seconds_per_step"] / max(gen_phase, learner_stage, 1e-9)
-    reward_check = {}
-    for lag in cfg_bench["lags"]:
-        name = setting_name("async", lag)
-        a = per[name][-1]["metrics"]
-        sy = per["sync"][-1]["metrics"]
-        noise = 2.0 * float(np.sqrt(np.nan_to_num(a["reward_last_se"]) ** 2 + np.nan_to_num(sy["reward_last_se"]) ** 2))
-        diff = a["reward_last"] - sy["reward_last"]
-        reward_check[str(lag)] = {"async_minus_sync": diff, "two_se": noise,
-                                  "within_noise": bool(abs(diff) <= noise) if noise > 0 else None,
-                                  "heldout_em_async": a.get("heldout_em"), "heldout_em_sync": sy.get("heldout_em")}
+    comparison = compare(per, cfg_bench["lags"])
+    cost_model = sim_cost_label(sim)
     extra = {
         "speedup": speedup_medians,
-        "target": "async at lag 2 >= 2x faster than sync, same final reward within noise",
+        "seeds": seeds,
+        "cost_model": cost_model,
+        "target": "async at lag <= 2 >= 2x the sync trained-trajectory throughput, final held-out EM within the "
+                  "seeds' 95 % interval of sync, stale waste <= 10 % of generated trajectories",
+        "comparison": comparison,
+        "ci_note": "95 % t-intervals over seeds (one run per seed and setting; bench/stats.py), never over the steps "
+                   "of one run; speedups are paired per seed. With one seed (--quick) the interval is unknown (None).",
         "analysis": {
             "sync_seconds_per_step": s["seconds_per_step"],
             "sync_generate_phase_s_per_step": gen_phase,
@@ -320,18 +443,26 @@ def run(cfg_bench: dict) -> tuple[dict, dict]:
             "pipeline_bound_speedup": bound,
             "sync_engine_mean_live_rows": s.get("engine_mean_live_rows", float("nan")),
             "engine_slots_per_worker": base.rollout.max_batch_rows,
+            "fair_baseline": {"per_trajectory": base.rollout.per_trajectory,
+                              "sync_rows_per_worker": base.learner.groups_per_step * base.rollout.group_size
+                              / base.rollout.num_workers,
+                              "note": "sync submits each worker's whole share of the step at once (no lane cap); "
+                                      "with rollout.per_trajectory every trajectory is its own coroutine in both "
+                                      "modes. Both modes are bounded by the same engine slots (max_batch_rows); "
+                                      "async has more rows in flight only by running ahead within its staleness "
+                                      "bound."},
             "note": "pipeline bound = sync step / max(generate phase, train + broadcast): what overlapping the two "
                     "stages alone could give, with unchanged stage times. Async also removes the per-step barrier "
                     "and keeps the engine fuller (engine_mean_live_rows per setting), which is how it goes past "
                     "the bound. CPU contention, which async adds on 2 cores, is ignored.",
         },
-        "reward_check": reward_check,
         "sft": sft_info,
         "loadavg": load,
-        "settings": {name: [{"metrics": r["metrics"], "lag_hist": r["lag_hist"], "replay": r["replay"],
-                             "workers": r["workers"], "startup_s": r["startup_s"], "loadavg_after": r["loadavg_after"],
-                             "overrides": r["overrides"]} for r in reps] for name, reps in per.items()},
-        "reward_curves": {name: reps[-1]["rewards"] for name, reps in per.items()},
+        "settings": {name: [{"seed": r["seed"], "metrics": r["metrics"], "lag_hist": r["lag_hist"],
+                             "replay": r["replay"], "workers": r["workers"], "startup_s": r["startup_s"],
+                             "loadavg_after": r["loadavg_after"], "overrides": r["overrides"]} for r in reps]
+                     for name, reps in per.items()},
+        "reward_curves": {name: [r["curve"] for r in reps] for name, reps in per.items()},
         "device": device_info(base, sim),
         "machine_note": "shared 2-core VM; other jobs ran during the measurement (see loadavg)",
     }
@@ -342,19 +473,41 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(extra["settings"])
-    fig, ax = plt.subplots(2, 2, figsize=(12, 8.5))
+    fig, ax = plt.subplots(2, 3, figsize=(18, 8.5))
     med = lambda n, k: metrics.get(f"{n}/{k}", {}).get("median", float("nan"))  # noqa: E731
-    walls = [med(n, "wall_s") for n in names]
     colors = ["tab:gray"] + ["tab:blue", "tab:green", "tab:purple", "tab:orange"][: len(names) - 1]
-    b = ax[0, 0].bar(names, walls, color=colors)
+    comp = extra.get("comparison", {})
+
+    def ci_of(n: str, k: str) -> tuple[float, float]:  # (mean, half-width) over seeds, NaN when unknown
+        row = next(iter(comp.values()), {}) if n == "sync" else comp.get(n.replace("async_lag", ""), {})
+        c = row.get(k, {}).get("sync" if n == "sync" else "async", {})
+        return (c.get("mean") if c.get("mean") is not None else float("nan"),
+                c.get("half") if c.get("half") is not None else 0.0)
+
+    walls = [ci_of(n, "wall_s")[0] for n in names]
+    b = ax[0, 0].bar(names, walls, color=colors, yerr=[ci_of(n, "wall_s")[1] for n in names], capsize=4)
     for rect, n in zip(b, names):
         lag = n.replace("async_lag", "")
-        label = "1.00x" if n == "sync" else f"{extra['speedup'].get(lag, float('nan')):.2f}x"
+        sp = comp.get(lag, {}).get("speedup_rl_loop", {})
+        half = f" +-{sp['half']:.2f}" if sp.get("half") is not None else ""
+        label = "1.00x" if n == "sync" else f"{sp.get('mean', float('nan')):.2f}x{half}"
         ax[0, 0].annotate(label, (rect.get_x() + rect.get_width() / 2, rect.get_height()), ha="center", va="bottom")
-    ax[0, 0].set_ylabel("RL loop wall-clock (s)")
+    ax[0, 0].set_ylabel("RL loop wall-clock (s), mean and 95 % CI over seeds")
     an = extra["analysis"]
     ax[0, 0].set_title(f"wall-clock, same steps (overlap-only pipeline bound {an['pipeline_bound_speedup']:.2f}x)",
                        fontsize=10)
+
+    x = np.arange(len(names))
+    for j, (k, lab) in enumerate([("trained_traj_per_s", "trained traj/s"),
+                                  ("generated_traj_per_s", "generated traj/s")]):
+        ax[0, 2].bar(x + (j - 0.5) * 0.4, [ci_of(n, k)[0] for n in names], 0.4,
+                     yerr=[ci_of(n, k)[1] for n in names], capsize=3, label=lab)
+    for i, n in enumerate(names):
+        ax[0, 2].annotate(f"stale {ci_of(n, 'stale_share')[0]:.0%}", (i, 0), ha="center", va="bottom", fontsize=8)
+    ax[0, 2].set_xticks(x, names)
+    ax[0, 2].set_ylabel("trajectories / s of RL loop")
+    ax[0, 2].legend(fontsize=8)
+    ax[0, 2].set_title("trained vs generated throughput (stale share at the foot)", fontsize=10)
 
     x = np.arange(len(names))
     slots = float(an.get("engine_slots_per_worker") or 0)
@@ -392,23 +545,31 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
     ax[1, 0].legend()
     ax[1, 0].set_title("policy-lag histogram")
 
-    for i, n in enumerate(names):
-        r = extra["reward_curves"].get(n) or []
-        x = np.arange(1, len(r) + 1)
-        ax[1, 1].plot(x, r, ".", alpha=0.35, color=colors[i])
-        k = min(5, len(r))
-        if k:
-            smooth = np.convolve(r, np.ones(k) / k, mode="valid")
-            ax[1, 1].plot(x[k - 1:], smooth, label=f"{n} ({k}-step mean)", color=colors[i])
-    ax[1, 1].set_xlabel("learner step")
-    ax[1, 1].set_ylabel(K.ROLLOUT_REWARD_MEAN)
-    ax[1, 1].legend(fontsize=8)
-    ax[1, 1].set_title("rollout reward per step (last repeat; dots: per step)")
+    for col, xkey, xlabel in ((1, "t", "seconds into the RL stage"), (2, "generated_tokens",
+                                                                     "generated model tokens (estimate)")):
+        a_ = ax[1, col]
+        for i, n in enumerate(names):
+            for j, c in enumerate(extra["reward_curves"].get(n) or []):
+                xs_, r = np.asarray(c.get(xkey) or [], float), np.asarray(c.get("reward") or [], float)
+                m_ = min(len(xs_), len(r))
+                if not m_:
+                    continue
+                a_.plot(xs_[:m_], r[:m_], ".", alpha=0.25, color=colors[i])
+                k = min(5, m_)
+                smooth = np.convolve(r[:m_], np.ones(k) / k, mode="valid")
+                a_.plot(xs_[k - 1:m_], smooth, color=colors[i], alpha=0.8,
+                        label=f"{n} ({k}-step mean, each seed)" if j == 0 else None)
+        a_.set_xlabel(xlabel)
+        a_.set_ylabel(K.ROLLOUT_REWARD_MEAN)
+        a_.legend(fontsize=8)
+        a_.set_title(f"rollout reward against {'wall-clock' if col == 1 else 'generated tokens'}", fontsize=10)
     dev = extra["device"]
     dec = (f", decode {dev['decode_ms_per_token']:.0f} ms/step + lognormal({dev['decode_median_tokens']:.0f} tok, "
            f"sigma {dev['decode_sigma']}) per turn" if dev.get("decode_ms_per_token") else "")
     engine = "bench (BENCHMARK engine)" if dev["sim_engine"] == "bench" else dev["rollout_engine"]
-    fig.suptitle(f"async vs sync -- engine={engine}"
+    cm = extra.get("cost_model", {})
+    fig.suptitle(f"async vs sync ({len(extra.get('seeds', []))} seeds; decode cost model: {cm.get('decode_cost')}) "
+                 f"-- engine={engine}"
                  f"{' (continuous batching)' if dev.get('continuous_batching') else ''} on {dev['rollout_device']}, "
                  f"learner on {dev['learner_device']}, retrieval +{dev['retrieval_latency_ms']:.0f} ms median "
                  f"(sigma {dev['retrieval_latency_sigma']}){dec}\n{extra['machine_note']}", fontsize=9)
@@ -418,19 +579,28 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = driver_bench_parser(NAME, __doc__.splitlines()[0], "configs/bench.yaml")
-    p.add_argument("--lags", type=int, nargs="+", help="async max_policy_lag values (default 1 2 4; quick: 2)")
+    p.add_argument("--lags", type=int, nargs="+", help="async max_policy_lag values (default 1 2; quick: 2)")
+    p.add_argument("--seeds", type=int, nargs="+",
+                   help="run.seed values, one run per seed and setting (default 0 1 2; quick: 0); the confidence "
+                        "intervals are over seeds. --repeats N means seeds 0..N-1")
     p.add_argument("--steps", type=int, help="RL steps per setting (default: the config's)")
     p.add_argument("--engine", choices=["hf", "vllm", "bench"],
                    help="hf: the config's transformers engine (default); vllm: vLLM's AsyncLLM engine, real decode "
                         "cost, no simulated decode pacing; bench: the BENCHMARK engine (sim.engine=bench)")
     args = p.parse_args(argv)
     cfg = bench_settings(args, QUICK, FULL)
+    if args.seeds:
+        cfg["seeds"] = list(args.seeds)
+    elif args.repeats:
+        cfg["seeds"] = list(range(args.repeats))
+    cfg.pop("repeats", None)
     if args.lags:
         cfg["lags"] = args.lags
     if args.steps:
         cfg["overrides"].append(f"stages.1.steps={args.steps}")
     if args.engine == "bench":  # it simulates decode time itself and serialises its calls
-        cfg["overrides"] += ["sim.engine=bench", "rollout.continuous_batching=false", "sim.decode_ms_per_token=0.0"]
+        cfg["overrides"] += ["sim.engine=bench", "rollout.continuous_batching=false", "rollout.per_trajectory=false",
+                             "sim.decode_ms_per_token=0.0"]
     elif args.engine == "vllm":
         # vLLM's decode cost is real and grows with the batch (measured: 4 ms/step for 1 row, 11 ms for
         # 64 on this CPU), so nothing is simulated on the decode side: the paced wrapper would serialise
@@ -452,8 +622,16 @@ def main(argv: list[str] | None = None) -> int:
     extra["wall_s"] = round(time.time() - t0, 1)
     path = write_result(NAME, cfg, metrics, lambda png: plot(metrics, extra, png), args.out, extra=extra)
     print(f"[{NAME}] wrote {path} and {path.with_suffix('.png').name} in {extra['wall_s']} s")
-    for lag, x in extra["speedup"].items():
-        print(f"[{NAME}] speedup lag {lag}: {x:.2f}x  reward check: {extra['reward_check'][lag]}")
+    fmt = lambda c: "n/a" if c.get("mean") is None else (  # noqa: E731
+        f"{c['mean']:.3g}" + (f" +-{c['half']:.2g}" if c.get("half") is not None else ""))
+    print(f"[{NAME}] {len(extra['seeds'])} seed(s), decode cost model {extra['cost_model'].get('decode_cost')}")
+    for lag, row in extra["comparison"].items():
+        print(f"[{NAME}] lag {lag}: speedup RL loop {fmt(row['speedup_rl_loop'])}x, with start-up "
+              f"{fmt(row['speedup_with_startup'])}x, whole command {fmt(row['speedup_command'])}x; trained traj/s "
+              f"{fmt(row['trained_traj_per_s']['async'])} vs sync {fmt(row['trained_traj_per_s']['sync'])}; generated "
+              f"{fmt(row['generated_traj_per_s']['async'])}; stale share {fmt(row['stale_share']['async'])}; decode "
+              f"tokens per trained traj {fmt(row['generated_tokens_per_trained_traj']['async'])} vs sync "
+              f"{fmt(row['generated_tokens_per_trained_traj']['sync'])}; equal reward {row['equal_reward']['heldout_em']}")
     print(f"[{NAME}] overlap-only pipeline bound from the sync decomposition: "
           f"{extra['analysis']['pipeline_bound_speedup']:.2f}x")
     return 0

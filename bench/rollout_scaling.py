@@ -70,7 +70,7 @@ BASE_OVERRIDES = ["sim.engine=bench", "sim.retrieval_latency_ms=0.0", "rollout.n
                   "tracking.enabled=false", "stages.0.steps=0",
                   # the bench engine simulates decode itself, one batch per worker, no admission budget:
                   # this benchmark measures raw rollout throughput, not async-vs-sync concurrency
-                  "rollout.continuous_batching=false", "sim.decode_ms_per_token=0.0",
+                  "rollout.continuous_batching=false", "rollout.per_trajectory=false", "sim.decode_ms_per_token=0.0",
                   "rollout.batches_in_flight=1", "rollout.groups_per_request=4", "replay.max_inflight_groups=0"]
 QUICK_OVERRIDES = ["world.num_entities=120"]
 log = logging.getLogger("sonar.bench")

@@ -68,6 +68,23 @@ def test_async_vs_sync_quick(tmp_path):
     assert doc["config"]["sim"]["retrieval_latency_ms"] > 0
     for s in ("sync", "async_lag2"):
         assert 0 < m[f"{s}/engine_mean_live_rows"]["median"] <= extra["device"]["engine_slots_per_worker"]
+    # issue 11: seeds, both clocks, throughputs, waste and the equal-reward check beside every speedup
+    assert extra["seeds"] == [0] and doc["config"]["resolved"]["rollout"]["per_trajectory"] is True
+    assert extra["cost_model"]["decode_cost"] in ("flat", "gpu_7b")
+    for g in ("speedup", "speedup_with_startup", "speedup_command"):
+        assert m[g]["2"]["median"] > 0
+    row = extra["comparison"]["2"]
+    assert row["speedup_rl_loop"]["mean"] == pytest.approx(m["speedup"]["2"]["median"])
+    assert row["speedup_rl_loop"]["n"] == 1 and row["speedup_rl_loop"]["half"] is None  # one seed: no interval
+    for k in ("trained_traj_per_s", "generated_traj_per_s", "generated_tokens_per_s", "stale_share",
+              "generated_tokens_per_trained_traj", "wall_with_startup_s", "command_s", "heldout_em"):
+        assert row[k]["sync"]["mean"] is not None and row[k]["async"]["mean"] is not None, k
+    assert row["stale_share"]["sync"]["mean"] == 0.0 and 0.0 <= row["stale_share"]["async"]["mean"] < 1.0
+    assert row["equal_reward"]["heldout_em"]["async_within_sync_ci95"] is None  # unknown with one seed
+    for s in ("sync", "async_lag2"):
+        (curve,) = extra["reward_curves"][s]
+        assert len(curve["t"]) == len(curve["reward"]) == len(curve["generated_tokens"]) > 0
+        assert curve["t"] == sorted(curve["t"]) and curve["generated_tokens"] == sorted(curve["generated_tokens"])
 
 
 def test_rollout_scaling_quick(tmp_path):

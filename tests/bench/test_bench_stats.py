@@ -50,3 +50,30 @@ def test_one_seed_has_no_interval():
         mean_ci([])
     with pytest.raises(ValueError, match="df=0"):
         t_two_sided_cdf(1.0, 0)
+
+
+def _run(wall: float, em: float, stale: float) -> dict:
+    keys = ("trained_traj_per_s", "generated_traj_per_s", "generated_tokens_per_s", "generated_per_trained",
+            "generated_tokens_per_trained_traj", "decode_row_steps_per_trained_traj", "reward_last")
+    m = {k: 1.0 for k in keys}
+    m.update(wall_s=wall, wall_with_startup_s=wall + 10, command_s=wall + 20, heldout_em=em, stale_share=stale)
+    return {"metrics": m}
+
+
+def test_async_vs_sync_compare_pairs_seeds_and_checks_equal_reward():
+    from sonar.bench.async_vs_sync import compare
+
+    per = {"sync": [_run(60, 0.80, 0.0), _run(61, 0.81, 0.0), _run(62, 0.82, 0.0)],
+           "async_lag2": [_run(30, 0.81, 0.05), _run(31, 0.81, 0.05), _run(32, 0.81, 0.05)],
+           "async_lag1": [_run(30, 0.90, 0.2), _run(31, 0.90, 0.2), _run(32, 0.90, 0.2)]}
+    out = compare(per, [1, 2])
+    sp = out["2"]["speedup_rl_loop"]
+    assert sp["values"] == pytest.approx([2.0, 61 / 31, 62 / 32]) and sp["n"] == 3
+    assert sp["half"] == pytest.approx(mean_ci([2.0, 61 / 31, 62 / 32])["half"])
+    assert out["2"]["speedup_with_startup"]["values"][0] == pytest.approx(70 / 40)
+    er = out["2"]["equal_reward"]["heldout_em"]  # sync EM 0.80/0.81/0.82: 0.81 +- 4.3027 * 0.01 / sqrt 3
+    assert er["sync_ci95"] == pytest.approx([0.81 - 0.0248414, 0.81 + 0.0248414], abs=1e-6)
+    assert er["async_within_sync_ci95"] is True
+    assert out["1"]["equal_reward"]["heldout_em"]["async_within_sync_ci95"] is False
+    assert out["2"]["goal"] == {"speedup_ge_2": False, "equal_heldout_em": True, "stale_le_10pct": True}
+    assert out["1"]["goal"]["stale_le_10pct"] is False
