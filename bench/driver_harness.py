@@ -109,6 +109,18 @@ def _kill_roles(roles) -> None:
             pass
 
 
+class _Chain:
+    """Two ``on_step`` hooks in order; training ends if either says so (both still run)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __call__(self, *args) -> bool:
+        a = self.first(*args)
+        b = self.second(*args)
+        return bool(a or b)
+
+
 def run_training(cfg, sim=None, *, evaluate_after: bool = True, export: bool = False,
                  on_roles: Callable[[Any], None] | None = None, on_step: Callable[..., bool] | None = None) -> dict:
     """Run ``cfg``'s stages through the driver's own functions, with ``sim``'s simulators (None: none);
@@ -132,7 +144,9 @@ def run_training(cfg, sim=None, *, evaluate_after: bool = True, export: bool = F
     if on_step is not None:  # the driver's per-RL-step hook (roles.Hooks.on_step); truthy ends training
         import dataclasses
 
-        hooks = dataclasses.replace(hooks, on_step=on_step)
+        # sim's own on_step (sim.learner_delay_ms) runs first, then the caller's
+        hooks = dataclasses.replace(hooks, on_step=on_step if hooks.on_step is None else
+                                    _Chain(hooks.on_step, on_step))
     t0 = time.monotonic()
     run = D_run.start_run(cfg)
     roles = None
