@@ -8,7 +8,7 @@ rollout workers on node 3.
    listens on its node's address (127.0.0.2, ``cluster.bind_host=auto`` on a 3-node cluster), the
    workers on 127.0.0.3 dial it, and after the final push every checksum equals the learner's.
 2. The elastic pool on the same cluster (1..2 workers): a starved learner grows the pool, then a slow
-   learner (the driver's ``on_step`` hook sleeping) shrinks it; the replay's accounting balances, nothing
+   learner (the driver's ``on_step`` hook holds each step until the replay is full) shrinks it; the replay's accounting balances, nothing
    is lost and no prompt is trained twice. The pool size per step is printed (``rollout/pool/size``).
 3. Files: the learner's ``run.dir`` check passes (one filesystem), and ``fetch_dir`` streams a directory
    from the learner's node through the object store byte for byte.
@@ -101,13 +101,20 @@ def test_elastic_pool_grows_when_starved_and_shrinks_when_the_learner_is_slow(tm
     from sonar.cluster.driver.roles import Hooks
     from sonar.cluster.driver.run import world_of
 
+    import ray
+
     sizes = []
 
     def on_step(roles, run, stage_index, steps):
         sizes.append(len(roles.workers))
-        if max(sizes) == 2:           # grown: from now on the learner is slow (2 s a step), the queue fills
-            time.sleep(2.0)
-        return max(sizes) == 2 and sizes[-1] == 1 and len(sizes) > 3  # shrunk again: done
+        if max(sizes) == 2 and sizes[-1] == 2:
+            # Grown: from now on the learner is slow, whatever the machine's load: its next step starts
+            # only once the replay is full (a condition, polled, with a deadline that fails clearly).
+            deadline = time.monotonic() + 300
+            while ray.get(roles.replay.stats.remote())["depth_groups"] < cfg.replay.capacity_groups:
+                assert time.monotonic() < deadline, "the replay did not fill within 300 s"
+                time.sleep(0.05)
+        return max(sizes) == 2 and sizes[-1] == 1  # shrunk again: done
 
     cfg = config(tmp_path, cluster, 40, "rollout.num_workers=1", "rollout.min_workers=1", "rollout.max_workers=2",
                  "rollout.pool_window_s=3", "rollout.pool_cooldown_s=3", "rollout.pool_grow_wait_share=0.2",
