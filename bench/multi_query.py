@@ -356,14 +356,17 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = base_parser(NAME, __doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, help="SFT runs per protocol (default 3; quick 2)")
+    p.add_argument("--sft-steps", type=int, help="SFT steps per run (default 300, as configs/rag_r1.yaml)")
+    p.add_argument("--questions", type=int, help="held-out questions per run (default 200)")
     p.add_argument("--run-root", default=str(REPO_ROOT / "runs" / "bench-multi-query"),
                    help="where the corpus and index go")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config overrides on top of configs/rag_r1.yaml (repeatable)")
     args = p.parse_args(argv)
     bcfg = bench_settings(args, QUICK, FULL)
-    if args.seeds:
-        bcfg["seeds"] = args.seeds
+    for k in ("seeds", "sft_steps", "questions"):
+        if getattr(args, k):
+            bcfg[k] = getattr(args, k)
     bcfg["overrides"] += args.overrides
     bcfg["quick"] = args.quick
     gpu_seconds, gpu_desc = gpu_cost_model()
