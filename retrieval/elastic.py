@@ -230,6 +230,59 @@ def bulk_index(client: Any, index: str, docs_iter: Iterable[Mapping[str, Any]], 
     return ok_count
 
 
+# --------------------------------------------------------------------------------------- manifest
+MANIFEST_KEY = "sonar_manifest"
+"""Key under the index mapping's ``_meta`` where ``sonar index`` records its build (``retrieval/indexer.py``):
+status (building | complete), expected and committed documents, the last committed corpus line, the
+corpus fingerprint and whether vectors are stored. ``_meta`` is not searched and not returned as a hit."""
+
+
+def read_manifest(client: Any, index: str) -> dict[str, Any] | None:
+    """The manifest of ``index`` (None: an index Sonar did not build, or built before manifests)."""
+    resp = client.indices.get_mapping(index=index)
+    body = resp.body if hasattr(resp, "body") else resp
+    mappings = (next(iter(body.values()), {}) or {}).get("mappings") or {}
+    meta = mappings.get("_meta") or {}
+    m = meta.get(MANIFEST_KEY)
+    return dict(m) if isinstance(m, Mapping) else None
+
+
+def write_manifest(client: Any, index: str, manifest: Mapping[str, Any]) -> None:
+    """Replace the manifest of ``index`` (``PUT <index>/_mapping`` with ``_meta``)."""
+    client.indices.put_mapping(index=index, meta={MANIFEST_KEY: dict(manifest)})
+
+
+class ServerDenseReranker:
+    """A Retriever: dense reranking inside Elasticsearch, for an index built with ``store_vectors``.
+
+    Per batch: one ``encoder.encode`` of the (normalised) queries and one ``_msearch`` whose searches
+    rescore their BM25 top ``n`` by ``cosineSimilarity`` to the query vector
+    (:meth:`ElasticRetriever.batch_search_vectors`): score = cosine + 1. No passage vector is held by
+    the client. ``normalise`` is ``corpus.normalise_query`` (passed in: this module imports no corpus code).
+    """
+
+    def __init__(self, elastic: "ElasticRetriever", encoder: Any, n: int = 20, normalise=None):
+        if n < 1:
+            raise ValueError(f"n={n} must be >= 1")
+        self.elastic = elastic
+        self.encoder = encoder
+        self.n = n
+        self._normalise = normalise or (lambda q: clean_query(q))
+        self.name = elastic.name
+
+    def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        texts = [self._normalise(q) for q in queries]
+        qv = self.encoder.encode(texts, batch_size=max(len(texts), 1))
+        return self.elastic.batch_search_vectors(queries, [list(map(float, v)) for v in qv], k,
+                                                 candidates=max(self.n, k))
+
+    def stats(self) -> dict[str, Any]:
+        return self.elastic.stats()
+
+    def params(self) -> dict[str, Any]:
+        return dict(self.elastic.params(), rerank=f"dense-server:{self.encoder.tag}@{self.n}")
+
+
 # --------------------------------------------------------------------------------------- search
 def clean_query(q: str) -> str:
     """Drop control characters and surrounding whitespace (multi_match parses no syntax)."""
@@ -254,7 +307,7 @@ class ElasticRetriever:
 
     def __init__(self, client: Any, index: str, k1: float = 1.2, b: float = 0.75, title_boost: float = 2.0,
                  *, store_vectors: bool = False, dims: int = 384, async_client: Any = None,
-                 hosts: Sequence[str] | None = None, auth: str = "none"):
+                 hosts: Sequence[str] | None = None, auth: str = "none", shards: int = 1, replicas: int = 0):
         if title_boost <= 0:
             raise ValueError(f"title_boost={title_boost} must be > 0")
         self.client = client
@@ -264,6 +317,8 @@ class ElasticRetriever:
         self.title_boost = float(title_boost)
         self.store_vectors = store_vectors
         self.dims = dims
+        self.shards = int(shards)
+        self.replicas = int(replicas)
         self._async = async_client
         if hosts is None:
             try:
@@ -292,14 +347,15 @@ class ElasticRetriever:
         from elasticsearch import AsyncElasticsearch, Elasticsearch
 
         env = os.environ if env is None else env
-        for i, h in enumerate(cfg.hosts):
+        cloud_id = getattr(cfg, "cloud_id", None)
+        for i, h in enumerate([] if cloud_id else cfg.hosts):
             if redact_url(h) != h:
                 raise ValueError(
                     f"elastic.hosts[{i}]={redact_url(h)!r} carries credentials in the URL; the config must not "
                     f"hold secrets: put them in the env vars named by api_key_env={cfg.api_key_env!r} or "
                     f"username_env={cfg.username_env!r}/password_env={cfg.password_env!r}")
         kwargs: dict[str, Any] = {
-            "hosts": list(cfg.hosts),
+            **({"cloud_id": cloud_id} if cloud_id else {"hosts": list(cfg.hosts)}),
             "request_timeout": float(cfg.request_timeout_s),
             "verify_certs": bool(cfg.verify_certs),
             "max_retries": int(max_retries),
@@ -325,8 +381,11 @@ class ElasticRetriever:
         def make_async() -> Any:  # closes over the secrets; never stored in a repr-able field
             return AsyncElasticsearch(**kwargs)
 
+        # A cloud id names the deployment, not a secret; shown as the host (the id's name part only).
+        hosts = [f"cloud:{cloud_id.split(':', 1)[0]}"] if cloud_id else list(cfg.hosts)
         return cls(client, cfg.index, cfg.bm25_k1, cfg.bm25_b, cfg.title_boost, store_vectors=cfg.store_vectors,
-                   async_client=make_async, hosts=list(cfg.hosts), auth=auth)
+                   async_client=make_async, hosts=hosts, auth=auth, shards=getattr(cfg, "shards", 1),
+                   replicas=getattr(cfg, "replicas", 0))
 
     def __repr__(self) -> str:
         return (f"ElasticRetriever(hosts={self.hosts}, index={self.index!r}, k1={self.k1}, b={self.b}, "
@@ -338,12 +397,12 @@ class ElasticRetriever:
         """What to log (MLflow params): no secret values, only the names of the env vars."""
         return {"backend": "elasticsearch", "hosts": list(self.hosts), "index": self.index, "bm25_k1": self.k1,
                 "bm25_b": self.b, "title_boost": self.title_boost, "store_vectors": self.store_vectors,
-                "auth": self.auth}
+                "shards": self.shards, "replicas": self.replicas, "auth": self.auth}
 
     def create_index(self, recreate: bool = False) -> dict[str, Any]:
         """:func:`create_index` with this retriever's index, k1, b and vector settings."""
         return create_index(self.client, self.index, self.k1, self.b, self.store_vectors, self.dims,
-                            recreate=recreate)
+                            shards=self.shards, replicas=self.replicas, recreate=recreate)
 
     def close(self) -> None:
         self.client.close()

@@ -12,8 +12,11 @@ Index location: ``cfg.index_dir`` when set, else ``<index_root>/<corpus fingerpr
 vectors of the dense reranker live in the same directory (also for the Elasticsearch backend).
 The tantivy title boost is ``cfg.elastic.title_boost`` so both backends weigh titles alike.
 
-Elasticsearch: a missing index is created and filled from the corpus (bulk, ``_id`` = doc id);
-an existing index is used as it is (its name is the user's, there is no fingerprint to check).
+Every index goes through ``indexer.ensure_index`` (the builder ``sonar index`` runs) with
+``resume=False``: a missing index is built, a complete one is used (the corpus file is then not
+needed), an interrupted one is refused (``PartialIndexError``: ``sonar index --resume`` finishes it).
+With ``elastic.store_vectors`` and ``rerank=dense`` the reranking runs inside Elasticsearch
+(``elastic.ServerDenseReranker``, below the resilience layer) and no client-side vectors are loaded.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from sonar.retrieval.base import Retriever
-from sonar.retrieval.corpus import CorpusReader, corpus_fingerprint
+from sonar.retrieval.corpus import corpus_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +59,31 @@ def build_retriever(cfg, corpus_path: str, index_root: str, *, progress: bool = 
     if cfg.rerank == "cross" and not cfg.rerank_model:
         raise ValueError("retrieval.rerank='cross' needs retrieval.rerank_model (a local sequence-classification "
                          "model directory); retrieval.rerank_model=None")
-    if not Path(corpus_path).is_file():
-        raise FileNotFoundError(f"corpus {corpus_path!r} does not exist (retrieval.corpus={cfg.corpus!r})")
-    idx_dir = index_dir_for(cfg, corpus_path, index_root)
+    from sonar.retrieval.indexer import ensure_index
+
+    server_dense = cfg.backend == "elasticsearch" and cfg.rerank == "dense" and cfg.elastic.store_vectors
+    encoder = None
+    if cfg.rerank == "dense":
+        from sonar.retrieval.rerank import DenseEncoder
+
+        encoder = DenseEncoder(cfg.rerank_model)
+    report = ensure_index(cfg, corpus_path, index_root, resume=False, progress=progress, encoder=encoder)
 
     if cfg.backend == "tantivy":
-        from sonar.retrieval.tantivy_index import TantivyRetriever, build_index
+        from sonar.retrieval.tantivy_index import TantivyRetriever
 
-        build_index(corpus_path, idx_dir, progress=progress)
-        r: Retriever = TantivyRetriever(idx_dir, title_boost=cfg.elastic.title_boost,
+        r: Retriever = TantivyRetriever(report.index_dir, title_boost=cfg.elastic.title_boost,
                                         max_query_chars=cfg.max_query_chars)
     else:
-        r = _elastic(cfg, corpus_path, progress)
+        from sonar.retrieval.elastic import ElasticRetriever
+
+        r = ElasticRetriever.from_config(cfg.elastic)
+        if server_dense:
+            from sonar.retrieval.corpus import normalise_query
+            from sonar.retrieval.elastic import ServerDenseReranker
+
+            r = ServerDenseReranker(r, encoder, n=cfg.rerank_candidates,
+                                    normalise=lambda q: normalise_query(q, None)[0])
         if resilient:
             from sonar.retrieval.resilient import ResilientRetriever
 
@@ -77,12 +93,12 @@ def build_retriever(cfg, corpus_path: str, index_root: str, *, progress: bool = 
         r = wrap_backend(r)
 
     rerank_tag = "none"
-    if cfg.rerank == "dense":
-        from sonar.retrieval.rerank import DenseEncoder, DenseReranker, build_passage_vectors
+    if server_dense:
+        rerank_tag = f"dense-server:{encoder.tag}@{cfg.rerank_candidates}"
+    elif cfg.rerank == "dense":
+        from sonar.retrieval.rerank import DenseReranker, PassageVectors
 
-        encoder = DenseEncoder(cfg.rerank_model)
-        vectors = build_passage_vectors(corpus_path, idx_dir, encoder, progress=progress)
-        r = DenseReranker(r, vectors, encoder, n=cfg.rerank_candidates)
+        r = DenseReranker(r, PassageVectors(report.vectors_dir), encoder, n=cfg.rerank_candidates)
         rerank_tag = f"dense:{encoder.tag}@{cfg.rerank_candidates}"
     elif cfg.rerank == "cross":
         from sonar.retrieval.rerank import CrossEncoderReranker
@@ -96,18 +112,3 @@ def build_retriever(cfg, corpus_path: str, index_root: str, *, progress: bool = 
         r = CachedRetriever(r, cfg.cache_size, rerank_tag, max_query_chars=cfg.max_query_chars)
     return r
 
-
-def _elastic(cfg, corpus_path: str, progress: bool) -> Retriever:
-    from sonar.retrieval.elastic import ElasticRetriever, bulk_index  # lazy: the client is heavy
-
-    r = ElasticRetriever.from_config(cfg.elastic)
-    try:
-        exists = bool(r.client.indices.exists(index=r.index))
-    except Exception as e:  # noqa: BLE001 - report which server and index failed
-        raise RuntimeError(f"cannot reach Elasticsearch {r.hosts} to check index {r.index!r}: {e}") from e
-    if not exists:
-        log.info("creating Elasticsearch index %s from %s", r.index, corpus_path)
-        r.create_index()
-        docs = ({"id": p.doc_id, "title": p.title, "text": p.text} for p in CorpusReader(corpus_path))
-        bulk_index(r.client, r.index, docs, progress=progress)
-    return r

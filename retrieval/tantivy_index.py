@@ -62,6 +62,18 @@ class IndexBuildError(RuntimeError):
     """An index directory that cannot be built or reused as it is; the message says why and what to do."""
 
 
+class PartialIndexError(IndexBuildError):
+    """An interrupted build found by a caller that must not resume it (training): the message names the
+    index, the documents it holds and the documents the corpus has; ``sonar index --resume`` finishes it."""
+
+    def __init__(self, where: str, count: int, expected: int | None, hint: str = ""):
+        self.where, self.count, self.expected = where, count, expected
+        exp = "an unknown number of" if expected is None else str(expected)
+        super().__init__(f"index {where} is incomplete: it holds {count} documents, the corpus has {exp} "
+                         f"(an interrupted build); finish it with `sonar index --config <C> --resume`"
+                         f"{hint}, or delete it")
+
+
 @dataclass(frozen=True)
 class IndexInfo:
     index_dir: str
@@ -144,12 +156,15 @@ def index_is_complete(index_dir: str | os.PathLike, corpus_path: str | os.PathLi
 
 def build_index(corpus_path: str | os.PathLike, index_dir: str | os.PathLike, batch_size: int = 50_000,
                 progress: bool = True, *, on_error: str = "raise", overwrite: bool = False,
-                heap_size: int = 256_000_000, num_threads: int = 1) -> IndexInfo:
+                heap_size: int = 256_000_000, num_threads: int = 1, resume: bool = True) -> IndexInfo:
     """Index ``corpus_path`` into ``index_dir`` (idempotent, resumable); see the module docstring.
 
     ``batch_size``: passages per commit (the resume granularity). ``on_error``: passed to
     :class:`CorpusReader` ("raise" or "skip"). ``num_threads``: tantivy indexing threads; 1 leaves
-    the second core of a 2-core machine to the Python side that parses the JSON.
+    the second core of a 2-core machine to the Python side that parses the JSON. ``resume=False``: an
+    interrupted build raises :class:`PartialIndexError` instead of being continued (the training side;
+    ``sonar index --resume`` continues it). ``progress``: a bar on stderr counting documents
+    (``retrieval/progress.py``).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
@@ -191,6 +206,8 @@ def build_index(corpus_path: str | os.PathLike, index_dir: str | os.PathLike, ba
                              marker.get("corpus_stats", {}))
 
         after_line = 0
+        if marker is not None and not resume:
+            raise PartialIndexError(str(index_dir), num_docs, marker.get("expected_docs"))
         if marker is not None:  # a partial build: resume after the last line really in the index
             if num_docs < marker.get("committed_docs", 0):
                 raise IndexBuildError(
@@ -205,23 +222,25 @@ def build_index(corpus_path: str | os.PathLike, index_dir: str | os.PathLike, ba
         elif num_docs:
             raise IndexBuildError(f"{tdir}: {num_docs} documents but no marker; delete it or pass overwrite=True")
 
+        expected = marker.get("expected_docs") if marker is not None else None
+        if expected is None:
+            from sonar.retrieval.corpus import count_records
+
+            expected = count_records(corpus_path)
         marker = {"schema_version": SCHEMA_VERSION, "fingerprint": fp, "corpus_path": str(corpus_path.resolve()),
                   "status": "building", "committed_line": after_line, "committed_docs": num_docs,
-                  "started": time.time()}
+                  "expected_docs": expected, "started": time.time()}
         _write_marker(index_dir, marker)
 
         reader = CorpusReader(corpus_path, on_error=on_error)
         writer = index.writer(heap_size=heap_size, num_threads=num_threads)
         bar = None
         if progress:
-            from tqdm import tqdm
+            from sonar.retrieval.progress import progress_bar
 
-            total = None if corpus_path.suffix == ".gz" else corpus_path.stat().st_size
-            bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"indexing {corpus_path.name}",
-                       initial=0, mininterval=1.0)
-        pending, last_line, docs = 0, after_line, num_docs
+            bar = progress_bar(expected, f"indexing {corpus_path.name}", "doc", initial=num_docs)
+        pending, last_line, docs, added = 0, after_line, num_docs, 0
         Document = tantivy.Document
-        size_seen = 0
         try:
             for line_no, p in reader.records(after_line=after_line):
                 doc = Document()
@@ -231,11 +250,10 @@ def build_index(corpus_path: str | os.PathLike, index_dir: str | os.PathLike, ba
                 doc.add_unsigned("line", line_no)
                 writer.add_document(doc)
                 pending += 1
+                added += 1
                 last_line = line_no
-                if bar is not None and pending % 2048 == 0:
-                    size = _approx_pos(reader)
-                    bar.update(size - size_seen)
-                    size_seen = size
+                if bar is not None and added % 256 == 0:
+                    bar.update(256)
                 if pending >= batch_size:
                     writer.commit()
                     docs += pending
@@ -251,7 +269,7 @@ def build_index(corpus_path: str | os.PathLike, index_dir: str | os.PathLike, ba
                 bar.close()
             raise
         if bar is not None:
-            bar.update(max(0, (bar.total or size_seen) - size_seen))
+            bar.update(added % 256)
             bar.close()
         index.reload()
         num_docs = index.searcher().num_docs
@@ -263,10 +281,6 @@ def build_index(corpus_path: str | os.PathLike, index_dir: str | os.PathLike, ba
         _write_marker(index_dir, marker)
         log.info("indexed %d documents into %s in %.1f s", docs, index_dir, secs)
         return IndexInfo(str(index_dir), fp, docs, False, after_line, secs, reader.stats.as_dict())
-
-
-def _approx_pos(reader: CorpusReader) -> int:
-    return getattr(reader, "bytes_read", 0)
 
 
 # ----------------------------------------------------------------------------------------- search

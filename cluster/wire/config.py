@@ -136,7 +136,18 @@ class ElasticConfig:
     """Weight of a title match relative to a text match (> 0). Read by both backends: the
     Elasticsearch ``multi_match`` and the tantivy query (``retrieval/factory.py``)."""
     store_vectors: bool = False
-    """Index MiniLM passage vectors as dense_vector so reranking can run server-side."""
+    """With ``retrieval.rerank=dense``: ``sonar index`` stores the MiniLM passage vectors in the index as a
+    ``dense_vector`` field and the search path reranks server-side (a ``script_score`` rescore of the BM25
+    top ``rerank_candidates``); no client-side vectors of the whole corpus are computed or loaded."""
+    shards: int = 1
+    """``number_of_shards`` of an index Sonar creates (>= 1); an existing index keeps its own."""
+    replicas: int = 0
+    """``number_of_replicas`` of an index Sonar creates (>= 0); 0 suits a one-node cluster."""
+    cloud_id: Optional[str] = None
+    """Elastic Cloud deployment id; when set it replaces ``hosts`` (authenticate with the API key or the
+    user/password env vars above; their values are never logged)."""
+    bulk_batch_size: int = 500
+    """Documents per bulk request of ``sonar index`` (>= 1); the resume point is recorded after each."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +191,11 @@ class RetrievalConfig:
     replicas: int = 1
     """RetrievalServer Ray actors shared by all rollout workers (>= 1); each worker's client sends a call
     to the least-loaded healthy replica. The driver starts them (``cluster/driver/roles.py``)."""
+    num_cpus_per_replica: float = 1.0
+    """Ray CPUs each retrieval replica asks for (>= 0): what its batching thread, the BM25 index (or the
+    Elasticsearch client) and a CPU reranker use. Counted by the local cluster's CPU total and by the
+    autoscaler, which adds a CPU node for replicas that do not fit (``cluster/clusters/``); 0 places
+    them anywhere without taking a CPU slot."""
     batch_window_ms: float = 2.0
     """Service micro-batching: how long a replica collects requests after the oldest one arrived before
     it calls the backend, in ms (>= 0; 0: send what is queued at once)."""
@@ -751,10 +767,12 @@ RANGES: dict[str, str] = {
     "retrieval.k": ">= 1", "retrieval.rerank_candidates": ">= 1", "retrieval.cache_size": ">= 0",
     "retrieval.max_query_chars": ">= 1", "retrieval.timeout_s": "> 0", "retrieval.max_retries": ">= 0",
     "retrieval.backoff_s": ">= 0", "retrieval.breaker_failures": ">= 1", "retrieval.breaker_reset_s": ">= 0",
-    "retrieval.replicas": ">= 1", "retrieval.batch_window_ms": ">= 0", "retrieval.max_batch": ">= 1",
+    "retrieval.replicas": ">= 1", "retrieval.num_cpus_per_replica": ">= 0", "retrieval.batch_window_ms": ">= 0", "retrieval.max_batch": ">= 1",
     "retrieval.max_concurrency": ">= 1",
     "retrieval.elastic.request_timeout_s": "> 0", "retrieval.elastic.bm25_k1": ">= 0",
     "retrieval.elastic.bm25_b": "[0, 1]", "retrieval.elastic.title_boost": "> 0",
+    "retrieval.elastic.shards": ">= 1", "retrieval.elastic.replicas": ">= 0",
+    "retrieval.elastic.bulk_batch_size": ">= 1",
     "rollout.num_workers": ">= 1", "rollout.group_size": ">= 1", "rollout.groups_per_request": ">= 1",
     "rollout.batches_in_flight": ">= 1", "rollout.temperature": ">= 0", "rollout.top_p": "(0, 1]",
     "rollout.max_batch_rows": ">= 1", "rollout.num_cpus_per_worker": ">= 0", "rollout.num_gpus_per_worker": ">= 0",
@@ -922,8 +940,20 @@ def _check_retrieval(cfg: Config) -> None:
     if r.replicas < 1:
         raise ValueError(f"retrieval.replicas={r.replicas} must be >= 1: the retrieval service's Ray actors serve "
                          "every rollout worker (there is no in-process mode)")
+    if not r.num_cpus_per_replica >= 0:
+        raise ValueError(f"retrieval.num_cpus_per_replica={r.num_cpus_per_replica} must be >= 0")
     if not r.timeout_s > 0:
         raise ValueError(f"retrieval.timeout_s={r.timeout_s} must be > 0")
+    e = r.elastic
+    if e.shards < 1 or e.replicas < 0 or e.bulk_batch_size < 1:
+        raise ValueError(f"retrieval.elastic.shards={e.shards} must be >= 1, retrieval.elastic.replicas={e.replicas} "
+                         f">= 0 and retrieval.elastic.bulk_batch_size={e.bulk_batch_size} >= 1")
+    if e.cloud_id is not None and (not e.cloud_id.strip() or ":" not in e.cloud_id):
+        raise ValueError(f"retrieval.elastic.cloud_id={e.cloud_id!r} is not an Elastic Cloud id "
+                         "('<deployment name>:<base64 data>'; None: use retrieval.elastic.hosts)")
+    if e.store_vectors and r.rerank != "dense":
+        raise ValueError(f"retrieval.elastic.store_vectors=True needs retrieval.rerank='dense' (the vectors are "
+                         f"the dense reranker's), got retrieval.rerank={r.rerank!r}")
 
 
 def _check_rollout(cfg: Config) -> None:

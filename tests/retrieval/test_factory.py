@@ -74,7 +74,10 @@ def test_elasticsearch_is_imported_lazily_and_indexed_when_missing(tmp_path, cor
     class FakeIndices:
         def exists(self, index):
             seen["exists"] = index
-            return False
+            return "created" in seen
+
+        def refresh(self, index):
+            seen["refreshed"] = index
 
     class FakeES:
         name = "elasticsearch:fake/sonar"
@@ -82,7 +85,9 @@ def test_elasticsearch_is_imported_lazily_and_indexed_when_missing(tmp_path, cor
         def __init__(self, cfg):
             self.index = cfg.index
             self.hosts = cfg.hosts
-            self.client = types.SimpleNamespace(indices=FakeIndices())
+            self.client = types.SimpleNamespace(indices=FakeIndices(),
+                                                count=lambda index: {"count": len(seen.get("bulk", []))})
+            self.shards, self.replicas = 1, 0
 
         @classmethod
         def from_config(cls, c):
@@ -95,17 +100,26 @@ def test_elasticsearch_is_imported_lazily_and_indexed_when_missing(tmp_path, cor
         def batch_search(self, queries, k):
             return [[] for _ in queries]
 
-    def bulk_index(client, index, docs, progress=True):
-        seen["bulk"] = [d["id"] for d in docs]
-        return len(seen["bulk"])
+        def close(self):
+            pass
+
+    def bulk_index(client, index, docs, progress=True, **kw):
+        seen.setdefault("bulk", []).extend(d["id"] for d in docs)
+        return len(docs)
+
+    def write_manifest(client, index, manifest):
+        seen["manifest"] = dict(manifest)
 
     fake = types.ModuleType("sonar.retrieval.elastic")
     fake.ElasticRetriever, fake.bulk_index = FakeES, bulk_index
+    fake.read_manifest = lambda client, index: seen.get("manifest")
+    fake.write_manifest = write_manifest
     monkeypatch.setitem(sys.modules, "sonar.retrieval.elastic", fake)
     ec = ElasticConfig(hosts=["http://127.0.0.1:1"], index="sonar-x")
     r = build_retriever(cfg(backend="elasticsearch", elastic=ec), corpus, str(tmp_path))
     assert seen["cfg"] is ec and seen["exists"] == "sonar-x" and seen["created"]
     assert seen["bulk"] == [d["id"] for d in DOCS]
+    assert seen["manifest"]["status"] == "complete" and seen["manifest"]["committed_docs"] == len(DOCS)
     assert isinstance(r, Retriever) and type(r.inner).__name__ == "ResilientRetriever"
     assert r.batch_search(["x"], 1) == [[]]
 
