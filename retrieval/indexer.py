@@ -149,13 +149,17 @@ def _tantivy(cfg, corpus_path: str, index_root: str, resume: bool, progress: boo
                  m["committed_docs"])
         return IndexReport("tantivy", str(found), int(m["committed_docs"]), m.get("expected_docs"), True, False, 0.0,
                            index_dir=str(found))
-    idx_dir = _index_dir_for(cfg, corpus_path, index_root)
-    info = build_index(corpus_path, idx_dir, progress=progress, resume=resume)
     import json
 
+    idx_dir = _index_dir_for(cfg, corpus_path, index_root)
+    try:
+        was_partial = json.loads((idx_dir / MARKER).read_text()).get("status") == "building"
+    except (OSError, ValueError):
+        was_partial = False
+    info = build_index(corpus_path, idx_dir, progress=progress, resume=resume)
     m = json.loads((idx_dir / MARKER).read_text())
     return IndexReport("tantivy", str(idx_dir), info.num_docs, m.get("expected_docs"), info.reused,
-                       info.resumed_after_line > 0, info.seconds, index_dir=str(idx_dir))
+                       was_partial and not info.reused, info.seconds, index_dir=str(idx_dir))
 
 
 # ------------------------------------------------------------------------------------ elasticsearch
@@ -185,6 +189,7 @@ def elastic_load(r, cfg, corpus_path: str, *, resume: bool, progress: bool, enco
     after_line, manifest = 0, None
     if exists:
         manifest = read_manifest(client, index)
+        client.indices.refresh(index=index)  # an interrupted load did not refresh: count what it committed
         count = int(client.count(index=index)["count"])
         if manifest is not None and manifest.get("status") == "complete":
             if count < int(manifest.get("committed_docs", 0)):

@@ -3,6 +3,7 @@
     sonar train [--config C ...] [key=value ...]        # default: the tiny preset; C: a file or a preset name
     sonar config show|validate [--config C ...] [key=value ...]
     sonar config list                                  # the shipped presets
+    sonar index [--config C ...] [--resume] [key=value ...]   # build the retrieval index (no Ray)
     sonar --version
     sonar eval --config C --checkpoint DIR --data FILE [--data FILE2 ...] [--format F] [key=value ...]
     sonar score PREDICTIONS.jsonl [...] [--pred-field F --gold-field G]
@@ -118,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         v.add_argument("--config", action="append", help=CONFIG_HELP)
         v.add_argument("overrides", nargs="*", help="key=value overrides")
     c_sub.add_parser("list", help="the shipped presets (`--config NAME`) with their first comment line")
+    ix = sub.add_parser("index", help="build the retrieval index (tantivy or Elasticsearch) of a config, no Ray")
+    ix.add_argument("--config", action="append", help=CONFIG_HELP)
+    ix.add_argument("--resume", action="store_true",
+                    help="finish an interrupted build from its last committed batch (refused without it)")
+    ix.add_argument("overrides", nargs="*", help="key=value overrides")
     sub.add_parser("score", help="score predictions JSONL files")
     sub.add_parser("bench", help="run a benchmark from bench/")
     sub.add_parser("chaos", help="train while killing workers, the search service and the learner; account for every prompt")
@@ -125,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "config":
         return config_command(args)
     cfg = _load(args)
+    if args.cmd == "index":
+        from sonar.cluster.driver.indexing import main as index_main
+
+        return index_main(cfg, args.resume)
     if args.cmd == "train":
         from sonar.cluster.driver.loop import train
         from sonar.cluster.driver.run import ResumeError
