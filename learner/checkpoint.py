@@ -136,6 +136,11 @@ def validate_checkpoint(path: str | Path) -> Path:
     return path
 
 
+def read_state(path: str | Path) -> dict:
+    """The Sonar state (``state.json``) of a complete checkpoint."""
+    return json.loads((validate_checkpoint(path) / "state.json").read_text())
+
+
 def load_checkpoint(engine, path: str | Path) -> dict:
     path = validate_checkpoint(path)
     state = json.loads((path / "state.json").read_text())

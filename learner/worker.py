@@ -431,8 +431,16 @@ class Learner:
 
     @on_all_ranks
     def load_checkpoint(self, path: str) -> dict:
-        from sonar.learner.checkpoint import load_checkpoint
+        from sonar.learner.checkpoint import load_checkpoint, read_state
 
+        saved_ranks = int(read_state(path).get("num_ranks", self.world_size))
+        if saved_ranks != self.world_size and self.cfg.learner.zero_stage > 0:
+            from sonar.learner.checkpoint import CheckpointError
+
+            raise CheckpointError(
+                f"checkpoint {path!r} was written by {saved_ranks} learner ranks with ZeRO partitions and "
+                f"learner.num_ranks={self.world_size}: DeepSpeed cannot repartition ZeRO 1-3 state; resume with "
+                f"learner.num_ranks={saved_ranks} (a ZeRO-0 checkpoint resumes on any number of ranks)")
         state = load_checkpoint(self.engine, path)
         self._resume_from = path  # begin_stage(start_step > 0) reads the KL reference from here
         self.version = state["version"]
