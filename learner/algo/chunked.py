@@ -10,12 +10,13 @@ states (views of the tensor the trunk keeps anyway) and the targets, and the bac
 one chunk's logits at a time. So at most ``chunk_tokens x V`` logits (plus the per-chunk softmax
 temporaries) exist at once, in the forward and in the backward.
 
-Results equal the unchunked path's (same float32 formulas, ``losses.scaled_logprobs`` /
-``losses.scaled_entropy``), up to the reduction order of the projection's matmul (tests pin 1e-6 in fp32,
+Results equal the unchunked path's (the same float32 formulas: ``losses.token_logprobs`` and
+``losses.entropy_from_logits`` call ``scaled_logprobs`` / ``scaled_entropy`` defined here), up to the reduction order of the projection's matmul (tests pin 1e-6 in fp32,
 gradients of every parameter included). ``head`` is the model's output-embedding *module* (called, not
 its weight read), so ZeRO-3's parameter-fetch hooks gather it for every chunk and its recomputation.
 
-Pure: torch only (no Ray, no DeepSpeed).
+Pure: torch only, no other Sonar module (no Ray, no DeepSpeed), so ``bench/gpu_check.py`` loads this
+file by path on a machine with nothing but torch.
 """
 from __future__ import annotations
 
@@ -25,7 +26,19 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from sonar.learner.algo.losses import scaled_entropy, scaled_logprobs
+
+
+def scaled_logprobs(z: Tensor, target: Tensor) -> Tensor:
+    """Scaled float32 logits [..., V], target ids [...] -> logprob of the target: gather - logsumexp [...]."""
+    return z.gather(-1, target.long().unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
+def scaled_entropy(z: Tensor) -> Tensor:
+    """Scaled float32 logits [..., V] -> entropy [...]; -inf logits (banned tokens) contribute 0."""
+    logp = torch.log_softmax(z, dim=-1)
+    p = logp.exp()
+    # mask -inf before the product: 0 * -inf would be NaN in the forward and in the backward
+    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(dim=-1)
 
 
 def _chunk(head: Callable[[Tensor], Tensor], h: Tensor, target: Tensor, temperature: float,

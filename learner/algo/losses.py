@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from sonar.cluster.wire.config import AlgoConfig, algo_loss_agg
+from sonar.learner.algo.chunked import scaled_entropy, scaled_logprobs  # the per-token formulas, shared
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_sum_norm")
 OFF_POLICY = ("none", "tis", "decoupled", "vtrace")
@@ -448,12 +449,6 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
     return scaled_logprobs(z, input_ids[:, 1:])
 
 
-def scaled_logprobs(z: Tensor, target: Tensor) -> Tensor:
-    """Scaled float32 logits [..., V], target ids [...] -> gather - logsumexp [...] (also per chunk:
-    ``algo.chunked``)."""
-    return z.gather(-1, target.long().unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
-
-
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
     """Entropy of the next-token distribution: logits [B, T, V] -> [B, T-1] (aligned like logprobs).
 
@@ -466,10 +461,3 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
         z = z / temperature
     return scaled_entropy(z)
 
-
-def scaled_entropy(z: Tensor) -> Tensor:
-    """Scaled float32 logits [..., V] -> entropy [...] (also per chunk: ``algo.chunked``)."""
-    logp = torch.log_softmax(z, dim=-1)
-    p = logp.exp()
-    # mask -inf before the product: 0 * -inf would be NaN in the forward and in the backward
-    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(dim=-1)
