@@ -36,6 +36,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from sonar.cluster.driver.demands import role_demands
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, pool_bounds
 
@@ -98,19 +99,10 @@ class PoolController:
 
 
 def wanted_bundles(cfg: Config, workers: int) -> list[dict]:
-    """The resource bundles of the roles with ``workers`` rollout workers: the learner's, one per worker,
-    one per retrieval replica (what ``request_resources`` is asked for; zero amounts left out)."""
-    extra = cfg.cluster.role_resources
-
-    def bundle(cpu: float, gpu: float, more: dict) -> dict:
-        b = {"CPU": cpu, "GPU": gpu, **more}
-        return {k: float(v) for k, v in b.items() if v > 0}
-
-    out = [bundle(cfg.learner.num_cpus, cfg.learner.num_gpus, extra.get("learner", {}))]
-    out += [bundle(cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker, extra.get("rollout", {}))
-            for _ in range(workers)]
-    out += [bundle(0.0, 0.0, extra.get("retrieval", {})) for _ in range(cfg.retrieval.replicas)]
-    return [b for b in out if b]
+    """The resource bundles of the roles with ``workers`` rollout workers: one per learner rank, one per
+    worker, one per retrieval replica (what ``request_resources`` is asked for; zero amounts left out).
+    The amounts are the ones the roles are started with (``demands.role_demands``)."""
+    return role_demands(cfg, workers).flat()
 
 
 @dataclass

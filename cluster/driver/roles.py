@@ -88,7 +88,8 @@ def init_ray(cfg: Config) -> bool:
             # Logical CPUs: enough for every role's request, so a local run never waits for resources
             # (the processes share the physical cores; each uses one thread).
             needed = (cfg.learner.num_cpus * cfg.learner.num_ranks
-                      + cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker)
+                      + cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker
+                      + cfg.retrieval.replicas * cfg.retrieval.num_cpus_per_replica)
             ray.init(address="local", num_cpus=cfg.cluster.num_cpus or int(max(4, os.cpu_count() or 1, needed + 0.999)),
                      include_dashboard=False, _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=True)
     return True
@@ -207,7 +208,8 @@ def start_retrieval(cfg: Config, run: Run, corpus: str, wrap_backend: Callable |
     # so the workers' clients keep working once it answers again.
     client = start_retrieval_service(
         rcfg, lambda: build_retriever(rcfg, corpus, index_root, wrap_backend=wrap_backend),
-        max_restarts=cfg.cluster.max_replica_restarts, actor_options={"resources": role_resources(cfg, "retrieval")})
+        num_cpus=rcfg.num_cpus_per_replica, max_restarts=cfg.cluster.max_replica_restarts,
+        actor_options={"resources": role_resources(cfg, "retrieval")})
     return list(client.handles)
 
 

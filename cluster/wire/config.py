@@ -51,7 +51,9 @@ class ModelConfig:
     """The policy. ``path`` set: a local Hugging Face directory; unset: a tiny random model."""
 
     path: Optional[str] = None
-    """Local HF model directory (weights + tokenizer). None builds the tiny model below."""
+    """Local HF model directory (weights + tokenizer), or a Hub id ``org/name`` that is not a local path
+    (fetched by ``actors/model.py:resolve_model_path``; only from the cache when HF_HUB_OFFLINE is set).
+    None builds the tiny model below."""
     hidden_size: int = 128
     """Tiny model only (ignored when ``path`` is set): hidden width, divisible by ``num_heads``.
     Read by ``actors/model.py:build_policy``, as are the fields below."""

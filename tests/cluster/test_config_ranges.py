@@ -49,7 +49,7 @@ BAD: dict[str, list] = {
     "retrieval.backoff_s": ["-0.1", "nan"],
     "retrieval.breaker_failures": ["0"],
     "retrieval.breaker_reset_s": ["-1", "inf"],
-    "retrieval.replicas": ["0"],
+    "retrieval.replicas": ["0"], "retrieval.num_cpus_per_replica": ["-1"],
     "retrieval.batch_window_ms": ["-1", "nan"],
     "retrieval.max_batch": ["0"],
     "retrieval.max_concurrency": ["0"],

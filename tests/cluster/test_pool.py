@@ -100,7 +100,9 @@ def test_the_autoscaler_is_asked_for_every_roles_bundle():
                            "rollout.num_gpus_per_worker=1", "retrieval.replicas=2",
                            "cluster.role_resources.retrieval.cpu_node=1", "cluster.role_resources.learner.big=1"])
     assert wanted_bundles(cfg, 3) == [{"CPU": 2.0, "GPU": 1.0, "big": 1.0}] + [{"CPU": 1.0, "GPU": 1.0}] * 3 + \
-        [{"cpu_node": 1.0}] * 2
+        [{"CPU": 1.0, "cpu_node": 1.0}] * 2
+    two_ranks = load_config([], ["learner.num_cpus=2", "learner.num_ranks=2", "retrieval.num_cpus_per_replica=0"])
+    assert wanted_bundles(two_ranks, 1) == [{"CPU": 2.0}] * 2 + [{"CPU": 1.0}]  # a bundle per rank; 0-CPU replica left out
 
 
 class FakeClock:
