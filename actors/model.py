@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -70,6 +71,44 @@ def add_tags_to_policy(model, tokenizer) -> list[str]:
     return added
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def _offline(env) -> bool:
+    return str(env.get("HF_HUB_OFFLINE", "")).strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_model_path(value: str, *, env=None, download=None) -> Path:
+    """``model.path`` -> a local Hugging Face model directory.
+
+    A local folder with ``config.json`` is used as it is. A value that is not a local path and looks like
+    a Hub id (``org/name``) is fetched with ``huggingface_hub.snapshot_download`` (``download``: injected
+    in tests): from the local cache only when ``HF_HUB_OFFLINE`` is set (the ``sonar`` CLI sets it unless
+    the environment says otherwise), and an id not in the cache then raises ``ValueError`` naming the
+    field and the id. Anything else raises ``ValueError`` naming the field."""
+    env = os.environ if env is None else env
+    path = Path(os.path.expanduser(value))
+    if (path / "config.json").is_file():
+        return path
+    if path.exists() or not _HUB_ID.match(value):
+        raise ValueError(f"model.path={value!r} is not a Hugging Face model directory (no config.json)")
+    if download is None:
+        from huggingface_hub import snapshot_download as download
+    offline = _offline(env)
+    try:
+        local = download(repo_id=value, local_files_only=offline)
+    except Exception as e:  # noqa: BLE001 - not cached / not found / no network: name the field and the id
+        if offline:
+            raise ValueError(f"model.path={value!r} is a Hugging Face Hub id, but HF_HUB_OFFLINE=1 and it is not in "
+                             f"the local cache: set HF_HUB_OFFLINE=0 where a hub is reachable, or point model.path "
+                             f"at a local model directory") from None
+        raise ValueError(f"model.path={value!r}: cannot download it from the Hugging Face Hub "
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    if not (Path(local) / "config.json").is_file():
+        raise ValueError(f"model.path={value!r}: the Hub snapshot {local} has no config.json")
+    return Path(local)
+
+
 def materialise_policy(cfg, world, out_dir: str | Path, extra_vocab: Sequence[str] = ()) -> str:
     """The directory every role loads the run's initial policy from (``cluster.wire.policy.load_policy``).
 
@@ -86,9 +125,7 @@ def materialise_policy(cfg, world, out_dir: str | Path, extra_vocab: Sequence[st
         from sonar.actors.tokenizer import missing_tags
         from sonar.cluster.wire.policy import load_tokenizer
 
-        path = Path(os.path.expanduser(cfg.path))
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model.path={cfg.path!r} is not a Hugging Face model directory (no config.json)")
+        path = resolve_model_path(cfg.path)
         if not missing_tags(load_tokenizer(path)):
             return str(path)
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -108,7 +145,7 @@ def policy_and_tokenizer(cfg, world):
     """``cfg.path`` set: load that directory (tags added in memory if it lacks them); else the world's
     word tokenizer + a random tiny Llama."""
     if cfg.path:
-        model, tokenizer = load_policy(os.path.expanduser(cfg.path))
+        model, tokenizer = load_policy(str(resolve_model_path(cfg.path)))
         add_tags_to_policy(model, tokenizer)
         return model, tokenizer
     from sonar.actors.tokenizer import build_tokenizer

@@ -347,7 +347,7 @@ class ElasticRetriever:
         from elasticsearch import AsyncElasticsearch, Elasticsearch
 
         env = os.environ if env is None else env
-        cloud_id = getattr(cfg, "cloud_id", None)
+        cloud_id = cfg.cloud_id
         for i, h in enumerate([] if cloud_id else cfg.hosts):
             if redact_url(h) != h:
                 raise ValueError(
@@ -384,8 +384,8 @@ class ElasticRetriever:
         # A cloud id names the deployment, not a secret; shown as the host (the id's name part only).
         hosts = [f"cloud:{cloud_id.split(':', 1)[0]}"] if cloud_id else list(cfg.hosts)
         return cls(client, cfg.index, cfg.bm25_k1, cfg.bm25_b, cfg.title_boost, store_vectors=cfg.store_vectors,
-                   async_client=make_async, hosts=hosts, auth=auth, shards=getattr(cfg, "shards", 1),
-                   replicas=getattr(cfg, "replicas", 0))
+                   async_client=make_async, hosts=hosts, auth=auth, shards=cfg.shards,
+                   replicas=cfg.replicas)
 
     def __repr__(self) -> str:
         return (f"ElasticRetriever(hosts={self.hosts}, index={self.index!r}, k1={self.k1}, b={self.b}, "

@@ -222,3 +222,4 @@ def test_store_vectors_server_side_matches_client_side_rerank(tmp_path, corpus, 
     for hs_a, hs_b in zip(a, b):  # server score = cosine + 1; client score = cosine (float16 vectors)
         for x, y in zip(hs_a, hs_b):
             assert x.score - 1.0 == pytest.approx(y.score, abs=2e-3)
+
