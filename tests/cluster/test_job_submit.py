@@ -1,0 +1,195 @@
+"""`ray job submit` end to end against a Ray head this test starts on 127.0.0.1 (and stops: only the
+processes it started, never `ray stop`).
+
+1. A short smoke run submitted with ``--working-dir`` (a config file from the uploaded folder) and
+   ``--runtime-env-json`` env vars that Sonar also sets: it runs on that cluster, SUCCEEDED, and its
+   MLflow run and checkpoints are under ``$SONAR_RUN_ROOT``, nothing under Ray's package folder.
+2. A long run, stopped with ``ray job stop`` once it has a checkpoint: MLflow KILLED, no actor left.
+3. A fresh submission with ``run.resume=latest`` resumes the stopped run's checkpoint and finishes.
+"""
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.waiting import wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+BIN = Path(sys.executable).parent
+_SUBMISSIONS = itertools.count()
+# Small everywhere: one worker, a short SFT, one step per RL stage, a 4-question eval and no "before" eval.
+SHORT = ["rollout.num_workers=1", "world.num_heldout_eval=4", "eval.before=false", "eval.no_search=false",
+         "stages.0.steps=4", "stages.1.steps=1", "stages.2.steps=1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MLFLOW_", "RAY_ADDRESS", "SONAR_RUN_ROOT", "RAY_JOB"))}
+    env.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1",
+                "RAY_USAGE_STATS_ENABLED": "0", "PATH": f"{BIN}:{env.get('PATH', '')}", **extra})
+    return env
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    """A Ray head on 127.0.0.1 under its own temp dir; yields (dashboard URL, temp dir). Teardown ends
+    the `ray start --block` process (it stops what it started), then any process still naming this
+    head's temp dir, by pid."""
+    temp = tempfile.mkdtemp(prefix="sj", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    port, dash = _free_port(), _free_port()
+    # the graceful-stop window `ray job stop` gives the driver (3 s by default) sized for a loaded CI box
+    env = _env(RAY_JOB_STOP_WAIT_TIME_S="60")
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+         "--num-cpus=4", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
+         f"--temp-dir={temp}", "--disable-usage-stats"],
+        env=env, stdout=open(tmp_path / "ray-head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{dash}"
+    try:
+        from ray.job_submission import JobSubmissionClient
+
+        def client():
+            try:
+                return JobSubmissionClient(url)
+            except Exception:
+                return None
+        wait_until(lambda: head.poll() is not None or client(), 180, "the Ray head's job server answering",
+                   poll_s=0.5)
+        assert head.poll() is None, "ray start --head exited"
+        yield url, temp
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+        ours = []
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            if any(temp in a for a in (p.info["cmdline"] or [])):
+                ours.append(p)
+        for p in ours:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(ours, timeout=30)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _submit(url: str, wd: Path, root: Path, args: list[str], wait: bool = True) -> str:
+    sid = f"sonar-{next(_SUBMISSIONS)}-{os.getpid()}"
+    runtime_env = {"env_vars": {"SONAR_RUN_ROOT": str(root), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}}
+    cmd = [str(BIN / "ray"), "job", "submit", "--address", url, "--submission-id", sid, "--working-dir", str(wd),
+           "--runtime-env-json", json.dumps(runtime_env), *([] if wait else ["--no-wait"]), "--",
+           sys.executable, "-m", "sonar", "train", "--config", "smoke", "--config", "job.yaml", *SHORT, *args]
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900)
+    head_log = root.parent.parent / "ray-head.log"
+    assert p.returncode == 0, (f"{' '.join(args)}: exit {p.returncode}\n{p.stdout[-6000:]}\n{p.stderr[-3000:]}\n"
+                               f"ray head: {head_log.read_text()[-3000:] if head_log.exists() else ''}")
+    return sid
+
+
+def _run_of(logs: str) -> tuple[Path, str]:
+    """(run directory, MLflow run id) the driver logged."""
+    found = re.findall(r"run directory (\S+) \(MLflow run (\w+)\)", logs)
+    assert found, f"no 'run directory' line in the job's log:\n{logs[-4000:]}"
+    return Path(found[-1][0]), found[-1][1]
+
+
+def _mlflow_status(root: Path, run_id: str) -> str | None:
+    """The MLflow status of ``run_id``, from whichever sqlite store under ``root`` holds it (a resume
+    may continue the run it resumes)."""
+    from mlflow.tracking import MlflowClient
+
+    for db in root.rglob("mlflow.db"):
+        try:
+            return MlflowClient(tracking_uri=f"sqlite:///{db}").get_run(run_id).info.status
+        except Exception:
+            continue
+    return None
+
+
+def _alive_actors(url: str, job_id: str) -> list:
+    from ray.util.state import list_actors
+
+    return [a.class_name for a in list_actors(address=url, filters=[("state", "=", "ALIVE")], limit=1000)
+            if a.job_id == job_id]
+
+
+def test_submit_stop_and_resume_through_ray_jobs(ray_head, tmp_path):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+    from ray.util.state import list_actors
+
+    from sonar.learner.checkpoint import CheckpointError, resolve_checkpoint
+
+    url, temp = ray_head
+    jobs = JobSubmissionClient(url)
+    wd = tmp_path / "wd"  # the user's project folder: uploaded, run from Ray's package folder
+    wd.mkdir()
+    (wd / "job.yaml").write_text("run:\n  name: job\n")
+    root = tmp_path / "persist" / "runs"
+
+    # 1. a short run: SUCCEEDED, on this cluster, its files under SONAR_RUN_ROOT
+    first = _submit(url, wd, root, [])
+    assert jobs.get_job_status(first) == JobStatus.SUCCEEDED
+    logs = jobs.get_job_logs(first)
+    assert "temporary package folder" in logs and str(root) in logs
+    job_id = jobs.get_job_info(first).job_id  # the driver's Ray job: its actors ran on this head
+    ran_here = {a.class_name for a in list_actors(address=url, limit=1000) if a.job_id == job_id}
+    assert any("Learner" in n for n in ran_here) and any("Worker" in n for n in ran_here), ran_here
+    run1, id1 = _run_of(logs)
+    assert run1.parent == root and run1.name.startswith("job-")
+    assert resolve_checkpoint(str(run1), str(root))  # a complete checkpoint where configured
+    assert _mlflow_status(root, id1) == "FINISHED"
+    pkg = Path(temp)
+    assert not [p for p in pkg.rglob("working_dir_files/*/*") if p.name in ("runs", "mlflow.db", "index")]
+
+    # 2. a long run, stopped once it has a checkpoint: KILLED, no actor left
+    long_ = _submit(url, wd, root, ["run.name=long", "run.checkpoint_every=2", "stages.0.steps=100000"], wait=False)
+
+    def checkpoint():
+        for d in root.glob("long-*"):
+            try:
+                return resolve_checkpoint(str(d), str(root))
+            except (CheckpointError, OSError):
+                return None
+        if jobs.get_job_status(long_).is_terminal():
+            raise AssertionError(f"the long run ended: {jobs.get_job_logs(long_)[-4000:]}")
+        return None
+    ckpt = wait_until(checkpoint, 600, "the long run's first checkpoint", poll_s=0.5)
+    stop = subprocess.run([str(BIN / "ray"), "job", "stop", "--address", url, long_], env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert jobs.get_job_status(long_) == JobStatus.STOPPED
+    run2, id2 = _run_of(jobs.get_job_logs(long_))
+    assert _mlflow_status(root, id2) == "KILLED", jobs.get_job_logs(long_)[-4000:]
+    long_job_id = jobs.get_job_info(long_).job_id
+    wait_until(lambda: not _alive_actors(url, long_job_id), 60,
+               lambda: f"the stopped job's actors to end: {_alive_actors(url, long_job_id)}", poll_s=0.5)
+
+    # 3. a fresh submission resumes it
+    third = _submit(url, wd, root, ["run.name=resumed", "run.resume=latest"])
+    assert jobs.get_job_status(third) == JobStatus.SUCCEEDED
+    resumed_logs = jobs.get_job_logs(third)
+    # the stopped run's checkpoint (the first one seen, or one it saved before the stop took effect)
+    assert f"resumed from {Path(ckpt).parent}/" in resumed_logs, resumed_logs[-4000:]
+    _, id3 = _run_of(resumed_logs)
+    assert _mlflow_status(root, id3) == "FINISHED"
