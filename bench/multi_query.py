@@ -11,7 +11,8 @@ policy is trained by SFT on *that protocol's own* demonstrations (``actors.demos
 question's two lookups are one search step under ``rag_r1_multi`` and two consecutive steps under
 ``rag_r1``), with the same steps, batch, lr and seed for both; then held-out questions (entity split)
 are answered greedily one at a time through the production rollout loop (``actors.rollout.
-rollout_groups``, ``HFEngine``, the in-process tantivy retriever of ``build_retriever``, cache off).
+rollout_groups``, ``HFEngine``, the in-process tantivy retriever of ``build_retriever``, cache off),
+the two policies of a seed alternating question by question so machine load hits both alike.
 **SFT only, no RL**: RL on top costs minutes per run on 2 cores and is not what differs between the
 protocols; the EMs each policy reaches are reported with their seed intervals, and the timing is
 also compared on the questions both policies of a seed answered right (equal EM by construction).
@@ -201,42 +202,48 @@ def sft_policy(cfg, world, retriever, bcfg: dict, seed: int):
                             [sum(1 for s in d.segments if s.kind.name == "MODEL") for d in demos]))}
 
 
-def evaluate_one_by_one(cfg, model, tok, retriever, questions) -> list[dict]:
-    """Greedy rollouts, one question at a time, through the production loop; one record per question."""
-    from sonar.actors.engine import HFEngine
+def answer_one(cfg, engine, tok, retriever, q) -> dict:
+    """One held-out question, greedy, through the production rollout loop; its record."""
     from sonar.actors.prompts import get_protocol
     from sonar.actors.rewards import make_reward_fn
     from sonar.actors.rollout import PromptItem, rollout_groups
 
-    engine = HFEngine(model, eos_token_id=tok.eos_token_id)
     tags = get_protocol(cfg.protocol.name)
-    reward_fn = make_reward_fn(cfg.stages[-1].reward, tok, tags)
-    out = []
-    for q in questions:
-        item = PromptItem(prompt_id=q.qid, question=q.question, golds=list(q.golds))
-        t0 = time.perf_counter()
-        groups, _ = asyncio.run(rollout_groups([item], engine=engine, retriever=retriever, tokenizer=tok, tags=tags,
-                                               proto=cfg.protocol, temperature=0.0, group_size=1, k=cfg.retrieval.k,
-                                               reward_fn=reward_fn, stage=-1))
-        out.append(question_record(groups[0][0], q, time.perf_counter() - t0))
-    return out
+    item = PromptItem(prompt_id=q.qid, question=q.question, golds=list(q.golds))
+    t0 = time.perf_counter()
+    groups, _ = asyncio.run(rollout_groups([item], engine=engine, retriever=retriever, tokenizer=tok, tags=tags,
+                                           proto=cfg.protocol, temperature=0.0, group_size=1, k=cfg.retrieval.k,
+                                           reward_fn=make_reward_fn(cfg.stages[-1].reward, tok, tags), stage=-1))
+    return question_record(groups[0][0], q, time.perf_counter() - t0)
 
 
-def run_one(bcfg: dict, label: str, seed: int, run_root: str) -> dict:
+def run_seed(bcfg: dict, seed: int, run_root: str) -> list[dict]:
+    """Both protocols' policies for one seed, then the held-out questions answered by the two in turn,
+    question by question (which goes first alternates), so a change of machine load hits both alike:
+    the CPU wall times are paired per question."""
+    from sonar.actors.engine import HFEngine
     from sonar.cluster.driver.roles import indexes_dir, prepare_corpus
     from sonar.cluster.driver.run import world_of
     from sonar.retrieval.factory import build_retriever
 
-    cfg = _cfg(bcfg, PROTOCOLS[label], seed, run_root)
-    world = world_of(cfg)
-    retriever = build_retriever(cfg.retrieval, prepare_corpus(cfg, None), indexes_dir(cfg))
-    model, tok, info = sft_policy(cfg, world, retriever, bcfg, seed)
-    questions = pick_questions(world.heldout, bcfg["questions"])
-    recs = evaluate_one_by_one(cfg, model, tok, retriever, questions)
-    log.info("%s %s seed %d: EM %.3f, %.4f s/question, %.2f turns (SFT %.0f s)", NAME, label, seed,
-             np.mean([r["em"] for r in recs]), np.mean([r["wall_s"] for r in recs]),
-             np.mean([r["turns"] for r in recs]), info["sft_s"])
-    return {"label": label, "protocol": PROTOCOLS[label], "seed": seed, "records": recs, **info}
+    runs = []
+    for label in PROTOCOLS:
+        cfg = _cfg(bcfg, PROTOCOLS[label], seed, run_root)
+        world = world_of(cfg)
+        retriever = build_retriever(cfg.retrieval, prepare_corpus(cfg, None), indexes_dir(cfg))
+        model, tok, info = sft_policy(cfg, world, retriever, bcfg, seed)
+        runs.append({"label": label, "protocol": PROTOCOLS[label], "seed": seed, "records": [], **info,
+                     "_eval": (cfg, HFEngine(model, eos_token_id=tok.eos_token_id), tok, retriever)})
+    for i, q in enumerate(pick_questions(world.heldout, bcfg["questions"])):
+        for r in (runs if i % 2 == 0 else runs[::-1]):
+            r["records"].append(answer_one(*r["_eval"], q))
+    for r in runs:
+        del r["_eval"]
+        recs = r["records"]
+        log.info("%s %s seed %d: EM %.3f, %.4f s/question, %.2f turns (SFT %.0f s)", NAME, r["label"], seed,
+                 np.mean([x["em"] for x in recs]), np.mean([x["wall_s"] for x in recs]),
+                 np.mean([x["turns"] for x in recs]), r["sft_s"])
+    return runs
 
 
 # ------------------------------------------------------------------------------------ aggregation
@@ -371,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     bcfg["quick"] = args.quick
     gpu_seconds, gpu_desc = gpu_cost_model()
     t0 = time.time()
-    runs = [run_one(bcfg, label, seed, args.run_root) for seed in range(bcfg["seeds"]) for label in PROTOCOLS]
+    runs = [r for seed in range(bcfg["seeds"]) for r in run_seed(bcfg, seed, args.run_root)]
     from sonar.cluster.driver.run import world_of
 
     p_par = natural_share(world_of(_cfg(bcfg, PROTOCOLS["single"], 0, args.run_root)).heldout)
