@@ -57,6 +57,9 @@ BAD: dict[str, list] = {
     "retrieval.elastic.bm25_k1": ["-0.5", "inf"],
     "retrieval.elastic.bm25_b": ["-0.1", "1.5", "nan"],
     "retrieval.elastic.title_boost": ["0", "nan"],
+    "retrieval.elastic.shards": ["0"],
+    "retrieval.elastic.replicas": ["-1"],
+    "retrieval.elastic.bulk_batch_size": ["0"],
     "rollout.num_workers": ["0"],
     "rollout.group_size": ["0"],
     "rollout.groups_per_request": ["0"],
@@ -81,6 +84,7 @@ BAD: dict[str, list] = {
     "learner.broadcast_every": ["0"],
     "learner.num_gpus": ["-1", "nan"],
     "learner.num_cpus": ["-1", "inf"],
+    "learner.num_ranks": ["0", "-2"],
     "critic.lr": ["0", "-1", "nan"],
     "critic.gamma": ["-0.1", "1.1", "nan"],
     "critic.lam": ["-0.1", "1.1", "nan"],
@@ -266,8 +270,10 @@ def test_a_bad_yaml_file_is_one_line_naming_the_file(tmp_path, monkeypatch, name
 
 
 def test_a_missing_file_is_one_line_naming_it(tmp_path):
-    with pytest.raises(C.ConfigError, match=r"^config file '.*nope\.yaml' does not exist$"):
+    with pytest.raises(C.ConfigError) as e:
         load_config([tmp_path / "nope.yaml"])
+    msg = str(e.value)
+    assert msg.startswith(f"config '{tmp_path / 'nope.yaml'}': no such file") and "\n" not in msg, msg
 
 
 def test_a_python_tag_runs_no_code(tmp_path):
