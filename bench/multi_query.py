@@ -32,6 +32,11 @@ Decode cost, two models, each labelled in the result:
   generated token at the running context, at batch 1, plus the measured retrieval time of each call.
   Skipped, and said so in the JSON, when that module is not importable.
 
+Oracle: the gold demonstrations of the same questions under each protocol (what a policy that follows
+the protocol exactly would do) are replayed through the GPU model too (``oracle/*``,
+``oracle_time_saving/*``): the protocol's own saving, apart from how well the SFT policies learned it
+(parallel questions are under 3 % of the world's training questions).
+
 Statistics: ``--seeds`` (default 3) independent SFT runs per protocol; every metric is a summary over
 seeds (``median/min/max/n`` plus ``mean`` and ``ci95``, the t-interval half-width over seeds), and the
 headline ``time_saving`` = 1 - multi/single time per question is computed per seed, then summarised.
@@ -217,6 +222,22 @@ def answer_one(cfg, engine, tok, retriever, q) -> dict:
     return question_record(groups[0][0], q, time.perf_counter() - t0)
 
 
+def oracle_records(cfg, tok, retriever, questions) -> list[dict]:
+    """Records of the gold demonstrations (``actors.demos``) of ``questions`` under ``cfg.protocol``: the
+    turns, retrieval calls and tokens of a policy that follows the protocol exactly (no wall time: not
+    generated). Under the GPU model they give the protocol's own saving, whatever the SFT reached."""
+    from sonar.actors.demos import make_demonstration
+    from sonar.actors.prompts import get_protocol
+
+    tags = get_protocol(cfg.protocol.name)
+    out = []
+    for q in questions:
+        d = make_demonstration(q, tags, tok, retriever, cfg.protocol, cfg.retrieval.k)
+        d.prediction = q.golds[0]
+        out.append(question_record(d, q, float("nan")))
+    return out
+
+
 def run_seed(bcfg: dict, seed: int, run_root: str) -> list[dict]:
     """Both protocols' policies for one seed, then the held-out questions answered by the two in turn,
     question by question (which goes first alternates), so a change of machine load hits both alike:
@@ -234,9 +255,13 @@ def run_seed(bcfg: dict, seed: int, run_root: str) -> list[dict]:
         model, tok, info = sft_policy(cfg, world, retriever, bcfg, seed)
         runs.append({"label": label, "protocol": PROTOCOLS[label], "seed": seed, "records": [], **info,
                      "_eval": (cfg, HFEngine(model, eos_token_id=tok.eos_token_id), tok, retriever)})
-    for i, q in enumerate(pick_questions(world.heldout, bcfg["questions"])):
+    questions = pick_questions(world.heldout, bcfg["questions"])
+    for i, q in enumerate(questions):
         for r in (runs if i % 2 == 0 else runs[::-1]):
             r["records"].append(answer_one(*r["_eval"], q))
+    for r in runs:  # the gold demonstrations of the same questions: what a policy that follows the protocol costs
+        cfg, _, tok, retriever = r["_eval"]
+        r["oracle"] = oracle_records(cfg, tok, retriever, questions)
     for r in runs:
         del r["_eval"]
         recs = r["records"]
@@ -305,6 +330,20 @@ def aggregate(runs: list[dict], gpu_seconds: Callable[[dict], float] | None,
             m = _mean(multi, tk, lambda r: r["qid"] in both)
             if s and m is not None:  # equal EM by construction: the questions both policies answered
                 add(f"time_saving/{tk}/both_correct", 1.0 - m / s)
+        if gpu_seconds is not None and all("oracle" in r for r in runs):
+            osingle = next(r["oracle"] for r in runs if r["label"] == "single" and r["seed"] == seed)
+            omulti = next(r["oracle"] for r in runs if r["label"] == "multi" and r["seed"] == seed)
+            for label, recs in (("single", osingle), ("multi", omulti)):
+                for rec in recs:
+                    rec["gpu_s"] = gpu_seconds(rec)
+                for k in ("turns", "retrieval_calls", "gen_tokens", "gpu_s"):
+                    add(f"oracle/{label}/parallel/{k}", _mean(recs, k, subsets["parallel"]))
+                    add(f"oracle/{label}/natural/{k}", natural(recs, k))
+            for sub in ("parallel", "natural"):
+                s_ = (_mean(osingle, "gpu_s", subsets["parallel"]) if sub == "parallel" else natural(osingle, "gpu_s"))
+                m_ = (_mean(omulti, "gpu_s", subsets["parallel"]) if sub == "parallel" else natural(omulti, "gpu_s"))
+                if s_ and m_ is not None:
+                    add(f"oracle_time_saving/gpu_s/{sub}", 1.0 - m_ / s_)
     metrics = {k: seed_summary(v) for k, v in sorted(per_seed.items())}
     return metrics, per_seed
 
@@ -324,6 +363,8 @@ def verdict(metrics: dict, gpu: bool) -> dict:
         out[f"time_saving_{tk}_both_correct"] = mc(f"time_saving/{tk}/both_correct")
         out[f"time_saving_{tk}_parallel"] = mc(f"time_saving/{tk}/parallel")
         out[f"time_saving_{tk}_natural_mix"] = mc(f"time_saving/{tk}/natural")
+    out["oracle_time_saving_gpu_s_parallel"] = mc("oracle_time_saving/gpu_s/parallel")
+    out["oracle_time_saving_gpu_s_natural_mix"] = mc("oracle_time_saving/gpu_s/natural")
     return out
 
 
@@ -393,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                              "gpu_calibrated": gpu_desc},
              "gpu_cost": gpu_desc, "design": "SFT-only policies per protocol (same steps, batch, lr, seed); greedy, "
              "one question at a time; retrieval cache off", "per_seed": per_seed,
-             "runs": [{k: v for k, v in r.items() if k != "records"} for r in runs],
+             "runs": [{k: v for k, v in r.items() if k not in ("records", "oracle")} for r in runs],
              "wall_s": round(time.time() - t0, 1)}
     extra["verdict"] = verdict(metrics, gpu_seconds is not None)
     path = write_result(NAME, bcfg, metrics, lambda png: plot(metrics, extra, png), args.out, extra=extra)

@@ -102,3 +102,8 @@ def test_multi_query_quick(tmp_path):
     assert "multi/all/gpu_s" in m and "time_saving/gpu_s/all" in m and "time_saving/wall_s/all" in m
     assert {r["protocol"] for r in extra["runs"]} == {"rag_r1", "rag_r1_multi"}
     assert extra["verdict"]["em_single"]["n"] == 2
+    # the gold demonstrations replayed through the GPU model: a parallel question is one search step
+    # under rag_r1_multi and two under rag_r1, so the oracle multi-query policy takes fewer turns
+    assert m["oracle/multi/parallel/retrieval_calls"]["mean"] < m["oracle/single/parallel/retrieval_calls"]["mean"]
+    assert m["oracle/multi/parallel/turns"]["mean"] < m["oracle/single/parallel/turns"]["mean"]
+    assert "oracle_time_saving/gpu_s/natural" in m
