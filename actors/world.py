@@ -34,6 +34,10 @@ is ever used by a training question, and the fact that starts each held-out chai
 without search. (A held-out 2-hop chain may pass through a training entity in its second hop; that
 fact alone does not reveal the answer.)
 
+Parallel share (``world.parallel_share``): unset, parallel questions are ~3 % of the held-out set
+(the "yes" pairs of two types are scarce); set, ``SHARE_QTYPES`` join and the share holds in both
+splits (``_share_parallel``), so a multi-query comparison sees a HotpotQA-like mix.
+
 Pure module: standard library + numpy (and the stdlib-only ``actors.prompts`` for its fixed words).
 """
 from __future__ import annotations
@@ -143,7 +147,25 @@ QTYPES: tuple[QType, ...] = (
     QType("same_headquarters", "are {a} and {b} headquartered in the same city ?", "company",
           ("headquartered_in",), True),
 )
-QTYPE_BY_NAME = {t.name: t for t in QTYPES}
+SHARE_QTYPES: tuple[QType, ...] = (
+    QType("same_birth_year", "were {a} and {b} born in the same year ?", "person", ("birth_year",), True),
+    QType("same_employer", "do {a} and {b} work for the same company ?", "person", ("works_for",), True),
+    QType("same_founding_year", "were {a} and {b} founded in the same year ?", "company", ("founded_year",), True),
+    QType("same_founder", "were {a} and {b} founded by the same person ?", "company", ("founder",), True),
+    QType("same_city_country", "are the cities {a} and {b} in the same country ?", "city", ("in_country",), True),
+    QType("same_birth_country", "were {a} and {b} born in the same country ?", "person",
+          ("born_in", "in_country"), True),
+)
+"""Parallel types used only when ``world.parallel_share`` is set (with the two parallel QTYPES).
+
+Why more types: a "yes" needs two entities of one split sharing a fact, and the held-out split is
+small (43 persons, 18 companies at 520 entities): the two default types give ~5 held-out "yes"
+pairs, so a balanced yes/no set of parallel questions cannot reach HotpotQA's ~20 % comparison share
+from them. These add the other equality checks of every relation, and one two-step comparison
+(birth country: birthplaces in one step, their countries in the next, two queries per step), which
+has the most "yes" pairs (few countries). Kept apart from QTYPES so the default world, and its
+vocabulary, stay exactly as they were."""
+QTYPE_BY_NAME = {t.name: t for t in QTYPES + SHARE_QTYPES}
 
 QUOTE_EVIDENCE = True
 """After each retrieval the policy thinks a short quote of the evidence it will use: the two words
@@ -176,7 +198,8 @@ class Question:
     golds: list[str]
     qtype: str
     hops: int
-    """Search steps of the gold plan (parallel questions: 1 step, 2 queries)."""
+    """Search steps of the gold plan (parallel questions: 2 queries per step, 1 step or 2 for
+    ``same_birth_country``)."""
     entities: list[str]
     """Every entity whose fact the answer uses, first-step subjects first."""
     plan: list[list[str]]
@@ -198,6 +221,9 @@ class World:
     entities: list[Entity]
     heldout_entities: frozenset[str]
     seed: int = 0
+    parallel: dict = field(default_factory=dict)
+    """With ``world.parallel_share`` set: the share, the parallel questions per split and type, and the
+    sequential questions dropped to reach the share where "yes" pairs ran out (empty otherwise)."""
 
     def vocab(self) -> list[str]:
         """Sorted words of the corpus, questions, answers, reasoning words and every template.
@@ -382,14 +408,25 @@ def build_world(cfg) -> World:
         for e in ents[qt.kind]:
             q = _chain_question(qt, e, by_name)
             _assign(q, heldout, train_q, held_q)
-    n_pairs = max(1, cfg.num_entities * 2 // 3)
-    for qt in QTYPES:
-        if not qt.parallel:
-            continue
-        for split_out, target in ((False, train_q), (True, held_q)):
-            group = [e for e in ents[qt.kind] if (e.name in heldout) == split_out]
-            share = cfg.heldout_fraction if split_out else 1 - cfg.heldout_fraction
-            target.extend(_parallel_questions(qt, group, int(round(n_pairs * share)), rng))
+    parallel_info: dict = {}
+    share = cfg.parallel_share
+    if share is None:  # today's world, drawn exactly as before
+        n_pairs = max(1, cfg.num_entities * 2 // 3)
+        for qt in QTYPES:
+            if not qt.parallel:
+                continue
+            for split_out, target in ((False, train_q), (True, held_q)):
+                group = [e for e in ents[qt.kind] if (e.name in heldout) == split_out]
+                share = cfg.heldout_fraction if split_out else 1 - cfg.heldout_fraction
+                target.extend(_parallel_questions(qt, group, int(round(n_pairs * share)), rng))
+    else:
+        srng = np.random.default_rng([cfg.seed, 0x50A4, 0x5A4E])
+        parallel_info = {"share": float(share)}
+        for split_out, name in ((False, "train"), (True, "heldout")):
+            seq = train_q if not split_out else held_q
+            par, info = _share_parallel(float(share), seq, ents, heldout, split_out, by_name, srng)
+            seq[:] = [seq[j] for j in sorted(srng.permutation(len(seq))[:info["sequential"]])] + par
+            parallel_info[name] = info
 
     order_t = rng.permutation(len(train_q))
     order_h = rng.permutation(len(held_q))
@@ -399,7 +436,7 @@ def build_world(cfg) -> World:
         q.qid = f"w{cfg.seed}-t{j:05d}"
     for j, q in enumerate(held_q):
         q.qid = f"w{cfg.seed}-h{j:05d}"
-    return World(corpus, train_q, held_q, entities, frozenset(heldout), cfg.seed)
+    return World(corpus, train_q, held_q, entities, frozenset(heldout), cfg.seed, parallel_info)
 
 
 def _passage(e: Entity, rng: np.random.Generator) -> dict:
@@ -482,6 +519,95 @@ def _parallel_questions(qt: QType, group: Sequence[Entity], n: int, rng: np.rand
             thoughts=[KEYWORD[rel], f"{quote(ea, rel)} {quote(eb, rel)}" if QUOTE_EVIDENCE else f"{va} {vb}"],
             facts=[(ea.name, rel), (eb.name, rel)]))
     return out
+
+
+def _pair_chains(qt: QType, ea: Entity, eb: Entity, by_name: dict[str, Entity]) -> tuple[list, list] | None:
+    """The two chains of a parallel question (subject, then each entity its path leads to), or None
+    when a step would put two passages with the same wording side by side (the policy then quoted the
+    wrong passage, see ``_parallel_questions``) or the chains meet before their last relation (a step
+    would search one entity twice)."""
+    ca, cb = [ea], [eb]
+    for rel in qt.path[:-1]:
+        ca.append(by_name[ca[-1].facts[rel]])
+        cb.append(by_name[cb[-1].facts[rel]])
+    for x, y, rel in zip(ca, cb, qt.path):
+        if x is y or x.wording[rel] == y.wording[rel]:
+            return None
+    return ca, cb
+
+
+def _pair_question(qt: QType, ca: list[Entity], cb: list[Entity]) -> Question:
+    """"Do a and b share the fact at the end of ``qt.path``?": one search step per relation, each with
+    both chains' entities (multi-query: one step of two queries; single-query: two steps)."""
+    va, vb = ca[-1].facts[qt.path[-1]], cb[-1].facts[qt.path[-1]]
+    if QUOTE_EVIDENCE:
+        thoughts = [KEYWORD[qt.path[0]]] + [f"{quote(x, r)} {quote(y, r)}" for x, y, r in zip(ca, cb, qt.path)]
+    else:
+        thoughts = [KEYWORD[r] for r in qt.path] + [f"{va} {vb}"]
+    return Question(
+        qid="", question=qt.template.format(a=ca[0].name, b=cb[0].name), golds=[YES if va == vb else NO],
+        qtype=qt.name, hops=len(qt.path), entities=[ca[0].name, cb[0].name] + [e.name for x, y in
+                                                                             zip(ca[1:], cb[1:]) for e in (x, y)],
+        plan=[[x.name, y.name] for x, y in zip(ca, cb)], gold_docs=[[x.doc_id, y.doc_id] for x, y in zip(ca, cb)],
+        thoughts=thoughts, facts=[(e.name, r) for x, y, r in zip(ca, cb, qt.path) for e in (x, y)])
+
+
+def _share_parallel(share: float, seq: list[Question], ents: dict[str, list[Entity]], heldout: set[str],
+                    split_out: bool, by_name: dict[str, Entity], rng: np.random.Generator
+                    ) -> tuple[list[Question], dict]:
+    """Parallel questions of one split forming ``share`` of it with the split's ``seq`` sequential ones.
+
+    Target: ``share / (1 - share) * len(seq)`` parallel questions, rounded to an even count. Each type
+    gets as many "yes" as "no" (so neither the split nor a type rewards answering one word), the
+    "yes" quota spread evenly over the types that have "yes" pairs (water-filling, capped by each
+    type's pairs). Where the "yes" pairs run out before the target, the sequential questions are
+    subsampled instead (``info["sequential"]`` of them are kept), so the share still holds.
+    Held-out pairs: both subjects held out; training pairs: every entity of both chains a training one.
+    """
+    cands: dict[str, tuple[list, list]] = {}
+    for qt in QTYPES + SHARE_QTYPES:
+        if not qt.parallel:
+            continue
+        group = [e for e in ents[qt.kind] if (e.name in heldout) == split_out]
+        yes, no = [], []
+        for a in range(len(group)):
+            for b in range(a + 1, len(group)):
+                chains = _pair_chains(qt, group[a], group[b], by_name)
+                if chains is None or (not split_out and any(e.name in heldout for c in chains for e in c)):
+                    continue
+                (yes if chains[0][-1].facts[qt.path[-1]] == chains[1][-1].facts[qt.path[-1]] else no).append(chains)
+        cands[qt.name] = (yes, no)
+    caps = {t: min(len(y), len(n)) for t, (y, n) in cands.items()}
+    want = 0 if share <= 0 else int(round(share / (1.0 - share) * len(seq) / 2.0))
+    quota = {t: 0 for t in caps}
+    left = min(want, sum(caps.values()))
+    while left > 0:  # water-filling: an even share per open type, capped by its pairs
+        open_ = [t for t in caps if quota[t] < caps[t]]
+        each = max(1, left // len(open_))
+        for t in open_:
+            add = min(each, caps[t] - quota[t], left)
+            quota[t] += add
+            left -= add
+            if left == 0:
+                break
+    out: list[Question] = []
+    for qt in QTYPES + SHARE_QTYPES:
+        if qt.name not in quota or not quota[qt.name]:
+            continue
+        for pool in cands[qt.name]:
+            for j in sorted(rng.permutation(len(pool))[:quota[qt.name]]):
+                ca, cb = pool[j]
+                if rng.random() < 0.5:
+                    ca, cb = cb, ca
+                out.append(_pair_question(qt, ca, cb))
+    n_seq = len(seq)
+    if share > 0 and len(out) < 2 * want:
+        if not out:
+            raise ValueError(f"world.parallel_share={share}: the {'held-out' if split_out else 'training'} split has "
+                             f"no pair of entities with a shared fact to ask about (world.num_entities too small)")
+        n_seq = min(len(seq), int(round(len(out) * (1.0 - share) / share)))
+    return out, {"parallel": len(out), "sequential": n_seq, "dropped_sequential": len(seq) - n_seq,
+                 "yes": sum(q.golds[0] == YES for q in out), "by_type": {t: 2 * k for t, k in quota.items() if k}}
 
 
 # ---------------------------------------------------------------- files (Search-R1 / FlashRAG format)

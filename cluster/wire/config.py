@@ -44,6 +44,13 @@ class WorldConfig:
     """Fraction of *entities* whose questions are held out (split by entity, so no fact leaks)."""
     num_heldout_eval: int = 200
     """Held-out questions used by the before/after evaluation (0 = all)."""
+    parallel_share: Optional[float] = None
+    """Share of parallel questions (two entities looked up in one step, e.g. "were a and b born in the
+    same city ?") in the training and in the held-out questions, in [0, 1). None: today's world (about
+    3 % held-out, limited by the scarce "yes" pairs). Set, the world adds parallel types and, where
+    "yes" pairs run out, drops sequential questions, keeping yes/no balanced per type
+    (``actors/world.py:_share_parallel``). HotpotQA's dev set is 20 % comparison questions
+    (``sonar bench multi-query`` uses that). Read by ``actors/world.py:build_world``."""
 
 
 @dataclass(frozen=True)
@@ -760,7 +767,7 @@ def inflight_budget(cfg: "Config") -> int:
 RANGES: dict[str, str] = {
     "run.seed": ">= 0", "run.checkpoint_every": ">= 0", "run.keep_checkpoints": ">= 0", "run.log_every": ">= 1",
     "world.seed": ">= 0", "world.num_entities": ">= 18", "world.heldout_fraction": "(0, 1)",
-    "world.num_heldout_eval": ">= 0",
+    "world.num_heldout_eval": ">= 0", "world.parallel_share": "[0, 1)",
     "model.hidden_size": ">= 1", "model.num_layers": ">= 1", "model.num_heads": ">= 1",
     "model.intermediate_size": ">= 1", "model.max_position_embeddings": ">= 1", "model.seed": ">= 0",
     "protocol.max_turns": ">= 0", "protocol.max_queries_per_step": ">= 1", "protocol.docs_per_query": ">= 1",
@@ -897,6 +904,8 @@ def _check_world(cfg: Config) -> None:
     w = cfg.world
     if w.heldout_fraction <= 0 or w.heldout_fraction >= 1:
         raise ValueError(f"world.heldout_fraction={w.heldout_fraction} must be in (0, 1)")
+    if w.parallel_share is not None and not 0 <= w.parallel_share < 1:
+        raise ValueError(f"world.parallel_share={w.parallel_share} must be in [0, 1) or None")
 
 
 def _check_model(cfg: Config) -> None:

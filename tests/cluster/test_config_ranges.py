@@ -28,6 +28,7 @@ BAD: dict[str, list] = {
     "world.num_entities": ["0", "17"],
     "world.heldout_fraction": ["0", "1", "nan", "-0.1"],
     "world.num_heldout_eval": ["-1"],
+    "world.parallel_share": ["1", "-0.1", "nan"],
     "model.hidden_size": ["0"],
     "model.num_layers": ["0"],
     "model.num_heads": ["0", "-4"],
