@@ -84,6 +84,20 @@ def test_pick_questions_takes_every_parallel_question_first():
     assert M.natural_share(qs) == pytest.approx(0.2)
 
 
+def test_parallel_share_option_defaults_to_hotpotqa_and_is_cited():
+    assert M.HOTPOT_SHARE == pytest.approx(0.2008, abs=1e-4)  # 1,487 comparison of 7,405 dev questions
+    assert M.FULL["parallel_share"] == M.QUICK["parallel_share"] == M.HOTPOT_SHARE
+    ov, desc = M.share_setting(M.HOTPOT_SHARE)
+    assert ov == [f"world.parallel_share={M.HOTPOT_SHARE!r}"] and "1,487" in desc["source"]["dataset"]
+    assert M.share_setting(None) == ([], {"value": None, "source": "today's embedded world (world.parallel_share unset)"})
+    assert M.share_arg("0.5") == 0.5 and M.share_arg("none") is None
+    import argparse
+
+    for bad in ("1", "-0.1", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--parallel-share"):
+            M.share_arg(bad)
+
+
 @pytest.mark.slow
 def test_multi_query_quick(tmp_path):
     from sonar.bench import common, run
@@ -107,3 +121,8 @@ def test_multi_query_quick(tmp_path):
     assert m["oracle/multi/parallel/retrieval_calls"]["mean"] < m["oracle/single/parallel/retrieval_calls"]["mean"]
     assert m["oracle/multi/parallel/turns"]["mean"] < m["oracle/single/parallel/turns"]["mean"]
     assert "oracle_time_saving/gpu_s/natural" in m
+    # the world at HotpotQA's comparison share, in both splits, said in the JSON with its source
+    share = extra["parallel_share"]
+    assert share["value"] == pytest.approx(M.HOTPOT_SHARE) and "HotpotQA" in share["source"]["dataset"]
+    assert abs(share["measured_heldout"] - M.HOTPOT_SHARE) < 0.03 and abs(share["measured_train"] - M.HOTPOT_SHARE) < 0.01
+    assert extra["natural_parallel_share"] == share["measured_heldout"]
