@@ -46,6 +46,13 @@ class SwappingEngine:
     def version(self) -> int:
         return self.inner.version
 
+    @property
+    def next_version(self) -> int:
+        """The version the next generation samples from: staged weights are installed before it."""
+        with self._lock:
+            staged = self._staged
+        return self.inner.version if staged is None else max(staged[0], self.inner.version)
+
     def stage(self, version: int, tensors: dict, buffer_set: int = -1) -> None:
         with self._lock:
             self._staged = (version, tensors, buffer_set)
@@ -334,7 +341,9 @@ async def _aproduce(w: "RolloutWorker", replay, stage_index: int, stage: StageCo
     """Claim n prompts, roll out one group each, put every group into the replay queue."""
     seed = w.cfg.run.seed * 1_000_003 + w.worker_id * 7919 + batch_no
     # Waits at most 1 s for the admission budget (async mode), then returns so the lane sees a stop.
-    idx = await asyncio.wrap_future(replay.claim.remote(w.worker_id, n, 1.0).future())
+    # The claim names the policy version these groups start from: the replay admits them only if the
+    # learner will take them while that version is fresh (replay.py, version-aware admission).
+    idx = await asyncio.wrap_future(replay.claim.remote(w.worker_id, n, 1.0, w.engine.next_version).future())
     if not idx:
         w._last_progress = time.monotonic()  # alive, held back by the budget (the learner is behind)
         await asyncio.sleep(0.05)  # a closed queue answers at once: do not spin on it

@@ -47,7 +47,9 @@ What makes the comparison fair:
   charged for stopping: ``stop_rollouts`` waits for each worker's in-flight batches.
 - Sync uses ``max_policy_lag=0`` (its data is always on-policy). Async lag L uses
   ``capacity_groups = L * groups_per_step`` and ``broadcast_every=1``; its admission budget is
-  ``(L + 1) * groups_per_step`` groups claimed or queued (``replay.max_inflight_groups=-1``).
+  ``(L + 1) * groups_per_step`` groups claimed or queued (``replay.max_inflight_groups=-1``), and
+  a claim must fit in the groups the learner takes while the claiming worker's weights are fresh
+  (version-aware admission, ``cluster/wire/replay.py``).
   Stale groups are dropped and counted (``dropped_stale``); the learner still takes exactly
   ``steps`` steps of ``groups_per_step`` groups, so async pays for its waste in wall-clock.
 - On 2 cores, async is *handicapped*: two workers decoding and a learner training want three cores.

@@ -58,7 +58,7 @@ def test_policy_lag_bound_held_and_accounting_balances(smoke_run):
 def test_mlflow_holds_params_metrics_config_and_model(smoke_run):
     from mlflow.tracking import MlflowClient
 
-    _, s = smoke_run
+    cfg, s = smoke_run
     from sonar.cluster.driver.tracking import run_file
 
     info = run_file(s["run_dir"])  # the project's store (run.root/mlflow.db), recorded beside the run
@@ -75,7 +75,7 @@ def test_mlflow_holds_params_metrics_config_and_model(smoke_run):
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "eval_summary.json", "summary.json", "predictions"} <= artifacts
     assert "predictions/predictions-after_search.jsonl" in {a.path for a in client.list_artifacts(run.info.run_id, "predictions")}
-    assert "stage" not in run.data.metrics and run.data.tags["sonar.stage"] == "1"  # a tag, not a metric
+    assert "stage" not in run.data.metrics and run.data.tags["sonar.stage"] == str(len(cfg.stages) - 1)  # a tag (the last stage trained), not a metric
     assert run.data.tags["sonar.preset"] == "smoke" and run.data.tags["ray.job_id"]
     # the final policy: a logged model with the transformers flavour, eval table and config attached
     import mlflow

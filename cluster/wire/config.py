@@ -472,7 +472,9 @@ class ReplayConfig:
     """Async admission budget: a worker may claim prompts only while groups claimed-but-not-put plus
     groups queued stay within this. -1: (max_policy_lag + 1) * learner.groups_per_step, at least
     rollout.groups_per_request (AReaL's staleness-aware admission); 0: unlimited (only capacity_groups
-    and the lag drop bound). Sync mode is never gated: its batch is the step."""
+    and the lag drop bound). Sync mode is never gated: its batch is the step. With a budget, a claim
+    also names the policy version the worker holds and must fit in the groups the learner takes while
+    that version is fresh (cluster/wire/replay.py, version-aware admission)."""
 
 
 @dataclass(frozen=True)

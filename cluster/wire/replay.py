@@ -20,6 +20,20 @@ groups_per_step (AReaL's staleness-aware rule): workers may start prompts for fu
 but not so many that they would be stale before they are trained. ``ReplayQueue.claim`` waits up to
 ``wait_s`` for room and otherwise returns [] (the worker retries).
 
+Version-aware admission (``groups_per_step`` = B > 0 and the claim names the policy version w the
+worker holds): a group sampled from w is fresh for the learner's takes at versions <= w + L. With the
+learner at version u, having handed out h groups at u, that leaves
+
+    slots(w) = (w + L + 1 - u) * B - h
+
+groups the learner will take before the new group goes stale, and the claim must fit in them
+(pipeline + n <= slots(w)). The flat budget alone admits B groups at the moment the learner takes,
+while the workers still hold the previous weights: those groups start one version behind and need
+to be taken within L steps behind L*B groups already in flight, so under any spread of completion
+times many go stale (measured: ~30 % of generated trajectories at L = 1 and 2, simulated 7B decode
+costs). Hand-out is oldest policy version first (FIFO among equals), so a late group is trained
+while it is still fresh instead of behind newer ones.
+
 Prompts: workers claim prompt indices from a seeded epoch permutation. A claim is released when its
 group is put; the claims of a dead worker are requeued at the front, so no prompt is lost. A put is
 accepted only against an outstanding claim (one claim admits one group), so a put that outlived its
@@ -103,10 +117,15 @@ class PromptCursor:
 
 class ReplayCore:
     def __init__(self, capacity_groups: int, max_policy_lag: int, stale_policy: str,
-                 num_prompts: int, seed: int, max_inflight_groups: int = 0):
+                 num_prompts: int, seed: int, max_inflight_groups: int = 0, groups_per_step: int = 0):
         if max_inflight_groups < 0:
             raise ValueError(f"max_inflight_groups={max_inflight_groups} must be >= 0 (0: unlimited)")
+        if groups_per_step < 0:
+            raise ValueError(f"groups_per_step={groups_per_step} must be >= 0 (0: no version-aware admission)")
         self.max_inflight = max_inflight_groups
+        self.groups_per_step = groups_per_step
+        self.handed_at_version = 0
+        """Groups handed to the learner at ``learner_version`` (its current step's batch so far)."""
         if stale_policy not in ("drop", "downweight"):
             raise ValueError(f"replay.stale_policy={stale_policy!r} is not 'drop' or 'downweight'")
         self.capacity = capacity_groups
@@ -139,10 +158,33 @@ class ReplayCore:
         """Groups in the pipeline: claimed and not yet put, plus queued."""
         return sum(len(v) for v in self.claims.values()) + len(self.groups)
 
-    def may_claim(self, n: int) -> bool:
-        """Admission: within the budget, or the pipeline is empty (a request larger than the budget
-        must still run, or nothing ever would)."""
-        return self.max_inflight == 0 or self.inflight() + n <= self.max_inflight or self.inflight() == 0
+    def fresh_slots(self, version: int) -> int | None:
+        """Groups the learner will still take before a group sampled from policy ``version`` goes
+        stale (``slots(w)`` in the module doc); None when admission is not version-aware."""
+        if self.groups_per_step <= 0 or version < 0:
+            return None
+        return (version + self.max_lag + 1 - self.learner_version) * self.groups_per_step - self.handed_at_version
+
+    def may_claim(self, n: int, version: int = -1) -> bool:
+        """Admission: within the budget and, for a claim that names its policy ``version``, within
+        the groups the learner takes while that version is fresh; or the pipeline is empty (a
+        request larger than the budget must still run, or nothing ever would)."""
+        if self.max_inflight == 0:
+            return True
+        slots = self.fresh_slots(version)
+        if slots is not None and slots <= 0:
+            return False  # stale before any take: wait for newer weights (the next push brings them)
+        inflight = self.inflight()
+        if inflight == 0:
+            return True
+        return inflight + n <= self.max_inflight and (slots is None or inflight + n <= slots)
+
+    def version_blocked(self, n: int, version: int) -> bool:
+        """Refused for the claim's policy version: only newer weights open the way, since a take
+        frees one pipeline slot and uses one of ``fresh_slots`` (their difference never changes at
+        one version), so waiting on the learner would not help."""
+        slots, inflight = self.fresh_slots(version), self.inflight()
+        return slots is not None and (slots <= 0 or (inflight > 0 and inflight + n > slots))
 
     def claim(self, worker_id: int, n: int) -> list[int]:
         idx = self.cursor.take(n)
@@ -182,14 +224,22 @@ class ReplayCore:
     def lag(self, g: QueuedGroup) -> int:
         return policy_lag(self.learner_version, g.min_version)
 
+    def advance(self, learner_version: int) -> None:
+        """The learner is at ``learner_version`` (never moves back); a new version starts a new batch."""
+        if learner_version > self.learner_version:
+            self.learner_version, self.handed_at_version = learner_version, 0
+
     def take(self, n_groups: int, learner_version: int) -> tuple[list[tuple[bytes, int, int]], int]:
-        """Pop up to n fresh groups; stale ones are dropped and counted.
-        Returns ([(payload, lag, prompt_index)], dropped trajectories); dropped prompts go to ``dropped_prompts``."""
-        self.learner_version = max(self.learner_version, learner_version)
+        """Pop up to n fresh groups, oldest policy version first (FIFO among equals); stale ones are
+        dropped and counted. Returns ([(payload, lag, prompt_index)], dropped trajectories); dropped
+        prompts go to ``dropped_prompts``."""
+        self.advance(learner_version)
         out: list[tuple[bytes, int]] = []
         dropped = 0
         while self.groups and len(out) < n_groups:
-            g = self.groups.popleft()
+            oldest = min(range(len(self.groups)), key=lambda i: self.groups[i].min_version)  # first among equals
+            g = self.groups[oldest]
+            del self.groups[oldest]
             lag = self.lag(g)
             if lag > self.max_lag and self.stale_policy == "drop":
                 self.counts["dropped_stale"] += g.num_trajs
@@ -199,6 +249,7 @@ class ReplayCore:
                 continue
             self.counts["consumed"] += g.num_trajs
             self.counts["consumed_groups"] += 1
+            self.handed_at_version += 1
             out.append((g.payload, lag, g.prompt_index))
         return out, dropped
 
@@ -252,8 +303,9 @@ class ReplayQueue:
     """Async Ray actor around ReplayCore. Create with ``ray.remote(ReplayQueue)``."""
 
     def __init__(self, capacity_groups: int, max_policy_lag: int, stale_policy: str, num_prompts: int, seed: int,
-                 max_inflight_groups: int = 0):
-        self.core = ReplayCore(capacity_groups, max_policy_lag, stale_policy, num_prompts, seed, max_inflight_groups)
+                 max_inflight_groups: int = 0, groups_per_step: int = 0):
+        self.core = ReplayCore(capacity_groups, max_policy_lag, stale_policy, num_prompts, seed, max_inflight_groups,
+                               groups_per_step)
         self._cond: asyncio.Condition | None = None
         self._closed = False
 
@@ -262,13 +314,16 @@ class ReplayQueue:
             self._cond = asyncio.Condition()
         return self._cond
 
-    async def claim(self, worker_id: int, n: int, wait_s: float = 0.0) -> list[int]:
+    async def claim(self, worker_id: int, n: int, wait_s: float = 0.0, version: int = -1) -> list[int]:
         """n prompt indices, or [] if the admission budget stayed full for ``wait_s`` seconds or the
-        queue is closed (the caller retries, so a stopping worker is never stuck in here)."""
+        queue is closed (the caller retries, so a stopping worker is never stuck in here).
+        ``version``: the policy version the worker samples with (-1: unknown, flat budget only)."""
         cond = self._c()
         deadline = time.monotonic() + wait_s
         async with cond:
-            while not self.core.may_claim(n) and not self._closed:
+            while not self.core.may_claim(n, version) and not self._closed:
+                if self.core.version_blocked(n, version):
+                    return []  # the worker asks again with the weights it holds then
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return []
@@ -276,7 +331,7 @@ class ReplayQueue:
                     await asyncio.wait_for(cond.wait(), timeout=remaining)
                 except asyncio.TimeoutError:
                     pass
-            if self._closed and not self.core.may_claim(n):
+            if self._closed and not self.core.may_claim(n, version):
                 return []
             return self.core.claim(worker_id, n)
 
@@ -345,7 +400,7 @@ class ReplayQueue:
                 "timed_out": len(got) < n_groups}
 
     async def set_learner_version(self, version: int) -> None:
-        self.core.learner_version = max(self.core.learner_version, version)
+        self.core.advance(version)
 
     async def stats(self) -> dict:
         return self.core.stats()
