@@ -5,7 +5,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-CLUSTERS = sorted((Path(__file__).resolve().parents[2] / "cluster" / "clusters").glob("*.yaml"))
+ALL = sorted((Path(__file__).resolve().parents[2] / "cluster" / "clusters").glob("*.yaml"))
+KUBERAY = [p for p in ALL if p.name.startswith("kuberay-")]
+"""KubeRay custom resources (RayCluster, RayJob), not cluster-launcher configs: test_cluster_fit.py
+checks them against the CRD's fields and Ray's own KubeRay autoscaling-config derivation."""
+CLUSTERS = [p for p in ALL if p not in KUBERAY]
+
+
+def test_every_shipped_file_is_checked_somewhere():
+    assert {p.name for p in KUBERAY} == {"kuberay-cluster.yaml", "kuberay-job.yaml"}
+    assert {p.name for p in CLUSTERS} >= {"aws.yaml", "gcp.yaml", "local-fake.yaml"}
+    for p in KUBERAY:
+        assert yaml.safe_load(p.read_text())["kind"] in ("RayCluster", "RayJob"), p.name
 
 
 @pytest.mark.parametrize("path", CLUSTERS, ids=lambda p: p.name)
