@@ -172,7 +172,8 @@ class FakeReplay:
             def remote(self, *a):
                 return SimpleNamespace(future=lambda: _done(self.fn(*a)))
 
-        def claim(worker_id, n, wait_s=0.0):
+        def claim(worker_id, n, wait_s=0.0, version=-1):  # ReplayQueue.claim's signature
+            assert isinstance(version, int) and version >= 0, version  # the worker names its policy version
             with replay.lock:
                 idx = list(range(replay.next, replay.next + n))
                 replay.next += n
