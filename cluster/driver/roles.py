@@ -106,9 +106,10 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
     retrieval = start_retrieval(cfg, run, corpus, hooks.retriever_wrap)
     policy = prepare_policy(cfg, run)
     num_train = len(world_of(cfg).train)
+    budget = inflight_budget(cfg)  # 0: no admission control, so no version-aware slots either
     replay = ray.remote(num_cpus=0)(ReplayQueue).options(max_concurrency=1000).remote(
         cfg.replay.capacity_groups, cfg.replay.max_policy_lag, cfg.replay.stale_policy, num_train, cfg.run.seed,
-        inflight_budget(cfg), cfg.learner.groups_per_step if inflight_budget(cfg) else 0)
+        budget, cfg.learner.groups_per_step if budget else 0)
     learner, learner_pg = start_learner(cfg, policy, role_resources(cfg, "learner"))
     workers = [start_worker(cfg, i, retrieval, hooks.engine_wrap, policy=policy) for i in range(cfg.rollout.num_workers)]
     try:
