@@ -27,12 +27,13 @@ Prompt styles that prefill ``<think>`` (R1-Searcher's) drop the first MODEL segm
 the prompt already opened the block. Multi-query steps join the queries with the protocol's plain-text
 separator (RAG-R1's comma): ``" , "`` in the ``short`` style (word-level tokens), ``", "`` otherwise.
 
-Invariants: the last token of every MODEL segment is the id of query_close or answer_close (the
-rollout engine stops on those ids and includes them); MODEL logprobs are float32 zeros and version
+Invariants: every MODEL segment ends with the ids of query_close or answer_close (the rollout engine
+stops on them and includes them: the tag's one id, or the last token of the tag as text); MODEL logprobs are float32 zeros and version
 -1 (a demonstration was not sampled). Multi-query steps exist only for tag sets with a query_sep
 (rag_r1_multi); r1_searcher and search_r1 search parallel entities in consecutive steps.
-MODEL segments are built from ids (tags by ``convert_tokens_to_ids``), never by re-tokenising tag
-strings, and the words inside them are neutralised, so only the frame itself can emit a tag id.
+MODEL segments are built from ids (each tag encoded alone: its special id, or its text with
+``model.tags='text'``), and the words inside them are neutralised, so only the frame itself can emit
+a tag.
 """
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ class _Ids:
     def __init__(self, tags: TagSet, tokenizer, style: str = "short"):
         self.tags, self.tok = tags, tokenizer
         self.specials = special_strings(tokenizer)
-        self.id = {t: tokenizer.convert_tokens_to_ids(t) for t in tags.special_tokens()}
+        # Each tag's ids: its one special id, or its text encoded alone (``model.tags='text'``).
+        self.id = {t: list(tokenizer.encode(t, add_special_tokens=False)) for t in tags.special_tokens()}
         self.joiner = f" {tags.query_sep} " if style == "short" else f"{tags.query_sep} "
 
     def words(self, text: str) -> list[int]:
@@ -89,17 +91,17 @@ class _Ids:
     def _think(self, thought: str, opened: bool = False) -> list[int]:
         if not self.tags.think_open:
             return []
-        head = [] if opened else [self.id[self.tags.think_open]]
-        return [*head, *self.words(thought), self.id[self.tags.think_close]]
+        head = [] if opened else self.id[self.tags.think_open]
+        return [*head, *self.words(thought), *self.id[self.tags.think_close]]
 
     def search(self, queries: Sequence[str], thought: str, opened: bool = False) -> list[int]:
         t = self.tags
         body = self.joiner.join(queries) if t.multi_query else " ".join(queries)
-        return self._think(thought, opened) + [self.id[t.query_open], *self.words(body), self.id[t.query_close]]
+        return self._think(thought, opened) + [*self.id[t.query_open], *self.words(body), *self.id[t.query_close]]
 
     def answer(self, text: str, thought: str, opened: bool = False) -> list[int]:
         t = self.tags
-        return self._think(thought, opened) + [self.id[t.answer_open], *self.words(text), self.id[t.answer_close]]
+        return self._think(thought, opened) + [*self.id[t.answer_open], *self.words(text), *self.id[t.answer_close]]
 
 
 def _model_segment(ids: list[int]) -> Segment:

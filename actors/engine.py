@@ -4,7 +4,10 @@ The interface fits both the transformers engine (CPU and GPU, :class:`HFEngine`,
 vLLM (``engine_vllm.py``, GPU only):
 
 - ``generate(prompts, params)``: one ``Generation`` per prompt, in order. Stops on any id in
-  ``params.stop_token_ids`` (the stop token is included in the output) or after ``max_new_tokens``.
+  ``params.stop_token_ids`` (the stop token is included in the output), at the first generated token
+  whose decoded text completes one of ``params.stop_strings`` (that token included, whatever text it
+  carries after the stop string; :class:`StopStrings`), or after ``max_new_tokens``. Token ids stay
+  in and out either way: stop strings only decide where a row ends.
   An optional per-prompt cap (``max_new_tokens_per_prompt``) lets the rollout loop respect each
   trajectory's remaining token budget inside one batched call.
 - Logprobs are ``log_softmax(raw logits / temperature)`` of the sampled token over the full
@@ -43,6 +46,12 @@ class SamplingParams:
     vocabulary (what the learner recomputes), which is lower than the truncated sampler's own logprob
     by -log(nucleus mass). 1.0 (no truncation) keeps reported and behaviour logprobs identical."""
     stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    """A row also stops at the first generated token whose decoded text (the row's generated ids
+    alone, special tokens kept) completes one of these strings; that token is kept, even when it
+    carries text after the stop string (``"</search>\n"``). Used for tags kept as plain text
+    (``model.tags='text'``): a tag is then several tokens, and BPE may merge its last characters
+    with what follows. The engine needs a tokenizer for these (``HFEngine(tokenizer=...)``)."""
     seed: int | None = None
     """Seeds the sampler's torch.Generator for this call; None draws a fresh random seed."""
 
@@ -53,6 +62,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.temperature={self.temperature} must be >= 0")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"SamplingParams.top_p={self.top_p} must be in (0, 1]")
+        if any(not isinstance(x, str) or not x for x in self.stop_strings):
+            raise ValueError(f"SamplingParams.stop_strings={self.stop_strings!r} must be non-empty strings")
 
 
 @dataclass
@@ -66,6 +77,8 @@ class Generation:
     version: int
     """Policy version of the weights that sampled these tokens (weights swap only between calls)."""
     stop_token_id: int | None = None
+    stop_string: str | None = None
+    """The stop string that ended the row (``finish == 'stop'`` on a string; ``stop_token_id`` None)."""
     version_spans: tuple[tuple[int, int, int], ...] = ()
     """Set only when more than one weights version sampled these tokens (the vLLM engine's
     ``rollout.weight_update='interrupt'``): ``(version, start, end)`` token ranges in order, and
@@ -77,6 +90,73 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+class StopStrings:
+    """Incremental stop-string detection for one row: ``push`` each generated id in order; it returns
+    the stop string that the text decoded so far completes first (None until then).
+
+    The text is the row's generated ids decoded alone with special tokens kept, as the rollout loop
+    decodes a MODEL segment. Fast tokenizers decode incrementally (``tokenizers.decoders.DecodeStream``,
+    what vLLM's detokenizer runs: O(1) per token, holding back a partial UTF-8 character until it is
+    complete); any other tokenizer re-decodes the ids so far at each step (O(n) per token). Only the
+    text a token added can complete a stop string, so the search starts ``len(stop) - 1`` characters
+    before it: a stop string spanning several tokens is found at the token that completes it.
+    """
+
+    def __init__(self, tokenizer, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        if not self.stops or any(not s for s in self.stops):
+            raise ValueError(f"stop strings {self.stops!r} must be a non-empty list of non-empty strings")
+        self._tok = tokenizer
+        self._longest = max(len(s) for s in self.stops)
+        self._ids: list[int] = []
+        self.text = ""
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._stream = None
+        try:
+            from tokenizers import Tokenizer
+            from tokenizers.decoders import DecodeStream
+
+            if isinstance(backend, Tokenizer):
+                self._backend, self._stream = backend, DecodeStream(skip_special_tokens=False)
+        except ImportError:  # pragma: no cover - tokenizers ships with transformers
+            pass
+
+    def push(self, token_id: int) -> str | None:
+        token_id = int(token_id)
+        self._ids.append(token_id)
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self._backend, token_id)
+            except Exception:  # noqa: BLE001 - a stream the decoder cannot continue: decode whole from now on
+                self._stream = None
+            else:
+                if not piece:  # nothing decodable yet (a partial character), or an empty token
+                    return None
+                start = max(0, len(self.text) - self._longest + 1)
+                self.text += piece
+                return first_stop(self.text, self.stops, start)
+        # Re-decoded whole: earlier characters may change (a completed character), so search it all.
+        self.text = self._tok.decode(self._ids, skip_special_tokens=False)
+        return first_stop(self.text, self.stops)
+
+
+def first_stop(text: str, stops: Sequence[str], start: int = 0) -> str | None:
+    """The stop string whose first occurrence in ``text[start:]`` ends first (ties: list order), or None."""
+    best, best_end = None, None
+    for s in stops:
+        i = text.find(s, start)
+        if i >= 0 and (best_end is None or i + len(s) < best_end):
+            best, best_end = s, i + len(s)
+    return best
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    """``text`` up to the end of its first stop string (unchanged when it has none): the token that
+    completed a stop string may carry more text, which belongs to no action."""
+    ends = [i + len(s) for s in stops if (i := text.find(s)) >= 0]
+    return text[:min(ends)] if ends else text
 
 
 def resolve_caps(params: SamplingParams, n: int, per_prompt: Sequence[int] | None) -> list[int]:
@@ -118,7 +198,8 @@ class HFEngine:
     ``logp = log_softmax(logits / T)``; the token is sampled from ``exp(logp)`` (full vocabulary, no
     top-k) with a ``torch.Generator`` seeded from ``params.seed``; its ``logp`` is the reported
     logprob. T == 0 is greedy and reports ``log_softmax(logits)`` (T = 1). A row stops after a stop
-    token (kept in the output) or its token cap; finished rows are dropped from the batch and the
+    token (kept in the output), after the token that completes a stop string (``StopStrings``, with
+    ``tokenizer``; kept too) or at its token cap; finished rows are dropped from the batch and the
     cache (``batch_select_indices``) so the long tail does not pay for them.
 
     Prompts are sorted by length before chunking (less padding) and returned in input order.
@@ -129,9 +210,11 @@ class HFEngine:
     """
 
     def __init__(self, model, eos_token_id: int | None, device: str | torch.device = "cpu",
-                 max_batch: int = 64):
+                 max_batch: int = 64, tokenizer=None):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
+        self.tokenizer = tokenizer
+        """Decodes generated ids for ``SamplingParams.stop_strings`` (None: stop strings refused)."""
         self.device = torch.device(device)
         self.model = model.to(self.device)
         # Generation only: dropout off. The engine owns its model (a copy of the learner's).
@@ -150,8 +233,8 @@ class HFEngine:
                  max_new_tokens_per_prompt: Sequence[int] | None = None) -> list[Generation]:
         """Sample continuations. ``prompts[i]``: int [n_i >= 1]. Returns one Generation per prompt.
 
-        Stops on ``params.stop_token_ids`` and on the engine's EOS id. The per-prompt caps
-        (optional) are clipped to ``params.max_new_tokens``.
+        Stops on ``params.stop_token_ids``, on the engine's EOS id and on ``params.stop_strings``.
+        The per-prompt caps (optional) are clipped to ``params.max_new_tokens``.
         """
         seqs, caps, stop, gen = self._prepare_call(prompts, params, max_new_tokens_per_prompt)
         n = len(seqs)
@@ -162,15 +245,18 @@ class HFEngine:
             for c0 in range(0, n, self.max_batch):
                 idx = order[c0:c0 + self.max_batch]
                 res = self._generate_chunk([seqs[i] for i in idx], [caps[i] for i in idx], params, stop, gen)
-                for i, (ids, lps, finish, stop_id) in zip(idx, res):
+                for i, (ids, lps, finish, stop_id, stop_str) in zip(idx, res):
                     out[i] = Generation(np.asarray(ids, dtype=np.int32), np.asarray(lps, dtype=np.float32),
-                                        finish, version, stop_id)
+                                        finish, version, stop_id, stop_str)
         return out  # type: ignore[return-value]
 
     def _prepare_call(self, prompts: Sequence[np.ndarray], params: SamplingParams,
                       per_prompt: Sequence[int] | None):
         """Validated (int64 prompts, per-prompt caps, stop ids incl. EOS, seeded torch.Generator) of one call."""
         params.validate()
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError(f"SamplingParams.stop_strings={params.stop_strings!r}: this {type(self).__name__} has "
+                             "no tokenizer to decode with (construct it with tokenizer=...)")
         caps = resolve_caps(params, len(prompts), per_prompt)
         seqs = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
         for i, s in enumerate(seqs):
@@ -207,9 +293,11 @@ class HFEngine:
         lps_out: list[list[float]] = [[] for _ in range(B)]
         finish = ["length"] * B
         stop_ids: list[int | None] = [None] * B
+        stop_strs: list[str | None] = [None] * B
+        matchers = [StopStrings(self.tokenizer, params.stop_strings) for _ in range(B)] if params.stop_strings else None
         live = [b for b in range(B) if caps[b] > 0]
         if not live:
-            return [(ids_out[b], lps_out[b], finish[b], stop_ids[b]) for b in range(B)]
+            return [(ids_out[b], lps_out[b], finish[b], stop_ids[b], stop_strs[b]) for b in range(B)]
 
         dev = self.device
         input_ids, mask, pos = self._left_pad([seqs[b] for b in live])
@@ -228,14 +316,16 @@ class HFEngine:
             step += 1
             tok_l, lp_l = tok.tolist(), lp.tolist()
             is_stop = torch.isin(tok, stop_t) if stop_t is not None else torch.zeros_like(tok, dtype=torch.bool)
-            done = (is_stop.cpu() | (cap_t <= step))
+            is_stop = is_stop.cpu()
             for r, b in enumerate(rows.tolist()):
                 ids_out[b].append(tok_l[r])
                 lps_out[b].append(lp_l[r])
-            if bool(is_stop.any()):
-                for r in torch.nonzero(is_stop.cpu()).flatten().tolist():
-                    b = int(rows[r])
+                if is_stop[r]:
                     finish[b], stop_ids[b] = "stop", tok_l[r]
+                elif matchers is not None and (hit := matchers[b].push(tok_l[r])) is not None:
+                    finish[b], stop_strs[b] = "stop", hit
+                    is_stop[r] = True
+            done = is_stop | (cap_t <= step)
             if bool(done.all()):
                 break
             if bool(done.any()):
@@ -248,7 +338,7 @@ class HFEngine:
             last_pos = last_pos + 1
             logits = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=last_pos[:, None],
                                 past_key_values=cache, use_cache=True).logits[:, -1, :]
-        return [(ids_out[b], lps_out[b], finish[b], stop_ids[b]) for b in range(B)]
+        return [(ids_out[b], lps_out[b], finish[b], stop_ids[b], stop_strs[b]) for b in range(B)]
 
     @staticmethod
     def _sample(logits: torch.Tensor, T: float, top_p: float, gen: torch.Generator):

@@ -16,7 +16,8 @@ Mechanics (notation: R rows in the running batch, L the KV length, V the vocabul
   two along the sequence axis (mask 0 there) and concatenating along the batch axis; (3) every row
   samples with its own call's ``torch.Generator``, temperature and top-p, so logprobs are the exact
   ``log_softmax(logits / T)`` of the sampled token, as in ``HFEngine``.
-- A row stops after a stop id of its call (kept) or its cap; it leaves the cache at once
+- A row stops after a stop id of its call (kept), after the token that completes one of its call's
+  stop strings (``engine.StopStrings``, one per row; kept) or at its cap; it leaves the cache at once
   (``batch_select_indices``), and leading KV columns no remaining row attends to are cut off.
 - At most ``max_batch`` rows are live; further rows wait in FIFO order.
 - Weights: ``load_weights`` waits for the current step to end and swaps between steps, so a call
@@ -48,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sonar.actors.engine import Generation, HFEngine, SamplingParams
+from sonar.actors.engine import Generation, HFEngine, SamplingParams, StopStrings
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,9 @@ class _Row:
     version: int = -1
     finish: str = "length"
     stop_id: int | None = None
+    stop_string: str | None = None
+    matcher: StopStrings | None = None
+    """Decodes this row's generated ids for its call's stop strings (None: the call has none)."""
 
 
 class ContinuousHFEngine(HFEngine):
@@ -83,8 +87,9 @@ class ContinuousHFEngine(HFEngine):
     concurrent = True
     """Concurrent ``generate`` calls share decode steps (wrappers must not serialise them)."""
 
-    def __init__(self, model, eos_token_id: int | None, device: str | torch.device = "cpu", max_batch: int = 64):
-        super().__init__(model, eos_token_id, device=device, max_batch=max_batch)
+    def __init__(self, model, eos_token_id: int | None, device: str | torch.device = "cpu", max_batch: int = 64,
+                 tokenizer=None):
+        super().__init__(model, eos_token_id, device=device, max_batch=max_batch, tokenizer=tokenizer)
         self._cv = threading.Condition()
         self._queue: list[_Row] = []
         self._closed = False
@@ -114,7 +119,9 @@ class ContinuousHFEngine(HFEngine):
         if n == 0:
             return []
         call = _Call(params, stop, gen, [None] * n, n)
-        rows = [_Row(call, i, seqs[i], caps[i]) for i in range(n)]
+        rows = [_Row(call, i, seqs[i], caps[i],
+                     matcher=StopStrings(self.tokenizer, params.stop_strings) if params.stop_strings else None)
+                for i in range(n)]
         with self._cv:
             if self._closed:
                 raise RuntimeError("ContinuousHFEngine is closed")
@@ -285,6 +292,9 @@ class ContinuousHFEngine(HFEngine):
                 if t in call.stop:
                     r.finish, r.stop_id = "stop", t
                     finished.append(offset + i)
+                elif r.matcher is not None and (hit := r.matcher.push(t)) is not None:
+                    r.finish, r.stop_string = "stop", hit
+                    finished.append(offset + i)
                 elif len(r.ids) >= r.cap:
                     finished.append(offset + i)
         return toks
@@ -315,7 +325,7 @@ class ContinuousHFEngine(HFEngine):
     def _finish(self, r: _Row, immediate: bool = False) -> None:
         call = r.call
         call.out[r.index] = Generation(np.asarray(r.ids, np.int32), np.asarray(r.lps, np.float32), r.finish,
-                                       r.version if r.version >= 0 else self.version, r.stop_id)
+                                       r.version if r.version >= 0 else self.version, r.stop_id, r.stop_string)
         if not immediate:
             with self._cv:
                 self.rows_done += 1

@@ -14,7 +14,8 @@ Shape of it (notation: a *row* is one prompt of a ``generate`` call, i.e. one tu
 - Sampling: each row gets its own seed, derived from the call's seed and the row index
   (:func:`row_seed`): vLLM's sampling noise depends only on (seed, position), so G copies of one
   prompt under one seed would give G identical samples and a GRPO group with no signal.
-  ``top_k`` off, ``top_p`` and temperature as given, no detokenisation (``skip_tokenizer_init``).
+  ``top_k`` off, ``top_p`` and temperature as given, no detokenisation (``skip_tokenizer_init``)
+  unless the engine has a ``tokenizer`` for stop strings.
 - Logprobs: ``logprobs_mode="processed_logprobs"`` reports ``log_softmax(logits / T)`` of the sampled
   token, the number the learner recomputes by teacher forcing (greedy: ``log_softmax(logits)``,
   temperature 1, as ``HFEngine``). Exactly so with ``top_p=1``; with ``top_p < 1`` vLLM's processed
@@ -22,26 +23,40 @@ Shape of it (notation: a *row* is one prompt of a ``generate`` call, i.e. one tu
   ``-log(nucleus mass)``), not the full-vocabulary number the transformers engines record.
 - Stops: the caller's stop ids and the model's EOS ids (the tokenizer's and the generation config's)
   end a row; the stop token is kept and labelled ``finish="stop"`` with its id, as in ``HFEngine``.
+  Stop strings (tags kept as plain text, ``SamplingParams.stop_strings``) need the engine built with
+  a ``tokenizer``: vLLM then initialises its own from the model directory and detokenises only the
+  rows that have stop strings (``stop=[...]``, ``include_stop_str_in_output=True``): its output
+  processor checks the text each new token adds, keeps the token that completes a stop string (with
+  whatever text that token carries after it), drops the tokens after it in the same step with their
+  logprobs, and aborts the request in the engine core (vLLM 0.32 ``v1/engine/detokenizer.py``,
+  ``output_processor.py:_trim_surplus_tokens``). vLLM's detokeniser starts with each request, so a
+  row resubmitted after an interrupt would miss a stop string spanning the interrupt: the engine
+  runs ``engine.StopStrings`` over the whole row as well and ends the row at the first token either
+  check stops on.
 - Weights (module ``vllm_extension``): each vLLM worker process joins the learner's broadcast group
   and receives the buckets onto its own device; only names, shapes, dtypes and versions travel by
-  RPC. ``receive_weights`` returns once the bytes are in the receive buffers (generation keeps going
-  meanwhile, apart from the transfer itself); the load is then applied in the background:
+  RPC. The push is streamed: each worker loads every bucket into the model as it arrives, two bucket
+  buffers beside the model and never a copy of it, so receive and load are one collective call
+  (``receive_weights``) made while generation is paused; it returns when the new weights are live:
 
-  * ``weight_update="pause"`` (default): vLLM stops admitting new rows, the rows in flight finish
-    under the old weights, then the load, a prefix-cache reset and the new version stamp, then
-    generation resumes. No row ever mixes two versions.
+  * ``weight_update="pause"`` (default): vLLM stops admitting new rows and the rows in flight finish
+    under the old weights; then the streamed receive and load, a prefix-cache reset and the new
+    version stamp, then generation resumes. No row ever mixes two versions. The learner's push waits
+    for that drain (the longest row in flight: ``pause_s``), so the group's timeout
+    (``cluster.step_timeout_s``) must cover it.
   * ``weight_update="interrupt"`` (AReaL's interruptible generation): the rows in flight are aborted
-    at once, the weights load, and every aborted row is resubmitted with its prefix (prompt + the
+    at once, the weights stream in, and every aborted row is resubmitted with its prefix (prompt + the
     tokens it already has) under the new weights; the prefix cache was reset, so the prefix's KV is
     recomputed by the new weights. The rows then *do* mix two versions, and say so:
     ``Generation.version_spans`` gives each version's token range and ``Generation.version`` is the
     oldest (staleness checks stay conservative).
 
-  Every output token's version comes from vLLM itself (``CompletionOutput.weight_versions``, the
-  version the engine core stamped on the step that produced it), not from a guess at submit time.
-  ``apply_staged()`` waits until the last received version is loaded (evaluation and sync mode call
-  it). ``weights_checksum()`` is ``sonar.cluster.wire.weights.checksum`` of the tensors the vLLM
-  workers received, so it compares with the learner's.
+  (On GPU vLLM runs ``collective_rpc`` inside the engine core's busy loop, so no decode step ran during
+  a receive even when receive and load were separate calls.) Every output token's version comes from
+  vLLM itself (``CompletionOutput.weight_versions``, the version the engine core stamped on the step
+  that produced it), not from a guess at submit time. ``apply_staged()`` waits for a push in progress
+  (evaluation and sync mode call it). ``weights_checksum()`` is ``sonar.cluster.wire.weights.checksum``
+  of the tensors the vLLM workers received, summed as they arrived, so it compares with the learner's.
 
 Traps handled here: vLLM starts its engine core with ``spawn`` (a script that builds this engine at
 import time needs an ``if __name__ == "__main__":`` guard); on CPU vLLM reserves
@@ -64,7 +79,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sonar.actors.engine import Generation, ParamSpec, SamplingParams, resolve_caps
+from sonar.actors.engine import Generation, ParamSpec, SamplingParams, StopStrings, resolve_caps
 
 EXTENSION = "sonar.actors.vllm_extension.SonarWorkerExtension"
 WEIGHT_UPDATE_MODES = ("pause", "interrupt")
@@ -114,7 +129,9 @@ class VLLMEngine:
 
     ``model_dir``: a Hugging Face directory vLLM loads. ``param_specs``: the learner's parameter
     names, shapes and dtypes in its order (the broadcast layout). ``eos_token_ids``: extra EOS ids
-    (the tokenizer's), added to those of the directory's configs.
+    (the tokenizer's), added to those of the directory's configs. ``tokenizer``: the policy's (the
+    directory's) tokenizer, needed only for stop strings (None: vLLM skips its tokenizer, and a call
+    with stop strings raises).
     """
 
     concurrent = True
@@ -124,7 +141,7 @@ class VLLMEngine:
                  dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 64, seed: int = 0,
                  kv_cache_gib: float = 0.0, gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, weight_update: str = "pause",
-                 owned_dir: str | None = None):
+                 owned_dir: str | None = None, tokenizer: Any = None):
         if weight_update not in WEIGHT_UPDATE_MODES:
             raise ValueError(f"weight_update={weight_update!r} is not one of {list(WEIGHT_UPDATE_MODES)}")
         self.model_dir = model_dir
@@ -134,6 +151,7 @@ class VLLMEngine:
         self._specs = list(param_specs)
         self._owned_dir = owned_dir
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids) | model_eos_ids(model_dir)
+        self.tokenizer = tokenizer
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         # vLLM logs every pause/resume and cache reset at INFO: one weight push = several lines per worker.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -141,7 +159,6 @@ class VLLMEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
         self._thread.start()
         self._closed = False
-        self._apply_task: asyncio.Task | None = None
         self._weights_lock: asyncio.Lock | None = None
         self._interrupts = 0          # bumped before every interrupting pause: aborted rows of older epochs resubmit
         self._joined = False
@@ -151,7 +168,7 @@ class VLLMEngine:
             model=model_dir, dtype=dtype, max_model_len=max_model_len, max_num_seqs=int(max_num_seqs), seed=int(seed),
             enable_prefix_caching=bool(enable_prefix_caching), enforce_eager=bool(enforce_eager),
             tensor_parallel_size=self.tensor_parallel_size, gpu_memory_utilization=float(gpu_memory_utilization),
-            skip_tokenizer_init=True, logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION,
+            skip_tokenizer_init=tokenizer is None, logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION,
             disable_log_stats=True)
         if kv_cache_gib > 0:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
@@ -178,7 +195,12 @@ class VLLMEngine:
         """The engine a rollout worker runs on ``model_dir``, the Hugging Face directory ``model`` was
         loaded from (the run's policy); without one, ``cfg.model.path``, else ``model`` saved to a
         temporary directory (removed by :meth:`close`). ``model`` gives the parameter specs (the learner
-        loads the same directory, so the layouts agree); the engine keeps no reference to it."""
+        loads the same directory, so the layouts agree); the engine keeps no reference to it. ``tokenizer``
+        is kept for stop strings when the protocol's closing tags are plain text for it
+        (``prompts.stop_plan``); otherwise vLLM runs without a tokenizer, as before."""
+        from sonar.actors.prompts import get_protocol, stop_plan
+
+        text_stops = bool(stop_plan(tokenizer, get_protocol(cfg.protocol.name))[1])
         specs = [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters() if p.requires_grad]
         owned = None
         if model_dir or cfg.model.path:
@@ -197,7 +219,7 @@ class VLLMEngine:
                    max_num_seqs=r.max_batch_rows, seed=cfg.run.seed, kv_cache_gib=r.vllm_kv_cache_gib,
                    gpu_memory_utilization=r.vllm_gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
                    enable_prefix_caching=r.vllm_enable_prefix_caching, enforce_eager=r.vllm_enforce_eager,
-                   weight_update=r.weight_update, owned_dir=owned)
+                   weight_update=r.weight_update, owned_dir=owned, tokenizer=tokenizer if text_stops else None)
 
     # ------------------------------------------------------------ loop plumbing
     def _call(self, coro, timeout: float | None = None):
@@ -254,6 +276,9 @@ class VLLMEngine:
         return self._call(self._agenerate(seqs, caps, params))
 
     async def _agenerate(self, seqs: list[list[int]], caps: list[int], params: SamplingParams) -> list[Generation]:
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError(f"SamplingParams.stop_strings={params.stop_strings!r}: this VLLMEngine was built without "
+                             "a tokenizer (vLLM skipped its own): construct it with tokenizer=...")
         stop = frozenset(int(t) for t in params.stop_token_ids) | self.eos_token_ids
         outs = await asyncio.gather(*(self._row(i, s, c, params, stop) for i, (s, c) in enumerate(zip(seqs, caps))))
         self.stats["rows"] += len(outs)
@@ -263,9 +288,14 @@ class VLLMEngine:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        # Stop strings need vLLM's detokeniser, and only those rows pay for it. The stop string stays in
+        # the output (its completing token is the MODEL segment's last), and special tokens are kept in
+        # the text, as the rollout decodes a turn.
+        texts = list(params.stop_strings)
         return VLLMSamplingParams(
             temperature=float(params.temperature), top_p=float(params.top_p), top_k=0, max_tokens=int(max_tokens),
-            stop_token_ids=sorted(stop), logprobs=0, seed=seed, detokenize=False,
+            stop_token_ids=sorted(stop), logprobs=0, seed=seed, detokenize=bool(texts),
+            stop=texts or None, include_stop_str_in_output=True, skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA)
 
     async def _row(self, index: int, prompt: list[int], cap: int, params: SamplingParams,
@@ -277,23 +307,41 @@ class VLLMEngine:
         spans: list[tuple[int, int, int]] = []   # (version, start, end) over this row's output tokens
         attempt = 0
         finish = "length"
+        hit: str | None = None   # the stop string that ended the row
+        # The row's own stop-string check, over every token of the row (across resubmissions).
+        matcher = StopStrings(self.tokenizer, params.stop_strings) if params.stop_strings else None
         while len(ids) < cap:
             seed = None if params.seed is None else row_seed(params.seed, index, attempt)
             epoch = self._interrupts
             base = len(ids)
             self.stats["requests"] += 1
             final = None
-            async for out in self._llm.generate(tokens_input(prompt + ids), self._sampling(params, cap - base, stop, seed),
-                                                request_id=uuid.uuid4().hex):
-                o = out.outputs[0]
-                ids.extend(int(t) for t in o.token_ids)
-                lps.extend(next(iter(d.values())).logprob if d else float("nan") for d in (o.logprobs or ()))
-                self.stats["tokens"] += len(o.token_ids)
-                final = o
+            stream = self._llm.generate(tokens_input(prompt + ids), self._sampling(params, cap - base, stop, seed),
+                                        request_id=uuid.uuid4().hex)
+            try:
+                async for out in stream:
+                    o = out.outputs[0]
+                    new = [int(t) for t in o.token_ids]
+                    new_lps = [next(iter(d.values())).logprob if d else float("nan") for d in (o.logprobs or ())]
+                    if matcher is not None:
+                        for j, t in enumerate(new):
+                            if (hit := matcher.push(t)) is not None:
+                                new, new_lps = new[:j + 1], new_lps[:j + 1]
+                                break
+                    ids.extend(new)
+                    lps.extend(new_lps)
+                    self.stats["tokens"] += len(new)
+                    final = o
+                    if hit is not None and not out.finished:
+                        break  # this check ended the row before vLLM did
+            finally:
+                await stream.aclose()  # a request left unfinished is aborted by closing its stream
             if len(lps) != len(ids):
                 raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(lps)} logprobs for row {index}")
             spans.extend(_spans(final, base, len(ids), self.version))
-            if ids and ids[-1] in stop:
+            if hit is None and final is not None and final.finish_reason == "stop" and isinstance(final.stop_reason, str):
+                hit = final.stop_reason  # vLLM's check (the text in its prompt's context) saw it first
+            if hit is not None or (ids and ids[-1] in stop):
                 finish = "stop"
                 break
             reason = final.finish_reason if final is not None else None
@@ -310,7 +358,7 @@ class VLLMEngine:
             self.stats["mixed_rows"] += 1
         version = min(versions) if versions else self.version
         return Generation(np.asarray(ids, dtype=np.int32), np.asarray(lps, dtype=np.float32), finish, version,
-                          ids[-1] if finish == "stop" else None,
+                          ids[-1] if finish == "stop" and hit is None else None, stop_string=hit,
                           version_spans=tuple(spans) if len(versions) > 1 else ())
 
     # ------------------------------------------------------------ weights
@@ -322,11 +370,14 @@ class VLLMEngine:
         return self.tensor_parallel_size
 
     def setup_broadcast(self, master_addr: str, master_port: int, rank_base: int, world_size: int, backend: str,
-                        prefix: str, sender_specs: list | None = None) -> str:
+                        prefix: str, sender_specs: list | None = None, timeout_s: float = 300.0,
+                        bucket_bytes: int | None = None) -> str:
         """Every vLLM worker joins the group as ``rank_base + its rank``; blocks until all ranks joined.
         ``sender_specs``: the learner's tensor specs, whose dtypes the buckets take (``wire_layout``; vLLM
-        casts on load); None: this engine's own. Returns the layout digest (the driver compares it with
-        the learner's)."""
+        casts on load); None: this engine's own. ``timeout_s``: the group's (every wait of a push).
+        ``bucket_bytes``: the bucket plan's budget (None: ``weights.DEFAULT_BUCKET_BYTES``, the learner's);
+        the sender must plan with the same one (every push's handshake checks). Returns the layout digest
+        (the driver compares it with the learner's)."""
         from sonar.cluster.wire.weights import TensorSpec, layout_digest, wire_layout
 
         wire = [TensorSpec(s.name, tuple(s.shape), s.dtype) for s in self._specs]
@@ -334,22 +385,28 @@ class VLLMEngine:
             wire = wire_layout(wire, sender_specs)
         specs = [(s.name, list(s.shape), str(s.dtype).removeprefix("torch.")) for s in wire]
         out = self._call(self._arpc_locked("sonar_join", (master_addr, int(master_port), int(rank_base),
-                                                          int(world_size), backend, prefix, specs)))
+                                                          int(world_size), backend, prefix, specs, float(timeout_s),
+                                                          bucket_bytes)))
         mine = layout_digest(wire)
         if any(o["digest"] != mine for o in out):
             raise RuntimeError(f"vLLM workers computed layout digests {[o['digest'] for o in out]}, engine {mine}")
         self._joined = True
+        self.recv_buffer_bytes = max(int(o["buffer_bytes"]) for o in out)  # per vLLM rank, during a push
         return mine
 
     def receive_weights(self, version: int) -> dict:
-        """Collective with the learner's push: returns once every vLLM worker holds the bytes; the load
-        follows in the background (``weight_update``). ``seconds``/``bytes``: the slowest rank's transfer."""
+        """Collective with the learner's push, streamed (module docstring): pause (``weight_update``),
+        receive and load bucket by bucket in every vLLM worker, stamp the version, reset the prefix cache,
+        resume; returns once the new weights are live. ``seconds``: the slowest rank's receive + load
+        after the handshake; ``pause_s``: the drain (pause) or abort (interrupt) before it; ``bytes``;
+        ``held_copies``/``held_bytes``: tensors vLLM's layerwise reload kept past their bucket (copied)."""
         if not self._joined:
             raise RuntimeError("receive_weights before setup_broadcast")
         return self._call(self._areceive(int(version)))
 
     def apply_staged(self) -> None:
-        """Block until the last received version is loaded (re-raises a failed load)."""
+        """Block until a push in progress (another thread's ``receive_weights``) is live; a returned
+        ``receive_weights`` already is."""
         self._call(self._await_apply())
 
     def load_weights(self, named_tensors, version: int) -> None:
@@ -358,7 +415,8 @@ class VLLMEngine:
 
     def weights_checksum(self) -> dict:
         """``{"version", "checksum"}``: ``weights.checksum`` of the tensors every vLLM worker received and
-        loaded (all ranks must agree), after waiting for a pending load. ``checksum`` None before any push."""
+        loaded (all ranks must agree), summed as they arrived, after waiting for a push in progress.
+        ``checksum`` None before any push (or after a failed one)."""
         return self._call(self._achecksum())
 
     def state_checksum(self) -> float:
@@ -371,50 +429,45 @@ class VLLMEngine:
         return {"engine": "vllm", "version": self.version, "weight_update": self.weight_update, **self.stats}
 
     async def _await_apply(self) -> None:
-        task = self._apply_task
-        if task is not None:
-            await asyncio.shield(task)  # raises the load's error, if any
+        async with self._weights_lock:  # a push holds it from the pause to the resume
+            pass
 
     async def _arpc_locked(self, method: str, args: tuple) -> list:
         async with self._weights_lock:
-            await self._await_apply()
             return await self._llm.collective_rpc(method, args=args)
 
     async def _areceive(self, version: int) -> dict:
+        """Pause (drain or abort), receive + load in every worker (``sonar_update``), stamp the version,
+        reset the prefix cache, resume."""
         async with self._weights_lock:
-            await self._await_apply()  # the buffers still feed the previous load until it is done
             t0 = time.perf_counter()
-            out = await self._llm.collective_rpc("sonar_receive", args=(version,))
-            wall = time.perf_counter() - t0
+            if self.weight_update == "interrupt":
+                self._interrupts += 1
+                await self._llm.pause_generation(mode="abort", clear_cache=True)
+            else:
+                await self._llm.pause_generation(mode="wait", clear_cache=True)
+            t1 = time.perf_counter()
+            try:
+                out = await self._llm.collective_rpc("sonar_update", args=(version,))
+                rpc_s = time.perf_counter() - t1
+                await self._llm.update_weight_version(str(version))
+                if not await self._llm.reset_prefix_cache():
+                    raise RuntimeError("vLLM refused to reset its prefix cache after a weight load")
+                self.version = version
+            finally:
+                await self._llm.resume_generation()
+                self.stats["apply_s"] += time.perf_counter() - t0
             self.stats["pushes"] += 1
-            self.stats["recv_s"] += wall
+            self.stats["recv_s"] += rpc_s
+            self.stats["load_s"] += max(o["load_s"] for o in out)
             self.stats["bytes"] += out[0]["bytes"]
-            self._apply_task = asyncio.get_running_loop().create_task(self._aapply(version))
-        return {"version": version, "seconds": max(o["seconds"] for o in out), "rpc_s": wall,
-                "bytes": out[0]["bytes"], "ranks": len(out)}
-
-    async def _aapply(self, version: int) -> None:
-        """Pause (drain or abort), load in every worker, stamp the version, reset the prefix cache, resume."""
-        t0 = time.perf_counter()
-        if self.weight_update == "interrupt":
-            self._interrupts += 1
-            await self._llm.pause_generation(mode="abort", clear_cache=True)
-        else:
-            await self._llm.pause_generation(mode="wait", clear_cache=True)
-        try:
-            out = await self._llm.collective_rpc("sonar_load", args=(version,))
-            await self._llm.update_weight_version(str(version))
-            if not await self._llm.reset_prefix_cache():
-                raise RuntimeError("vLLM refused to reset its prefix cache after a weight load")
-            self.version = version
-            self.stats["load_s"] += max(o["seconds"] for o in out)
-        finally:
-            await self._llm.resume_generation()
-            self.stats["apply_s"] += time.perf_counter() - t0
+        return {"version": version, "seconds": max(o["seconds"] for o in out), "rpc_s": rpc_s, "pause_s": t1 - t0,
+                "bytes": out[0]["bytes"], "ranks": len(out), "held_copies": max(o["held_copies"] for o in out),
+                "held_bytes": max(o["held_bytes"] for o in out), "fresh_buffers": max(o["fresh_buffers"] for o in out),
+                "buffer_bytes": max(o["buffer_bytes"] for o in out)}
 
     async def _achecksum(self) -> dict:
         async with self._weights_lock:
-            await self._await_apply()
             out = await self._llm.collective_rpc("sonar_checksum")
         sums = [o["checksum"] for o in out]
         if any(s is None for s in sums):
@@ -441,7 +494,9 @@ def _spans(final, start: int, end: int, fallback: int) -> list[tuple[int, int, i
     wv = getattr(final, "weight_versions", None) if final is not None else None
     if not wv:
         return [(fallback, start, end)]
-    return [(int(s.version), start + int(s.start), start + int(s.end)) for s in wv]
+    # Clipped to ``end``: the row's stop-string check may have kept fewer tokens than vLLM produced.
+    out = [(int(s.version), start + int(s.start), min(start + int(s.end), end)) for s in wv]
+    return [(v, a, b) for v, a, b in out if b > a]
 
 
 def _merge(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

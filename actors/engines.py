@@ -32,7 +32,7 @@ def build_engine(cfg: Config, model: Any, tokenizer: Any, *, worker_id: int = 0,
     vLLM engine loads ``policy_dir``, the Hugging Face directory ``model`` came from, itself), passed
     through ``wrap`` when one is given.
 
-    ``tokenizer`` supplies the EOS id. ``worker_id`` is handed to ``wrap`` (to seed per-worker draws).
+    ``tokenizer`` supplies the EOS id, and decodes for stop strings (tags kept as plain text). ``worker_id`` is handed to ``wrap`` (to seed per-worker draws).
     """
     engine = _production_engine(cfg, model, tokenizer, policy_dir)
     if wrap is None:
@@ -50,8 +50,10 @@ def _production_engine(cfg: Config, model: Any, tokenizer: Any, policy_dir: str 
         if r.continuous_batching:
             from sonar.actors.engine_continuous import ContinuousHFEngine
 
-            return ContinuousHFEngine(model, eos_token_id=tokenizer.eos_token_id, max_batch=r.max_batch_rows)
+            return ContinuousHFEngine(model, eos_token_id=tokenizer.eos_token_id, max_batch=r.max_batch_rows,
+                                      tokenizer=tokenizer)
         from sonar.actors.engine import HFEngine
 
-        return HFEngine(model, eos_token_id=tokenizer.eos_token_id, max_batch=r.max_batch_rows)
+        return HFEngine(model, eos_token_id=tokenizer.eos_token_id, max_batch=r.max_batch_rows,
+                        tokenizer=tokenizer)
     raise ValueError(f"rollout.engine={r.engine!r} is not one of ['hf', 'vllm']")

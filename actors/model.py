@@ -12,9 +12,10 @@ Invariants:
   tokenizer's, so ``generate`` stops on ``<eos>`` and pads with ``<pad>``.
 - Attention is "sdpa" (``cluster.wire.policy.ATTN_IMPLEMENTATION``: measured there).
 - Every role loads the policy from one Hugging Face directory with ``cluster.wire.policy.load_policy``;
-  ``materialise_policy`` writes that directory for a run (or names ``model.path`` as it is when its
-  tokenizer already has the tags; otherwise it writes ``model.path`` with the tags added, see
-  ``actors.tokenizer`` for why tags are special tokens).
+  ``materialise_policy`` names ``model.path`` as it is when the tags stay plain text
+  (``model.tags='text'``, the default there) or its tokenizer already has them; with
+  ``model.tags='special'`` it writes ``model.path`` with the tags added as special tokens into the
+  run's directory (``add_tags_to_policy``; see ``actors.tokenizer`` and ``actors.prompts``).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 # load_policy/save_policy live in the wire (the learner loads and exports with them); actors code and
 # `sonar eval` keep importing them from here.
+from sonar.cluster.wire.config import model_tags
 from sonar.cluster.wire.policy import ATTN_IMPLEMENTATION, load_policy, save_policy  # noqa: F401
 
 
@@ -61,13 +63,43 @@ def build_policy(cfg, tokenizer) -> LlamaForCausalLM:
 
 
 def add_tags_to_policy(model, tokenizer) -> list[str]:
-    """Add every protocol tag the tokenizer lacks as a special token and resize the model's embeddings
-    (new rows at the mean of the old ones, ``mean_resizing``). Returns the tags added (none: unchanged)."""
+    """``model.tags='special'`` for a stock tokenizer: add every protocol tag it lacks as a special token
+    (in place, ``actors.tokenizer.add_tags``) and give every added id the mean of the trained rows.
+    Returns the tags added (none: model and tokenizer unchanged).
+
+    Rows (notation: N = ``len(tokenizer)`` before, N' after the tags, R the embedding's rows): the
+    trained rows are the first min(N, R) (no id >= N was ever produced by the tokenizer). The matrix
+    grows to N' when R < N' and never shrinks: a padded vocabulary keeps its R rows (Qwen2.5-7B: R =
+    152,064 for N = 151,665; ``resize_token_embeddings(N')`` would *shrink* it to 151,678), so the
+    added ids N..N'-1 land on padding rows, which were never trained, and are overwritten here. Each
+    added id's row is set to the float32 mean of the trained rows, cast to the weight's dtype, in the
+    input embedding and, when untied, in the output head (and its bias, if any): a tag then starts
+    as an average token instead of a random or never-trained one. A grown matrix is not padded to a
+    multiple of 64: every extra row would be one more untrained id the policy can sample, and vLLM
+    pads the vocabulary for its own kernels anyway.
+    """
     from sonar.actors.tokenizer import add_tags
 
+    n_before = len(tokenizer)
     added = add_tags(tokenizer)
-    if added:
-        model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    if not added:
+        return added
+    rows = model.get_input_embeddings().weight.shape[0]
+    trained = min(n_before, rows)
+    if len(tokenizer) > rows:
+        # The new rows are overwritten below: no covariance-sampled init (``mean_resizing``) needed.
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    ids = torch.tensor([int(i) for i in tokenizer.convert_tokens_to_ids(added)], dtype=torch.long)
+    inp = model.get_input_embeddings()
+    out = model.get_output_embeddings()
+    tensors = [inp.weight]
+    if out is not None and out.weight is not inp.weight:  # an untied lm_head
+        tensors.append(out.weight)
+        if getattr(out, "bias", None) is not None:
+            tensors.append(out.bias)
+    with torch.no_grad():
+        for w in tensors:
+            w[ids] = w[:trained].mean(0, dtype=torch.float32).to(w.dtype)
     return added
 
 
@@ -112,11 +144,12 @@ def resolve_model_path(value: str, *, env=None, download=None) -> Path:
 def materialise_policy(cfg, world, out_dir: str | Path, extra_vocab: Sequence[str] = ()) -> str:
     """The directory every role loads the run's initial policy from (``cluster.wire.policy.load_policy``).
 
-    ``cfg.path`` set: when its tokenizer already has every protocol tag as one token, that directory
-    is used as it is (checked, not copied). Otherwise the model and tokenizer are loaded, the tags
-    added as special tokens and the embeddings resized (``add_tags_to_policy``), and the result is
-    written into ``out_dir``: the user's directory is never modified, and every role (vLLM included)
-    loads the same resized policy. Unset: the world's word tokenizer and a random tiny Llama
+    ``cfg.path`` set: with the tags as plain text (``model_tags(cfg) == 'text'``, the default) the
+    model is used as it is, so that directory is named (resolved, not copied; ``out_dir`` is not
+    written); likewise when its tokenizer already has every protocol tag as one token. Otherwise
+    (``'special'``) the model and tokenizer are loaded, the tags added as special tokens with their
+    rows initialised (``add_tags_to_policy``), and the result is written into ``out_dir``: the user's
+    directory is never modified, and every role (vLLM included) loads the same policy. Unset: the world's word tokenizer and a random tiny Llama
     (``build_policy``) saved into ``out_dir``; a pure function of (``cfg``, world), so a resumed run
     writes the same initial weights again. ``extra_vocab``: words the tiny model's tokenizer needs
     beyond the world's (the driver's ``cluster/driver/data.py:extra_vocab``, for runs on dataset files).
@@ -126,7 +159,7 @@ def materialise_policy(cfg, world, out_dir: str | Path, extra_vocab: Sequence[st
         from sonar.cluster.wire.policy import load_tokenizer
 
         path = resolve_model_path(cfg.path)
-        if not missing_tags(load_tokenizer(path)):
+        if model_tags(cfg) == "text" or not missing_tags(load_tokenizer(path)):
             return str(path)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -142,11 +175,13 @@ def materialise_policy(cfg, world, out_dir: str | Path, extra_vocab: Sequence[st
 
 
 def policy_and_tokenizer(cfg, world):
-    """``cfg.path`` set: load that directory (tags added in memory if it lacks them); else the world's
-    word tokenizer + a random tiny Llama."""
+    """``cfg.path`` set: load that directory (as it is with the tags as text; with
+    ``model.tags='special'`` the tags it lacks are added in memory); else the world's word tokenizer +
+    a random tiny Llama."""
     if cfg.path:
         model, tokenizer = load_policy(str(resolve_model_path(cfg.path)))
-        add_tags_to_policy(model, tokenizer)
+        if model_tags(cfg) == "special":
+            add_tags_to_policy(model, tokenizer)
         return model, tokenizer
     from sonar.actors.tokenizer import build_tokenizer
     tokenizer = build_tokenizer(world.vocab())

@@ -6,10 +6,12 @@ Parsing is *total*: every string maps to exactly one of
 * ``Answer(text, trailing)``     -- the final answer; the trajectory ends;
 * ``Malformed(reason)``          -- the turn cannot be acted on; the trajectory ends.
 
-``parse_turn`` sees the decoded text of ONE model turn. The rollout loop stops generating on the
-ids of ``query_close`` / ``answer_close`` (and EOS), so a turn normally ends with one of those
-closing tags, or with nothing at all when it hit the per-turn token limit. Tags are special tokens,
-so their strings are matched exactly; every tag string comes from ``actors.prompts.TagSet``.
+``parse_turn`` sees the decoded text of ONE model turn. The rollout loop stops generating on
+``query_close`` / ``answer_close`` (and EOS): on their ids when the tags are special tokens, on their
+strings when they are plain text (``model.tags``; the text is then cut after the first of them), so a
+turn normally ends with one of those closing tags, or with nothing at all when it hit the per-turn
+token limit. Tag strings are matched exactly in the decoded text either way (a tag written as
+several tokens decodes to the same string); every tag string comes from ``actors.prompts.TagSet``.
 
 Rules, in order of precedence (the reason strings are module constants, ``REASONS`` lists them):
 

@@ -1,19 +1,30 @@
 """Tag sets, prompt templates and the rendering of prompts, documents and messages to token ids:
 the one place the tag strings and the protocols' fixed texts live.
 
-Tags are special tokens (one id each). Sonar chose that over multi-token tag strings because the
-rollout is token in, token out: the loop stops on the *ids* of ``query_close`` / ``answer_close``,
-a MODEL segment ends exactly on that id, and the loss mask follows segment boundaries without any
-string-to-token alignment. A stock tokenizer does not know the tags, so
-``actors.tokenizer.add_tags`` adds them as special tokens and ``actors.model.materialise_policy``
-resizes the embeddings and writes the result into the run's policy directory, which every role
-(learner, rollout workers, vLLM) loads. Upstream (R1-Searcher, Search-R1, RAG-R1) keeps the tags as
-plain text and stops on strings; the texts below are theirs, only their tags are single ids here.
+Tags (``model.tags``, resolved by ``cluster.wire.config.model_tags``) are one of:
+
+* **plain text** (``text``, the default with ``model.path``), as upstream R1-Searcher, Search-R1 and
+  RAG-R1 keep them: a stock tokenizer and its embeddings are used unchanged, every tag here is
+  tokenised as ordinary text wherever a prompt, a document block or a message is rendered, and a
+  model turn ends at the first token whose decoded text completes a closing tag (stop *strings*,
+  ``stop_plan``). An instruct model then emits the tags with ids it was trained on (a padded
+  vocabulary such as Qwen's has never-trained rows where added tokens would land).
+* **one special token each** (``special``: the tiny word-level model, whose vocabulary holds them,
+  or a stock tokenizer given ``actors.tokenizer.add_tags`` with grown, mean-initialised embedding
+  rows, ``actors.model.add_tags_to_policy``): a turn ends on the tag's id.
+
+Either way the rollout is token in, token out: a MODEL segment holds exactly the ids the engine
+sampled, the loss mask follows segment boundaries, and text is decoded only to parse an action.
+``stop_plan`` reads the mode off the tokenizer (a closing tag that is one added token stops on its
+id, any other on its string), so a policy directory carries its own mode. The texts below are
+upstream's.
 
 Untrusted text (questions, retrieved documents, queries echoed back) goes through ``neutralise``
-with *every* special token of the tokenizer (``special_strings``: the tags, ``<eos>``, chat-role
-markers...), so it can never encode to a special id: it cannot open or close a block, end the
-sequence, or forge a chat turn.
+with *every* tag and special token of the tokenizer (``special_strings``: the tags, ``<eos>``,
+chat-role markers...), so it can never encode to a special id or spell a tag: it cannot open or close
+a block, end the sequence, or forge a chat turn. (With tags as text only MODEL segments are ever
+parsed, so a document could not act anyway; neutralised, it cannot even look like an action to the
+model.)
 
 Prompt styles (``ProtocolConfig.prompt``):
 
@@ -60,7 +71,8 @@ class TagSet:
         return self.query_sep is not None
 
     def special_tokens(self) -> list[str]:
-        """The tags of this protocol: each is one special token of the policy's tokenizer."""
+        """The tags of this protocol (one special token each with ``model.tags='special'``, plain text
+        with ``'text'``)."""
         toks = [self.think_open, self.think_close, self.query_open, self.query_close,
                 self.docs_open, self.docs_close, self.answer_open, self.answer_close, self.doc_sep]
         return list(dict.fromkeys(toks))
@@ -111,6 +123,34 @@ def all_special_tokens() -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def tag_id(tokenizer, tag: str) -> int | None:
+    """The id of ``tag`` when the tokenizer holds it as one added token (matched before
+    pre-tokenisation, never split: ``model.tags='special'`` or the tiny word tokenizer), else None
+    (the tag is plain text for this tokenizer)."""
+    added = getattr(tokenizer, "get_added_vocab", None)
+    if callable(added):
+        tid = added().get(tag)
+        return None if tid is None else int(tid)
+    ids = list(tokenizer.encode(tag, add_special_tokens=False))  # duck-typed tokenizers: one id, not unk
+    unk = getattr(tokenizer, "unk_token_id", None)
+    return int(ids[0]) if len(ids) == 1 and ids[0] != unk else None
+
+
+def stop_plan(tokenizer, tags: TagSet) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Where a model turn ends, as (stop ids, stop strings): each closing tag (``query_close``,
+    ``answer_close``) that is one added token of the tokenizer stops on its id, any other on its
+    string (tags as plain text). The rollout adds EOS to the ids."""
+    ids: list[int] = []
+    texts: list[str] = []
+    for tag in dict.fromkeys((tags.query_close, tags.answer_close)):
+        tid = tag_id(tokenizer, tag)
+        if tid is None:
+            texts.append(tag)
+        else:
+            ids.append(tid)
+    return tuple(ids), tuple(texts)
+
+
 def special_strings(tokenizer=None) -> list[str]:
     """Every string that encodes to a special id: the tags, plus (given a tokenizer) its special tokens
     (``<eos>``, ``<pad>``...) and every added token (chat-role markers such as ``<|im_start|>``)."""
@@ -124,7 +164,8 @@ def special_strings(tokenizer=None) -> list[str]:
 
 # ---------------------------------------------------------------- texts
 # The tokenizer is duck-typed: ``encode(text, add_special_tokens=False) -> list[int]``,
-# ``convert_tokens_to_ids(token) -> int`` and, for chat templates, ``apply_chat_template``.
+# ``get_added_vocab() -> dict[str, int]`` (optional: which tags are one token, ``tag_id``) and, for
+# chat templates, ``apply_chat_template``.
 
 INSTRUCTIONS = {
     "r1_searcher": "answer the question . search with {qo} query {qc} , read the documents , then answer in {ao} {ac} .",
@@ -215,9 +256,9 @@ def prefills_think(style: str) -> bool:
 def neutralise(text: str, specials: list[str]) -> str:
     """Break every special-token string inside untrusted text (retrieved documents, questions).
 
-    Tags are special tokens, so an un-neutralised ``</information>`` inside a document would encode
-    to the real closing tag and let retrieved text close (or open) a block; an ``<eos>`` would end the
-    sequence. Replacing ``<`` / ``>`` / ``|`` by look-alikes inside those strings keeps the text
+    With tags as special tokens an un-neutralised ``</information>`` inside a document would encode
+    to the real closing tag and let retrieved text close (or open) a block; with tags as text it would
+    spell the tag the model reads as the end of the block; an ``<eos>`` would end the sequence. Replacing ``<`` / ``>`` / ``|`` by look-alikes inside those strings keeps the text
     readable and makes it encode as plain text. Pass ``special_strings(tokenizer)``.
     """
     for tok in sorted(specials, key=len, reverse=True):
@@ -248,14 +289,15 @@ def render_prompt(tags: TagSet, question: str, tokenizer, template: str = "base"
 
     ``template='chat'`` wraps the text in the tokenizer's chat template as the user's message
     (``r1_searcher_instruct``: R1-Searcher's system message, the question as the user's, ``<think>``
-    appended after the generation prompt, as its ``prompts_dataset.py`` does). The question is
+    appended after the generation prompt, as its ``prompts_dataset.py`` does). Tags in these texts
+    are encoded as the tokenizer has them: one special id each, or plain text. The question is
     neutralised against every special token of the tokenizer.
     """
     check_style(tags, style, template)
     question = neutralise(question, special_strings(tokenizer))
     if style == "r1_searcher_instruct":
         ids = _chat(tokenizer, [{"role": "system", "content": R1_SEARCHER_SYSTEM}, {"role": "user", "content": question}])
-        return ids + [int(tokenizer.convert_tokens_to_ids(tags.think_open))]
+        return ids + _encode(tokenizer, tags.think_open)  # one special id, or the tag as text
     if style == "short":
         body = f"question : {question}"
     elif style == "r1_searcher_base":
@@ -333,14 +375,15 @@ def render_documents(tags: TagSet, per_query_docs: list[list[tuple[str, str]]], 
 
 def _short_documents(tags: TagSet, per_query_docs, queries, tokenizer, max_doc_tokens: int,
                      specials: list[str]) -> list[int]:
-    ids = [int(tokenizer.convert_tokens_to_ids(tags.docs_open))]
-    sep = int(tokenizer.convert_tokens_to_ids(tags.doc_sep))
+    # Each tag encoded alone: its one special id, or its text (tags as plain text).
+    ids = _encode(tokenizer, tags.docs_open)
+    sep = _encode(tokenizer, tags.doc_sep)
     no_results = _encode(tokenizer, "no results")
     if tags.multi_query:
         for q, docs in zip(queries, per_query_docs):
             ids.extend(_encode(tokenizer, neutralise(f"query : {q}", specials)))
             for title, text in docs or [(None, None)]:
-                ids.append(sep)
+                ids.extend(sep)
                 ids.extend(no_results if title is None
                            else _encode(tokenizer, neutralise(f"{title} : {text}", specials))[:max_doc_tokens])
     else:
@@ -348,12 +391,12 @@ def _short_documents(tags: TagSet, per_query_docs, queries, tokenizer, max_doc_t
         for docs in per_query_docs:
             for title, text in docs:
                 any_doc = True
-                ids.append(sep)
+                ids.extend(sep)
                 ids.extend(_encode(tokenizer, neutralise(f"{title} : {text}", specials))[:max_doc_tokens])
         if not any_doc:
-            ids.append(sep)
+            ids.extend(sep)
             ids.extend(no_results)
-    ids.append(int(tokenizer.convert_tokens_to_ids(tags.docs_close)))
+    ids.extend(_encode(tokenizer, tags.docs_close))
     return ids
 
 

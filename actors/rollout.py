@@ -4,16 +4,20 @@ Shape of one call (``rollout_groups``): every item becomes ``group_size`` trajec
 (``_prepare``), and all trajectories of the call advance *in lockstep, turn by turn*:
 
 1. ``_generate``: one batched ``engine.generate`` over every active trajectory (run in a thread via
-   ``asyncio.to_thread`` so the event loop stays free), stopping on the ids of ``tags.query_close``,
-   ``tags.answer_close`` and EOS; each row is capped at ``min(max_new_tokens_per_turn, budget left)``;
+   ``asyncio.to_thread`` so the event loop stays free), stopping on ``tags.query_close``,
+   ``tags.answer_close`` and EOS: on the tags' ids when they are special tokens of the tokenizer, on
+   their strings when they are plain text (``prompts.stop_plan``; ``model.tags``); each row is capped
+   at ``min(max_new_tokens_per_turn, budget left)``;
 2. ``_act``: each row's new ids become a MODEL segment (ids, sampling logprobs, engine version); ONLY
-   those ids are decoded (special tokens kept) and parsed with ``actors.parsing.parse_turn``;
+   those ids are decoded (special tokens kept), cut after the first stop string (the token that
+   completed it may carry more text, as BPE merges ``"</search>\n"``; upstream cuts at the first
+   ``</search>`` too), and parsed with ``actors.parsing.parse_turn``;
 3. ``_search``: every query of every trajectory that searched this turn goes out in ONE batched
    search (identical query strings are sent once; ``retrieval.base.search_async`` awaits any
    retriever, blocking or not), then ``_inject``, per trajectory: the documents are de-duplicated
    across its queries of this step, ``docs_per_query`` kept per query, and the block
    ``render_documents(...)`` is appended as a RETRIEVAL segment (neutralised there, so a document can
-   never produce a tag id). Multi-query formats echo each query above its documents.
+   never produce a tag id or spell a tag; it is never parsed either way). Multi-query formats echo each query above its documents.
 
 ``_finish`` then labels and rewards each trajectory.
 
@@ -23,7 +27,9 @@ its own search as soon as its turn ends, so a fast row never waits for a slow ro
 (veRL's agent loop). The engine must batch concurrent calls (continuous batching, vLLM).
 
 Token in, token out: the next turn's context is the concatenation of the segments' ids; text is
-decoded only to parse an action and is never re-tokenised.
+decoded only to parse an action and is never re-tokenised. With tags as plain text too, a MODEL
+segment holds exactly the ids the engine sampled, with their logprobs (the stop string's last token
+included), so the loss mask is still born with the tokens.
 
 Finish rules (``cluster.wire.protocol.FinishReason``), decided per trajectory:
 
@@ -64,8 +70,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sonar.actors.engine import Engine, Generation, SamplingParams
-from sonar.actors.prompts import TagSet, render_documents, render_invalid, render_prompt
+from sonar.actors.engine import Engine, Generation, SamplingParams, cut_at_stop
+from sonar.actors.prompts import TagSet, render_documents, render_invalid, render_prompt, stop_plan
 from sonar.cluster.wire.config import ProtocolConfig
 from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, Trajectory
 from sonar.retrieval.base import AsyncRetriever, Hit, RetrievalError, Retriever, check_retriever, search_async
@@ -164,21 +170,14 @@ class _Call:
     parse_fn: Callable[[str, TagSet, int], Any]
     retrieval_timeout_s: float | None
     stop_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...]
+    """The closing tags that are plain text for the tokenizer (``prompts.stop_plan``): a turn stops
+    on their strings, and its text is parsed up to the first of them."""
     invalid_ids: tuple[int, ...]
     """The invalid-action message (``prompts.render_invalid``), rendered once per call."""
     caps_ok: bool
     """The engine takes per-prompt caps (``max_new_tokens_per_prompt``)."""
     stats: RolloutStats
-
-
-def _token_id(tokenizer, token: str) -> int:
-    tid = tokenizer.convert_tokens_to_ids(token)
-    unk = getattr(tokenizer, "unk_token_id", None)
-    if tid is None or (unk is not None and tid == unk and token != getattr(tokenizer, "unk_token", None)):
-        raise ValueError(f"tokenizer has no token for tag {token!r}: tags must be special tokens (a stock "
-                         "tokenizer gets them from actors.tokenizer.add_tags; a policy directory from "
-                         "actors.model.materialise_policy)")
-    return int(tid)
 
 
 def _accepts_caps(engine: Engine) -> bool:
@@ -189,13 +188,14 @@ def _accepts_caps(engine: Engine) -> bool:
     return "max_new_tokens_per_prompt" in ps or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps.values())
 
 
-def _stop_ids(tokenizer, tags: TagSet) -> tuple[int, ...]:
-    """Generation stops on the closing query and answer tags, and on EOS (duplicates removed)."""
-    ids = [_token_id(tokenizer, tags.query_close), _token_id(tokenizer, tags.answer_close)]
+def _stops(tokenizer, tags: TagSet) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Generation stops on the closing query and answer tags (their ids when they are special tokens,
+    their strings when plain text: ``prompts.stop_plan``) and on EOS (duplicates removed)."""
+    ids, texts = stop_plan(tokenizer, tags)
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is not None:
-        ids.append(int(eos))
-    return tuple(dict.fromkeys(ids))
+        ids = (*ids, int(eos))
+    return tuple(dict.fromkeys(ids)), texts
 
 
 async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: Retriever | AsyncRetriever | None,
@@ -240,7 +240,7 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
 
     t_start = time.perf_counter()
     call = _Call(engine, retriever if search_enabled else None, tokenizer, tags, proto, temperature, top_p, k,
-                 seed, parse_fn, retrieval_timeout_s, _stop_ids(tokenizer, tags),
+                 seed, parse_fn, retrieval_timeout_s, *_stops(tokenizer, tags),
                  tuple(render_invalid(tags, tokenizer, proto.prompt)), _accepts_caps(engine), RolloutStats())
     groups, states = _prepare(items, group_size, call, actor_id, stage)
     if per_trajectory:
@@ -329,7 +329,7 @@ async def _generate(call: _Call, active: list[_State], turn: int,
     caps = [min(proto.max_new_tokens_per_turn, proto.max_total_tokens - len(s.ctx)) for s in active]
     seed = None if call.seed is None else (call.seed + turn if row is None else row_seed(call.seed, row, turn))
     params = SamplingParams(max_new_tokens=max(caps), temperature=call.temperature, top_p=call.top_p,
-                            stop_token_ids=call.stop_ids, seed=seed)
+                            stop_token_ids=call.stop_ids, stop_strings=call.stop_strings, seed=seed)
     prompts = [np.asarray(s.ctx, dtype=np.int32) for s in active]
     kwargs = {"max_new_tokens_per_prompt": caps} if call.caps_ok and min(caps) < max(caps) else {}
     t0 = time.perf_counter()
@@ -369,8 +369,8 @@ def model_segments(ids: np.ndarray, lps: np.ndarray, version: int,
 
 def _act(call: _Call, active: list[_State], gens: list[Generation],
          caps: list[int]) -> list[tuple[_State, list[str], int]]:
-    """Each row's new ids become a MODEL segment; ONLY those ids are decoded (special tokens kept) and
-    parsed. An answer, a search past ``max_turns`` or an invalid action (unless answered with the
+    """Each row's new ids become a MODEL segment; ONLY those ids are decoded (special tokens kept), cut
+    after the first stop string, and parsed. An answer, a search past ``max_turns`` or an invalid action (unless answered with the
     invalid-action message, ``_invalid``) finishes the trajectory.
     Returns the trajectories that search this turn: (state, queries, queries dropped by the budget)."""
     proto = call.proto
@@ -386,6 +386,8 @@ def _act(call: _Call, active: list[_State], gens: list[Generation],
             call.stats.turns += 1
             call.stats.generated_tokens += len(ids)
         text = call.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+        if call.stop_strings:
+            text = cut_at_stop(text, call.stop_strings)
         action = call.parse_fn(text, call.tags, proto.max_queries_per_step)
         kind = type(action).__name__
         if kind == "Answer":

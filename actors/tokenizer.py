@@ -1,15 +1,16 @@
 """Word-level tokenizer built from the synthetic world's closed vocabulary, and the tags for any
 Hugging Face tokenizer (``missing_tags`` / ``add_tags``).
 
-Tags with a stock tokenizer: Sonar adds every protocol tag as a *special* token (one id each, matched
-before pre-tokenisation, never split or merged) rather than keeping tags as multi-token strings. The
-rollout is token in, token out: it stops on the ids of ``query_close`` / ``answer_close``, a model turn
-ends exactly on that id, and masks follow segment boundaries with no string-to-token alignment; with
-multi-token tags a stop string can end inside a token (BPE merges across the boundary) and the mask
-would need re-alignment. The price: the new embedding rows start untrained (``actors.model.add_tags_to_policy``
-initialises them at the mean embedding) and the resized policy must be what every role loads, so
-``actors.model.materialise_policy`` writes it into the run's policy directory (the user's model
-directory is never modified).
+Tags with a stock tokenizer (``model.tags``): by default (``text``) nothing here runs: the tags stay
+plain text, as upstream R1-Searcher, Search-R1 and RAG-R1 keep them; the tokenizer and the embeddings
+are used unchanged and a turn stops on the tag strings (``actors.prompts.stop_plan``). With
+``model.tags='special'`` ``add_tags`` adds every protocol tag as a *special* token (one id each,
+matched before pre-tokenisation, never split or merged) and ``actors.model.add_tags_to_policy`` gives
+the added ids rows at the mean of the trained ones, growing the embedding only when it is too small
+(a padded vocabulary such as Qwen's already has rows past ``len(tokenizer)``; shrinking to
+``len(tokenizer)`` would drop them and leave the tags on never-trained rows). The policy that every
+role loads is then written into the run's policy directory by ``actors.model.materialise_policy``
+(the user's model directory is never modified).
 
 Why word level: every name syllable, year and template word is one id, so names are two tokens,
 trajectories stay short (tokens cost time on 2 cores) and the vocabulary is tiny: the default world
@@ -20,7 +21,8 @@ Invariants:
   ``actors.prompts.all_special_tokens()`` in that order, then the fixed frame words (chat roles),
   then the sorted vocabulary. The same vocabulary always gives the same ids.
 - every tag is a special (added) token: exactly one id, matched before pre-tokenisation, never split,
-  so the rollout loop can stop on the ids of query_close / answer_close.
+  so the rollout loop stops on the ids of query_close / answer_close (``model.tags`` resolves to
+  ``special`` for this tokenizer).
 - ``decode`` joins tokens with single spaces and keeps tags (``skip_special_tokens=False``), so
   decoded text is parseable: "<search> foo </search>" decodes to exactly that string.
 - ``encode`` adds no BOS/EOS (no post-processor): prompts are built by ``actors.prompts``, which
@@ -63,8 +65,8 @@ def missing_tags(tokenizer, tags: Sequence[str] | None = None) -> list[str]:
 def add_tags(tokenizer, tags: Sequence[str] | None = None) -> list[str]:
     """Add the missing tags to ``tokenizer`` as special tokens (in place); returns those added.
 
-    Each becomes one id (``len(tokenizer)`` grows by the number added); the caller resizes the model's
-    embeddings (``actors.model.add_tags_to_policy``). Special, so ``decode(skip_special_tokens=False)``
+    Each becomes one id (``len(tokenizer)`` grows by the number added); the caller gives those ids
+    embedding rows (``actors.model.add_tags_to_policy``, ``model.tags='special'``). Special, so ``decode(skip_special_tokens=False)``
     keeps them and ``prompts.special_strings`` neutralises them in untrusted text.
     """
     from tokenizers import AddedToken

@@ -15,22 +15,44 @@ dtypes, addresses and version numbers travel by RPC.
 
 Rank layout: the learner is rank 0; the rollout worker ``i`` owns ranks ``base_i .. base_i + tp - 1``
 (``base_i`` from the driver, which counts every worker's ranks), and vLLM's rank ``r`` joins as
-``base_i + r``. Every rank receives the full tensors; the model's ``load_weights`` (called by vLLM's
-layerwise reload) cuts each rank's tensor-parallel shard and fuses q/k/v and gate/up itself.
+``base_i + r``. Every rank receives the full tensors; the model's ``load_weights`` cuts each rank's
+tensor-parallel shard and fuses q/k/v and gate/up itself.
 
-Loading: ``model_runner.reload_weights(weights_iterator=...)`` -- vLLM's layerwise reload, the path
-its own NCCL weight-transfer engine takes. It restores each layer's checkpoint-format parameters,
-runs the model's own ``load_weights`` and then the post-load processing again. A plain second
-``model.load_weights`` is not enough on CPU: vLLM prepacks linear weights for its GEMM kernels after
-the first load and leaves parameters without a ``weight_loader`` behind.
+Streaming: one call, :meth:`sonar_update`, receives and loads bucket by bucket while the engine has
+generation paused: two bucket buffers beside the model (``BroadcastGroup.recv_streamed``), never a
+copy of it (a full bf16 copy is 14.2 GiB for a 7B, more than a GPU has left once vLLM took its share).
 
-Receive and load are separate calls so that the engine can receive while generation runs (the
-transfer only fills buffers) and load while generation is paused. The receive buffers (one flat
-tensor per bucket, the learner's bucket plan) are allocated once per group and reused; they also hold
-exactly what was received, which is what :meth:`sonar_checksum` sums (a checksum over vLLM's own
-parameters would see fused and prepacked tensors, not the learner's).
+Loading: vLLM's layerwise reload, used the way its own NCCL weight-transfer engine uses it
+(``start_weight_update`` / ``update_weights`` per chunk / ``finish_weight_update``):
+``initialize_layerwise_reload(model)`` once, ``model.load_weights(bucket)`` per bucket, then
+``finalize_layerwise_reload``. It restores each layer's checkpoint-format parameters, runs the model's
+own loaders and the post-load processing again, and copies into the original storage (CUDA-graph
+references stay valid). A plain second ``model.load_weights`` outside that session is not enough on
+CPU: vLLM prepacks linear weights for its GEMM kernels after the first load and leaves parameters
+without a ``weight_loader`` behind. Not ``model_runner.reload_weights`` once per bucket: each call
+would restore every layer and finalize the push's half-loaded layers (q without k and v) as garbage.
 
-Imports: torch and ``sonar.cluster.wire`` only -- this module is imported inside vLLM's processes.
+What the layerwise reload holds (read in vllm/model_executor/model_loader/reload/layerwise.py, 0.32):
+each loader call is *buffered* with its arguments, the checkpoint tensor included, until the layer
+has received all its elements; only then is the layer materialised and loaded. So a layer whose
+tensors straddle two buckets (``gate_proj`` and ``up_proj`` of a 7B, 136 MB each, one bucket each)
+keeps the first bucket's tensor past that bucket, and a layer that never counts as complete (an
+embedding padded past the vocabulary, loaded fewer elements than it holds) keeps it until
+``finalize``. The stream copies exactly those tensors before their buffer is refilled
+(``recv_streamed``: ``held_copies``/``held_bytes`` in the result), so the real peak beside the model
+is the two buffers + the held copies. For Qwen2.5-7B bf16 (every TP rank receives full tensors):
+buffer 0 1.02 GiB (buckets 0 and 114, the embedding and the LM head), buffer 1 130 MiB, and held
+copies of at most one ``gate_proj`` (130 MiB) or a q + k pair at a time: about 1.3 GiB, against 14.2
+GiB for the full receive copy before. vLLM's own layer materialisation (one layer) comes on top, as
+with any reload. Measured on the tiny policy at TP 2 (tests/actors/test_vllm_tp_push.py): 7 held
+copies per push on rank 1, exactly q, k and gate of both layers plus the padded embedding.
+
+Checksum: each tensor is summed (``weights.Checksum``, float64 in chunks) as its bucket arrives, exactly
+what was received, and stored with its version; :meth:`sonar_checksum` keeps no buffers. (A checksum
+over vLLM's own parameters would see fused and prepacked tensors, not the learner's.)
+
+Imports: torch and ``sonar.cluster.wire`` only (vLLM inside methods) -- this module is imported inside
+vLLM's processes.
 """
 from __future__ import annotations
 
@@ -38,71 +60,79 @@ import time
 
 import torch
 
-from sonar.cluster.wire.weights import BroadcastGroup, TensorSpec, checksum, layout_digest, plan_buckets
+from sonar.cluster.wire.weights import (DEFAULT_BUCKET_BYTES, BroadcastGroup, Checksum, TensorSpec, layout_digest,
+                                        plan_buckets, recv_buffer_bytes)
 
 
 class SonarWorkerExtension:
     """Mixed into vLLM's worker class; every method runs on every vLLM rank (``collective_rpc``)."""
 
     def sonar_join(self, master_addr: str, master_port: int, rank_base: int, world_size: int, backend: str,
-                   prefix: str, specs: list) -> dict:
+                   prefix: str, specs: list, timeout_s: float = 300.0, bucket_bytes: int | None = None) -> dict:
         """Join the broadcast group as rank ``rank_base + self.rank``; blocks until every rank joined.
 
-        ``specs``: ``[(name, shape, dtype name)]`` in the learner's order. Returns the rank and the
-        layout digest, which the engine checks against the learner's."""
+        ``specs``: ``[(name, shape, dtype name)]`` in the learner's order. ``timeout_s``: the group's
+        (rendezvous and every wait of a push). ``bucket_bytes``: the plan's budget (None: the default,
+        the learner's). Returns the rank, the layout digest (the engine checks it against the learner's)
+        and the bytes of the two receive buffers a push will use."""
         self.sonar_leave()
         tspecs = [TensorSpec(str(n), tuple(int(x) for x in shape), getattr(torch, str(d))) for n, shape, d in specs]
         rank = int(rank_base) + int(self.rank)
-        group = BroadcastGroup(master_addr, int(master_port), rank, int(world_size), backend, prefix=prefix)
+        group = BroadcastGroup(master_addr, int(master_port), rank, int(world_size), backend, prefix=prefix,
+                               timeout_s=float(timeout_s))
         self._sonar_group = group
-        self._sonar_buckets = plan_buckets(tspecs)
-        self._sonar_buffers = group.alloc_buffers(self._sonar_buckets)
-        self._sonar_received: tuple[int, dict] | None = None
+        self._sonar_buckets = plan_buckets(tspecs, int(bucket_bytes or DEFAULT_BUCKET_BYTES))
+        self._sonar_checksum: tuple[int, float] | None = None
         self._sonar_loaded = -1
-        return {"rank": rank, "digest": layout_digest(tspecs), "device": str(group.device)}
+        return {"rank": rank, "digest": layout_digest(tspecs), "device": str(group.device),
+                "buffer_bytes": recv_buffer_bytes(self._sonar_buckets)}
 
     def sonar_leave(self) -> None:
         group = getattr(self, "_sonar_group", None)
         if group is not None:
             group.close()
         self._sonar_group = None
-        self._sonar_buffers = None
-        self._sonar_received = None
+        self._sonar_checksum = None
 
-    def sonar_receive(self, version: int) -> dict:
-        """Collective with the learner's ``send_weights``: every bucket into the reused buffers."""
-        if getattr(self, "_sonar_group", None) is None:
-            raise RuntimeError("sonar_receive before sonar_join: this vLLM worker is in no broadcast group")
-        t0 = time.perf_counter()
-        named = self._sonar_group.recv_weights(self._sonar_buckets, into=self._sonar_buffers)
-        if self._sonar_group.device.type == "cuda":
-            torch.cuda.synchronize()
-        self._sonar_received = (int(version), named)
-        return {"rank": int(self.rank), "version": int(version), "seconds": time.perf_counter() - t0,
-                "bytes": sum(b.nbytes for b in self._sonar_buckets)}
+    def sonar_update(self, version: int) -> dict:
+        """Collective with the learner's ``send_weights``: receive and load every bucket, streamed
+        (module docstring). Generation must be paused (the engine does it). Returns the rank's figures:
+        ``seconds`` (receive + load, after the handshake), ``wait_s``, ``load_s``, ``bytes``,
+        ``buffer_bytes``, ``held_copies``, ``held_bytes``, ``fresh_buffers``."""
+        group = getattr(self, "_sonar_group", None)
+        if group is None:
+            raise RuntimeError("sonar_update before sonar_join: this vLLM worker is in no broadcast group")
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-    def sonar_load(self, version: int) -> dict:
-        """Load the received tensors into the model. Generation must be paused (the engine does it)."""
-        received = getattr(self, "_sonar_received", None)
-        if received is None or received[0] != int(version):
-            have = None if received is None else received[0]
-            raise RuntimeError(f"sonar_load(version={version}): this vLLM worker received version {have}")
+        self._sonar_checksum = None  # a push that fails half-way leaves no checksum to trust
+        self._sonar_loaded = -1
+        model = self.model_runner.get_model()
+        sums = Checksum()
         t0 = time.perf_counter()
-        self.model_runner.reload_weights(weights_iterator=iter(list(received[1].items())), is_checkpoint_format=True)
-        _reprocess_tied_embeddings(self.model_runner.get_model())
-        if self._sonar_group.device.type == "cuda":
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            initialize_layerwise_reload(model)
+            try:
+                out = group.recv_streamed(self._sonar_buckets, model.load_weights, sums)
+            finally:  # never leave layers on the meta device, even after a failed receive
+                finalize_layerwise_reload(model, self.vllm_config.model_config)
+            for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
+                fn = getattr(self.model_runner, reset, None)
+                if callable(fn):
+                    fn()
+            _reprocess_tied_embeddings(model)
+        if group.device.type == "cuda":  # pragma: no cover - needs CUDA
             torch.cuda.synchronize()
+        self._sonar_checksum = (int(version), sums.value)
         self._sonar_loaded = int(version)
-        return {"rank": int(self.rank), "version": int(version), "seconds": time.perf_counter() - t0}
+        return {"rank": int(self.rank), "version": int(version), "total_s": time.perf_counter() - t0, **out}
 
     def sonar_checksum(self) -> dict:
-        """``sonar.cluster.wire.weights.checksum`` of the last tensors received (None before any)."""
-        received = getattr(self, "_sonar_received", None)
-        if received is None:
-            return {"rank": int(self.rank), "version": None, "loaded": getattr(self, "_sonar_loaded", -1),
-                    "checksum": None}
-        return {"rank": int(self.rank), "version": received[0], "loaded": self._sonar_loaded,
-                "checksum": checksum(received[1].items())}
+        """``sonar.cluster.wire.weights.checksum`` of the tensors of the last complete push, summed as they
+        arrived (None before any, or after a push that failed)."""
+        got = getattr(self, "_sonar_checksum", None)
+        return {"rank": int(self.rank), "version": None if got is None else got[0],
+                "loaded": getattr(self, "_sonar_loaded", -1), "checksum": None if got is None else got[1]}
 
 
 def _reprocess_tied_embeddings(model: torch.nn.Module) -> int:

@@ -3,9 +3,10 @@
 It owns one generation engine and runs the rollout loop in a background thread:
 claim prompts -> ``rollout_groups`` (generate/search/inject) -> put each finished group into the
 replay queue (blocking while it is full: backpressure). Weights arrive on the broadcast group through
-``receive_weights`` (an actor method, so it runs while the loop thread generates) into a staging copy;
-``SwappingEngine`` installs the staged copy at the start of the next ``generate`` call, so weights
-never change inside a forward pass and every MODEL segment carries the version that sampled it.
+``receive_weights`` (an actor method, so it runs while the loop thread generates) into one staging copy
+for the HF engines, which ``SwappingEngine`` installs at the start of the next ``generate`` call, so
+weights never change inside a forward pass and every MODEL segment carries the version that sampled it;
+the vLLM engine streams them into its model instead, with generation paused (``engine_vllm``).
 
 Create with ``ray.remote(RolloutWorker)``; the class itself does not import Ray at module level so it
 can be unit-tested in-process.
@@ -30,17 +31,26 @@ from sonar.cluster.wire.protocol import Trajectory, encode_group, group_min_vers
 class SwappingEngine:
     """Engine proxy that installs staged weights between generate calls (never during one).
 
-    Weights are received into two reusable buffer sets in turn (double buffering: allocating fresh
-    buffers each sync is slower than the copy itself). A set is locked while it is received into and
-    while it is copied into the model, so a receive never overwrites a set that is being installed.
+    The receiver of the engines that take tensors from this actor (the HF and continuous engines): a
+    push lands in one *staging set* (one flat buffer per bucket, a full copy of the model on the
+    group's device, allocated at the first push of a group and reused by every later one) while the
+    loop thread keeps generating, and the copy into the model waits for the next ``generate`` call.
+    That staging copy is this path's design (a full-model copy in host memory beside a CPU model);
+    engines that stream into the model (vLLM, ``receives_weights``) keep no copy.
+
+    One lock guards the set: a receive holds it while it writes and withdraws what was staged first
+    (those bytes are about to be overwritten); an install holds it while it copies into the model.
+    ``generate`` does not wait for a receive in progress: it runs on the installed weights and the new
+    version is installed at the next call. ``apply_staged()`` (evaluation, sync mode) does wait.
     """
 
     def __init__(self, inner: Engine):
         self.inner = inner
-        self._staged: tuple[int, dict, int] | None = None
+        self._staged: tuple[int, dict] | None = None
         self._lock = threading.Lock()
-        self.buffers: list[list] = [[], []]
-        self.buffer_locks = [threading.Lock(), threading.Lock()]
+        self.buffers: list = []
+        """The staging set (``BroadcastGroup.alloc_buffers``), filled by ``RolloutWorker.receive_weights``."""
+        self.buffer_lock = threading.Lock()
 
     @property
     def version(self) -> int:
@@ -54,28 +64,36 @@ class SwappingEngine:
         return self.inner.version if staged is None else max(staged[0], self.inner.version)
 
     def stage(self, version: int, tensors: dict, buffer_set: int = -1) -> None:
+        """Stage ``tensors`` (views into the staging set, or tensors of the caller's) as ``version``.
+        ``buffer_set``: kept for callers of the two-set version; ignored."""
         with self._lock:
-            self._staged = (version, tensors, buffer_set)
+            self._staged = (version, tensors)
 
-    def apply_staged(self) -> None:
+    def withdraw(self) -> None:
+        """Drop what is staged without installing it (a receive is about to overwrite the staging set)."""
+        with self._lock:
+            self._staged = None
+
+    def apply_staged(self, block: bool = True) -> None:
         """Install staged weights; an engine that receives weights itself (``receives_weights``) is
-        waited for instead, until its last received version is loaded."""
+        waited for instead, until its last received version is loaded. ``block=False``: return at once
+        if a receive is writing the staging set (there is nothing complete to install)."""
         if receives_weights(self.inner):
             self.inner.apply_staged()
             return
-        with self._lock:
-            staged, self._staged = self._staged, None
-        if staged is not None:
-            version, tensors, buffer_set = staged
-            if buffer_set < 0:
-                self.inner.load_weights(tensors.items(), version)
-                return
-            with self.buffer_locks[buffer_set]:
-                self.inner.load_weights(tensors.items(), version)
+        if not self.buffer_lock.acquire(blocking=block):
+            return
+        try:
+            with self._lock:
+                staged, self._staged = self._staged, None
+            if staged is not None:
+                self.inner.load_weights(staged[1].items(), staged[0])
+        finally:
+            self.buffer_lock.release()
 
     def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams,
                  max_new_tokens_per_prompt: Sequence[int] | None = None) -> list[Generation]:
-        self.apply_staged()
+        self.apply_staged(block=False)
         return self.inner.generate(prompts, params, max_new_tokens_per_prompt)
 
     def load_weights(self, named_tensors, version: int) -> None:
@@ -162,30 +180,36 @@ class RolloutWorker:
         names and shapes must be this engine's). None: this engine's own specs."""
         from sonar.cluster.wire.weights import BroadcastGroup, TensorSpec, layout_digest, plan_buckets, wire_layout
 
+        timeout_s = self.cfg.cluster.step_timeout_s  # every wait of a push: a dead learner raises within it
         if receives_weights(self.engine.inner):
             return self.engine.inner.setup_broadcast(master_addr, master_port, rank, world_size, backend, prefix,
-                                                     sender_specs)
+                                                     sender_specs, timeout_s=timeout_s)
         specs = [TensorSpec(p.name, tuple(p.shape), p.dtype) for p in self.engine.parameter_specs()]
         if sender_specs is not None:
             specs = wire_layout(specs, sender_specs)
-        self._group = BroadcastGroup(master_addr, master_port, rank, world_size, backend, prefix=prefix)
+        self._group = BroadcastGroup(master_addr, master_port, rank, world_size, backend, prefix=prefix,
+                                     timeout_s=timeout_s)
         self._buckets = plan_buckets(specs)
         self.engine.apply_staged()  # nothing may still point into buffers of a previous group
-        self.engine.buffers = [[], []]
+        with self.engine.buffer_lock:
+            self.engine.buffers = []
         return layout_digest(specs)
 
     def receive_weights(self, version: int) -> dict:
-        """Collective: runs concurrently with the loop thread's generation. Staged, swapped later."""
+        """Collective with the learner's push. vLLM: streamed into the model (the engine pauses, loads as
+        the buckets arrive, resumes). Other engines: into the one staging set while the loop thread keeps
+        generating; installed at the next generate call (``SwappingEngine``)."""
         t0 = time.perf_counter()
         if receives_weights(self.engine.inner):  # the bytes go straight into vLLM's workers; it loads them
-            self.engine.inner.receive_weights(version)
-            return {"worker_id": self.worker_id, "version": version, "recv_s": time.perf_counter() - t0}
-        i = version % 2
-        with self.engine.buffer_locks[i]:
-            if not self.engine.buffers[i]:
-                self.engine.buffers[i] = self._group.alloc_buffers(self._buckets)
-            tensors = self._group.recv_weights(self._buckets, into=self.engine.buffers[i])
-        self.engine.stage(version, tensors, i)
+            out = self.engine.inner.receive_weights(version)
+            return {"worker_id": self.worker_id, "version": version, "recv_s": time.perf_counter() - t0,
+                    "pause_s": out.get("pause_s", 0.0)}
+        with self.engine.buffer_lock:
+            self.engine.withdraw()  # the staged version's bytes are about to be overwritten
+            if not self.engine.buffers:
+                self.engine.buffers = self._group.alloc_buffers(self._buckets)
+            tensors = self._group.recv_weights(self._buckets, into=self.engine.buffers)
+            self.engine.stage(version, tensors)
         return {"worker_id": self.worker_id, "version": version, "recv_s": time.perf_counter() - t0}
 
     def apply_staged_weights(self) -> int:

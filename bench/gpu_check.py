@@ -1,28 +1,35 @@
-"""GPU device check (issue 12): three checks in under 5 minutes on one GPU, with torch alone.
+"""GPU device check (issues 12 and 21): eight checks in under 10 minutes on one GPU, torch (and, for the
+last, carried wheels) only.
 
-    python bench/gpu_check.py --out $OUT/gpu.json      # from the repository root
+    python bench/gpu_check.py --out $OUT/gpu.json [--wheels .gpu_wheels]     # from the repository root
 
-Needs torch only; transformers is used when present (a Qwen2-shaped model), else a plain torch decoder
-stand-in. No Sonar module that imports Ray, DeepSpeed or MLflow is imported: Sonar's own weight-broadcast
-code (``cluster/wire/weights.py``) and chunked logprobs (``learner/algo/chunked.py``) import only torch
-and are loaded by file path.
+Needs torch; transformers is used when present (a Qwen2-shaped model), else a plain torch decoder stand-in.
+Checks 1-7 import no Sonar module that needs Ray, DeepSpeed or MLflow: Sonar's weight broadcast
+(``cluster/wire/weights.py``), chunked logprobs (``learner/algo/chunked.py``) and the learner's collectives
+(``learner/collectives.py``) import only torch and are loaded by file path.
 
-1. ``nccl_broadcast``: Sonar's ``BroadcastGroup`` with the NCCL backend, world of one (one GPU holds one
-   NCCL rank), created under a deadline; then its send path (``plan_buckets`` + ``send_weights``: the
-   flatten into the reused bucket buffers and the broadcast) for a 0.5B-parameter bf16 state shaped like
-   Qwen2.5-0.5B, timed between ``torch.cuda.synchronize()`` calls. Figure: GB/s of the send path.
-2. ``learner_step``: a bf16 learner step (forward, GRPO-style masked policy-gradient loss over the
-   float32 token logprobs, backward, AdamW) at vocabulary 151,936, unchunked (the full
-   [tokens, 151,936] logits) against chunked (``chunked_logprobs``, ``--chunk`` tokens). Figures:
-   tokens/s and ``torch.cuda.max_memory_allocated`` of each; PASS when both run, their losses agree
-   and the chunked step's peak memory is lower.
-3. ``cuda_ipc``: a 0.5B-parameter bf16 state handed from this process to a second process on the same
-   GPU through CUDA IPC (``torch.multiprocessing``: the tensor's IPC handle, no host copy), which copies
-   it into its own buffer (the colocated learner -> engine path). Figure: GB/s from the put to the copy
-   done in the receiver (both on the system-wide monotonic clock); the receiver's checksum must match.
+1. ``nccl_broadcast``: Sonar's ``BroadcastGroup`` with the NCCL backend (``ProcessGroupNCCL(store, rank,
+   size, options)`` with the group's timeout), world of one, created under a deadline; then its streamed
+   send path for a 0.5B-parameter bf16 state shaped like Qwen2.5-0.5B. Figure: GB/s of the send path.
+2. ``learner_step``: a bf16 learner step at vocabulary 151,936, unchunked against chunked logits
+   (``chunked_logprobs``): tokens/s and ``torch.cuda.max_memory_allocated`` of each.
+3. ``cuda_ipc``: a 0.5B bf16 state handed to a second process on the same GPU through CUDA IPC.
+4. ``dp_sum_nccl``: under a real NCCL default group, a CPU-tensor all-reduce is refused (what crashed 2+
+   learner ranks at their first step) and ``learner/collectives.py``'s helpers work on the GPU.
+5. ``push_memory_and_timing``: ``send_weights`` holds two bucket buffers on the GPU whatever the model size
+   (peak allocation beside the weights), and returns after the transfer completed (its call time against
+   the time to a ``torch.cuda.synchronize`` after it).
+6. ``checksum_memory``: ``weights.checksum`` of a tensor shaped like Qwen2.5-7B's embedding allocates one
+   float64 chunk, not a float64 copy of the tensor (4.1 GiB), and gives the same value.
+7. ``nograd_forward_memory``: a no-grad forward of a 1.5B Qwen2 shape at 32k tokens keeping every hidden
+   state against the trunk's last hidden state only (the learner's path): peak memory of each.
+8. ``zero2_rl_step``: one ZeRO-2 bf16 ``rl_step`` of Sonar's learner on a random Qwen2.5-1.5B at 32k tokens:
+   peak memory against the memory plan (``cluster/wire/memory.py``). Needs DeepSpeed and omegaconf, which the
+   check machine lacks: ``bench/gpu_wheels.sh`` downloads them (about 6 MB) into ``.gpu_wheels/`` to carry.
 
-Each check prints ``PASS``/``FAIL``/``SKIP`` with its figure; ``--out`` gets one JSON with every check.
-Without CUDA every check is ``SKIP`` and the script exits 0.
+Each check prints ``PASS``/``FAIL``/``SKIP`` with its figure; ``--out`` gets one JSON with every check, the
+device, torch and CUDA versions. Without CUDA every check is ``SKIP`` and the script exits 0; ``--cpu-smoke``
+runs every check's code on CPU at toy sizes (gloo; ``"cuda:gloo"`` for check 4), for CI.
 """
 from __future__ import annotations
 
@@ -129,10 +136,13 @@ def check_nccl_broadcast(torch, args) -> dict:
         sync(torch)
         times.append(time.perf_counter() - t)
     best = min(times[1:])
+    opts = getattr(getattr(grp._pg, "options", None), "_timeout", None)  # NCCL: timeout_s + the watchdog margin
+    push = dict(getattr(grp, "last_push", {}))
     grp.close()
     gbps = sent / best / 1e9
     return {"status": "PASS", "figure": f"{gbps:.1f} GB/s send path", "gb_per_s": gbps, "params": params,
             "bytes": sent, "buckets": len(buckets), "send_s": times[1:], "group_create_s": create_s,
+            "group_option_timeout_s": opts.total_seconds() if opts is not None else None, "last_push": push,
             "backend": backend, "world_size": 1, "note": "world of one: the broadcast moves no bytes between GPUs; the figure is "
                                      "the send path (bucket flatten + collective call) on the device"}
 
@@ -301,8 +311,269 @@ def check_cuda_ipc(torch, args) -> dict:
             "params": flat.numel(), "handoff_s": times[1:], "first_handoff_s": times[0]}
 
 
+# ------------------------------------------------------------------------------------------------ 4
+def check_dp_sum_nccl(torch, args) -> dict:
+    """The learner ranks' collectives (``learner/collectives.py``) under a real NCCL group: a CPU tensor
+    is refused (what broke 2+ ranks at the first step), the helpers' device tensors pass. World of one:
+    the device check happens before any communication, so one GPU shows it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    Co = load_by_path("sonar_learner_collectives", "learner/collectives.py")
+    W = load_by_path("sonar_wire_weights", "cluster/wire/weights.py")
+    backend = "nccl" if DEVICE == "cuda" else "cuda:gloo"  # on CPU: the stand-in that refuses CPU tensors
+    store = W.master_store("127.0.0.1", 0, 1, args.group_timeout_s)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=args.group_timeout_s))
+    try:
+        try:
+            dist.all_reduce(torch.tensor([1.0], dtype=torch.float64))
+            cpu_refused, cpu_error = False, None
+        except (RuntimeError, ValueError) as e:
+            cpu_refused, cpu_error = True, str(e).splitlines()[0]
+        if DEVICE != "cuda":  # no device to put the helpers' tensors on: the refusal is what CPU can show
+            return {"status": "PASS" if cpu_refused else "FAIL", "figure": f"cpu tensor refused: {cpu_refused}",
+                    "backend": backend, "cpu_error": cpu_error}
+        dev = torch.device("cuda", torch.cuda.current_device())
+        total = Co.dp_sum(2.5, (0, 2), dev)  # dp world 2 forces the collective; the group has one rank
+        obj = Co.broadcast_object({"groups": [1, 2]}, 0, (0, 2), dev)
+        rows = Co.sum_disjoint_rows_(torch.ones(4, 3, device=dev), (0, 2))
+        Co.barrier((0, 2), dev)
+        ok = cpu_refused and total == 2.5 and obj == {"groups": [1, 2]} and float(rows.sum()) == 12.0
+        return {"status": "PASS" if ok else "FAIL", "backend": backend, "cpu_error": cpu_error,
+                "figure": f"cpu tensor refused: {cpu_refused}; dp_sum/broadcast_object/rows/barrier on {dev}: ok"}
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------ 5
+def check_push_memory_and_timing(torch, args) -> dict:
+    """The streamed push (``BroadcastGroup.send_weights``): its device buffers are two buckets whatever the
+    model size, and the call returns after the transfer completed (``last_push['seconds']`` against the
+    wall time of the call between two synchronises)."""
+    W = load_by_path("sonar_wire_weights", "cluster/wire/weights.py")
+    backend = "nccl" if DEVICE == "cuda" else "gloo"
+    store = W.open_store("127.0.0.1", 1, timeout_s=args.group_timeout_s)
+    grp = with_deadline(lambda: W.BroadcastGroup("127.0.0.1", store.port, 0, 1, backend=backend,
+                                                 timeout_s=args.group_timeout_s, store=store),
+                        args.group_timeout_s, f"{backend} group")
+    state = qwen05b_state(torch, DEVICE, torch.bfloat16, args.state_layers, args.vocab)
+    specs = [W.TensorSpec(n, tuple(t.shape), t.dtype) for n, t in state.items()]
+    buckets = W.plan_buckets(specs)
+    model_bytes = sum(b.nbytes for b in buckets)
+    cuda = DEVICE == "cuda"
+    sync(torch)
+    before = torch.cuda.memory_allocated() if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    rows = []
+    for _ in range(args.repeats + 1):
+        sync(torch)
+        t = time.perf_counter()
+        grp.send_weights(buckets, state)  # no sync of ours in between: the call must include completion
+        call_s = time.perf_counter() - t
+        sync(torch)
+        rows.append({"call_s": call_s, "reported_s": grp.last_push["seconds"], "synced_s": time.perf_counter() - t})
+    peak_extra = (torch.cuda.max_memory_allocated() - before) if cuda else grp.buffer_bytes()
+    grp.close()
+    two = 2 * max(b.nbytes for b in buckets)
+    timed = rows[1:]
+    # call time within 10 % of the synchronised time: nothing left in flight when send_weights returns
+    completes = all(r["call_s"] >= 0.9 * r["synced_s"] for r in timed)
+    ok = completes and peak_extra <= two + (64 << 20)
+    return {"status": "PASS" if ok else "FAIL", "model_bytes": model_bytes, "buckets": len(buckets),
+            "two_buckets_bytes": two, "peak_extra_bytes": peak_extra, "pushes": timed,
+            "figure": f"extra {peak_extra / 2**20:.0f} MiB for a {model_bytes / 2**30:.2f} GiB model "
+                      f"(two buckets {two / 2**20:.0f} MiB); call includes completion: {completes}"}
+
+
+# ------------------------------------------------------------------------------------------------ 6
+def check_checksum_memory(torch, args) -> dict:
+    """``weights.checksum`` on a tensor shaped like Qwen2.5-7B's embedding ([152,064, 3,584] bf16, 1.0 GiB):
+    its temporary is one float64 chunk, where the old whole-tensor ``double()`` took 4.1 GiB."""
+    W = load_by_path("sonar_wire_weights", "cluster/wire/weights.py")
+    rows, cols = (152_064, 3_584) if DEVICE == "cuda" else (4_096, 64)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    t = torch.randn(rows, cols, generator=g, device=DEVICE, dtype=torch.float32).to(torch.bfloat16)
+    cuda = DEVICE == "cuda"
+    sync(torch)
+    base = torch.cuda.memory_allocated() if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    got = W.checksum([("model.embed_tokens.weight", t)])
+    sync(torch)
+    peak = (torch.cuda.max_memory_allocated() - base) if cuda else None
+    full = float(t.double().abs().sum())  # the old way, for the value (and its cost)
+    w = (int(__import__("hashlib").md5(b"model.embed_tokens.weight").hexdigest()[:6], 16) % 997) + 1
+    same = abs(got - w * full) <= 1e-9 * abs(w * full)
+    ok = same and (peak is None or peak <= 2 * W.CHECKSUM_CHUNK_BYTES + (16 << 20))
+    return {"status": "PASS" if ok else "FAIL", "tensor_bytes": t.numel() * 2, "peak_extra_bytes": peak,
+            "old_float64_copy_bytes": t.numel() * 8, "chunk_bytes": W.CHECKSUM_CHUNK_BYTES, "equal": same,
+            "figure": f"peak {'n/a' if peak is None else f'{peak / 2**20:.0f} MiB'} vs "
+                      f"{t.numel() * 8 / 2**30:.1f} GiB for a float64 copy; value equal: {same}"}
+
+
+# ------------------------------------------------------------------------------------------------ 7
+def check_nograd_forward_memory(torch, args) -> dict:
+    """A no-grad forward (the proximal / reference logprobs) with ``output_hidden_states=True`` (every
+    layer's output kept: layers+1 x tokens x hidden) against the trunk's last hidden state only (the
+    learner's path now), on a Qwen2 shape: peak memory of each."""
+    try:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+    except Exception as e:  # noqa: BLE001
+        return {"status": "SKIP", "figure": f"transformers unavailable ({type(e).__name__})"}
+    cuda = DEVICE == "cuda"
+    hidden, layers, tokens = (1536, 28, 32_768) if cuda else (64, 2, 256)
+    cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 768),
+                      max_position_embeddings=8192, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).to(DEVICE, torch.bfloat16).eval()
+    rows = max(1, tokens // 4096) if cuda else 2
+    ids = torch.randint(0, args.vocab, (rows, tokens // rows), device=DEVICE)
+    out = {}
+    for label in ("all_hidden_states", "trunk_last_hidden"):
+        sync(torch)
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if cuda else 0
+        with torch.no_grad():
+            if label == "all_hidden_states":
+                h = model(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1).hidden_states[-1]
+            else:
+                h = model.model(input_ids=ids, use_cache=False).last_hidden_state
+            last = h[:, -1].float().sum().item()
+            del h
+        sync(torch)
+        out[label] = {"peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None,
+                      "last_sum": last}
+    a, b = out["all_hidden_states"], out["trunk_last_hidden"]
+    same = abs(a["last_sum"] - b["last_sum"]) <= 1e-2 * max(1.0, abs(a["last_sum"]))
+    ok = same and (not cuda or b["peak_extra_gib"] < a["peak_extra_gib"])
+    fig = ("n/a on CPU" if not cuda else f"{b['peak_extra_gib']:.2f} GiB (trunk) vs {a['peak_extra_gib']:.2f} GiB "
+           f"(all hidden states)")
+    return {"status": "PASS" if ok else "FAIL", "hidden": hidden, "layers": layers, "tokens": rows * (tokens // rows),
+            **out, "figure": f"{fig}; same last hidden state: {same}"}
+
+
+# ------------------------------------------------------------------------------------------------ 8
+def import_sonar(args):
+    """``sonar`` importable on a machine where it is not installed: a temporary folder holding a link named
+    ``sonar`` to this checkout, first on ``sys.path``; carried wheels (``--wheels DIR``: DeepSpeed, omegaconf,
+    msgpack and their small dependencies, ``bench/gpu_wheels.sh`` downloads them) installed into a temporary
+    target beside it, never into the machine's site-packages (its torch stays as it is)."""
+    import subprocess
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="sonar-gpu-check-"))
+    if args.wheels:
+        # by name: pip picks each package's wheel for this Python from the folder (several are carried)
+        names = sorted({w.name.split("-")[0].replace("_", "-").lower() for w in Path(args.wheels).glob("*.whl")})
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--find-links",
+                        str(args.wheels), "--target", str(tmp / "site"), *names], check=True)
+        sys.path.insert(0, str(tmp / "site"))
+    try:
+        import sonar  # noqa: F401
+    except ImportError:
+        (tmp / "sonar").symlink_to(REPO, target_is_directory=True)
+        sys.path.insert(0, str(tmp))
+    import sonar  # noqa: F401,F811
+
+    return tmp
+
+
+def check_zero2_rl_step(torch, args) -> dict:
+    """One ZeRO-2 bf16 ``rl_step`` of Sonar's learner (DeepSpeed, gradient checkpointing, 1,024-token logit
+    chunks) on a randomly initialised Qwen2.5-1.5B shape at ``--rl-tokens`` tokens, world of one: its peak
+    ``torch.cuda.max_memory_allocated`` against the memory plan's learner figure for the same config
+    (``cluster/wire/memory.py``). Needs DeepSpeed and omegaconf (``--wheels``); SKIP without them."""
+    try:
+        import_sonar(args)
+        import deepspeed  # noqa: F401
+        import omegaconf  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return {"status": "SKIP", "figure": f"needs DeepSpeed and omegaconf ({type(e).__name__}: {e}); "
+                                            "carry them with --wheels (bench/gpu_wheels.sh)"}
+    import numpy as np
+
+    from sonar.cluster.wire.config import load_config
+    from sonar.cluster.wire.memory import plan_for
+    from sonar.cluster.wire.protocol import Segment, SegmentKind, Trajectory
+    from sonar.learner.deepspeed_config import deepspeed_config
+    from sonar.learner.train_step import DeepSpeedStepper, rl_step
+    from sonar.learner.worker import _import_deepspeed_without_shm_jit, _init_process_group_on_loopback
+
+    cuda = DEVICE == "cuda"
+    shape = REPO / "tests/fixtures/model_shapes" / ("qwen2.5-1.5b" if cuda else "")
+    seq = 2048 if cuda else 32
+    rows = max(2, args.rl_tokens // seq) if cuda else 4
+    tokens = rows * seq
+    over = ["learner.precision=" + ("bf16" if cuda else "fp32"), "learner.zero_stage=2", "learner.gradient_checkpointing=true",
+            "learner.logits_chunk_tokens=1024" if cuda else "learner.logits_chunk_tokens=8",
+            f"learner.micro_batch_tokens={tokens}", f"learner.groups_per_step={rows // 2}", "rollout.group_size=2",
+            "replay.capacity_groups=64", "stages.0.algo.kl_coef=0", "world.force=true", "cluster.gpu_memory_gib=1000"]
+    if cuda:
+        over += [f"model.path={shape}", "learner.num_gpus=1"]
+    cfg = load_config([], over, notes=[])
+    plan, why = plan_for(cfg) if cuda else (None, "CPU smoke: no plan")
+    if cuda:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(shape), dtype=torch.bfloat16).to(DEVICE)
+        vocab = model.config.vocab_size
+    else:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=args.vocab, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        vocab = args.vocab
+    model.gradient_checkpointing_enable()
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # as the learner sets them (a world of one)
+    ds = _import_deepspeed_without_shm_jit()
+    if not torch.distributed.is_initialized():
+        _init_process_group_on_loopback("nccl" if cuda else "gloo", 0, 1, None)
+        ds.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, opt, _, _ = ds.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-6),
+                                      config=deepspeed_config(cfg.learner, cuda))
+    rng = np.random.default_rng(0)
+    groups = []
+    for g in range(rows // 2):
+        grp = []
+        for r in (1.0, 0.0):
+            segs = [Segment(SegmentKind.PROMPT, rng.integers(3, vocab, seq // 4).astype(np.int32)),
+                    Segment(SegmentKind.MODEL, rng.integers(3, vocab, seq - seq // 4).astype(np.int32),
+                            (rng.normal(size=seq - seq // 4) - 8).astype(np.float32), 0)]
+            grp.append(Trajectory(f"t{g}-{r}", f"g{g}", f"g{g}", 0, segs, reward=r))
+        groups.append(grp)
+    sync(torch)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    metrics = rl_step(DeepSpeedStepper(engine, 2), groups, [0] * len(groups), cfg.stages[0].algo, cfg.learner,
+                      cfg.replay, temperature=1.0, pad_id=0, device=engine.device)
+    sync(torch)
+    step_s = time.perf_counter() - t
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    planned = plan.learner.total / 2**30 if plan is not None and getattr(plan, "learner", None) is not None else None
+    out = {"tokens": tokens, "rows": rows, "step_s": step_s, "peak_gib": peak, "plan_learner_gib": planned,
+           "plan_note": why, "loss": float(metrics.get("learner/loss", float("nan")))}
+    if not cuda:
+        return {**out, "status": "PASS", "figure": f"CPU smoke rl_step in {step_s:.2f} s"}
+    ok = planned is not None and peak <= planned
+    return {**out, "status": "PASS" if ok else "FAIL",
+            "figure": f"peak {peak:.1f} GiB vs planned {planned if planned is None else round(planned, 1)} GiB "
+                      f"({tokens} tokens, {step_s:.1f} s)"}
+
+
 # ------------------------------------------------------------------------------------------------ main
-CHECKS = {"nccl_broadcast": check_nccl_broadcast, "learner_step": check_learner_step, "cuda_ipc": check_cuda_ipc}
+CHECKS = {"nccl_broadcast": check_nccl_broadcast, "learner_step": check_learner_step, "cuda_ipc": check_cuda_ipc,
+          "dp_sum_nccl": check_dp_sum_nccl, "push_memory_and_timing": check_push_memory_and_timing,
+          "checksum_memory": check_checksum_memory, "nograd_forward_memory": check_nograd_forward_memory,
+          "zero2_rl_step": check_zero2_rl_step}  # last: it leaves DeepSpeed's process group initialised
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--state-layers", type=int, default=QWEN05B["layers"],
                    help="decoder layers of the 0.5B-shaped state (24: 494M parameters)")
     p.add_argument("--group-timeout-s", type=float, default=120.0)
+    p.add_argument("--rl-tokens", type=int, default=32_768, help="tokens of the zero2_rl_step check's batch")
+    p.add_argument("--wheels", default=None, help="a folder of carried wheels (bench/gpu_wheels.sh) for zero2_rl_step")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="CI: run every check on CPU at toy sizes (gloo, shared memory) to exercise the code")
     args = p.parse_args(argv)

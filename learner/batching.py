@@ -217,3 +217,24 @@ def shard_rows(lengths: Sequence[int], world_size: int) -> list[list[int]]:
         shards[r].append(i)
         load[r] += max(lengths[i], 1)
     return [sorted(s) for s in shards]
+
+
+def rank_packs(lengths: Sequence[int], token_budget: int, dp: tuple[int, int] = (0, 1)) -> list[tuple[list[int], bool]]:
+    """This data-parallel rank's micro-batches of a batch whose rows have ``lengths``: (row indices, real).
+
+    ``dp = (rank, world_size)``. One rank: ``pack_micro_batches`` of every row, all real. More: the rows are
+    split by token count (``shard_rows``, the same split on every rank), each rank packs its own rows, and a
+    rank with fewer micro-batches than the most loaded one gets filler micro-batches (one of its rows, or row 0
+    when it has none; ``real`` False) until every rank has the same number: ZeRO's collectives (ZeRO-3's
+    parameter gathers in every forward, ZeRO-1/2's gradient reduce-scatters) then pair up across the ranks.
+    A filler's result must be discarded (its loss multiplied by 0, its logprobs not written)."""
+    rank, world = dp
+    if world == 1:
+        return [(idx, True) for idx in pack_micro_batches(lengths, token_budget)]
+    lengths = [int(n) for n in lengths]
+    shards = shard_rows(lengths, world)
+    packs = [[[s[j] for j in idx] for idx in pack_micro_batches([lengths[i] for i in s], token_budget)] if s else []
+             for s in shards]
+    n = max(1, max(len(p) for p in packs))
+    filler = [shards[rank][0] if shards[rank] else 0]
+    return [(rows, True) for rows in packs[rank]] + [(filler, False)] * (n - len(packs[rank]))

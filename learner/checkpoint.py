@@ -5,8 +5,12 @@ Layout of a checkpoint directory ``<run>/checkpoints/<tag>/``::
     ds/            DeepSpeed engine state (model, optimizer, ZeRO partitions)
     hf/            the policy as a Hugging Face directory (transformers/vLLM load it; `sonar eval` too)
     state.json     Sonar state: policy version, stage index and step, data cursor, replay accounting
-    rng.pt         torch / numpy / python RNG states
-    critic.pt      PPO's value model (trunk, head, AdamW state), when a stage runs ppo (``learner/critic.py``)
+    rng.pt         rank 0's torch CPU / CUDA (when CUDA is present) / numpy / python RNG states
+    rng-rank<r>.pt the same for data-parallel rank r > 0 (each rank restores its own; rng.pt if it has none)
+    critic.pt      PPO's value model, when a stage runs ppo (``learner/critic.py``): its manifest, and its
+                   whole state for a plain-PyTorch critic
+    critic/        the DeepSpeed critic engine's state (every rank's partition)
+    reference.pt   the stage's KL reference, in the training dtype, when a stage with a KL term runs
     COMPLETE       written last; a directory without it is partial and refused
 
 A checkpoint is written to ``<tag>.tmp-<pid>`` and renamed into place, so a crash mid-save never
@@ -30,38 +34,64 @@ class CheckpointError(RuntimeError):
     pass
 
 
+def rng_state() -> dict:
+    """This process's RNG states: torch's CPU generator, every visible CUDA device's (``cuda``, only when
+    CUDA is available: dropout and sampling on a GPU draw from those), numpy's and python's."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore ``rng_state()``'s result. A state without ``cuda`` (a checkpoint written before CUDA states
+    were saved, or on a CPU machine) leaves the CUDA generators as they are; CUDA states for more devices
+    than are visible restore the visible ones."""
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        for i, s in enumerate(list(cuda)[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
+
+
+def _rng_file(rank: int) -> str:
+    return "rng.pt" if rank == 0 else f"rng-rank{rank}.pt"
+
+
 def save_checkpoint(engine, path: str | Path, state: dict, write_extra=None, keep: int = 0,
-                    rank: int = 0, world_size: int = 1) -> str:
-    """``write_extra(tmp_dir)`` adds files (the Hugging Face export under ``hf/``) before the rename.
-    ``keep`` > 0: afterwards, prune the checkpoints beside it to the newest ``keep`` (``prune_checkpoints``).
+                    rank: int = 0, world_size: int = 1, device="cpu", write_every_rank=None) -> str:
+    """``write_extra(tmp_dir)`` (rank 0) adds files before the rename; ``write_every_rank(tmp_dir)`` runs on
+    every rank after the engine's save, for what is collective (a ZeRO-3 gather of the Hugging Face export,
+    the critic engine's save). ``keep`` > 0: afterwards, prune the checkpoints beside it to the newest
+    ``keep`` (``prune_checkpoints``).
 
     Data parallel (``world_size`` > 1, every rank calls this with the same ``path``): every rank writes its
-    DeepSpeed partition into rank 0's temporary directory; rank 0 alone writes the rest (RNG, state,
-    ``write_extra``) and renames. Needs a directory every rank reaches (one node, or shared storage)."""
-    import torch.distributed as dist
+    DeepSpeed partition and its RNG state into rank 0's temporary directory; rank 0 alone writes the rest
+    (state, ``write_extra``) and renames. Needs a directory every rank reaches (one node, or shared
+    storage). ``device``: the learner's, where the ranks' collectives put their tensors (NCCL has no CPU
+    backend)."""
+    from sonar.learner.collectives import barrier, broadcast_object
 
+    dp = (rank, world_size)
     path = Path(path)
-    pid = os.getpid()
-    if world_size > 1:
-        box = [pid]
-        dist.broadcast_object_list(box, src=0)
-        pid = box[0]
+    pid = broadcast_object(os.getpid(), 0, dp, device)
     tmp = path.with_name(f"{path.name}.tmp-{pid}")
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    if world_size > 1:
-        dist.barrier()
+    barrier(dp, device)
     engine.save_checkpoint(str(tmp / "ds"), tag="engine")
-    if world_size > 1:
-        dist.barrier()
+    if write_every_rank is not None:
+        write_every_rank(tmp)
+    torch.save(rng_state(), tmp / _rng_file(rank))
+    barrier(dp, device)
     if rank != 0:
-        dist.barrier()  # rank 0 renamed: the checkpoint exists when any rank returns
+        barrier(dp, device)  # rank 0 renamed: the checkpoint exists when any rank returns
         return str(path)
     (tmp / "state.json").write_text(json.dumps(state, default=_json_default, indent=1))
-    torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
-               tmp / "rng.pt")
     if write_extra is not None:
         write_extra(tmp)
     (tmp / COMPLETE).write_text("ok\n")
@@ -74,8 +104,7 @@ def save_checkpoint(engine, path: str | Path, state: dict, write_extra=None, kee
     latest_tmp.replace(latest)
     if keep:
         prune_checkpoints(path.parent, keep)
-    if world_size > 1:
-        dist.barrier()
+    barrier(dp, device)
     return str(path)
 
 
@@ -141,7 +170,9 @@ def read_state(path: str | Path) -> dict:
     return json.loads((validate_checkpoint(path) / "state.json").read_text())
 
 
-def load_checkpoint(engine, path: str | Path) -> dict:
+def load_checkpoint(engine, path: str | Path, rank: int = 0) -> dict:
+    """The DeepSpeed state into ``engine``, the RNG states restored (``rank``'s own, else rank 0's), and
+    the Sonar state returned."""
     path = validate_checkpoint(path)
     state = json.loads((path / "state.json").read_text())
     try:
@@ -151,23 +182,54 @@ def load_checkpoint(engine, path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {str(path / 'ds')!r} could not be loaded: {e}") from e
     if load_path is None:
         raise CheckpointError(f"checkpoint {str(path / 'ds')!r} holds no DeepSpeed engine state")
+    rng_path = path / _rng_file(rank)
+    if not rng_path.is_file():
+        rng_path = path / "rng.pt"  # a checkpoint of one rank, or one from before per-rank RNG files
     try:
-        rng = torch.load(path / "rng.pt", weights_only=False)
+        rng = torch.load(rng_path, weights_only=False)
+        set_rng_state(rng)
     except Exception as e:
-        raise CheckpointError(f"checkpoint file {str(path / 'rng.pt')!r} is corrupt: {e}") from None
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
+        raise CheckpointError(f"checkpoint file {str(rng_path)!r} is corrupt: {e}") from None
     return state
 
 
-def resolve_checkpoint(resume: str, runs_root: str) -> str:
-    """``resume`` is a checkpoint directory, a run directory, or 'latest' (newest run under runs_root)."""
+def _run_identity(run_dir: Path) -> tuple[str | None, str | None]:
+    """(run.name, tracking.experiment) of a run directory, from the config it saved (``config.yaml``);
+    without a readable one, the name from the directory's own ``<name>-<YYYYmmdd>-<HHMMSS>-<pid>`` and no
+    experiment (None for what cannot be told)."""
+    import re
+
+    import yaml
+
+    try:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        saved = None
+    if isinstance(saved, dict):
+        run, tracking = saved.get("run") or {}, saved.get("tracking") or {}
+        return run.get("name"), tracking.get("experiment")
+    m = re.fullmatch(r"(.+)-\d{8}-\d{6}-\d+", run_dir.name)
+    return (m.group(1) if m else None), None
+
+
+def resolve_checkpoint(resume: str, runs_root: str, name: str | None = None, experiment: str | None = None) -> str:
+    """``resume`` is a checkpoint directory, a run directory, or 'latest': the newest checkpoint (by its
+    run's ``checkpoints/latest``) of the runs under ``runs_root`` that are runs of ``name`` (their saved
+    ``run.name``) and, when ``experiment`` is given, of that ``tracking.experiment``: several experiments
+    may share one root (``$SONAR_RUN_ROOT``), and each resumes its own. ``name`` None: any run."""
     p = Path(resume)
     if resume == "latest":
-        runs = sorted(Path(runs_root).glob("*/checkpoints/latest"), key=lambda x: x.stat().st_mtime)
+        found = sorted(Path(runs_root).glob("*/checkpoints/latest"), key=lambda x: x.stat().st_mtime)
+        runs = [x for x in found
+                if name is None or _matches(_run_identity(x.parent.parent), name, experiment)]
         if not runs:
-            raise CheckpointError(f"resume='latest': no checkpoint under {runs_root!r}")
+            scope = "" if name is None else f" of a run named {name!r}" + (
+                f" in tracking.experiment={experiment!r}" if experiment is not None else "")
+            others = sorted({f"{n}" + (f" (experiment {e})" if e else "")
+                             for n, e in (_run_identity(x.parent.parent) for x in found)})
+            raise CheckpointError(f"resume='latest': no checkpoint under {str(runs_root)!r}{scope}"
+                                  + (f" (runs with checkpoints there: {', '.join(others)}; set run.name to one, or "
+                                     f"run.resume to a run or checkpoint directory)" if others else ""))
         latest = runs[-1]
         return str(latest.parent / latest.read_text().strip())
     if (p / "checkpoints" / "latest").exists():
@@ -175,3 +237,8 @@ def resolve_checkpoint(resume: str, runs_root: str) -> str:
     if (p / "latest").exists() and not (p / COMPLETE).exists():
         return str(p / (p / "latest").read_text().strip())
     return str(validate_checkpoint(p))
+
+
+def _matches(identity: tuple[str | None, str | None], name: str, experiment: str | None) -> bool:
+    run_name, run_experiment = identity
+    return run_name == name and (experiment is None or run_experiment == experiment)

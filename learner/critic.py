@@ -11,16 +11,25 @@ Two shapes (``critic.mode``):
   two optimizers apart so the policy's step is the same whatever the critic does). Costs one extra
   trunk forward per micro-batch and no second model.
 
+What trains (``ValueModel``: the separate trunk, or nothing, plus the head) runs one of two ways:
+
+* given ``ds_config`` (the learner passes its own DeepSpeed config): a DeepSpeed engine like the policy,
+  the same ZeRO stage and precision (under ZeRO-3 the separate trunk is loaded straight into its
+  partitions, ``deepspeed_config.zero3_loading``), its own AdamW at ``critic.lr``, gradients averaged over
+  the data-parallel ranks (each rank trains its shard of every mini-batch), checkpointed through
+  DeepSpeed's save/load (``CRITIC_DIR``; every rank writes its partition);
+* without: a plain module and torch AdamW on one rank (the reference the DeepSpeed path is tested against).
+
 The head starts at zero (weight and bias), so the first values are 0 and the first GAE advantages
-are the plain returns; veRL initialises its score head randomly. The optimizer is plain PyTorch (the
-learner is one rank): not a DeepSpeed engine, so ZeRO does not shard the critic. Its learning rate
-is constant (veRL warms the critic's up over 1.5 % of training in RAG-R1's script).
+are the plain returns; veRL initialises its score head randomly. Its learning rate is constant (veRL
+warms the critic's up over 1.5 % of training in RAG-R1's script).
 
 Notation: B sequences, T tokens; values are [B, T-1], column t = V of the state "tokens <= t", the
 state in which token t+1 is chosen (aligned with ``Batch.loss_mask``).
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -29,93 +38,164 @@ from torch import Tensor, nn
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import CriticConfig, LearnerConfig
 from sonar.learner.algo.gae import explained_variance, gae, masked_whiten, outcome_token_rewards, value_loss
-from sonar.learner.batching import Batch, pack_micro_batches
+from sonar.learner.batching import Batch, rank_packs
+from sonar.learner.collectives import dp_sum, sum_disjoint_rows_
 
 CRITIC_FILE = "critic.pt"
-"""The critic's state inside a checkpoint directory (trunk, head, optimizer, step count)."""
+"""In a checkpoint directory: the critic's manifest (mode, steps, format) and, for a plain-torch critic,
+its whole state (trunk, head, optimizer); a DeepSpeed critic keeps its parameters and optimizer in
+``CRITIC_DIR``."""
+CRITIC_DIR = "critic"
+"""In a checkpoint directory: the DeepSpeed critic engine's state (tag ``engine``, every rank's partition)."""
 
 
-def _trunk_of(model: nn.Module) -> nn.Module:
-    """The decoder stack of a Hugging Face causal LM (``model.model`` for Llama/Qwen), without its head."""
+def trunk_of(model: nn.Module, required: bool = True) -> nn.Module | None:
+    """The decoder stack of a Hugging Face causal LM (``model.model`` for Llama/Qwen), without its head.
+    None when there is none and not ``required``."""
     prefix = getattr(model, "base_model_prefix", "")
     trunk = getattr(model, prefix, None) if prefix else None
-    if trunk is None:
+    if not isinstance(trunk, nn.Module):
+        if not required:
+            return None
         raise ValueError(f"cannot find the trunk of {type(model).__name__} (base_model_prefix={prefix!r})")
     return trunk
 
 
+class ValueModel(nn.Module):
+    """What the critic trains, as one module (so DeepSpeed can wrap it): ``trunk`` (critic.mode=separate,
+    its own decoder stack) or None (mode=head: ``forward`` is given the policy trunk's detached last hidden
+    states), and the scalar ``head``. Returns [b, t-1] float32 values."""
+
+    def __init__(self, trunk: nn.Module | None, head: nn.Linear):
+        super().__init__()
+        self.trunk = trunk
+        self.head = head
+
+    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                hidden: Tensor | None = None) -> Tensor:
+        if self.trunk is not None:
+            hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        # the head computes in the module's dtype (bf16 under a bf16 engine, float32 otherwise)
+        return self.head(hidden.to(self.head.weight.dtype)).float().squeeze(-1)[:, :-1]
+
+
 class Critic:
-    """``values`` / ``predict`` (no grad) and ``update`` (one optimizer step over a batch)."""
+    """``values`` / ``predict`` (no grad) and ``update`` (one optimizer step over a batch).
+
+    ``ds_config``: a DeepSpeed config (the learner's ``deepspeed_config``) to run the value model as a
+    DeepSpeed engine (ZeRO stage, precision and optimizer offload as there; the critic's lr replaces the
+    config's placeholder); None: plain PyTorch on ``device``, one rank."""
 
     def __init__(self, cfg: CriticConfig, lcfg: LearnerConfig, *, policy_dir: str | None = None,
-                 policy_module: nn.Module | None = None, device: torch.device | str = "cpu"):
+                 policy_module: nn.Module | None = None, device: torch.device | str = "cpu",
+                 ds_config: dict | None = None):
+        from sonar.learner.deepspeed_config import zero3_loading
+        from sonar.learner.train_step import DeepSpeedStepper, TorchStepper
+
         self.cfg, self.lcfg, self.device = cfg, lcfg, torch.device(device)
+        # the engine's dtype from the start: ZeRO-3 partitions the head beside a trunk that zero.Init built in
+        # that dtype, and one partition group holds one dtype
+        bf16 = bool((ds_config or {}).get("bf16", {}).get("enabled"))
+        self.policy_trunk = None  # mode=head: the policy's own trunk, read without gradient
         if cfg.mode == "separate":
             if policy_dir is None:
                 raise ValueError("critic.mode='separate' needs the policy directory to initialise from")
             from sonar.cluster.wire.policy import load_policy
 
-            model, _ = load_policy(policy_dir)
-            self.trunk = _trunk_of(model).to(self.device)
+            with zero3_loading(ds_config or {}):  # ZeRO-3: built inside zero.Init, loaded into its partitions
+                model, _ = load_policy(policy_dir, dtype=torch.bfloat16 if bf16 else None)
+            trunk = trunk_of(model)
             hidden = model.config.hidden_size
             del model  # the LM head is not kept
         elif cfg.mode == "head":
             if policy_module is None:
                 raise ValueError("critic.mode='head' needs the policy module whose trunk it reads")
-            self.trunk = _trunk_of(policy_module)
+            self.policy_trunk = trunk_of(policy_module)
+            trunk = None
             hidden = policy_module.config.hidden_size
         else:
             raise ValueError(f"critic.mode={cfg.mode!r} is not separate|head")
-        self.head = nn.Linear(hidden, 1).to(self.device)
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
-        params = list(self.head.parameters())
-        if cfg.mode == "separate":
-            self.trunk.train()
-            params = [p for p in self.trunk.parameters() if p.requires_grad] + params
-        self.params = params
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(lcfg.betas),
-                                           weight_decay=lcfg.weight_decay)
+        head = nn.Linear(hidden, 1, dtype=torch.bfloat16 if bf16 else torch.float32)
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
+        self.model = ValueModel(trunk, head)
+        self.model.train()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        betas = tuple(lcfg.betas)
+        if ds_config is None:
+            self.model.to(self.device)
+            self.engine = None
+            self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=betas, weight_decay=lcfg.weight_decay)
+            self.stepper = TorchStepper(self.model, self.optimizer, lcfg.grad_clip)
+        else:
+            from sonar.learner.worker import _import_deepspeed_without_shm_jit
+
+            deepspeed = _import_deepspeed_without_shm_jit()
+            ds = copy.deepcopy(ds_config)
+            opt = None
+            if "optimizer" in ds:  # optimizer offload: DeepSpeed's own AdamW, built from the config
+                ds["optimizer"]["params"]["lr"] = cfg.lr
+            else:
+                opt = torch.optim.AdamW(params, lr=cfg.lr, betas=betas, weight_decay=lcfg.weight_decay)
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=self.model, optimizer=opt, model_parameters=params if opt is None else None, config=ds)
+            self.device = self.engine.device
+            self.stepper = DeepSpeedStepper(self.engine, int(ds["zero_optimization"]["stage"]))
         self.steps = 0
+
+    @property
+    def head(self) -> nn.Linear:
+        return self.model.head
+
+    @property
+    def trunk(self) -> nn.Module:
+        """The trunk the values are computed from: the critic's own (separate) or the policy's (head)."""
+        return self.model.trunk if self.policy_trunk is None else self.policy_trunk
 
     # ------------------------------------------------------------------ forward
     def values(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """[b, t-1] float32 values of a (micro-)batch; differentiable in the critic's own parameters."""
-        if self.cfg.mode == "head":
+        if self.policy_trunk is not None:
             with torch.no_grad():
-                hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask,
-                                    use_cache=False).last_hidden_state
-            hidden = hidden.detach()
-        else:
-            hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        return self.head(hidden.float()).squeeze(-1)[:, :-1]
-
-    def _micro_batches(self, batch: Batch) -> list[list[int]]:
-        return pack_micro_batches(batch.lengths.tolist(), self.lcfg.micro_batch_tokens)
+                hidden = self.policy_trunk(input_ids=input_ids, attention_mask=attention_mask,
+                                           use_cache=False).last_hidden_state
+            return self.stepper(hidden=hidden.detach())
+        return self.stepper(input_ids=input_ids, attention_mask=attention_mask)
 
     @torch.no_grad()
-    def predict(self, batch: Batch) -> Tensor:
-        """V_old: [B, T-1] float32 (on CPU) for the whole batch, 0 where loss_mask is 0."""
-        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
-        for idx in self._micro_batches(batch):
+    def predict(self, batch: Batch, dp: tuple[int, int] = (0, 1)) -> Tensor:
+        """V_old: [B, T-1] float32 (on CPU) for the whole batch, 0 where loss_mask is 0. ``dp``: each rank
+        forwards its shard of the rows and the ranks' rows are summed on the device (as
+        ``train_step.batch_logprobs``)."""
+        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
+        for idx, real in rank_packs(batch.lengths.tolist(), self.lcfg.micro_batch_tokens, dp):
             mb = batch.select(idx).to(self.device)
-            v = self.values(mb.input_ids, mb.attention_mask).cpu()
-            out[torch.as_tensor(idx)[:, None], torch.arange(v.shape[1])[None, :]] = v
+            v = self.values(mb.input_ids, mb.attention_mask)
+            if real:
+                out[torch.as_tensor(idx, device=self.device)[:, None],
+                    torch.arange(v.shape[1], device=self.device)[None, :]] = v
+        out = sum_disjoint_rows_(out, dp).cpu()
         return torch.where(batch.loss_mask > 0, out, torch.zeros_like(out))
 
     # ------------------------------------------------------------------ update
-    def update(self, batch: Batch, old_values: Tensor, returns: Tensor) -> dict[str, float]:
+    def update(self, batch: Batch, old_values: Tensor, returns: Tensor,
+               dp: tuple[int, int] = (0, 1)) -> dict[str, float]:
         """One optimizer step on the clipped value loss over ``batch`` (micro-batched; every micro-batch
         divides by the batch's token count, so the gradients sum to the full-batch one), gradient norm
         clipped at ``learner.grad_clip``. Returns the value loss, its clip fraction, the means of
         V_old and of the returns, explained_variance (of V_old) and grad_norm, keyed by
-        ``K.LEARNER_CRITIC_*``. ``old_values`` and ``returns`` are [B, T-1] for the whole batch."""
+        ``K.LEARNER_CRITIC_*``. ``old_values`` and ``returns`` are [B, T-1] for the whole batch.
+
+        ``dp = (rank, world_size)``: each rank trains its share of the rows (``batching.rank_packs``, fillers
+        multiplied by 0), its losses multiplied by ``world_size`` because DeepSpeed averages the ranks'
+        gradients; the logged loss and clip fraction are the whole batch's."""
+        if dp[1] > 1 and self.engine is None:
+            raise ValueError(f"a plain-PyTorch critic trains on one rank, not dp={dp}: pass ds_config")
         tokens = float((batch.loss_mask > 0).sum())
         loss_total, clip_sum = 0.0, 0.0
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.cfg.mode == "separate":
-            self.trunk.train()
-        for idx in self._micro_batches(batch):
+        packs = rank_packs(batch.lengths.tolist(), self.lcfg.micro_batch_tokens, dp)
+        self.model.train()
+        for i, (idx, real) in enumerate(packs):
             mb = batch.select(idx).to(self.device)
             w = mb.loss_mask.shape[1]
             rows = torch.as_tensor(idx)
@@ -123,17 +203,14 @@ class Critic:
             ret = returns[rows, :w].to(self.device)
             v = self.values(mb.input_ids, mb.attention_mask)
             out = value_loss(v, old, ret, mb.loss_mask, self.cfg.value_clip, tokens=tokens)
-            out.loss.backward()
-            n = float((mb.loss_mask > 0).sum())
-            loss_total += float(out.loss.detach())
-            clip_sum += out.metrics["value_clipfrac"] * n
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if self.lcfg.grad_clip > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.lcfg.grad_clip))
-        else:
-            norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            scale = (float(dp[1]) if real else 0.0) if dp[1] > 1 else 1.0
+            self.stepper.backward(out.loss * scale if dp[1] > 1 else out.loss, boundary=i == len(packs) - 1)
+            if real:
+                loss_total += float(out.loss.detach())
+                clip_sum += out.metrics["value_clipfrac"] * float((mb.loss_mask > 0).sum())
+        loss_total = dp_sum(loss_total, dp, self.device)
+        clip_sum = dp_sum(clip_sum, dp, self.device)
+        norm = self.stepper.step()
         self.steps += 1
         n = max(tokens, 1.0)
         m = batch.loss_mask > 0
@@ -145,11 +222,14 @@ class Critic:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
-        """Everything a resume needs: the trained parameters (trunk only when separate), the optimizer, steps."""
+        """A plain-PyTorch critic's whole state: the trained parameters (trunk only when separate), the
+        optimizer, steps. (A DeepSpeed critic's parameters and optimizer live in its engine: ``save``.)"""
+        if self.engine is not None:
+            raise ValueError("a DeepSpeed critic is checkpointed through its engine (Critic.save), not state_dict")
         state = {"mode": self.cfg.mode, "head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "steps": self.steps}
         if self.cfg.mode == "separate":
-            state["trunk"] = self.trunk.state_dict()
+            state["trunk"] = self.model.trunk.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -157,13 +237,21 @@ class Critic:
             raise ValueError(f"the checkpoint's critic has mode {state.get('mode')!r}, critic.mode={self.cfg.mode!r}")
         self.head.load_state_dict(state["head"])
         if self.cfg.mode == "separate":
-            self.trunk.load_state_dict(state["trunk"])
+            self.model.trunk.load_state_dict(state["trunk"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state["steps"])
 
-    def save(self, directory: str | Path) -> Path:
+    def save(self, directory: str | Path, rank: int = 0) -> Path:
+        """Into a checkpoint directory. DeepSpeed: every rank calls this (the engine's save is collective:
+        each rank writes its ZeRO partition into ``CRITIC_DIR``) and rank 0 writes the manifest
+        (``CRITIC_FILE``); plain PyTorch: the whole state in ``CRITIC_FILE``."""
         path = Path(directory) / CRITIC_FILE
-        torch.save(self.state_dict(), path)
+        if self.engine is None:
+            torch.save(self.state_dict(), path)
+            return path
+        self.engine.save_checkpoint(str(Path(directory) / CRITIC_DIR), tag="engine")
+        if rank == 0:
+            torch.save({"mode": self.cfg.mode, "steps": self.steps, "format": "deepspeed"}, path)
         return path
 
     def load(self, directory: str | Path) -> None:
@@ -171,15 +259,34 @@ class Critic:
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {str(directory)!r} holds no critic ({CRITIC_FILE} is missing) "
                                     "but this run trains one (a stage has algo.name='ppo')")
-        self.load_state_dict(torch.load(path, map_location=self.device, weights_only=False))
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        saved = "deepspeed" if state.get("format") == "deepspeed" else "torch"
+        if saved != ("torch" if self.engine is None else "deepspeed"):
+            raise ValueError(f"checkpoint {str(directory)!r} holds a {saved} critic ({CRITIC_FILE}); this critic "
+                             f"runs {'plain PyTorch' if self.engine is None else 'under DeepSpeed'}")
+        if self.engine is None:
+            self.load_state_dict(state)
+            return
+        if state.get("mode") != self.cfg.mode:
+            raise ValueError(f"the checkpoint's critic has mode {state.get('mode')!r}, critic.mode={self.cfg.mode!r}")
+        ds_dir = Path(directory) / CRITIC_DIR
+        try:
+            loaded, _ = self.engine.load_checkpoint(str(ds_dir), tag="engine", load_optimizer_states=True,
+                                                    load_lr_scheduler_states=False)
+        except Exception as e:
+            raise ValueError(f"critic checkpoint {str(ds_dir)!r} could not be loaded: {e}") from e
+        if loaded is None:
+            raise ValueError(f"critic checkpoint {str(ds_dir)!r} holds no DeepSpeed engine state")
+        self.steps = int(state["steps"])
 
 
-def gae_advantages(critic: Critic, batch: Batch, kl: Tensor | None, kl_coef: float) -> tuple[Tensor, Tensor, Tensor]:
+def gae_advantages(critic: Critic, batch: Batch, kl: Tensor | None, kl_coef: float,
+                   dp: tuple[int, int] = (0, 1)) -> tuple[Tensor, Tensor, Tensor]:
     """PPO's advantages for ``batch`` from the critic: V_old (no grad), the outcome on the last trained
     token minus ``kl_coef * kl`` per trained token, GAE with ``critic.gamma`` / ``critic.lam``, then
     whitening over the batch (``critic.whiten``). Returns (advantages float32, V_old, returns), all
-    [B, T-1] on CPU, 0 where loss_mask is 0."""
-    old_values = critic.predict(batch)
+    [B, T-1] on CPU, 0 where loss_mask is 0. ``dp``: V_old split across the data-parallel ranks (``predict``)."""
+    old_values = critic.predict(batch, dp)
     rewards = outcome_token_rewards(batch.rewards, batch.loss_mask, kl, kl_coef if kl is not None else 0.0)
     adv, returns = gae(rewards, old_values, batch.loss_mask, critic.cfg.gamma, critic.cfg.lam)
     if critic.cfg.whiten:

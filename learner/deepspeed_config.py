@@ -1,6 +1,7 @@
 """Sonar's LearnerConfig -> a DeepSpeed config dict, and the LR schedule.
 
-Pure (no DeepSpeed import). Gradient accumulation is driven by Sonar, not by DeepSpeed's fixed
+Pure (no DeepSpeed import at module level; ``zero3_loading`` imports transformers' DeepSpeed integration
+when it runs). Gradient accumulation is driven by Sonar, not by DeepSpeed's fixed
 ``gradient_accumulation_steps``: micro-batches are packed by token budget, so their number varies
 per step. DeepSpeed therefore runs with GAS=1 and the learner marks the accumulation boundary itself
 (``set_gradient_accumulation_boundary``); each micro-batch loss is already normalised by the global
@@ -9,16 +10,25 @@ token count, so no further scaling is wanted.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 from sonar.cluster.wire.config import LearnerConfig
 
 
 def resolve_precision(cfg: LearnerConfig, on_gpu: bool) -> str:
+    """``learner.precision`` resolved: auto is bf16 on a GPU, fp32 on CPU. An explicit bf16 is kept on CPU
+    too: DeepSpeed 0.19.8's CPU accelerator trains bf16 (measured: ZeRO 0, 2 and 3 step on CPU), which is
+    how the bf16 paths (reference, critic, export dtypes) are tested without a GPU."""
     if cfg.precision == "auto":
         return "bf16" if on_gpu else "fp32"
-    if cfg.precision == "bf16" and not on_gpu:
-        raise ValueError("learner.precision='bf16' needs a GPU; use 'fp32' or 'auto' on CPU")
     return cfg.precision
+
+
+def train_dtype(cfg: LearnerConfig, on_gpu: bool) -> str:
+    """The dtype the policy's parameters are held and computed in (a ``torch`` attribute name):
+    bfloat16 under bf16 (DeepSpeed keeps the fp32 master copy inside its optimizer), else float32. The KL
+    reference, the critic and the exports follow it."""
+    return "bfloat16" if resolve_precision(cfg, on_gpu) == "bf16" else "float32"
 
 
 def resolve_backend(cfg: LearnerConfig, on_gpu: bool) -> str:
@@ -48,6 +58,67 @@ def deepspeed_config(cfg: LearnerConfig, on_gpu: bool) -> dict:
         ds["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0, "betas": list(cfg.betas),
                                                        "weight_decay": cfg.weight_decay}}
     return ds
+
+
+def reference_config(cfg: LearnerConfig, on_gpu: bool) -> dict:
+    """The DeepSpeed config of the frozen KL reference under ZeRO-3: an inference engine (no optimizer: no
+    gradients, no master weights, no optimizer state) partitioned like the policy, in its precision, as
+    OpenRLHF builds its reference. Only used with ``learner.zero_stage=3``; below it the reference is a
+    plain module in the training dtype (ZeRO 0-2 keep full parameters on every rank anyway)."""
+    ds: dict = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3},
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+    if resolve_precision(cfg, on_gpu) == "bf16":
+        ds["bf16"] = {"enabled": True}
+    return ds
+
+
+class _HfZeRO3:
+    """What transformers reads of a registered DeepSpeed config (transformers 5.19,
+    ``integrations/deepspeed.py``: ``is_deepspeed_zero3_enabled`` and ``deepspeed_config``)."""
+
+    def __init__(self, config: dict):
+        self.config = config
+
+    def is_zero3(self) -> bool:
+        return True
+
+
+@contextmanager
+def zero3_loading(ds_config: dict):
+    """While open, transformers' ``from_pretrained`` builds the model inside ``deepspeed.zero.Init``
+    (``ds_config``'s ZeRO-3 partitioning and dtype) and loads the checkpoint into the partitions, so no rank
+    ever holds the whole model (without it every rank loads the full fp32 model and DeepSpeed partitions it
+    afterwards). A no-op unless ``ds_config`` is ZeRO stage 3.
+
+    transformers finds the config through a module-level weakref (``set_hf_deepspeed_config``) and reads
+    only ``is_zero3()`` and ``config`` of it; ``HfDeepSpeedConfig`` would add a dependency on accelerate
+    (it refuses to start without it, and Sonar does not install it), so ``_HfZeRO3`` stands in. It lives for
+    the block only and the global is cleared after it, so a model built later in the process (a ZeRO-0
+    learner, a test's plain model) is not partitioned by accident. ``zero.Init``'s
+    memory-efficient linear, which transformers' call enables, replaces ``torch.nn.functional.linear``
+    process-wide and never puts it back (DeepSpeed 0.19.8, ``_enable_mem_efficient_linear``); it is restored
+    here, so the process's numerics do not depend on whether a ZeRO-3 model was loaded before (DeepSpeed's
+    ZeRO-3 engine trains with the stock linear: the models it partitions itself never see the patch)."""
+    if ds_config.get("zero_optimization", {}).get("stage") != 3:
+        yield
+        return
+    import torch
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    linear = torch.nn.functional.linear
+    keep = _HfZeRO3(ds_config)  # transformers holds only a weakref to it
+    set_hf_deepspeed_config(keep)
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        torch.nn.functional.linear = linear
+        del keep
 
 
 def uses_client_optimizer(cfg: LearnerConfig) -> bool:

@@ -28,8 +28,9 @@ from sonar.learner.algo.advantages import compute_advantages, dynamic_sampling_m
 from sonar.learner.algo.chunked import chunked_logprobs
 from sonar.learner.algo.losses import LossInputs, entropy_from_logits, kl_estimate, policy_loss, sft_loss, token_logprobs
 from sonar.learner.algo.staleness import apply_staleness, importance_weight_histogram, lag_histogram
-from sonar.learner.batching import Batch, collate, pack_micro_batches, shard_rows
-from sonar.learner.critic import gae_advantages
+from sonar.learner.batching import Batch, collate, rank_packs
+from sonar.learner.collectives import dp_sum, sum_disjoint_rows_
+from sonar.learner.critic import gae_advantages, trunk_of
 
 
 IS_EDGES = (0.5, 0.8, 0.95, 1.05, 1.25, 2.0)
@@ -111,22 +112,45 @@ def _output_head(model):
     return head
 
 
+def _last_hidden_state(model, trunk: torch.nn.Module, mb: Batch) -> torch.Tensor:
+    """[b, t, H] final (post-norm) hidden states of ``mb``: the causal LM is called (through ``model``, so a
+    DeepSpeed engine's forward runs) with no logits kept, and its trunk's output is read by a forward hook.
+
+    Not ``output_hidden_states=True``: that makes the model collect every layer's output (L+1 tensors of
+    [b, t, H]) and return them, so a no-grad forward holds all of them until it returns (12.7 GiB for a 7B
+    at 32k tokens) where one suffices; with a gradient the tuple only adds references. The tensor read here
+    is the one the LM head would have been applied to (``hidden_states[-1]`` of the old path, bit for bit)."""
+    box: list[torch.Tensor] = []
+
+    def keep(_module, _args, out):
+        box.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
+
+    keep_none = torch.empty(0, dtype=torch.long, device=mb.input_ids.device)
+    hook = trunk.register_forward_hook(keep)
+    try:
+        model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, logits_to_keep=keep_none)
+    finally:
+        hook.remove()
+    if len(box) != 1:
+        raise RuntimeError(f"the trunk {type(trunk).__name__} ran {len(box)} times in one forward (expected once)")
+    return box[0]
+
+
 def forward_logprobs(model, mb: Batch, temperature: float, with_entropy: bool = False,
                      chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, t-1] logprobs of the realised next tokens at the sampling temperature (and entropy).
-    ``model``: a Stepper (trained forward) or a plain module (reference policy).
+    ``model``: a Stepper (trained forward), a DeepSpeed engine or a plain module (reference policy).
 
     ``chunk_tokens`` > 0 (``learner.logits_chunk_tokens``): the forward returns no logits (an empty
-    ``logits_to_keep``) and the output head runs on the final hidden states chunk by chunk
-    (``algo.chunked``), so a micro-batch's full-vocabulary logits never exist at once. A model whose
-    forward cannot skip its logits falls back to the unchunked path."""
+    ``logits_to_keep``), only the trunk's last hidden state is kept (``_last_hidden_state``), and the
+    output head runs on it chunk by chunk (``algo.chunked``), so a micro-batch's full-vocabulary logits
+    never exist at once. A model whose forward cannot skip its logits (or whose trunk ``critic.trunk_of``
+    does not find) falls back to the unchunked path."""
     head = _output_head(model) if chunk_tokens > 0 else None
-    if head is not None:
-        keep_none = torch.empty(0, dtype=torch.long, device=mb.input_ids.device)
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
-                    output_hidden_states=True, logits_to_keep=keep_none)
-        return chunked_logprobs(out.hidden_states[-1], head, mb.input_ids, temperature, chunk_tokens,
-                                with_entropy=with_entropy)
+    trunk = trunk_of(getattr(model, "module", model), required=False) if head is not None else None
+    if head is not None and trunk is not None:
+        hidden = _last_hidden_state(model, trunk, mb)
+        return chunked_logprobs(hidden, head, mb.input_ids, temperature, chunk_tokens, with_entropy=with_entropy)
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits.float()
     lp = token_logprobs(logits, mb.input_ids, temperature)
     ent = None
@@ -136,45 +160,18 @@ def forward_logprobs(model, mb: Batch, temperature: float, with_entropy: bool = 
     return lp, ent
 
 
-def _micro_batches(batch: Batch, token_budget: int, device) -> list[Batch]:
-    return [batch.select(idx).to(device) for idx in pack_micro_batches(batch.lengths.tolist(), token_budget)]
-
-
 def _rank_micro_batches(batch: Batch, token_budget: int, device,
                         dp: tuple[int, int] = (0, 1)) -> tuple[list[Batch], list[float]]:
     """This data-parallel rank's micro-batches of ``batch`` and the factor each loss is multiplied by.
 
-    ``dp = (rank, world_size)``. One rank: every micro-batch, factor 1. More: the rows are split by token
-    count (``shard_rows``, the same split on every rank), each rank packs its own rows, and ranks with
-    fewer micro-batches than the most loaded one take dummy micro-batches (one of its rows, factor 0):
-    every rank runs the same number of forward/backward passes, so ZeRO's collectives (ZeRO-3's parameter
-    gathers, ZeRO-2's gradient reduce-scatters) pair up. The losses are normalised by the *global*
+    ``dp = (rank, world_size)``. One rank: every micro-batch, factor 1. More: ``batching.rank_packs`` (rows
+    split by token count, fillers so that every rank runs the same number of forward/backward passes and
+    ZeRO's collectives pair up); a filler's factor is 0. The losses are normalised by the *global*
     denominators, so the ranks' gradients sum to the batch gradient; DeepSpeed averages them over the
     ranks, hence the factor ``world_size``."""
-    rank, world = dp
-    if world == 1:
-        mbs = _micro_batches(batch, token_budget, device)
-        return mbs, [1.0] * len(mbs)
-    lengths = batch.lengths.tolist()
-    shards = shard_rows(lengths, world)
-    packs = [[[s[j] for j in idx] for idx in pack_micro_batches([lengths[i] for i in s], token_budget)] if s else []
-             for s in shards]
-    n = max(1, max(len(p) for p in packs))
-    mine = packs[rank]
-    filler = [shards[rank][0] if shards[rank] else 0]
-    mbs = [batch.select(rows).to(device) for rows in mine] + [batch.select(filler).to(device)] * (n - len(mine))
-    return mbs, [float(world)] * len(mine) + [0.0] * (n - len(mine))
-
-
-def _dp_sum(x: float, dp: tuple[int, int]) -> float:
-    """``x`` summed over the data-parallel ranks (one all-reduce; the ranks' default process group)."""
-    if dp[1] == 1:
-        return x
-    import torch.distributed as dist
-
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t[0])
+    packs = rank_packs(batch.lengths.tolist(), token_budget, dp)
+    scale = 1.0 if dp[1] == 1 else float(dp[1])
+    return [batch.select(rows).to(device) for rows, _ in packs], [scale if real else 0.0 for _, real in packs]
 
 
 def _weighted(metrics: list[tuple[dict, float]]) -> dict[str, float]:
@@ -209,7 +206,7 @@ def sft_step(stepper: Stepper, trajs: list[Trajectory], lcfg: LearnerConfig, pad
         out = sft_loss(lp, mb.loss_mask, denom)
         stepper.backward(out.loss * scales[i] if dp[1] > 1 else out.loss, boundary=i == len(mbs) - 1)
         loss_total += float(out.loss.detach()) if scales[i] else 0.0
-    loss_total = _dp_sum(loss_total, dp)
+    loss_total = dp_sum(loss_total, dp, device)
     gn = stepper.step()
     dt = time.perf_counter() - t0
     tokens = int(batch.lengths.sum())
@@ -239,8 +236,11 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
     before the policy's. ``train_policy=False`` (the critic's warmup) runs only the critic's steps.
 
     ``dp = (rank, world_size)``: data parallel. Every rank passes the same groups and computes the same
-    filtering, advantages and (proximal/reference) logprobs on the whole batch; the update's micro-batches
-    are split across the ranks by token count (``_rank_micro_batches``), the loss normalised by the whole
+    filtering and advantages on the whole batch. The no-grad forwards of the whole batch (proximal and
+    reference logprobs, the critic's V_old) are split across the ranks, each forwarding its shard of rows,
+    and the per-token results summed on the device into the whole batch on every rank (``batch_logprobs``:
+    the reward-mode KL and the advantages need every row). The update's micro-batches are split across the
+    ranks by token count (``_rank_micro_batches``; the critic's too), the loss normalised by the whole
     mini-batch's denominators. The logged loss is the whole batch's; loss parts and the importance-weight
     histogram are this rank's share."""
     t0 = time.perf_counter()
@@ -281,16 +281,17 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
     cur = None
     if need_prox or kl_reward:
         cur = batch_logprobs(stepper.module, batch, temperature, lcfg.micro_batch_tokens, device,
-                             lcfg.logits_chunk_tokens)
+                             lcfg.logits_chunk_tokens, dp)
         if need_prox:
             batch.proximal_logprobs = cur
     kl = None
     if kl_reward:
         # KL as a reward penalty: per-token KL(current || ref) of the batch, before the first update.
-        ref = batch_logprobs(ref_module, batch, temperature, lcfg.micro_batch_tokens, device, lcfg.logits_chunk_tokens)
+        ref = batch_logprobs(ref_module, batch, temperature, lcfg.micro_batch_tokens, device, lcfg.logits_chunk_tokens,
+                             dp)
         kl = kl_estimate(cur, ref, algo.kl_estimator) * batch.loss_mask
         m[K.LEARNER_KL_REWARD_PENALTY] = float(algo.kl_coef * kl.sum() / max(1.0, float(batch.loss_mask.sum())))
-    batch.advantages = batch_advantages(batch, algo, kl, critic)
+    batch.advantages = batch_advantages(batch, algo, kl, critic, dp)
     if algo.name == "ppo":
         m[K.LEARNER_CRITIC_WARMUP] = float(not train_policy)
     use_ref = ref_module is not None and algo.kl_coef > 0 and algo.kl_mode == "loss"
@@ -303,7 +304,7 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
         for rows in minis:
             mini = batch if len(minis) == 1 else batch.select(rows)
             if critic is not None:  # ppo: one value-loss step per mini-batch, on V_old and returns fixed for the batch
-                critic_parts.append(critic.update(mini, mini.old_values, mini.returns))
+                critic_parts.append(critic.update(mini, mini.old_values, mini.returns, dp))
             if not train_policy:
                 continue
             denom = mini.denominators()
@@ -331,7 +332,7 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
                     for k, v in importance_weight_histogram(ratio, IS_EDGES, mb.loss_mask).items():
                         is_hist[k] = is_hist.get(k, 0) + v
             norms.append(stepper.step())
-            losses.append(_dp_sum(loss_total, dp))
+            losses.append(dp_sum(loss_total, dp, device))
             n_micro += len(mbs)
     if critic_parts:
         m.update({k: float(np.mean([c[k] for c in critic_parts])) for k in critic_parts[0]})
@@ -357,30 +358,41 @@ def mini_batch_rows(n: int, mini_batches: int) -> list[list[int]]:
 
 
 def batch_logprobs(module: torch.nn.Module, batch: Batch, temperature: float, token_budget: int,
-                   device, chunk_tokens: int = 0) -> torch.Tensor:
-    """[B, T-1] float32 logprobs of the whole batch under ``module`` (no gradient, micro-batched, on CPU),
-    0 where loss_mask is 0: the proximal policy at batch start, or the reference policy."""
-    out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
+                   device, chunk_tokens: int = 0, dp: tuple[int, int] = (0, 1)) -> torch.Tensor:
+    """[B, T-1] float32 logprobs of the whole batch under ``module`` (no gradient, micro-batched), on CPU,
+    0 where loss_mask is 0: the proximal policy at batch start, or the reference policy.
+
+    ``dp = (rank, world_size)``: each rank forwards only its shard of the rows (``batching.rank_packs``; the
+    fillers keep ZeRO-3's gathers paired and are not written), into a [B, T-1] tensor on ``device`` that is
+    0 outside its rows; one all-reduce of it (``collectives.sum_disjoint_rows_``) gives every rank every
+    row. A row's logprobs do not depend on which rank computes them (the rows are packed differently than
+    on one rank, so they agree with one rank's up to the rounding of a different padded width)."""
+    out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=device)
     with torch.no_grad():
-        for idx in pack_micro_batches(batch.lengths.tolist(), token_budget):
+        for idx, real in rank_packs(batch.lengths.tolist(), token_budget, dp):
             mb = batch.select(idx).to(device)
             lp, _ = forward_logprobs(module, mb, temperature, chunk_tokens=chunk_tokens)
-            out[torch.as_tensor(idx)[:, None], torch.arange(lp.shape[1])[None, :]] = lp.float().cpu()
+            if real:
+                out[torch.as_tensor(idx, device=device)[:, None],
+                    torch.arange(lp.shape[1], device=device)[None, :]] = lp.float()
+    out = sum_disjoint_rows_(out, dp).cpu()
     return torch.where(batch.loss_mask > 0, out, torch.zeros_like(out))
 
 
-def batch_advantages(batch: Batch, algo: AlgoConfig, kl: torch.Tensor | None, critic=None) -> torch.Tensor:
+def batch_advantages(batch: Batch, algo: AlgoConfig, kl: torch.Tensor | None, critic=None,
+                     dp: tuple[int, int] = (0, 1)) -> torch.Tensor:
     """The advantage seam: per-token advantages [B, T-1] (float32, 0 where loss_mask is 0) of the whole
     batch, computed once before the first update and held fixed over every epoch and mini-batch.
 
     ``algo.name='ppo'`` needs ``critic`` (``learner.critic.Critic``): GAE over the critic's V_old
     (``critic.gae_advantages``); V_old and the returns are kept on the batch (``Batch.old_values`` /
-    ``Batch.returns``) for the critic's value-loss step on every mini-batch. The other algorithms:
+    ``Batch.returns``) for the critic's value-loss step on every mini-batch (V_old split across the ``dp``
+    ranks like ``batch_logprobs``). The other algorithms:
     ``advantages.compute_advantages`` (group baselines, the REINFORCE++ family)."""
     if algo.name == "ppo":
         if critic is None:
             raise ValueError("algo.name='ppo' trains with a critic: rl_step needs critic= (learner/critic.py)")
-        adv, batch.old_values, batch.returns = gae_advantages(critic, batch, kl, algo.kl_coef)
+        adv, batch.old_values, batch.returns = gae_advantages(critic, batch, kl, algo.kl_coef, dp)
         return adv.float()
     return compute_advantages(algo.name, batch.rewards, batch.group_index, batch.loss_mask,
                               algo_std_normalize(algo), kl=kl,

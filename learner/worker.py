@@ -120,7 +120,8 @@ class Learner:
 
         torch.set_num_threads(1)
         from sonar.cluster.wire.policy import load_policy, pad_id
-        from sonar.learner.deepspeed_config import deepspeed_config, resolve_backend, uses_client_optimizer
+        from sonar.learner.deepspeed_config import (deepspeed_config, resolve_backend, train_dtype,
+                                                    uses_client_optimizer, zero3_loading)
         from sonar.learner.sft_data import SFTData
 
         self.cfg = cfg
@@ -135,16 +136,8 @@ class Learner:
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port or 0))
         deepspeed = _import_deepspeed_without_shm_jit()
         torch.manual_seed(cfg.run.seed)
-        model, self.tokenizer = load_policy(policy)
-        self.pad_id = pad_id(model, self.tokenizer)
-        if cfg.learner.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        params = [p for p in model.parameters() if p.requires_grad]
-        # lr=0.0 is a placeholder: every step sets the stage's scheduled lr first (``_set_lr``). With optimizer
-        # offload DeepSpeed builds its own AdamW from the config (it refuses a client torch optimizer).
-        opt = (torch.optim.AdamW(params, lr=0.0, betas=tuple(cfg.learner.betas), weight_decay=cfg.learner.weight_decay)
-               if uses_client_optimizer(cfg.learner) else None)
         backend = resolve_backend(cfg.learner, self.on_gpu)
+        # The group first: ZeRO-3 loading partitions the model over it while it is built.
         if not torch.distributed.is_initialized():
             store = None
             if rank == 0 and world_size > 1 and placement_group is not None:
@@ -154,9 +147,25 @@ class Learner:
         elif torch.distributed.get_world_size() != world_size:
             raise RuntimeError(f"this process's torch.distributed group has {torch.distributed.get_world_size()} "
                                f"ranks, the learner was asked for {world_size}")
+        self.ds_config = deepspeed_config(cfg.learner, self.on_gpu)
+        self.dtype = getattr(torch, train_dtype(cfg.learner, self.on_gpu))
+        self.zero3 = cfg.learner.zero_stage == 3
+        # ZeRO-3: built inside zero.Init and loaded into its partitions, so no rank holds the whole model
+        # (``zero3_loading``); below ZeRO-3 every rank holds the full parameters anyway. Loaded in the training
+        # dtype: DeepSpeed would cast a float32 model to bf16 itself (its fp32 master copy is made from the
+        # bf16 parameters either way), so only the host memory of the load differs.
+        with zero3_loading(self.ds_config):
+            model, self.tokenizer = load_policy(policy, dtype=self.dtype)
+        self.pad_id = pad_id(model, self.tokenizer)
+        if cfg.learner.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        params = [p for p in model.parameters() if p.requires_grad]
+        # lr=0.0 is a placeholder: every step sets the stage's scheduled lr first (``_set_lr``). With optimizer
+        # offload DeepSpeed builds its own AdamW from the config (it refuses a client torch optimizer).
+        opt = (torch.optim.AdamW(params, lr=0.0, betas=tuple(cfg.learner.betas), weight_decay=cfg.learner.weight_decay)
+               if uses_client_optimizer(cfg.learner) else None)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=opt, model_parameters=params if opt is None else None,
-            config=deepspeed_config(cfg.learner, self.on_gpu))
+            model=model, optimizer=opt, model_parameters=params if opt is None else None, config=self.ds_config)
         self.device = self.engine.device
         from sonar.learner.train_step import DeepSpeedStepper
 
@@ -174,8 +183,9 @@ class Learner:
         if any(st.kind == "rl" and st.algo.name == "ppo" for st in cfg.stages):
             from sonar.learner.critic import Critic
 
+            # under DeepSpeed like the policy: the same ZeRO stage and precision, its own AdamW (critic.lr)
             self.critic = Critic(cfg.critic, cfg.learner, policy_dir=policy, policy_module=self.engine.module,
-                                 device=self.device)
+                                 device=self.device, ds_config=self.ds_config)
 
     # ------------------------------------------------------------------ ranks
     def _start_peers(self, placement_group):
@@ -218,10 +228,27 @@ class Learner:
 
     @on_all_ranks
     def param_specs(self) -> list:
+        """Names, full shapes and dtypes in model order. Under ZeRO-3 the full shape is DeepSpeed's
+        ``ds_shape``: nothing is gathered (a gather of the whole model would put 2 B x N on every rank)."""
         from sonar.cluster.wire.weights import TensorSpec
 
-        with self._gathered() as views:
-            return [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in views.items()]
+        specs = [TensorSpec(n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype)
+                 for n, p in self.engine.module.named_parameters()]
+        self._specs = specs  # every rank: the others rebuild rank 0's bucket plan from it (``broadcast``)
+        return specs
+
+    @contextmanager
+    def _gathered_only(self, names):
+        """The named parameters as detached full views for the block: under ZeRO-3 gathered for these
+        parameters only (a collective: every rank enters the same blocks in the same order)."""
+        import deepspeed
+
+        params = dict(self.engine.module.named_parameters())
+        chosen = [params[n] for n in names]
+        ctx = (deepspeed.zero.GatheredParameters(chosen, modifier_rank=None)
+               if self.cfg.learner.zero_stage == 3 else nullcontext())
+        with ctx:
+            yield {n: p.detach() for n, p in zip(names, chosen)}
 
     def broadcast_endpoint(self, world_size: int) -> tuple[str, int]:
         """Where the next broadcast group meets: this learner's node address (as Ray knows it; 127.0.0.1
@@ -245,30 +272,60 @@ class Learner:
         self._bcast_store = None
         if store is not None and store.port != master_port:
             store = None  # a stale endpoint: bind master_port instead
-        self._group = BroadcastGroup(master_addr, master_port, 0, world_size, backend, prefix=prefix, store=store)
+        # Every wait of a push is bounded: a dead receiver raises within cluster.step_timeout_s.
+        self._group = BroadcastGroup(master_addr, master_port, 0, world_size, backend, prefix=prefix, store=store,
+                                     timeout_s=self.cfg.cluster.step_timeout_s)
         return layout_digest(specs)
 
     @on_all_ranks
     def broadcast(self) -> dict:
-        """Rank 0 sends the full weights, packed straight from the (gathered) parameters into the group's
-        reused bucket buffers: no per-sync copy of the model. Other ranks only join ZeRO-3's gather."""
+        """Rank 0 sends the full weights, streamed from the (gathered) parameters through the group's two
+        reused bucket buffers (``send_weights``): no copy of the model. Other ranks only join ZeRO-3's gather.
+
+        ``seconds``: the transfer, from the handshake (every receiver there) to the completion of the last
+        broadcast (``work.wait`` on every bucket, then ``torch.cuda.synchronize`` on CUDA), so
+        ``weights/sync_s`` and ``weights/gbps`` are the transfer and not the enqueue; ``wait_s``: the wait
+        for the receivers (a vLLM engine in pause mode drains its rows first); ``wall_s``: the whole call
+        (ZeRO-3's gather included)."""
         t0 = time.perf_counter()
+        zero3 = self.cfg.learner.zero_stage == 3
         if self.rank != 0:
-            if self.cfg.learner.zero_stage == 3:
-                with self._gathered():
-                    pass
+            if zero3:  # join rank 0's gathers, bucket by bucket, in its order (the same pure bucket plan)
+                from sonar.cluster.wire.weights import plan_buckets
+
+                specs = getattr(self, "_specs", None) or self.param_specs()  # no collective: ds_shape
+                for b in plan_buckets(specs):
+                    with self._gathered_only([sp.name for sp in b.specs]):
+                        pass
             return {}
-        with self._gathered() as views:
-            nbytes = self._group.send_weights(self._buckets, views)
-        dt = time.perf_counter() - t0
-        return {"version": self.version, "bytes": nbytes, "seconds": dt, "buckets": len(self._buckets)}
+        if zero3:
+            # Gathered one bucket at a time (at most a bucket of full parameters beside the partitions,
+            # not the whole model: cluster/wire/memory.py plans it so); copied into the stream buffers
+            # inside the gather, so nothing is sent from a parameter that is released afterwards.
+            nbytes = self._group.send_weights(self._buckets, None, gather=lambda b: self._gathered_only(
+                [sp.name for sp in b.specs]))
+        else:
+            with self._gathered() as views:
+                nbytes = self._group.send_weights(self._buckets, views)
+        push = self._group.last_push
+        return {"version": self.version, "bytes": nbytes, "seconds": push["seconds"], "wait_s": push["wait_s"],
+                "wall_s": time.perf_counter() - t0, "buckets": len(self._buckets), "in_place": push["in_place"],
+                "buffer_bytes": push["buffer_bytes"]}
 
     @on_all_ranks
     def checksum(self) -> dict:
-        from sonar.cluster.wire.weights import checksum
+        """``weights.checksum`` of the (gathered) parameters: the receivers' function, chunked (no
+        full-tensor float64 copy)."""
+        from sonar.cluster.wire.weights import Checksum, checksum
 
-        with self._gathered() as views:
-            return {"version": self.version, "checksum": checksum(views.items())}
+        if self.cfg.learner.zero_stage != 3:
+            with self._gathered() as views:
+                return {"version": self.version, "checksum": checksum(views.items())}
+        sums = Checksum()  # ZeRO-3: one parameter gathered at a time, added in model order as checksum() does
+        for name, _ in self.engine.module.named_parameters():
+            with self._gathered_only([name]) as one:
+                sums.add(name, one[name])
+        return {"version": self.version, "checksum": sums.value}
 
     # ------------------------------------------------------------------ stages
     @on_all_ranks
@@ -282,13 +339,9 @@ class Learner:
         # KL reference = the policy at the start of the stage (frozen); skipped when the coefficient is 0.
         self.ref_module = None
         if stage.kind == "rl" and stage.algo.kl_coef > 0:
-            # A fresh module loaded with the gathered weights (a deepcopy of a ZeRO-3 module would
-            # copy empty partitions). Resumed mid-stage, the current weights are not the stage's start:
-            # the reference comes from the checkpoint, which saved it (``REFERENCE_FILE``).
-            ref = self._fresh_policy()
-            if start_step > 0:
-                ref.load_state_dict(self._resumed_reference(stage_index), strict=True)
-            self.ref_module = ref.to(self.device).eval().requires_grad_(False)
+            # Resumed mid-stage, the current weights are not the stage's start: the reference comes from the
+            # checkpoint, which saved it (``REFERENCE_FILE``).
+            self.ref_module = self._build_reference(self._resumed_reference(stage_index) if start_step > 0 else None)
         if stage.kind == "sft":
             if not demonstrations:
                 raise ValueError(f"stages[{stage_index}] (kind 'sft') started without demonstrations")
@@ -305,19 +358,123 @@ class Learner:
             raise ValueError(f"stages[{stage_index}] resumes at step {self.stage_step} with a KL term, but the "
                              f"checkpoint {path!r} holds no {REFERENCE_FILE} (the policy at the stage's start): "
                              "the KL reference cannot be rebuilt")
-        return torch.load(ref, map_location="cpu", weights_only=True)
+        # memory-mapped: under ZeRO-3 only rank 0 reads the tensors, and no rank copies the file into RAM
+        return torch.load(ref, map_location="cpu", weights_only=True, mmap=True)
 
-    def _fresh_policy(self):
-        """A plain (non-DeepSpeed) copy of the policy holding the current weights: gathered, so it
-        works for ZeRO 0-3."""
-        from sonar.cluster.wire.policy import load_policy
+    def _build_reference(self, saved: dict | None):
+        """The frozen KL reference, holding the policy's current weights (``saved`` None) or a checkpoint's
+        (``REFERENCE_FILE``), in the training dtype (bf16 on a bf16 run).
 
-        model, _ = load_policy(self.policy)
-        missing, unexpected = model.load_state_dict(self.named_tensors(), strict=False)
-        if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:  # lm_head: tied embeddings
-            raise RuntimeError(f"parameter names differ from the policy in {self.policy}: missing {missing}, "
-                               f"unexpected {unexpected}")
-        return model
+        ZeRO-3: a DeepSpeed inference engine (``deepspeed_config.reference_config``: stage 3, no optimizer),
+        built inside ``zero.Init`` so it is partitioned with the policy from the start (1/R of the
+        parameters per rank, never a full copy) and filled one parameter at a time (``_copy_params`` /
+        ``_load_params``).
+        ZeRO 0-2: a plain module on the device (those stages hold full parameters on every rank anyway).
+        Built from the policy's config with no weight initialisation (every parameter is written); the
+        buffers (RoPE's inverse frequencies) are the policy's own tensors, copied, so the reference computes
+        exactly what the policy computed at the stage's start."""
+        import copy
+
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.initialization import no_init_weights
+
+        from sonar.cluster.wire.policy import ATTN_IMPLEMENTATION
+        from sonar.learner.deepspeed_config import reference_config
+
+        policy = self.engine.module
+        config = copy.deepcopy(policy.config)
+        if self.zero3:
+            deepspeed = _import_deepspeed_without_shm_jit()
+            ref_cfg = reference_config(self.cfg.learner, self.on_gpu)
+            # mem_efficient_linear=False: zero.Init would otherwise replace torch.nn.functional.linear for good
+            where = deepspeed.zero.Init(config_dict_or_path=ref_cfg, mem_efficient_linear=False)
+        else:
+            where = torch.device(self.device)
+        with no_init_weights(), where:
+            ref = AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        ref.tie_weights()  # no_init_weights skips init_weights, which is where transformers ties them
+        ref.requires_grad_(False)
+        if self.zero3:
+            ref, *_ = deepspeed.initialize(model=ref, config=ref_cfg)
+        module = getattr(ref, "module", ref)
+        names = [n for n, _ in module.named_parameters()]
+        if names != [n for n, _ in policy.named_parameters()]:
+            raise RuntimeError(f"the KL reference built from {self.policy}'s config has other parameters than the "
+                               f"policy: {names[:4]}...")
+        if saved is None:
+            self._copy_params(policy, module)
+        else:
+            missing = [n for n in names if n not in saved]
+            if missing:
+                raise ValueError(f"the checkpoint's {REFERENCE_FILE} lacks parameters {missing[:4]} of the policy")
+            self._load_params(module, saved)
+        live = dict(policy.named_buffers())
+        for name, buf in module.named_buffers():
+            buf.data = live[name].detach().clone()
+        ref.eval()  # (DeepSpeedEngine.eval returns None)
+        return ref
+
+    def _copy_params(self, src, dst) -> None:
+        """``dst``'s parameters set to ``src``'s (same names), one parameter at a time: under ZeRO-3 both are
+        gathered (every rank joins), rank 0 writes and ``dst`` is re-partitioned from rank 0's copy."""
+        import deepspeed
+
+        source = dict(src.named_parameters())
+        for name, q in dst.named_parameters():
+            p = source[name]
+            if not self.zero3:
+                q.data.copy_(p.data)
+                continue
+            with deepspeed.zero.GatheredParameters([p]), deepspeed.zero.GatheredParameters([q], modifier_rank=0):
+                if self.rank == 0:
+                    q.data.copy_(p.data)
+
+    def _load_params(self, module, tensors: dict) -> None:
+        """``module``'s parameters set from ``tensors`` (name -> full CPU tensor), one at a time; under ZeRO-3
+        only rank 0 reads ``tensors`` (gathered, written, re-partitioned from rank 0)."""
+        import deepspeed
+
+        for name, p in module.named_parameters():
+            if not self.zero3:
+                p.data.copy_(tensors[name])
+                continue
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                if self.rank == 0:
+                    p.data.copy_(tensors[name])
+
+    def _param_state(self, module) -> dict | None:
+        """Rank 0: ``module``'s full parameters (tied ones once, ``named_parameters`` order) and persistent
+        buffers by name, as CPU copies in the training dtype; other ranks None. Under ZeRO-3 gathered one
+        parameter at a time (every rank joins each gather, only rank 0 copies), so no device holds more
+        than one parameter beyond its partition and no other rank builds anything; below ZeRO-3 the
+        other ranks do nothing."""
+        import deepspeed
+
+        if self.rank != 0 and not self.zero3:
+            return None
+        out = {} if self.rank == 0 else None
+        for name, p in module.named_parameters():
+            with deepspeed.zero.GatheredParameters([p]) if self.zero3 else nullcontext():
+                if out is not None:
+                    out[name] = p.detach().to("cpu", dtype=self.dtype, copy=True)
+        if out is not None:
+            params = {id(p) for p in module.parameters()}
+            for name, t in module.state_dict(keep_vars=True).items():
+                if id(t) not in params and name not in out:  # a persistent buffer (not partitioned by ZeRO-3)
+                    out[name] = t.detach().to("cpu", dtype=self.dtype if t.is_floating_point() else t.dtype, copy=True)
+        return out
+
+    def _write_export(self, path) -> None:
+        """The policy as a Hugging Face directory at ``path`` in the training dtype: rank 0 streams the
+        gathered parameters into CPU copies (``_param_state``) and writes them through a weightless
+        (meta-device) model of the policy's config; the other ranks only join ZeRO-3's gathers."""
+        state = self._param_state(self.engine.module)
+        if self.rank == 0:
+            from sonar.cluster.wire.policy import load_policy, save_policy
+
+            skeleton, _ = load_policy(self.policy, weights=False, dtype=self.dtype)
+            save_policy(skeleton, self.tokenizer, path, state_dict=state)
 
     def _set_lr(self, stage: StageConfig) -> float:
         from sonar.learner.deepspeed_config import lr_at
@@ -349,11 +506,9 @@ class Learner:
         res = (ray.get(replay.get.remote(self.cfg.learner.groups_per_step, self.version, timeout_s))
                if self.rank == 0 else None)
         if self.world_size > 1:  # rank 0 alone pulls; every rank trains on the same groups
-            import torch.distributed as dist
+            from sonar.learner.collectives import broadcast_object
 
-            box = [res]
-            dist.broadcast_object_list(box, src=0)
-            res = box[0]
+            res = broadcast_object(res, 0, (self.rank, self.world_size), self.device)
         wait_s = time.perf_counter() - t_wait
         if not res["groups"]:
             return StepResult({K.LEARNER_WAIT_S: wait_s, K.REPLAY_DROPPED_IN_GET: res["dropped"]},
@@ -395,12 +550,9 @@ class Learner:
     # ------------------------------------------------------------------ export / checkpoint
     @on_all_ranks
     def export_hf(self, path: str) -> str:
-        """Rank 0 writes the gathered policy (every rank joins ZeRO-3's gather)."""
-        from sonar.cluster.wire.policy import save_policy
-
-        model = self._fresh_policy()
-        if self.rank == 0:
-            save_policy(model, self.tokenizer, path)
+        """Rank 0 writes the policy in the training dtype, streamed from the parameters (``_write_export``;
+        under ZeRO-3 every rank joins the per-parameter gathers and builds nothing)."""
+        self._write_export(path)
         return path
 
     @on_all_ranks
@@ -412,22 +564,23 @@ class Learner:
         state.update(version=self.version, global_step=self.global_step, stage_step=self.stage_step,
                      stage_index=self.stage_index, sft_data=self.sft_data.state_dict(),
                      num_ranks=self.world_size, zero_stage=self.cfg.learner.zero_stage)
-        policy = self._fresh_policy()  # gathered on every rank (ZeRO-3), written by rank 0
 
-        def extra(tmp):
-            from sonar.cluster.wire.policy import save_policy
-
-            save_policy(policy, self.tokenizer, str(tmp / "hf"))
-            if self.critic is not None:
-                self.critic.save(tmp)
+        def every_rank(tmp):
+            """Collective under ZeRO-3 (every rank joins the gathers, the critic engine's save); rank 0
+            writes the files; one model's worth of CPU copies at a time."""
+            self._write_export(str(tmp / "hf"))
             if self.ref_module is not None:  # a resume mid-stage needs the stage's KL reference
                 import torch
 
-                torch.save({k: v.detach().cpu() for k, v in self.ref_module.state_dict().items()},
-                           tmp / REFERENCE_FILE)
+                ref_state = self._param_state(getattr(self.ref_module, "module", self.ref_module))
+                if self.rank == 0:
+                    torch.save(ref_state, tmp / REFERENCE_FILE)
+                del ref_state
+            if self.critic is not None:
+                self.critic.save(tmp, rank=self.rank)
 
-        return save_checkpoint(self.engine, path, state, write_extra=extra, keep=self.cfg.run.keep_checkpoints,
-                               rank=self.rank, world_size=self.world_size)
+        return save_checkpoint(self.engine, path, state, keep=self.cfg.run.keep_checkpoints, rank=self.rank,
+                               world_size=self.world_size, device=self.device, write_every_rank=every_rank)
 
     @on_all_ranks
     def load_checkpoint(self, path: str) -> dict:
@@ -441,7 +594,7 @@ class Learner:
                 f"checkpoint {path!r} was written by {saved_ranks} learner ranks with ZeRO partitions and "
                 f"learner.num_ranks={self.world_size}: DeepSpeed cannot repartition ZeRO 1-3 state; resume with "
                 f"learner.num_ranks={saved_ranks} (a ZeRO-0 checkpoint resumes on any number of ranks)")
-        state = load_checkpoint(self.engine, path)
+        state = load_checkpoint(self.engine, path, rank=self.rank)
         self._resume_from = path  # begin_stage(start_step > 0) reads the KL reference from here
         self.version = state["version"]
         self.global_step = state["global_step"]

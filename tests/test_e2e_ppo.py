@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.sizing import smoke_sizing
+
 from sonar.cluster.wire import metrics as K
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -23,7 +25,7 @@ def ppo_run(tmp_path_factory):
     from sonar.cluster.wire.config import CONFIG_DIR, load_config
 
     root = tmp_path_factory.mktemp("runs")
-    cfg = load_config([CONFIG_DIR / "smoke.yaml", CONFIG_DIR / "rag_r1.yaml"], [
+    cfg = load_config([smoke_sizing(root), CONFIG_DIR / "rag_r1.yaml"], [
         f"run.root={root}", f"run.run_dir={root / 'ppo'}", "world.num_heldout_eval=8", "eval.no_search=false",
         "stages.0.steps=10", "stages.0.batch_size=16", "stages.1.steps=3", "learner.groups_per_step=8",
         "tracking.log_model=false"])

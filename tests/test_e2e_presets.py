@@ -9,6 +9,8 @@ import json
 
 import pytest
 
+from tests.sizing import smoke_sizing
+
 from sonar.cluster.wire import metrics as K
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -22,7 +24,7 @@ def _run(tmp_path_factory, preset: str, extra: list[str]):
     from sonar.cluster.wire.config import CONFIG_DIR, load_config
 
     root = tmp_path_factory.mktemp(preset)
-    cfg = load_config([CONFIG_DIR / "smoke.yaml", CONFIG_DIR / f"{preset}.yaml"],
+    cfg = load_config([smoke_sizing(root), CONFIG_DIR / f"{preset}.yaml"],
                       [f"run.root={root}", f"run.run_dir={root / preset}", *SHRINK, *extra])
     summary = train(cfg)
     rows = [json.loads(line) for line in open(f"{summary['run_dir']}/metrics.jsonl")]

@@ -8,7 +8,7 @@
     sonar eval --config C --checkpoint DIR --data FILE [--data FILE2 ...] [--format F] [key=value ...]
     sonar score PREDICTIONS.jsonl [...] [--pred-field F --gold-field G]
     sonar bench NAME [--quick] [...]
-    sonar chaos --config C --minutes N [--kill-every K] [--seed S] [--compare] [key=value ...]
+    sonar chaos --config C --steps N [--kill-every K] [--minutes M] [--seed S] [--compare] [key=value ...]
 """
 from __future__ import annotations
 
@@ -29,13 +29,27 @@ def _env_defaults() -> None:
         os.environ.setdefault(k, v)
 
 
-def _load(args) -> "Config":
+def _load(args, notes: list | None = None) -> "Config":
     try:
-        return load_config(args.config or [DEFAULT_CONFIG], args.overrides)
+        return load_config(args.config or [DEFAULT_CONFIG], args.overrides, notes=notes)
     except (ConfigError, ValueError) as e:
         msg = " ".join(str(e).split())  # one line, whatever the message held
         print(f"sonar: config error: {msg}", file=sys.stderr)
+        plan = getattr(e, "plan", None)  # a memory-plan refusal (memory.MemoryPlanError): the whole plan below
+        if plan is not None:
+            print(plan.format(), file=sys.stderr)
         raise SystemExit(2)
+
+
+def memory_plan_text(cfg) -> str:
+    """The GPU memory plan as printed (``cluster/wire/memory.py``), the "memory plan not checked: ..." line
+    when the model's config.json is not on this machine, or "" when the run uses no GPU (then nothing is
+    imported: the plan needs torch and transformers)."""
+    if not (cfg.learner.num_gpus > 0 or cfg.rollout.num_gpus_per_worker > 0):
+        return ""
+    from sonar.cluster.wire.memory import describe
+
+    return describe(cfg)
 
 
 CONFIG_HELP = ("YAML file or preset name (`sonar config list`), repeatable, merged in order; "
@@ -62,12 +76,23 @@ def config_command(args) -> int:
         for name, path in found.items():
             print(f"{name:<{width}}  {preset_summary(path)}")
         return 0
-    cfg = _load(args)  # exits 2 with the field and value on an error
+    # Files on the cluster's storage (model.path, dataset files) are noted, not refused: these verbs run on
+    # a laptop too (``config.not_checked``); ``sonar train`` refuses them.
+    notes: list = []
+    cfg = _load(args, notes)  # exits 2 with the field and value on an error
+    tail = [f"not checked here: {n}" for n in notes]
+    plan = memory_plan_text(cfg)
+    if plan:
+        tail += plan.splitlines()
     if args.config_cmd == "show":
         print(to_yaml(cfg), end="")
+        if tail:  # as YAML comments: the output stays a loadable config
+            print("\n".join(f"# {line}" for line in tail))
     else:
         print(f"sonar: config ok ({', '.join(map(str, args.config or [DEFAULT_CONFIG.stem]))}"
               f"{' + ' + str(len(args.overrides)) + ' overrides' if args.overrides else ''})")
+        if tail:
+            print("\n".join(tail))
     return 0
 
 
@@ -138,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "train":
         from sonar.cluster.driver.loop import train
         from sonar.cluster.driver.run import ResumeError
+
+        plan = memory_plan_text(cfg)
+        if plan:
+            logging.getLogger("sonar").info("%s", plan)
 
         try:
             train(cfg)

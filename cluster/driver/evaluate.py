@@ -174,7 +174,7 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
     except FileNotFoundError as e:
         raise EvalError(str(e)) from None
     model, tokenizer = _load_policy(model_dir)
-    engine = HFEngine(model, eos_token_id=tokenizer.eos_token_id)
+    engine = HFEngine(model, eos_token_id=tokenizer.eos_token_id, tokenizer=tokenizer)  # stop strings: tags as text
     tags = get_protocol(cfg.protocol.name)
     corpus = cfg.retrieval.corpus or _default_corpus(cfg)
     retriever = build_retriever(cfg.retrieval, corpus, str(Path(cfg.run.root).resolve() / "index"))

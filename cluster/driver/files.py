@@ -94,3 +94,85 @@ def fetch_dir(node_id: str, remote: str, local: str, chunk_bytes: int = CHUNK_BY
         shutil.rmtree(local_p)
     tmp.rename(local_p)
     return str(local_p)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The policy (and the files the workers read) where the roles run
+
+POLICY_ID_FILE = ".sonar-policy-id"
+"""Written by the driver into a policy directory it materialised (``<run>/policy``): a random token per
+run, so a probe on another node tells the run's own copy from a stale one left at the same path."""
+
+
+def _probe_paths(paths: list[tuple[str, str, str | None]]) -> tuple[str, list[str]]:
+    """On one node: for each (what, path, token), whether ``path`` is readable there (a directory with a
+    config.json, or a file) and, with a token, holds this run's ``POLICY_ID_FILE``. Returns the node's
+    address and the problems found."""
+    import ray
+
+    problems = []
+    for what, path, token in paths:
+        p = Path(path)
+        if p.is_dir():
+            if not (p / "config.json").is_file():
+                problems.append(f"{what} {path}: no config.json")
+            elif token is not None and ((p / POLICY_ID_FILE).read_text().strip()
+                                        if (p / POLICY_ID_FILE).is_file() else None) != token:
+                problems.append(f"{what} {path}: another run's copy (not the one the driver wrote)")
+        elif not (p.is_file() and os.access(p, os.R_OK)):
+            problems.append(f"{what} {path}: not readable")
+    return ray.util.get_node_ip_address(), problems
+
+
+def role_nodes(cfg, nodes: list[dict]) -> dict[str, list[str]]:
+    """The alive nodes that could host the learner or a rollout worker, by node id -> roles: their total
+    resources cover the role's GPUs and the custom resources ``cluster.role_resources`` gives it. (CPUs
+    are not compared: a node with the role's GPUs and labels runs it once CPUs free up.)"""
+    extra = cfg.cluster.role_resources
+    asks = {"learner": {"GPU": cfg.learner.num_gpus, **extra.get("learner", {})},
+            "rollout": {"GPU": cfg.rollout.num_gpus_per_worker, **extra.get("rollout", {})}}
+    out: dict[str, list[str]] = {}
+    for n in nodes:
+        if not n.get("Alive"):
+            continue
+        have = n.get("Resources", {})
+        for role, ask in asks.items():
+            if all(have.get(k, 0.0) >= v for k, v in ask.items() if v > 0):
+                out.setdefault(n["NodeID"], []).append(role)
+    return out
+
+
+def visibility_problems(results: dict[str, tuple[str, list[str], list[str]]]) -> list[str]:
+    """``{node id: (address, roles, problems)}`` -> one line per node with problems (pure)."""
+    return [f"{addr} (could run the {' and '.join(roles)}): {'; '.join(problems)}"
+            for _, (addr, roles, problems) in sorted(results.items()) if problems]
+
+
+def check_policy_visible(cfg, policy: str, token: str | None, probe=None) -> dict[str, list[str]]:
+    """Before any role starts: the policy directory and the dataset files must be readable, as this run
+    wrote them, on every alive node that could host the learner or a rollout worker. A Ray task pinned to
+    each such node (no CPU) looks (``_probe_paths``). Raises RuntimeError naming each node, what it
+    lacks and what to mount. Nodes the autoscaler has not started yet are checked by the roles themselves
+    (``cluster.wire.policy`` names the node and the path). ``probe``: the remote function (tests of the
+    message pass their own). Returns the nodes checked (id -> roles)."""
+    import ray
+
+    from sonar.cluster.wire.config import data_paths
+
+    paths = [("policy directory", policy, token)]
+    for i, st in enumerate(cfg.stages):
+        paths += [(f"stages[{i}].data", p, None) for p in data_paths(st.data)]
+    targets = role_nodes(cfg, ray.nodes())
+    probe = probe or ray.remote(_probe_paths)
+    refs = {nid: probe.options(**_pinned(nid)).remote(paths) for nid in targets}
+    results = {nid: (*ray.get(ref, timeout=cfg.cluster.health_timeout_s), ) for nid, ref in refs.items()}
+    lines = visibility_problems({nid: (addr, targets[nid], probs) for nid, (addr, probs) in results.items()})
+    if lines:
+        mounted = ("run.root (the driver writes the policy into <run>/policy there)" if token is not None
+                   else "model.path")
+        raise RuntimeError(
+            f"the roles cannot read the run's files on {len(lines)} node(s): " + " | ".join(lines) +
+            f". Mount shared storage at the same path on every node ({mounted}; the dataset files too): e.g. "
+            "SONAR_RUN_ROOT=/runs on a ReadWriteMany volume as cluster/clusters/*.yaml do, with the model and data "
+            "under /models and /data")
+    return targets

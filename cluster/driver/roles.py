@@ -105,6 +105,14 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
     corpus = prepare_corpus(cfg, run)
     retrieval = start_retrieval(cfg, run, corpus, hooks.retriever_wrap)
     policy = prepare_policy(cfg, run)
+    if cfg.world.force:
+        log.warning("world.force=true: the toy world's questions with model.path=%s and retrieval.corpus=%s, as asked",
+                    cfg.model.path, cfg.retrieval.corpus)
+    if sum(1 for n in ray.nodes() if n.get("Alive")) > 1:  # one node sees what the driver wrote
+        from sonar.cluster.driver.files import POLICY_ID_FILE, check_policy_visible
+
+        mark = Path(policy) / POLICY_ID_FILE
+        check_policy_visible(cfg, policy, mark.read_text().strip() if mark.is_file() else None)
     num_train = len(world_of(cfg).train)
     budget = inflight_budget(cfg)  # 0: no admission control, so no version-aware slots either
     replay = ray.remote(num_cpus=0)(ReplayQueue).options(max_concurrency=1000).remote(
@@ -169,7 +177,14 @@ def prepare_policy(cfg: Config, run: Run) -> str:
 
     # Training or evaluating on files with the tiny word-level policy: its vocabulary also covers
     # the files' questions and answers and the corpus (data.extra_vocab; [] otherwise).
-    return materialise_policy(cfg.model, world_of(cfg), run.dir / "policy", extra_vocab=extra_vocab(cfg))
+    policy = materialise_policy(cfg.model, world_of(cfg), run.dir / "policy", extra_vocab=extra_vocab(cfg))
+    if Path(policy).resolve().is_relative_to(run.dir.resolve()):  # our copy (never the user's model.path)
+        import uuid
+
+        from sonar.cluster.driver.files import POLICY_ID_FILE
+
+        (Path(policy) / POLICY_ID_FILE).write_text(uuid.uuid4().hex)
+    return policy
 
 
 def prepare_demonstrations(cfg: Config, run: Run, policy: str) -> list[bytes]:

@@ -7,10 +7,12 @@ Load order: ``OmegaConf.structured(Config)`` <- each YAML in order <- CLI dotlis
 naming both fields and their values. After loading, frozen dataclasses travel and each
 component receives only its own slice (``cfg.learner``, ``cfg.retrieval``...).
 
-Pure module: imports only the standard library and omegaconf.
+Pure module: imports only the standard library and omegaconf (and, for a run on GPUs, the memory
+plan's torch and transformers: ``_check_memory``).
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import json
 import math
@@ -51,6 +53,12 @@ class WorldConfig:
     "yes" pairs run out, drops sequential questions, keeping yes/no balanced per type
     (``actors/world.py:_share_parallel``). HotpotQA's dev set is 20 % comparison questions
     (``sonar bench multi-query`` uses that). Read by ``actors/world.py:build_world``."""
+    force: bool = False
+    """Train RL stages (and evaluate) on this world's toy questions even though ``model.path`` names a
+    pretrained model (a vocabulary of >= ``REAL_VOCAB`` tokens, or a Hub id) or ``retrieval.corpus`` a real
+    corpus. False refuses that at load: it is almost always a preset missing ``stages.N.data`` /
+    ``eval.data`` (the world's questions cannot be answered from a real corpus, and a pretrained model
+    learns nothing from "in which country is the city kruk du ?")."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,23 @@ class ModelConfig:
     """Tiny model only: the output head shares the input embedding matrix (one tensor on the wire)."""
     seed: int = 0
     """Init seed of the random model (identical on every process that builds it)."""
+    tags: str = "auto"
+    """How the protocol tags (``<search>``, ``</answer>``...) reach the policy: text | special | auto.
+    text: plain text, as upstream R1-Searcher / Search-R1 / RAG-R1 keep them: the tokenizer and the
+    embeddings are used as they are, the tags tokenise as ordinary text and a turn stops on the tag
+    strings (needs ``path``: the tiny word tokenizer has the tags in its own vocabulary). special: each
+    tag one added special token, the embedding grown (never shrunk into a padded vocabulary's rows) and
+    the new rows set to the mean of the trained ones (``actors/model.py:add_tags_to_policy``); a turn
+    stops on the tag ids. auto: text when ``path`` is set, special for the tiny model
+    (``model_tags``)."""
+
+
+def model_tags(m: "ModelConfig") -> str:
+    """Resolved ``model.tags``: the explicit value, else text for a ``path`` (a stock tokenizer) and
+    special for the tiny word-level model."""
+    if m.tags != "auto":
+        return m.tags
+    return "text" if m.path else "special"
 
 
 @dataclass(frozen=True)
@@ -267,7 +292,10 @@ class RolloutConfig:
     the rows in flight finish under the old weights, then the load (no row mixes two versions);
     interrupt: the rows in flight are aborted, the weights load, and each row resumes from its prefix
     under the new weights (AReaL's interruptible rollout: no waiting, and the row's MODEL segment
-    records both versions' token ranges, ``Generation.version_spans``). Read by actors/engine_vllm.py."""
+    records both versions' token ranges, ``Generation.version_spans``). The push streams its buckets
+    straight into the model (two bucket buffers, no staged copy), so under pause the learner's push waits
+    for the rows in flight to finish (reported as ``wait_s``, not as transfer time) and
+    ``cluster.step_timeout_s`` must cover that drain; interrupt waits for nothing. Read by actors/engine_vllm.py."""
     tensor_parallel_size: int = 1
     """vllm engine: GPUs one engine shards the policy over (>= 1); each shard is a rank of the weight
     broadcast. > 1 needs rollout.num_gpus_per_worker >= it (whole GPUs)."""
@@ -601,7 +629,9 @@ class ClusterConfig:
     """A worker silent for this long is reported dead."""
     step_timeout_s: float = 600.0
     """A learner step that takes longer fails the run loudly (no silent hang); also the bound on one
-    search of the held-out evaluation (see ``retrieval.timeout_s``)."""
+    search of the held-out evaluation (see ``retrieval.timeout_s``) and on every wait of a weight push
+    (the broadcast group's timeout: a dead receiver or learner raises at the call within it; a vLLM
+    engine in ``rollout.weight_update='pause'`` drains its rows in flight inside it)."""
     mode: str = "async"
     """async: workers generate while the learner trains (bounded by replay.max_policy_lag);
     sync: generate a batch, then train, then broadcast, in lockstep (the baseline async is measured against)."""
@@ -618,6 +648,11 @@ class ClusterConfig:
     the run at start naming the directory; true streams the learner's checkpoints and HF export to the
     driver's ``run.dir`` through the Ray object store after each save (a resume then needs the files where
     the learner runs: put ``run.root`` on shared storage for ``run.resume``/``cluster.auto_resume``)."""
+    gpu_memory_gib: Optional[float] = None
+    """Memory of each GPU in GiB (> 0), what the memory plan checked at load must fit
+    (``cluster/wire/memory.py``: per learner GPU and per vLLM GPU). None: ``$SONAR_GPU_MEMORY_GIB`` (the
+    shipped cluster files set it from their GPU node type), else 80 (an H100/A100-80G, said in the plan
+    as assumed). Give what torch reports (``total_memory``): an 80 GB H100 or A100 has about 79.1 GiB."""
 
 
 @dataclass(frozen=True)
@@ -638,7 +673,9 @@ class RunConfig:
     run_dir: Optional[str] = None
     """Explicit run directory (default: <root>/<name>-<timestamp>); relative: against the same base as root."""
     resume: Optional[str] = None
-    """Checkpoint path or 'latest'."""
+    """Checkpoint path, run directory, or 'latest': the newest checkpoint under ``root`` of a run of this
+    ``name`` (and of ``tracking.experiment`` when it is set; read from each run's saved config.yaml), so
+    experiments sharing one root never resume each other's runs."""
     checkpoint_every: int = 0
     """Learner steps between checkpoints (0: only at the end of each stage)."""
     keep_checkpoints: int = 0
@@ -682,6 +719,7 @@ class Config:
 
 
 _CHOICES = {
+    "model.tags": ("auto", "text", "special"),
     "protocol.name": ("r1_searcher", "search_r1", "rag_r1", "rag_r1_multi"),
     "protocol.template": ("base", "chat"),
     "protocol.prompt": ("short", "r1_searcher_base", "r1_searcher_instruct", "search_r1", "rag_r1"),
@@ -808,7 +846,7 @@ RANGES: dict[str, str] = {
     "eval.batch_size": ">= 1",
     "cluster.num_cpus": ">= 1", "cluster.max_worker_restarts": ">= 0", "cluster.max_replica_restarts": ">= 0",
     "cluster.retrieval_wait_s": "> 0", "cluster.auto_resume": ">= 0", "cluster.health_timeout_s": "> 0",
-    "cluster.step_timeout_s": "> 0",
+    "cluster.step_timeout_s": "> 0", "cluster.gpu_memory_gib": "> 0",
 }
 """The valid range of every numeric field (int or float, and each element of a list of numbers),
 checked at load by :func:`_check_ranges` before any other check: ``> a``, ``>= a``, ``<= a`` or an
@@ -872,26 +910,63 @@ def _check_range(path: str, key: str, value: float) -> None:
         raise ValueError(f"{path}={value} must be {'in ' if spec[0] in '[(' else ''}{spec}")
 
 
-def validate(cfg: Config) -> Config:
+_NOTES: "contextvars.ContextVar[Optional[list]]" = contextvars.ContextVar("sonar_config_notes", default=None)
+"""Where the checks of files that live on the cluster (dataset files, the model's config.json) report
+what they could not check here, when the caller asked for notes (``validate(cfg, notes=[...])``: the
+``sonar config`` verbs on a laptop); None (``sonar train``): a missing file is an error."""
+
+
+def not_checked(what: str) -> bool:
+    """Record that ``what`` could not be checked on this machine. True when the caller collects notes
+    (the check is then skipped), False when it does not (the check must raise)."""
+    notes = _NOTES.get()
+    if notes is None:
+        return False
+    if what not in notes:
+        notes.append(what)
+    return True
+
+
+def validate(cfg: Config, notes: Optional[list] = None) -> Config:
     """Every check, one function per section; each raises ValueError naming the fields and values.
 
     A check that relates two sections lives with the field it constrains (e.g. ``replay.capacity_groups``
-    against ``learner.groups_per_step`` in :func:`_check_replay`)."""
-    _check_ranges(cfg)
-    _check_world(cfg)
-    _check_model(cfg)
-    _check_protocol(cfg)
-    _check_retrieval(cfg)
-    _check_rollout(cfg)
-    _check_learner(cfg)
-    _check_critic(cfg)
-    _check_replay(cfg)
-    _check_stages(cfg)
-    _check_eval(cfg)
-    _check_cluster(cfg)
-    _check_run(cfg)
-    _check_tracking(cfg)
+    against ``learner.groups_per_step`` in :func:`_check_replay`). ``notes``: a list to collect what could
+    not be checked here (files on the cluster's storage) instead of failing on it (``not_checked``)."""
+    token = _NOTES.set(notes)
+    try:
+        _check_ranges(cfg)
+        _check_world(cfg)
+        _check_model(cfg)
+        _check_protocol(cfg)
+        _check_retrieval(cfg)
+        _check_rollout(cfg)
+        _check_learner(cfg)
+        _check_critic(cfg)
+        _check_replay(cfg)
+        _check_stages(cfg)
+        _check_eval(cfg)
+        _check_cluster(cfg)
+        _check_run(cfg)
+        _check_tracking(cfg)
+        _check_memory(cfg)  # last: the other checks' messages are more specific than a plan of a bad config
+    finally:
+        _NOTES.reset(token)
     return cfg
+
+
+def _check_memory(cfg: Config) -> None:
+    """The GPU memory plan (``cluster/wire/memory.py``) must fit ``cluster.gpu_memory_gib``; refused with
+    the plan's figures and the fields to change. Nothing to do (and nothing imported: the plan needs
+    transformers) when the run uses no GPU; a ``config.json`` not readable here is never an error (the
+    CLI says the plan was not checked)."""
+    if not (cfg.learner.num_gpus > 0 or cfg.rollout.num_gpus_per_worker > 0):
+        return
+    from sonar.cluster.wire.memory import MemoryPlanError, plan_for
+
+    plan, _ = plan_for(cfg)
+    if plan is not None and not plan.fits:
+        raise MemoryPlanError(plan)  # a ValueError: the refusal with its figures; ``.plan`` the whole plan
 
 
 def _check_choices(cfg: Config, section: str) -> None:
@@ -911,7 +986,11 @@ def _check_world(cfg: Config) -> None:
 
 
 def _check_model(cfg: Config) -> None:
+    _check_choices(cfg, "model")
     m = cfg.model
+    if m.tags == "text" and not m.path:
+        raise ValueError("model.tags='text' needs model.path (a stock tokenizer): the tiny word-level model's "
+                         "tokenizer has every tag as one token of its own vocabulary; use model.tags='auto' or 'special'")
     if m.path is None and (m.num_heads < 1 or m.hidden_size % m.num_heads):
         raise ValueError(f"model.hidden_size={m.hidden_size} must be a multiple of model.num_heads={m.num_heads} (>= 1)")
 
@@ -1023,6 +1102,9 @@ def _check_vllm(cfg: Config) -> None:
         return
     conf = Path(cfg.model.path).expanduser() / "config.json"
     if not conf.is_file():
+        if not Path(cfg.model.path).expanduser().exists() and not_checked(
+                f"model.path={cfg.model.path!r}: not on this machine (its config.json is read where the run starts)"):
+            return
         raise ValueError(f"model.path={cfg.model.path!r} with rollout.engine='vllm': no config.json there, so vLLM "
                          "cannot load it (a Hugging Face model directory is needed)")
     try:
@@ -1203,6 +1285,48 @@ def _check_eval(cfg: Config) -> None:
     if cfg.eval.batch_size < 1:
         raise ValueError(f"eval.batch_size={cfg.eval.batch_size} must be >= 1")
     _check_data(cfg, "eval", cfg.eval.data, cfg.eval.format)
+    _check_world_questions(cfg)
+
+
+REAL_VOCAB = 1000
+"""A ``model.path`` whose config.json has at least this many vocabulary rows is a pretrained model's (a
+stock BPE: GPT-2 50,257, Qwen 151,936); Sonar's world tokenizers have a few hundred words."""
+
+
+def real_model(cfg: Config) -> Optional[str]:
+    """Why ``model.path`` names a pretrained model (a Hub id, or a vocabulary >= REAL_VOCAB), or None
+    (unset, or a small word-level policy such as a Sonar export of the tiny model)."""
+    path = cfg.model.path
+    if not path:
+        return None
+    conf = Path(path).expanduser() / "config.json"
+    if not conf.is_file():
+        return f"model.path={path!r} (not a local directory here: a Hub id or the cluster's storage)"
+    try:
+        raw = json.loads(conf.read_text())
+        vocab = raw.get("vocab_size") or (raw.get("text_config") or {}).get("vocab_size") or 0
+    except (OSError, ValueError, AttributeError):
+        return None  # _check_vllm / the loaders report an unreadable config.json
+    return f"model.path={path!r} (vocabulary {vocab:,})" if int(vocab) >= REAL_VOCAB else None
+
+
+def _check_world_questions(cfg: Config) -> None:
+    """RL or evaluation on the synthetic world's questions with a real model or corpus: refused unless
+    ``world.force`` (see that field)."""
+    if cfg.world.force:
+        return
+    # SFT demonstrations are always the world's (they need a gold search plan), so an SFT stage counts too.
+    on_world = [f"stages[{i}]" for i, st in enumerate(cfg.stages) if st.steps > 0 and st.data is None]
+    if cfg.eval.data is None:
+        on_world.append("eval")
+    if not on_world:
+        return
+    why = [w for w in (f"retrieval.corpus={cfg.retrieval.corpus!r}" if cfg.retrieval.corpus else None,
+                       real_model(cfg)) if w]
+    if why:
+        raise ValueError(f"{', '.join(on_world)} would use the synthetic world's toy questions (stages.N.data / "
+                         f"eval.data unset) with {' and '.join(why)}: set stages.N.data and eval.data to your "
+                         "dataset files, or world.force=true to train on the toy world anyway")
 
 
 def data_paths(data: Optional[Union[str, List[str]]]) -> list[str]:
@@ -1223,6 +1347,8 @@ def _check_data(cfg: Config, where: str, data, fmt: str) -> None:
         raise ValueError(f"{where}.data=[] : name at least one file, or leave it unset for the synthetic world")
     for j, path in enumerate(paths):
         if not path or not Path(path).expanduser().is_file():
+            if path and Path(path).is_absolute() and not_checked(f"{where}.data[{j}]={path!r}: not on this machine"):
+                continue  # on the cluster's storage, read where the run starts
             raise ValueError(f"{where}.data[{j}]={path!r}: no such file")
     if not cfg.retrieval.corpus:
         raise ValueError(f"{where}.data={data!r} with retrieval.corpus=None: questions from files need the "
@@ -1278,16 +1404,32 @@ def _check_run(cfg: Config) -> None:
         raise ValueError(f"run.keep_checkpoints={cfg.run.keep_checkpoints} must be >= 0 (0: keep all)")
 
 
-def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ()) -> Config:
-    """Schema <- YAML files (in order) <- CLI dotlist -> validated frozen Config."""
+def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = (), notes: Optional[list] = None) -> Config:
+    """Schema <- YAML files (in order) <- CLI dotlist -> validated frozen Config.
+
+    How files compose: mappings merge key by key, later files win; a list (``stages``, ``learner.betas``)
+    is replaced whole by the later file's. So two files that both set ``stages`` would silently drop the
+    first file's stages and their algorithms: that is refused, naming both files (set the stages in one
+    file and size the run with the other, or change single fields with ``stages.N.key=value``).
+    ``notes``: collect what could not be checked on this machine instead of failing (``validate``)."""
     merged = OmegaConf.structured(Config)
+    staged: Optional[Path] = None  # the file whose stages list is in ``merged``
     for p in paths:
         try:
             p = find_config(p)  # a file, or a shipped preset by name (`tiny`, `configs/smoke.yaml`)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        node = _load_yaml(p)
+        if "stages" in node:
+            if staged is not None:
+                raise ConfigError(
+                    f"{staged} and {p} both set stages: a later file's stages list replaces the earlier one whole "
+                    f"(lists are not merged), so the stages of {staged.name} and their algorithms and rewards would "
+                    f"be dropped; set the stages in one of the files (a sizing overlay such as gpu.yaml sets none) "
+                    f"or change single fields on the command line (stages.N.key=value)")
+            staged = p
         try:
-            merged = OmegaConf.merge(merged, _load_yaml(p))
+            merged = OmegaConf.merge(merged, node)
         except OmegaConfBaseException as e:
             raise ConfigError(f"{p}: {_explain(e)}") from None
     # Overrides are applied to a plain copy and merged back into the schema, which re-checks every
@@ -1307,7 +1449,7 @@ def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ())
         obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), plain))
     except OmegaConfBaseException as e:
         raise ConfigError(f"command line: {_explain(e)}") from None
-    return validate(resolve_paths(obj))
+    return validate(resolve_paths(obj), notes=notes)
 
 
 _NOTED: set = set()

@@ -8,7 +8,8 @@ broadcast layout digests agree).
 
 Invariants:
 - ``save_policy`` writes a self-contained directory that ``load_policy`` (or ``AutoModelForCausalLM`` /
-  ``AutoTokenizer``) reloads offline, bit for bit (fp32 safetensors).
+  ``AutoTokenizer``) reloads offline, bit for bit (safetensors in the model's dtype: fp32, or bf16 from a
+  bf16 learner, which ``load_policy`` widens to fp32 exactly).
 - ``pad_id`` comes from the tokenizer, else the model config, else EOS: never from the world.
 
 Imports only torch and transformers (no other part of Sonar).
@@ -25,29 +26,43 @@ per token with either. sdpa is never slower, so it is the default."""
 
 def _require_dir(path: Path) -> Path:
     if not (path / "config.json").is_file():
-        raise ValueError(f"policy directory {str(path)!r} is not a Hugging Face model directory (no config.json); "
-                         "model.path must name one")
+        import socket
+
+        # On a cluster the usual cause is storage only the driver's node has: say where we are.
+        where = "" if path.exists() else (f" on node {socket.gethostname()}: the directory does not exist here "
+                                          "(on a cluster, mount the storage holding model.path and run.root at "
+                                          "the same path on every node)")
+        raise ValueError(f"policy directory {str(path)!r} is not a Hugging Face model directory (no config.json)"
+                         f"{where}; model.path must name one")
     return path
 
 
-def load_policy(path: str | Path, *, weights: bool = True):
-    """``(model, tokenizer)`` from a local HF directory, fp32, in eval mode; never touches the network.
+def load_policy(path: str | Path, *, weights: bool = True, dtype=None):
+    """``(model, tokenizer)`` from a local HF directory, in ``dtype`` (a torch dtype; default fp32), in eval
+    mode; never touches the network.
 
     ``weights=False`` builds the model from its config on the meta device: parameter names, shapes and
     dtypes only, no memory and no read of the weights (a vLLM rollout worker needs just the layout;
-    vLLM loads the weights itself, and a 3B policy would otherwise cost 12 GB of RAM per worker)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    vLLM loads the weights itself, and a 3B policy would otherwise cost 12 GB of RAM per worker), with the
+    directory's generation config (the learner writes its exports through such a model).
 
+    Inside ``learner.deepspeed_config.zero3_loading`` (transformers' ``HfDeepSpeedConfig`` alive) the model
+    is built in ``deepspeed.zero.Init`` and the weights are loaded into its partitions: pass the ZeRO
+    config's dtype as ``dtype``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    dtype = torch.float32 if dtype is None else dtype
     path = _require_dir(Path(path).expanduser())
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if not weights:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                     attn_implementation=ATTN_IMPLEMENTATION)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        if (path / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
         return model.eval(), tokenizer
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
                                                  attn_implementation=ATTN_IMPLEMENTATION)
     return model.eval(), tokenizer
 
@@ -59,11 +74,13 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(_require_dir(Path(path).expanduser()), local_files_only=True)
 
 
-def save_policy(model, tokenizer, path: str | Path) -> Path:
-    """Weights (safetensors) + config + generation config + tokenizer into one directory."""
+def save_policy(model, tokenizer, path: str | Path, state_dict: dict | None = None) -> Path:
+    """Weights (safetensors) + config + generation config + tokenizer into one directory. ``state_dict``:
+    the weights to write instead of ``model``'s own (then ``model`` may be a meta-device model of the
+    config, in the dtype the config should record); transformers consumes the dict (it pops from it)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
+    model.save_pretrained(path, state_dict=state_dict)
     tokenizer.save_pretrained(path)
     return path
 

@@ -7,8 +7,37 @@ rebuilt (new prefix) when a worker is restarted. NCCL on GPU, gloo on CPU.
 
 Tensors travel in flat buckets of ``bucket_bytes`` (one dtype per bucket): one collective per bucket
 instead of one per parameter, which is what makes the push cheap. Only a small "version v ready"
-message travels through Ray. Every rank must call ``GroupMember.create`` concurrently: group creation
+message travels through Ray. Every rank must build its ``BroadcastGroup`` concurrently: group creation
 blocks until all ranks have joined.
+
+Memory: the push is *streamed* on both sides, two bucket buffers each, never a copy of the model.
+The sender flattens bucket i+1 into one buffer while bucket i's broadcast is in flight from the other
+(a bucket of one tensor already in place is sent from the tensor itself); a receiver that loads as it
+goes (:meth:`BroadcastGroup.recv_streamed`, the vLLM workers) receives bucket i+1 while it loads bucket
+i. Peaks, from the bucket plan (:func:`send_buffer_bytes`, :func:`recv_buffer_bytes`): 2 x the largest
+bucket that needs flattening on the learner, 2 x the largest bucket on a receiver (the largest bucket is
+``bucket_bytes`` or the largest tensor, e.g. a 7B's 1.09 GB embedding), less where the largest buckets
+share a parity (bucket i goes through buffer i % 2, each sized for its own buckets), plus what the
+receiver's loader keeps past its bucket (see ``recv_streamed``). Only the HF engines' receivers
+(``RolloutWorker.receive_weights``) stage a full copy, by design: they swap it in between generate calls.
+
+Every push starts with a handshake (the sender's bucket plan, checked by every receiver, then one
+all-reduce of the mismatches) so a receiver with another plan fails every rank before bytes move, and
+the sender's timing starts once every receiver is there: ``last_push["seconds"]`` is the transfer,
+measured to the completion of the last collective (``torch.cuda.synchronize`` on CUDA),
+``last_push["wait_s"]`` the wait for the receivers.
+
+Timeouts: every wait is ``work.wait(timeout)``, so a dead peer raises at the call within the group's
+``timeout_s`` (gloo: ``RuntimeError: Operation timed out!``). NCCL: a wait with an explicit timeout
+blocks the calling thread until the work completes or times out; on timeout torch aborts the
+communicator and raises ``DistBackendError`` there. The NCCL watchdog thread also checks every work
+against the group's option timeout and, by default (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``), takes the
+whole process down when one expires; the option timeout is therefore ``timeout_s +
+NCCL_WATCHDOG_MARGIN_S``, so the Python error comes first. After either, the group is dead: rebuild it.
+
+Checksums (:func:`checksum`, :class:`Checksum`) sum each tensor in float64 chunks of
+``CHECKSUM_CHUNK_ELEMS`` elements: no full-tensor float64 copy, and a receiver sums each bucket as it
+arrives, so it keeps nothing to checksum later.
 
 Sockets stay on the address they were given: rank 0's store listens on ``master_addr`` only (torch's
 own master TCPStore would listen on every interface) and each rank's gloo pair sockets on the local
@@ -20,13 +49,26 @@ import datetime
 import hashlib
 import ipaddress
 import socket
+import time
+import weakref
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_BUCKET_BYTES = 128 << 20
+
+CHECKSUM_CHUNK_ELEMS = 1 << 22
+"""Elements per float64 chunk of :func:`checksum`: each chunk is converted to float64 on its own, so the
+temporary is at most ``CHECKSUM_CHUNK_BYTES`` (32 MiB) whatever the tensor (a whole-tensor ``double()``
+of a 7B's embedding, 545M elements, would be 4.4 GB, twice with its ``abs()``)."""
+CHECKSUM_CHUNK_BYTES = 8 * CHECKSUM_CHUNK_ELEMS
+"""Bytes of the largest float64 temporary :func:`checksum` makes (one chunk)."""
+
+NCCL_WATCHDOG_MARGIN_S = 60.0
+"""Seconds the NCCL option timeout (the watchdog's, which aborts the process) exceeds the group's
+``timeout_s`` (the waits', which raise at the call): the Python error must come first."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +96,7 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
@@ -106,10 +148,12 @@ def wire_layout(own: Sequence[TensorSpec], sender: Sequence[TensorSpec]) -> list
 
 def flatten_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """Copy the bucket's tensors, in spec order, into the flat buffer ``out`` ([bucket.numel]) and return
-    it; :func:`unflatten_bucket` is the inverse. ``out`` is reused across syncs by the sender."""
+    it; :func:`unflatten_bucket` is the inverse. ``out`` is reused across syncs by the sender. Each
+    tensor is copied through a view of ``out`` in its own shape, so a non-contiguous one (or one on
+    another device) costs no temporary."""
     off = 0
     for spec in bucket.specs:
-        out[off:off + spec.numel].copy_(tensors[spec.name].detach().reshape(-1))
+        out[off:off + spec.numel].view(spec.shape).copy_(tensors[spec.name].detach())
         off += spec.numel
     return out
 
@@ -122,13 +166,105 @@ def unflatten_bucket(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, 
         off += spec.numel
 
 
-def checksum(named: Iterable[tuple[str, torch.Tensor]]) -> float:
-    """Order-independent float64 checksum: equal on every rank that holds the same weights."""
-    total = 0.0
-    for name, t in named:
-        w = (int(hashlib.md5(name.encode()).hexdigest()[:6], 16) % 997) + 1
-        total += w * float(t.detach().double().abs().sum())
+def name_weight(name: str) -> int:
+    """The checksum's weight of a tensor name, 1..997: tensors swapped between names change the sum."""
+    return (int(hashlib.md5(name.encode()).hexdigest()[:6], 16) % 997) + 1
+
+
+def abs_sum(t: torch.Tensor) -> torch.Tensor:
+    """``sum |t|`` in float64, a 0-d tensor on ``t``'s device (no host sync), converted to float64
+    ``CHECKSUM_CHUNK_ELEMS`` elements at a time: the float64 temporary is one chunk, never the tensor.
+    A tensor of at most one chunk gives exactly ``t.double().abs().sum()``; a larger one differs from it
+    only by float64 rounding of the chunks' partial sums (relative ~1e-16 per chunk)."""
+    t = t.detach()
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    n = t.numel()
+    if n == 0:
+        return total
+    if t.is_contiguous():
+        flat = t.view(-1)
+        for start in range(0, n, CHECKSUM_CHUNK_ELEMS):
+            total += flat[start:start + CHECKSUM_CHUNK_ELEMS].to(torch.float64).abs_().sum()
+        return total
+    # Non-contiguous: blocks of whole rows along dim 0 (a row larger than a chunk is split further).
+    row = n // t.shape[0]
+    if row > CHECKSUM_CHUNK_ELEMS:
+        for i in range(t.shape[0]):
+            total += abs_sum(t[i])
+        return total
+    step = max(1, CHECKSUM_CHUNK_ELEMS // row)
+    for i in range(0, t.shape[0], step):
+        total += t[i:i + step].to(torch.float64).abs_().sum()
     return total
+
+
+class Checksum:
+    """The running :func:`checksum` of tensors added one at a time (a receiver adds each tensor as its
+    bucket arrives). ``value``: ``sum over tensors of name_weight(name) * sum |t|``, accumulated in
+    float64 in the order added; one host sync, when read."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[int, torch.Tensor]] = []
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        self._parts.append((name_weight(name), abs_sum(t)))
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    @property
+    def value(self) -> float:
+        if not self._parts:
+            return 0.0
+        device = self._parts[0][1].device  # one device-to-host copy for all the tensors' sums
+        sums = torch.stack([s.to(device) for _, s in self._parts]).cpu().tolist()
+        total = 0.0
+        for (w, _), s in zip(self._parts, sums):
+            total += w * s
+        return total
+
+
+def _add_all(sums: Checksum, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    for name, t in named:
+        sums.add(name, t)
+
+
+def checksum(named: Iterable[tuple[str, torch.Tensor]]) -> float:
+    """Order-independent float64 checksum: equal on every rank that holds the same weights.
+
+    ``sum over tensors of name_weight(name) * sum |t|`` in float64, each tensor summed in chunks
+    (:func:`abs_sum`): the learner and every receiver use this one function, so equal weights in the same
+    order give the same number; in another order the float64 rounding of the total may differ (compare
+    with a relative tolerance, 1e-12 is ample)."""
+    c = Checksum()
+    for name, t in named:
+        c.add(name, t)
+    return c.value
+
+
+def slot_sizes(buckets: Sequence[Bucket], needs: Sequence[bool] | None = None) -> list[int]:
+    """Bytes of the two stream buffers for a plan: bucket i goes through buffer i % 2, so buffer k is as
+    large as the largest bucket of parity k that needs one (``needs``; None: every bucket). A 7B's
+    embedding and LM head (1.09 GB each, buckets 0 and 114 of 115) share buffer 0; buffer 1 needs only
+    the largest other bucket."""
+    out = [0, 0]
+    for i, b in enumerate(buckets):
+        if needs is None or needs[i]:
+            out[i % 2] = max(out[i % 2], b.nbytes)
+    return out
+
+
+def recv_buffer_bytes(buckets: Sequence[Bucket]) -> int:
+    """Bytes of a streaming receiver's two bucket buffers (:meth:`BroadcastGroup.recv_streamed`)."""
+    return sum(slot_sizes(buckets))
+
+
+def send_buffer_bytes(buckets: Sequence[Bucket], in_place: bool = True) -> int:
+    """Bytes of the sender's two bucket buffers (:meth:`BroadcastGroup.send_weights`). ``in_place``: the
+    parameters are contiguous and on the group's device (NCCL from a GPU learner, gloo from a CPU one), so
+    a bucket of one tensor is sent from the tensor itself and needs no buffer; False (gloo from a GPU
+    learner): every bucket is flattened into host memory."""
+    return sum(slot_sizes(buckets, [not (in_place and len(b.specs) == 1) for b in buckets]))
 
 
 def is_loopback(host: str) -> bool:
@@ -209,11 +345,43 @@ def open_store(host: str, world_size: int, timeout_s: float = 300.0) -> dist.TCP
     return master_store(host, 0, world_size, timeout_s)
 
 
+def nccl_backend(store: dist.Store, rank: int, world_size: int,
+                 timeout_s: float) -> "dist.ProcessGroupNCCL":  # pragma: no cover - needs CUDA
+    """``ProcessGroupNCCL(store, rank, size, options)`` whose option timeout (the watchdog's) is
+    ``timeout_s + NCCL_WATCHDOG_MARGIN_S``; the group's waits pass ``timeout_s`` themselves."""
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = False
+    opts._timeout = datetime.timedelta(seconds=timeout_s + NCCL_WATCHDOG_MARGIN_S)
+    return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+
+
+def _alias_storage(raw: torch.Tensor):
+    """A second, non-owning storage over ``raw``'s memory (None on the meta device or where torch lacks
+    the private constructors). The backend gets its flat tensors on it, the consumer its tensors on
+    ``raw``'s own storage, so that storage's use count counts the consumer's references and never the
+    backend's: a gloo worker thread drops its reference to a finished broadcast's tensor a moment after
+    ``wait`` returns (it never touches the memory again, so an alias outliving ``raw`` is harmless)."""
+    make = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if make is None or not hasattr(torch._C, "_storage_Use_Count") or raw.device.type == "meta":
+        return None  # pragma: no cover - older torch; meta: a dry run with nothing to protect
+    return make(raw.data_ptr(), raw.device, raw.numel())
+
+
+def _use_count(storage) -> int:
+    return int(torch._C._storage_Use_Count(storage._cdata))
+
+
 class BroadcastGroup:
     """A stateless process group for the weight push. Rank 0 is the learner.
 
     ``store``: rank 0 may pass the store :func:`open_store` bound (then ``master_port`` is its port);
-    otherwise rank 0 binds ``master_port`` itself and every other rank dials it."""
+    otherwise rank 0 binds ``master_port`` itself and every other rank dials it. ``timeout_s``: the
+    rendezvous, and every wait of a push (a dead peer raises within it; module docstring).
+
+    Every tensor handed to the backend lives on ``self.device`` (CUDA for NCCL, whose groups have no CPU
+    backend): the bucket buffers, the handshake and flag tensors; a parameter is sent in place only when
+    it already lives there. :meth:`over` builds a group over any backend object and device (tests; on
+    the meta device a push is a dry run that moves and checks no bytes)."""
 
     def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str = "gloo",
                  prefix: str = "sonar-weights", timeout_s: float = 300.0, store: dist.TCPStore | None = None):
@@ -222,7 +390,8 @@ class BroadcastGroup:
         if store is not None and (rank != 0 or store.port != master_port):
             raise ValueError(f"BroadcastGroup: a bound store (port {store.port}) is rank 0's, for master_port "
                              f"{master_port}; got rank {rank}")
-        self.rank, self.world_size, self.backend = rank, world_size, backend
+        if not timeout_s > 0:
+            raise ValueError(f"BroadcastGroup: timeout_s={timeout_s!r} must be > 0 (seconds)")
         timeout = datetime.timedelta(seconds=timeout_s)
         if store is not None:
             self._store = store
@@ -230,46 +399,282 @@ class BroadcastGroup:
             self._store = master_store(master_addr, master_port, world_size, timeout_s, wait_for_workers=True)
         else:
             self._store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
-        store = dist.PrefixStore(prefix, self._store)
+        pstore = dist.PrefixStore(prefix, self._store)
         if backend == "gloo":  # pair sockets on the interface that reaches master_addr, nowhere else
-            self._pg = dist.ProcessGroupGloo(store, rank, world_size, gloo_options(master_addr, timeout))
-            self.device = torch.device("cpu")
+            pg = dist.ProcessGroupGloo(pstore, rank, world_size, gloo_options(master_addr, timeout))
+            device = torch.device("cpu")
         else:  # pragma: no cover - needs CUDA
-            self._pg = dist.ProcessGroupNCCL(store, rank, world_size)
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            pg = nccl_backend(pstore, rank, world_size, timeout_s)
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._setup(pg, rank, world_size, backend, device, timeout_s)
+
+    @classmethod
+    def over(cls, pg, rank: int, world_size: int, device: torch.device | str, timeout_s: float = 300.0,
+             backend: str = "custom") -> "BroadcastGroup":
+        """A group over an existing backend object ``pg`` (``broadcast(tensor, root)`` and
+        ``allreduce([tensor])`` returning works with ``wait(timeout)``) whose tensors live on ``device``."""
+        self = cls.__new__(cls)
+        self._store = None
+        self._setup(pg, rank, world_size, backend, torch.device(device), timeout_s)
+        return self
+
+    def _setup(self, pg, rank: int, world_size: int, backend: str, device: torch.device, timeout_s: float) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"BroadcastGroup: timeout_s={timeout_s!r} must be > 0 (seconds)")
+        self._pg = pg
+        self.rank, self.world_size, self.backend, self.device = rank, world_size, backend, device
+        self.timeout_s = float(timeout_s)
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._slots: list[torch.Tensor | None] = [None, None]
+        """The two reused bucket buffers (uint8, viewed as each bucket's dtype; bucket i uses buffer
+        i % 2), allocated at the first push of a plan (``slot_sizes``) and kept for the group's life."""
+        self._alias: list = [None, None]
+        """Per buffer, the non-owning storage the backend's flat tensors are made on (``_alias_storage``)."""
+        self._owner: list = [None, None]
+        """Per buffer, its own storage (the handed-out tensors share it) and that storage's use count with
+        nothing handed out: ``(storage, baseline)``, or None where torch cannot count (``_alias_storage``)."""
+        self._handed: list[list] = [[], []]
+        """Weak references to the tensors a streamed receive handed out of each buffer (``recv_streamed``)."""
+        self.last_push: dict = {}
+        """Figures of the last ``send_weights``/``recv_streamed``/``recv_weights`` on this rank."""
+
+    # ------------------------------------------------------------ collectives
+    def _wait(self, work) -> None:
+        """Wait for ``work`` up to the group's timeout; a dead peer raises here (module docstring)."""
+        work.wait(self._timeout)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        self._pg.broadcast(tensor, src).wait()
+        self._wait(self._pg.broadcast(tensor, src))
 
-    def send_weights(self, buckets: Sequence[Bucket], tensors: dict[str, torch.Tensor]) -> int:
-        """Learner side: push every bucket. Returns bytes sent per receiver.
+    def _handshake(self, buckets: Sequence[Bucket]) -> None:
+        """Rank 0 sends its plan (buckets, elements, layout digest); every rank compares and the mismatches
+        are summed, so every rank raises together before any bucket moves (no rank waits on a bucket that
+        will never come). Returns once every rank is here: the sender's transfer timing starts after it."""
+        specs = [s for b in buckets for s in b.specs]
+        mine = torch.tensor([len(buckets), sum(b.numel for b in buckets), int(layout_digest(specs)[:15], 16)],
+                            dtype=torch.int64)
+        plan = mine.to(self.device) if self.rank == 0 else torch.zeros(3, dtype=torch.int64, device=self.device)
+        self.broadcast(plan, 0)
+        if self.device.type == "meta":  # a dry run (shapes, no bytes): nothing to read back
+            self._wait(self._pg.allreduce([torch.zeros(1, dtype=torch.int64, device=self.device)]))
+            return
+        theirs = mine if self.rank == 0 else plan.cpu()
+        bad = torch.tensor([0 if torch.equal(theirs, mine) else 1], dtype=torch.int64, device=self.device)
+        self._wait(self._pg.allreduce([bad]))
+        nbad = int(bad.item())
+        if nbad:
+            here = "" if torch.equal(theirs, mine) else (
+                f"; this rank {self.rank} plans {mine.tolist()[:2]} (buckets, elements), the sender "
+                f"{theirs.tolist()[:2]}")
+            raise RuntimeError(f"weight push refused before any bytes moved: {nbad} rank(s) computed another bucket "
+                               f"plan or layout than the sender{here} (model.* config, model.path and the learner's "
+                               "dtypes must be the same for every role)")
 
-        The flat send buffers are allocated once and reused: filling freshly allocated memory runs at a
-        fraction of memcpy speed (measured 3.0 vs 18.7 GB/s here), which made per-sync allocation the
-        bottleneck above ~50M parameters (bench/weight_sync.py)."""
-        key = tuple(buckets)
-        if getattr(self, "_send_key", None) != key:
-            self._send_key, self._send_bufs = key, self.alloc_buffers(buckets)
+    # ------------------------------------------------------------ buffers
+    def _ensure_slots(self, sizes: Sequence[int]) -> None:
+        """Buffer k at least ``sizes[k]`` bytes (``slot_sizes``); kept, and grown only for a larger plan."""
+        for i, nbytes in enumerate(sizes):
+            raw = self._slots[i]
+            if nbytes and (raw is None or raw.numel() < nbytes):
+                self._slots[i] = None
+                del raw
+                self._new_slot(i, nbytes)
+
+    def _new_slot(self, i: int, nbytes: int) -> None:
+        """A fresh buffer ``i``. The old one, if any, is dropped: tensors a consumer still holds in it own
+        its memory (they share its storage), so it lives exactly as long as they do."""
+        self._slots[i] = self._alias[i] = self._owner[i] = None
+        self._slots[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._alias[i] = _alias_storage(self._slots[i])
+        if self._alias[i] is not None:
+            owner = self._slots[i].untyped_storage()
+            self._owner[i] = (owner, _use_count(owner))
+
+    def _slot_flat(self, i: int, bucket: Bucket) -> torch.Tensor:
+        """Buffer ``i`` as ``bucket``'s flat tensor ([bucket.numel] of its dtype), for the backend: on the
+        alias storage where there is one (``_alias_storage``)."""
+        if self._alias[i] is None:
+            return self._slots[i][:bucket.nbytes].view(bucket.dtype)
+        return torch.empty(0, dtype=bucket.dtype, device=self.device).set_(self._alias[i], 0, (bucket.numel,))
+
+    def _slot_tensors(self, i: int, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+        """The bucket's tensors in buffer ``i``, for the consumer: tensors sharing the buffer's own storage
+        (no copies; they keep its memory alive), made with ``set_`` rather than as views, so they carry
+        no reference to a base tensor: once the consumer drops one, nothing of it points into the buffer
+        (``_release`` relies on this)."""
+        storage = self._slots[i].untyped_storage()
+        out, off = [], 0
+        for spec in bucket.specs:
+            t = torch.empty(0, dtype=bucket.dtype, device=self.device).set_(storage, off, spec.shape)
+            out.append((spec.name, t))
+            off += spec.numel
+        return out
+
+    def _release(self, i: int, stats: dict) -> None:
+        """Before buffer ``i`` is received into again: every tensor handed out of it that the consumer
+        still holds (vLLM's layerwise reload keeps a layer's checkpoint tensors until the layer is
+        complete) gets its own copy (``t.data = t.clone()``: every holder of that tensor sees the copy);
+        if the buffer's memory is still referenced after that (the consumer kept a view *derived* from
+        one: a weight loader's ``narrow`` or ``t()``, which the copy does not redirect), the buffer is
+        left to the holder (whose tensors own it: freed once it lets go) and a fresh one takes its place."""
+        for ref in self._handed[i]:
+            t = ref()
+            if t is not None:
+                t.data = t.clone()
+                stats["held_copies"] += 1
+                stats["held_bytes"] += t.numel() * t.element_size()
+            del t
+        self._handed[i] = []
+        owner = self._owner[i]
+        if owner is not None and _use_count(owner[0]) > owner[1]:
+            self._new_slot(i, self._slots[i].numel())
+            stats["fresh_buffers"] += 1
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the two bucket buffers this rank holds now."""
+        return sum(s.numel() for s in self._slots if s is not None)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":  # pragma: no cover - needs CUDA
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------ sender
+    def _in_place(self, bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """A one-tensor bucket whose tensor is contiguous, of the bucket's dtype and on the group's device
+        is its own flat buffer (a broadcast's root only reads it): no copy, no buffer."""
+        if len(bucket.specs) != 1:
+            return None
+        t = tensors[bucket.specs[0].name].detach()
+        if t.is_contiguous() and t.dtype == bucket.dtype and t.device == self.device:
+            return t.view(-1)
+        return None
+
+    def send_weights(self, buckets: Sequence[Bucket], tensors: dict[str, torch.Tensor] | None,
+                     gather: Callable[[Bucket], object] | None = None
+                     ) -> int:
+        """Learner side: push every bucket, streamed through two reused buffers; returns bytes sent per
+        receiver. Bucket i+1 is flattened into one buffer while bucket i's broadcast is in flight from the
+        other; a buffer is refilled only after its broadcast completed. Returns after the last broadcast
+        completed (and, on CUDA, ``torch.cuda.synchronize``): ``last_push`` holds ``seconds`` (the
+        transfer, after the handshake), ``wait_s`` (the handshake: the receivers' arrival), ``bytes``,
+        ``buckets``, ``in_place`` (buckets sent from the parameter itself) and ``buffer_bytes``.
+
+        The buffers are kept between pushes: filling freshly allocated memory runs at a fraction of
+        memcpy speed (measured 3.0 vs 18.7 GB/s here; bench/weight_sync.py).
+
+        ``gather`` (instead of ``tensors``): a context manager per bucket that yields that bucket's tensors
+        by name for the block (ZeRO-3 gathers the bucket's parameters, so at most one bucket of full
+        parameters exists beside the partitions); each bucket is then copied into a stream buffer inside
+        its block, never sent from a tensor that is released when the block ends."""
+        if (tensors is None) == (gather is None):  # before the handshake: no receiver is left waiting
+            raise ValueError("send_weights: pass the tensors or a per-bucket gather, exactly one")
+        t_start = time.perf_counter()
+        self._handshake(buckets)
+        t0 = time.perf_counter()
+        sources = [None if gather is not None else self._in_place(b, tensors) for b in buckets]
+        self._ensure_slots(slot_sizes(buckets, [src is None for src in sources]))
+        works: list = [None, None]
         sent = 0
-        for b, flat in zip(buckets, self._send_bufs):
-            self.broadcast(flatten_bucket(b, tensors, flat), 0)
+        for i, (b, src) in enumerate(zip(buckets, sources)):
+            k = i % 2
+            if works[k] is not None:  # buffer k's previous broadcast must be done before it is refilled
+                self._wait(works[k])
+                works[k] = None
+            if gather is not None:
+                with gather(b) as named:
+                    flat = flatten_bucket(b, named, self._slot_flat(k, b))
+                    del named
+            else:
+                flat = src if src is not None else flatten_bucket(b, tensors, self._slot_flat(k, b))
+            works[k] = self._pg.broadcast(flat, 0)
+            del flat
             sent += b.nbytes
+        for k in range(2):
+            if works[k] is not None:
+                self._wait(works[k])
+        works = [None, None]
+        self._sync()
+        t1 = time.perf_counter()
+        self.last_push = {"seconds": t1 - t0, "wait_s": t0 - t_start, "bytes": sent, "buckets": len(buckets),
+                          "in_place": sum(src is not None for src in sources), "buffer_bytes": self.buffer_bytes()}
         return sent
 
+    # ------------------------------------------------------------ receivers
+    def recv_streamed(self, buckets: Sequence[Bucket], load: Callable[[list[tuple[str, torch.Tensor]]], object],
+                      sums: Checksum | None = None) -> dict:
+        """Worker side, streamed: the collective with ``send_weights`` through two reused buffers,
+        ``load(named)`` called once per bucket, in order, with the bucket's tensors (sharing a buffer: no
+        copies) while the next bucket is being received into the other buffer. ``sums``: each tensor is
+        added as its bucket arrives (before ``load``). Returns (and keeps in ``last_push``) ``seconds``,
+        ``wait_s``, ``load_s``, ``bytes``, ``buckets``, ``buffer_bytes``, ``held_copies``/``held_bytes``
+        and ``fresh_buffers``.
+
+        ``load`` may keep tensors past its call (vLLM's layerwise reload keeps a layer's tensors until
+        the layer is complete, e.g. ``gate_proj`` until ``up_proj`` arrives in the next bucket): before a
+        buffer is refilled, whatever is still held is copied (``_release``; counted in ``held_*``). Peak
+        beside the model: the two buffers plus the held copies (the tensors of layers that straddle a
+        bucket boundary or wait for the end of the push)."""
+        t_start = time.perf_counter()
+        self._handshake(buckets)
+        t0 = time.perf_counter()
+        stats = {"held_copies": 0, "held_bytes": 0, "fresh_buffers": 0}
+        self._ensure_slots(slot_sizes(buckets))
+        load_s = 0.0
+
+        def post(i: int):
+            k = i % 2
+            self._release(k, stats)
+            return self._pg.broadcast(self._slot_flat(k, buckets[i]), 0)
+
+        nxt = post(0) if buckets else None
+        for i, b in enumerate(buckets):
+            cur, nxt = nxt, None
+            if i + 1 < len(buckets):
+                nxt = post(i + 1)  # bucket i+1 arrives in the other buffer while bucket i loads
+            self._wait(cur)
+            cur = None
+            named = self._slot_tensors(i % 2, b)
+            if sums is not None:
+                _add_all(sums, named)  # (not a loop here: its variable would keep a tensor referenced)
+            tl = time.perf_counter()
+            load(named)
+            load_s += time.perf_counter() - tl
+            self._handed[i % 2] = [weakref.ref(t) for _, t in named]
+            del named
+        self._sync()
+        t1 = time.perf_counter()
+        self.last_push = {"seconds": t1 - t0, "wait_s": t0 - t_start, "load_s": load_s,
+                          "bytes": sum(b.nbytes for b in buckets), "buckets": len(buckets),
+                          "buffer_bytes": self.buffer_bytes(), **stats}
+        return dict(self.last_push)
+
     def recv_weights(self, buckets: Sequence[Bucket], into: Sequence[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Worker side: receive every bucket into ``into`` (preallocated flat buffers, one per bucket,
-        reused across syncs by the caller) or into fresh buffers. Returns views by name: a staging copy,
-        never the live model."""
+        """Worker side, staged: receive every bucket into ``into`` (flat buffers, one per bucket: a full
+        staging copy, reused across syncs by the caller, ``alloc_buffers``) or into fresh buffers. Returns
+        views by name: a staging copy, never the live model. (The HF engines' receiver, which swaps the
+        copy in between generate calls; engines that load as they receive use ``recv_streamed``.)"""
+        t_start = time.perf_counter()
+        self._handshake(buckets)
+        t0 = time.perf_counter()
         out: dict[str, torch.Tensor] = {}
+        works = []
         for i, b in enumerate(buckets):
             flat = into[i] if into is not None else torch.empty(b.numel, dtype=b.dtype, device=self.device)
-            self.broadcast(flat, 0)
+            works.append(self._pg.broadcast(flat, 0))
             out.update(unflatten_bucket(b, flat))
+        for w in works:
+            self._wait(w)
+        self._sync()
+        self.last_push = {"seconds": time.perf_counter() - t0, "wait_s": t0 - t_start,
+                          "bytes": sum(b.nbytes for b in buckets), "buckets": len(buckets)}
         return out
 
     def alloc_buffers(self, buckets: Sequence[Bucket]) -> list[torch.Tensor]:
+        """One flat buffer per bucket on the group's device: a full staging copy (``recv_weights``)."""
         return [torch.empty(b.numel, dtype=b.dtype, device=self.device) for b in buckets]
 
     def close(self) -> None:
         self._pg = None
         self._store = None
+        self._slots, self._alias, self._owner = [None, None], [None, None], [None, None]
+        self._handed = [[], []]

@@ -337,7 +337,8 @@ def test_a_push_changes_greedy_outputs_and_a_second_push_restores_them(env):
 
 def _long_rows_then_push(env, new_weights, n_rows: int = 6, tokens: int = 300):
     """Start ``n_rows`` sampled rows of ``tokens`` tokens, push ``new_weights`` once they are under way;
-    returns (the rows' Generations, the version pushed, the prompt, tokens generated after the receive)."""
+    returns (the rows' Generations, the version pushed, the prompt, tokens generated during the push: the
+    push is streamed into the model with generation paused, so in pause mode it waits for the rows)."""
     prompt = PROMPTS[2]
     p = SamplingParams(max_new_tokens=tokens, temperature=1.0, seed=21)
     box: dict = {}
@@ -349,11 +350,12 @@ def _long_rows_then_push(env, new_weights, n_rows: int = 6, tokens: int = 300):
         assert time.monotonic() < deadline and th.is_alive()
         time.sleep(0.005)
     v = env.next_version
+    at_push = env.engine.stats["tokens"]
     env.push(new_weights)
-    at_receive = env.engine.stats["tokens"]
+    during_push = env.engine.stats["tokens"] - at_push
     th.join(DEADLINE_S)
     env.engine.apply_staged()
-    return box["g"], v, prompt, env.engine.stats["tokens"] - at_receive
+    return box["g"], v, prompt, during_push
 
 
 def test_pause_mode_lets_rows_in_flight_finish_under_the_weights_they_started_with(env):
@@ -361,8 +363,8 @@ def test_pause_mode_lets_rows_in_flight_finish_under_the_weights_they_started_wi
     weights_c = {n: w + torch.randn(w.shape, generator=torch.Generator().manual_seed(5)) * 0.2
                  for n, w in env.weights_a.items()}
     old_model_state = {n: p.detach().clone() for n, p in env.model.named_parameters()}
-    gens, v, prompt, tokens_after_receive = _long_rows_then_push(env, weights_c)
-    assert tokens_after_receive > 0  # the rows were still generating when the new weights had arrived
+    gens, v, prompt, tokens_during_push = _long_rows_then_push(env, weights_c)
+    assert tokens_during_push > 0  # the rows in flight kept generating (drained) while the push waited
     assert env.engine.version == v
     for g in gens:
         assert g.version == old_version and g.version_spans == () and len(g.token_ids) > 0
@@ -445,3 +447,75 @@ def test_a_bf16_learner_pushes_bf16_and_the_float32_engine_casts_on_load(env):
     ref = HFEngine(env.model, eos_token_id=None).generate(PROMPTS, p)
     assert [g.token_ids.tolist() for g in ours] == [g.token_ids.tolist() for g in ref]
     assert all(g.version == 100 for g in ours)
+
+
+# ------------------------------------------------------------------ stop strings (tags as plain text)
+
+@pytest.fixture(scope="module")
+def text_env(tmp_path_factory):
+    """A second engine, on a stock-like policy: GPT-2's BPE (no tags) over a random, sharpened 2-layer
+    Llama (head_dim 32), built with its tokenizer so that vLLM detokenises rows with stop strings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sonar.actors.engine_vllm import VLLMEngine
+    from tests.actors.test_real_tokenizer import gpt2_tokenizer
+
+    tmp = tmp_path_factory.mktemp("vllm_text")
+    tok = gpt2_tokenizer(tmp / "bpe")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
+                                         bos_token_id=tok.eos_token_id)).eval()
+    sharpen(model, seed=5, scale=0.3)
+    model.save_pretrained(tmp / "policy")
+    tok.save_pretrained(tmp / "policy")
+    specs = [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
+    eng = VLLMEngine(str(tmp / "policy"), specs, eos_token_ids=[tok.eos_token_id], dtype="float32", max_model_len=256,
+                     max_num_seqs=8, seed=0, kv_cache_gib=0.25, enforce_eager=True, tokenizer=tok)
+    yield eng, model, tok
+    eng.close()
+
+
+def _stop_cases(tok, path: list[int]):
+    """From a greedy path: (a stop string spanning the boundary of tokens k-1 and k, k) and (a stop
+    string ending inside token k with text after it, k), each found first at token k."""
+    from sonar.actors.engine import StopStrings
+
+    pieces = [tok.decode(path[:i + 1])[len(tok.decode(path[:i])):] for i in range(len(path))]
+    clean = [p.isascii() and p.isprintable() and len(p.strip()) >= 2 for p in pieces]
+
+    def fires_at(s):
+        m = StopStrings(tok, (s,))
+        return next((i for i, t in enumerate(path) if m.push(t) is not None), None)
+
+    span = next((pieces[k - 1][-2:] + pieces[k][:2], k) for k in range(3, len(path))
+                if clean[k - 1] and clean[k] and fires_at(pieces[k - 1][-2:] + pieces[k][:2]) == k)
+    inside = next((pieces[k][:-1], k) for k in range(3, len(path))
+                  if clean[k] and len(pieces[k]) >= 3 and fires_at(pieces[k][:-1]) == k)
+    return span, inside
+
+
+def test_stop_strings_end_the_row_at_the_completing_token_like_the_transformers_engine(text_env):
+    """vLLM's stop strings (include_stop_str_in_output): the row ends with the token that completes the
+    string, kept even when it carries more text; ids, finish labels and logprobs as HFEngine gives."""
+    eng, model, tok = text_env
+    prompt = np.asarray(tok.encode(" The capital of France is", add_special_tokens=False))
+    p = SamplingParams(max_new_tokens=24, temperature=0.0)
+    path = eng.generate([prompt], p)[0].token_ids.tolist()
+    assert path == HFEngine(model, eos_token_id=None).generate([prompt], p)[0].token_ids.tolist()
+    hf = HFEngine(model, eos_token_id=tok.eos_token_id, tokenizer=tok)
+    for stop, k in _stop_cases(tok, path):
+        sp = SamplingParams(max_new_tokens=24, temperature=0.0, stop_strings=(stop, "never in this text"))
+        ours, ref = eng.generate([prompt], sp)[0], hf.generate([prompt], sp)[0]
+        assert ours.token_ids.tolist() == ref.token_ids.tolist() == path[:k + 1], stop
+        assert (ours.finish, ours.stop_string, ours.stop_token_id) == ("stop", stop, None) == \
+            (ref.finish, ref.stop_string, ref.stop_token_id)
+        np.testing.assert_allclose(ours.logprobs, ref.logprobs, atol=LOGPROB_ATOL, rtol=0)
+    # An engine built without a tokenizer (vLLM then skips its own) refuses stop strings, never ignores them.
+    saved, eng.tokenizer = eng.tokenizer, None
+    try:
+        with pytest.raises(ValueError, match="without a tokenizer"):
+            eng.generate([prompt], SamplingParams(max_new_tokens=2, stop_strings=("x",)))
+    finally:
+        eng.tokenizer = saved

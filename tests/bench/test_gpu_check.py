@@ -22,16 +22,17 @@ try:
     runpy.run_path({script!r}, run_name="__main__")
 except SystemExit as e:
     rc = e.code
-bad = sorted(m for m in sys.modules if m.split(".")[0] in ("sonar", "ray", "deepspeed", "mlflow"))
+bad = sorted(m for m in sys.modules if m.split(".")[0] in {forbidden!r})
 print("FORBIDDEN=" + json.dumps(bad))
 sys.exit(rc)
 """
 
 
-def run_check(tmp_path: Path, *args: str, env_extra: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+def run_check(tmp_path: Path, *args: str, env_extra: dict | None = None,
+              forbidden=("sonar", "ray", "deepspeed", "mlflow")) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "gpu.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    code = RUN.format(script=str(SCRIPT), args=[*args, "--out", str(out)])
+    code = RUN.format(script=str(SCRIPT), args=[*args, "--out", str(out)], forbidden=tuple(forbidden))
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=600)
     assert "FORBIDDEN=[]" in r.stdout, r.stdout + r.stderr
@@ -41,14 +42,30 @@ def run_check(tmp_path: Path, *args: str, env_extra: dict | None = None) -> tupl
 def test_without_cuda_every_check_skips(tmp_path):
     r, doc = run_check(tmp_path, env_extra={"CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr
-    assert set(doc["checks"]) == {"nccl_broadcast", "learner_step", "cuda_ipc"}
+    assert set(doc["checks"]) == {"nccl_broadcast", "learner_step", "cuda_ipc", "dp_sum_nccl",
+                                  "push_memory_and_timing", "checksum_memory", "nograd_forward_memory",
+                                  "zero2_rl_step"}
     assert all(c["status"] == "SKIP" for c in doc["checks"].values())
-    assert r.stdout.count("SKIP ") == 3
+    assert r.stdout.count("SKIP ") == 8
+
+
+TORCH_ONLY = ["nccl_broadcast", "learner_step", "cuda_ipc", "dp_sum_nccl", "push_memory_and_timing",
+              "checksum_memory", "nograd_forward_memory"]
 
 
 @pytest.mark.slow
-def test_cpu_smoke_runs_every_check(tmp_path):
-    r, doc = run_check(tmp_path, "--cpu-smoke", env_extra={"CUDA_VISIBLE_DEVICES": ""})
+def test_cpu_smoke_runs_the_learner_step_check_through_sonar_and_deepspeed(tmp_path):
+    """Check 8 imports Sonar's learner and DeepSpeed by design (carried as wheels to the GPU machine), and
+    still not Ray. (Here DeepSpeed's monitor imports MLflow because it is installed; the GPU machine has none.)"""
+    r, doc = run_check(tmp_path, "--cpu-smoke", "--only", "zero2_rl_step", env_extra={"CUDA_VISIBLE_DEVICES": ""},
+                       forbidden=("ray",))
+    assert r.returncode == 0 and doc["checks"]["zero2_rl_step"]["status"] == "PASS", r.stdout + r.stderr
+    assert doc["checks"]["zero2_rl_step"]["tokens"] == 4 * 32
+
+
+@pytest.mark.slow
+def test_cpu_smoke_runs_every_torch_only_check(tmp_path):
+    r, doc = run_check(tmp_path, "--cpu-smoke", "--only", *TORCH_ONLY, env_extra={"CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stdout + r.stderr
     c = doc["checks"]
     assert {k: v["status"] for k, v in c.items()} == dict.fromkeys(c, "PASS"), r.stdout
@@ -57,3 +74,9 @@ def test_cpu_smoke_runs_every_check(tmp_path):
     assert step["loss_chunked"] == pytest.approx(step["loss_unchunked"], rel=2e-2)
     assert step["chunked"]["chunk_tokens"] == 8 and step["chunked"]["tokens_per_s"] > 0
     assert c["cuda_ipc"]["gb_per_s"] > 0
+    # the device-path checks: "cuda:gloo" refuses the CPU tensor NCCL would; the push holds two buckets
+    assert c["dp_sum_nccl"]["backend"] == "cuda:gloo" and "cpu" in c["dp_sum_nccl"]["cpu_error"]
+    push = c["push_memory_and_timing"]
+    assert 0 < push["peak_extra_bytes"] <= push["two_buckets_bytes"]
+    assert all(p["call_s"] >= 0.9 * p["synced_s"] for p in push["pushes"])
+    assert c["checksum_memory"]["equal"] and c["nograd_forward_memory"]["status"] == "PASS"

@@ -30,7 +30,7 @@ def test_every_shipped_config_loads(path, tmp_path):
 
         load_bench_config([path], overrides)
     else:
-        load_config([path], overrides)
+        load_config([path], overrides, notes=[])  # gpu.yaml's dataset files live on the cluster's storage
 
 
 def test_dotlist_overrides_apply():
@@ -277,7 +277,7 @@ def test_out_of_range_values_name_the_field_and_value(overrides, fields):
     ["retrieval.replicas=1"], ["retrieval.replicas=3"], ["rollout.top_p=1.0"], ["rollout.top_p=0.9"],
     ["rollout.temperature=0", "stages.0.kind=sft"],  # greedy is fine without an RL stage
     ["rollout.temperature=0", "stages.0.steps=0"],
-    ["model.hidden_size=130", "model.num_heads=4", "model.path=/some/hf/dir"],  # the tiny-model shape is unused
+    ["model.hidden_size=130", "model.num_heads=4", "model.path=/some/hf/dir", "world.force=true"],  # the tiny-model shape is unused
     ["replay.stale_downweight=0"],  # only read with stale_policy=downweight
 ])
 def test_in_range_values_load(overrides):
@@ -292,9 +292,11 @@ CORPUS = str(FIXTURES / "hotpot_mini_corpus.jsonl")
 def test_stage_data_takes_one_path_or_a_list_in_yaml_and_on_the_command_line(tmp_path):
     """``stages.N.data`` is read now (it was removed last round as unread): one path or a list, from a
     YAML file or the command line, with its format."""
-    one = load_config([], [f"stages.0.data={HOTPOT}", f"retrieval.corpus={CORPUS}", "stages.0.format=hotpotqa"])
+    one = load_config([], [f"stages.0.data={HOTPOT}", f"retrieval.corpus={CORPUS}", "stages.0.format=hotpotqa",
+                           f"eval.data={HOTPOT}"])
     assert one.stages[0].data == HOTPOT and one.stages[0].format == "hotpotqa"
-    many = load_config([], [f"stages.0.data=[{HOTPOT}, {FIXTURES / 'hotpot_mini_dev.json'}]", f"retrieval.corpus={CORPUS}"])
+    many = load_config([], [f"stages.0.data=[{HOTPOT}, {FIXTURES / 'hotpot_mini_dev.json'}]", f"retrieval.corpus={CORPUS}",
+                            f"eval.data={HOTPOT}"])
     assert many.stages[0].data == [HOTPOT, str(FIXTURES / "hotpot_mini_dev.json")]
     y = tmp_path / "files.yaml"
     y.write_text(f"retrieval:\n  corpus: {CORPUS}\neval:\n  data: {HOTPOT}\nstages:\n  - kind: rl\n    data: [{HOTPOT}]\n")

@@ -13,12 +13,15 @@ rollout workers on node 3.
 3. Files: the learner's ``run.dir`` check passes (one filesystem), and ``fetch_dir`` streams a directory
    from the learner's node through the object store byte for byte.
 """
+import dataclasses
 import json
 import os
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.sizing import smoke_sizing
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -50,7 +53,7 @@ def config(tmp_path, cluster, steps, *overrides):
 
     rl = tmp_path / "rl.yaml"
     rl.write_text(RL_YAML.format(steps=steps))
-    return load_config([CONFIG_DIR / "smoke.yaml", rl], [
+    return load_config([smoke_sizing(tmp_path), rl], [
         f"run.root={tmp_path}", f"cluster.address={cluster.address}", "tracking.enabled=false",
         "eval.before=false", "eval.no_search=false", "world.num_heldout_eval=4",
         "cluster.role_resources.learner.node_learner=1", "cluster.role_resources.rollout.node_rollout=1",
@@ -149,5 +152,35 @@ def test_the_run_dir_check_and_the_streamed_upload(tmp_path, cluster):
         fetch_dir(node, str(src), str(tmp_path / "dst"), chunk_bytes=4096)
         assert (tmp_path / "dst" / "a.bin").read_bytes() == (src / "a.bin").read_bytes()
         assert (tmp_path / "dst" / "sub" / "empty").read_bytes() == b""
+    finally:
+        ray.shutdown()
+
+
+def test_the_policy_must_be_readable_on_every_node_that_may_run_a_role(tmp_path, cluster):
+    """Issue 21, item 4: checked before any role starts, on each node that could host the learner or a
+    worker (here 127.0.0.2 and 127.0.0.3 by their labels), with this run's token; the error names the
+    nodes and what to mount. (The nodes share this machine's disk, so a node-local copy is simulated by
+    a stale token: the same path holding another run's policy.)"""
+    import ray
+
+    from sonar.cluster.driver.files import POLICY_ID_FILE, check_policy_visible
+
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    (policy / "config.json").write_text("{}")
+    (policy / POLICY_ID_FILE).write_text("this-run")
+    cfg = config(tmp_path, cluster, 1)
+    ray.init(address=cluster.address)
+    try:
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        checked = check_policy_visible(cfg, str(policy), "this-run")
+        assert {ips[n]: roles for n, roles in checked.items()} == {"127.0.0.2": ["learner"], "127.0.0.3": ["rollout"]}
+        with pytest.raises(RuntimeError, match=r"on 2 node\(s\): 127\.0\.0\.2 \(could run the learner\): policy "
+                                               r"directory .*another run's copy.*Mount shared storage") as e:
+            check_policy_visible(cfg, str(policy), "a-newer-run")
+        assert "127.0.0.3 (could run the rollout)" in str(e.value) and "run.root" in str(e.value)
+        gone = dataclasses.replace(cfg, stages=[dataclasses.replace(cfg.stages[0], data=str(tmp_path / "no.jsonl"))])
+        with pytest.raises(RuntimeError, match=r"stages\[0\]\.data .*no\.jsonl: not readable"):
+            check_policy_visible(gone, str(policy), "this-run")
     finally:
         ray.shutdown()

@@ -10,7 +10,7 @@ from sonar.cluster.wire.config import AlgoConfig, CriticConfig, LearnerConfig, R
 from sonar.cluster.wire.protocol import FinishReason, Segment, SegmentKind, Trajectory
 from sonar.learner.algo.gae import value_loss
 from sonar.learner.batching import collate
-from sonar.learner.critic import CRITIC_FILE, Critic, gae_advantages
+from sonar.learner.critic import CRITIC_DIR, CRITIC_FILE, Critic, gae_advantages
 from sonar.learner.train_step import TorchStepper, rl_step
 from tests.learner.test_learner_sft import policy  # noqa: F401  (module fixture: a tiny policy directory)
 
@@ -103,14 +103,14 @@ def test_ppo_advantages_are_whitened_gae_of_the_critic(policy):
     assert torch.all(adv[~m] == 0)
 
 
-def ppo_learner(policy):
+def ppo_learner(policy, mode="separate"):
     from tests.learner.test_train_step import init_deepspeed
 
     init_deepspeed()
     from sonar.learner.worker import Learner
 
     cfg = load_config([], ["learner.warmup_steps=0", "rollout.group_size=1", "critic.warmup_steps=1",
-                           "stages=[{kind: rl, steps: 8, lr: 0.001, algo: {name: ppo}}]"])
+                           f"critic.mode={mode}", "stages=[{kind: rl, steps: 8, lr: 0.001, algo: {name: ppo}}]"])
     return cfg, Learner(cfg, str(policy))
 
 
@@ -121,22 +121,27 @@ def state(lrn):
     return out
 
 
-def test_a_ppo_learner_resumes_policy_and_critic_exactly(policy, tmp_path):
-    cfg, a = ppo_learner(policy)
+@pytest.mark.parametrize("mode", ["separate", "head"])
+def test_a_ppo_learner_resumes_policy_and_critic_exactly(policy, tmp_path, mode):
+    """The learner's critic is a DeepSpeed engine: its parameters and optimizer resume through DeepSpeed's
+    checkpoint (``critic/``), its step count through the manifest (``critic.pt``)."""
+    cfg, a = ppo_learner(policy, mode)
     stage = cfg.stages[0]
     a.begin_stage(0, stage)
     first = a.train_groups(singleton_groups(0), [0] * 6, stage)
     a._finish_step(first, first.pop(K.LEARNER_LR))
     assert first[K.LEARNER_CRITIC_WARMUP] == 1.0  # critic.warmup_steps=1: step 0 trains only the critic
     a.save_checkpoint(str(tmp_path / "ckpt"), {})
-    assert (tmp_path / "ckpt" / CRITIC_FILE).is_file()
+    assert (tmp_path / "ckpt" / CRITIC_FILE).is_file() and (tmp_path / "ckpt" / CRITIC_DIR / "engine").is_dir()
+    assert torch.load(tmp_path / "ckpt" / CRITIC_FILE, weights_only=False) == {"mode": mode, "steps": 1,
+                                                                               "format": "deepspeed"}
     for s in (1, 2):
         m = a.train_groups(singleton_groups(s, version=a.version), [0] * 6, stage)
         assert m[K.LEARNER_CRITIC_WARMUP] == 0.0
         a._finish_step(m, m.pop(K.LEARNER_LR))
     expected = state(a)
 
-    _, b = ppo_learner(policy)
+    _, b = ppo_learner(policy, mode)
     assert any(not torch.equal(expected[k], v) for k, v in state(b).items())
     b.load_checkpoint(str(tmp_path / "ckpt"))
     b.begin_stage(0, stage, b.stage_step)
@@ -146,6 +151,23 @@ def test_a_ppo_learner_resumes_policy_and_critic_exactly(policy, tmp_path):
     got = state(b)
     diverged = [k for k in expected if not torch.equal(expected[k], got[k])]
     assert not diverged, f"a resumed ppo stage diverged in {diverged[:5]}"
+    assert b.critic.steps == a.critic.steps == 3
+
+
+def test_a_plain_critic_checkpoint_round_trips_and_a_deepspeed_one_is_refused_by_it(policy, tmp_path):
+    """The plain-PyTorch critic (the tests' reference) keeps its whole state in ``critic.pt``; it refuses a
+    DeepSpeed critic's checkpoint, naming what it found."""
+    a = Critic(CriticConfig(lr=1e-2), LearnerConfig(micro_batch_tokens=40), policy_dir=str(policy))
+    batch = collate([g[0] for g in singleton_groups()], None, 0)
+    _, old, ret = gae_advantages(a, batch, None, 0.0)
+    a.update(batch, old, ret)
+    a.save(tmp_path)
+    b = Critic(CriticConfig(lr=1e-2), LearnerConfig(micro_batch_tokens=40), policy_dir=str(policy))
+    b.load(tmp_path)
+    assert b.steps == 1 and torch.equal(a.predict(batch), b.predict(batch))
+    torch.save({"mode": "separate", "steps": 3, "format": "deepspeed"}, tmp_path / CRITIC_FILE)
+    with pytest.raises(ValueError, match="holds a deepspeed critic"):
+        b.load(tmp_path)
 
 
 @pytest.mark.parametrize("overrides, named", [

@@ -1,0 +1,84 @@
+"""Presets that are what they say (issue 21, item 5 and 6's composition half).
+
+- Composing two files that both set ``stages`` is refused, naming both: a later list replaces the
+  earlier whole, which used to drop R1-Searcher's algorithms silently (``--config r1_searcher --config gpu``).
+- RL or evaluation on the synthetic world's toy questions with a real corpus or a pretrained model is
+  refused unless ``world.force`` (configs/gpu.yaml without its data used to train on "in which country is
+  the city kruk du ?" while searching wiki18).
+- ``sonar config`` on a laptop: files that live on the cluster's storage become notes, not errors;
+  ``sonar train`` (no notes) still fails on them.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sonar.cluster.wire.config import CONFIG_DIR, ConfigError, load_config
+
+from tests.sizing import smoke_sizing
+
+
+def test_two_files_that_both_set_stages_are_refused_naming_both():
+    with pytest.raises(ConfigError, match=r"r1_searcher\.yaml and .*gpu\.yaml both set stages") as e:
+        load_config(["r1_searcher", "gpu"], notes=[])
+    assert "stages.N.key=value" in str(e.value)
+
+
+def test_a_sizing_overlay_without_stages_keeps_the_recipes_algorithms(tmp_path):
+    cfg = load_config([smoke_sizing(tmp_path), "r1_searcher"])
+    assert [s.algo.name for s in cfg.stages if s.kind == "rl"] == ["group_norm", "reinforce_pp_baseline"]
+    assert cfg.world.num_entities == 120  # smoke's sizing arrived
+
+
+def test_gpu_preset_on_a_laptop_names_what_it_could_not_check():
+    notes: list = []
+    cfg = load_config(["gpu"], [], notes=notes)
+    joined = "\n".join(notes)
+    assert "/data/train.jsonl" in joined and "/data/dev.jsonl" in joined and "/models/policy" in joined
+    assert cfg.run.checkpoint_every > 0  # a 7B run is checkpointed by default
+    assert [s.algo.name for s in cfg.stages] == ["group_norm", "reinforce_pp_baseline"]
+    assert all(s.data == "/data/train.jsonl" for s in cfg.stages) and cfg.eval.data == "/data/dev.jsonl"
+
+
+def test_without_notes_a_missing_model_or_dataset_file_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match=r"model.path='/models/policy' with rollout.engine='vllm': no config.json"):
+        load_config(["gpu"])
+    model = _model_dir(tmp_path, 151_936)
+    with pytest.raises(ValueError, match=r"stages\[0\]\.data\[0\]='/data/train.jsonl': no such file"):
+        load_config(["gpu"], [f"model.path={model}"])
+
+
+@pytest.mark.parametrize("overrides", [
+    ["stages.0.data=null", "stages.1.data=null"],  # the preset without its data: the toy world's questions
+    ["eval.data=null"],
+])
+def test_gpu_preset_refuses_the_toy_world_with_a_real_corpus(overrides):
+    with pytest.raises(ValueError, match=r"synthetic world's toy questions .*retrieval.corpus='/data/wiki18.jsonl'"):
+        load_config(["gpu"], overrides, notes=[])
+    assert load_config(["gpu"], [*overrides, "world.force=true"], notes=[]).world.force
+
+
+def _model_dir(tmp_path, vocab: int):
+    d = tmp_path / f"model-{vocab}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": vocab}))
+    return d
+
+
+def test_a_pretrained_model_on_the_toy_world_is_refused_a_sonar_word_policy_is_not(tmp_path):
+    big = _model_dir(tmp_path, 151_936)
+    with pytest.raises(ValueError, match=r"stages\[0\], stages\[1\], stages\[2\], eval would use .*vocabulary 151,936"):
+        load_config(["smoke"], [f"model.path={big}"])
+    assert load_config(["smoke"], [f"model.path={big}", "world.force=true"]).model.path == str(big)
+    small = _model_dir(tmp_path, 563)  # the tiny policy's export (benchmarks start RL from one)
+    assert load_config(["smoke"], [f"model.path={small}"]).model.path == str(small)
+
+
+def test_the_tiny_default_and_files_with_a_corpus_pass(tmp_path):
+    assert load_config([]).world.force is False
+    fix = CONFIG_DIR.parent / "tests" / "fixtures" / "datasets"
+    cfg = load_config(["smoke"], [f"retrieval.corpus={fix / 'hotpot_mini_corpus.jsonl'}",
+                                  f"eval.data={fix / 'hotpot_mini_dev.json'}", "stages.0.steps=0",
+                                  *(f"stages.{i}.data={fix / 'hotpot_mini_dev.json'}" for i in (1, 2))])
+    assert cfg.eval.data.endswith("hotpot_mini_dev.json")
