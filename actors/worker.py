@@ -168,6 +168,17 @@ class RolloutWorker:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "version": self.engine.version,
                 "num_params": sum(int(np.prod(s.shape)) for s in self.engine.parameter_specs())}
 
+    def replace_retrieval_replica(self, slot: int, handle) -> int:
+        """The driver replaced retrieval replica ``slot`` (dead for good) with ``handle``: every retriever
+        this worker holds that keeps replica handles (the service's client) searches through it from
+        now on. Returns how many retrievers took it."""
+        took = 0
+        for r in {id(x): x for x in (self.retriever, self.eval_retriever)}.values():
+            if hasattr(r, "replace_replica"):
+                r.replace_replica(slot, handle)
+                took += 1
+        return took
+
     def broadcast_ranks(self) -> int:
         """Ranks this worker takes in the broadcast group (the driver numbers them consecutively)."""
         inner = self.engine.inner
@@ -236,6 +247,9 @@ class RolloutWorker:
             raise RuntimeError(f"worker {self.worker_id}: rollout loop already running")
         self._stop.clear()
         self._error = None
+        # Idle time (health()'s idle_s, judged against cluster.step_timeout_s) counts from this loop's start:
+        # an SFT stage, an evaluation or a regroup before it is not a stall of this loop.
+        self._last_progress = time.monotonic()
         self._thread = threading.Thread(target=self._loop, args=(replay, stage_index, stage), daemon=True,
                                         name=f"rollout-{self.worker_id}")
         self._thread.start()

@@ -43,8 +43,8 @@ What makes the comparison fair:
   interleaved within each repeat (sync, lag 1, lag 2, lag 4, sync, ...) so background load hits them
   alike; speedups are paired per repeat.
 - The timed span is the driver's RL loop (``run.results["rl"][i]["seconds"]``): from the workers'
-  start to the end of ``stop_rollouts``. Actor start-up, SFT and evaluation are outside it. Async is
-  charged for stopping: ``stop_rollouts`` waits for each worker's in-flight batches.
+  start to the end of ``RolloutPool.end_stage``. Actor start-up, SFT and evaluation are outside it. Async is
+  charged for stopping: ``RolloutPool.end_stage`` waits for each worker's in-flight batches.
 - Sync uses ``max_policy_lag=0`` (its data is always on-policy). Async lag L uses
   ``capacity_groups = L * groups_per_step`` and ``broadcast_every=1``; its admission budget is
   ``(L + 1) * groups_per_step`` groups claimed or queued (``replay.max_inflight_groups=-1``), and
@@ -618,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     resolved, sim = load_cfg([CONFIG], cfg["overrides"])
     cfg.update(quick=args.quick, config_file=str(CONFIG.relative_to(REPO_ROOT)), resolved=to_dict(resolved),
                sim=sim.to_dict(),
-               timed_span="driver RL loop: workers' start to the end of stop_rollouts")
+               timed_span="driver RL loop: workers' start to the end of RolloutPool.end_stage")
     t0 = time.time()
     metrics, extra = run(cfg)
     extra["wall_s"] = round(time.time() - t0, 1)

@@ -131,7 +131,7 @@ def run_training(cfg, sim=None, *, evaluate_after: bool = True, export: bool = F
     "eval": {...} or None, "startup_s", "total_s", "weights": final checksum check, "model_dir"}``.
     ``export``: save the final policy as a Hugging Face directory (``<run_dir>/model``), as ``train`` does.
     ``seconds`` is the stage function's wall clock; ``loop_seconds`` (RL only) is the driver loop's
-    own timer (from the workers' start to the end of ``stop_rollouts``), which is what
+    own timer (from the workers' start to the end of ``RolloutPool.end_stage``), which is what
     async-vs-sync compares.
     """
     import ray
@@ -172,7 +172,7 @@ def run_training(cfg, sim=None, *, evaluate_after: bool = True, export: bool = F
                    "history": [h for h in run.history_since(first_step) if h.get("stage") == index]}
             out["stages"].append(rec)
         out["replay"] = ray.get(roles.replay.stats.remote())
-        out["weights"] = D_roles.verify_weights(roles)
+        out["weights"] = roles.pool.verify_weights()
         out["eval"] = D_reports.evaluate(cfg, roles, run, split="after") if evaluate_after else None
         out["model_dir"] = D_roles.export_model(cfg, roles, run) if export else None
         out["history"] = list(run.history)

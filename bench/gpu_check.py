@@ -498,6 +498,7 @@ def check_zero2_rl_step(torch, args) -> dict:
                                             "carry them with --wheels (bench/gpu_wheels.sh)"}
     import numpy as np
 
+    from sonar.cluster.wire import metrics as K
     from sonar.cluster.wire.config import load_config
     from sonar.cluster.wire.memory import plan_for
     from sonar.cluster.wire.protocol import Segment, SegmentKind, Trajectory
@@ -560,7 +561,7 @@ def check_zero2_rl_step(torch, args) -> dict:
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     planned = plan.learner.total / 2**30 if plan is not None and getattr(plan, "learner", None) is not None else None
     out = {"tokens": tokens, "rows": rows, "step_s": step_s, "peak_gib": peak, "plan_learner_gib": planned,
-           "plan_note": why, "loss": float(metrics.get("learner/loss", float("nan")))}
+           "plan_note": why, "loss": float(metrics.get(K.LEARNER_LOSS, float("nan")))}
     if not cuda:
         return {**out, "status": "PASS", "figure": f"CPU smoke rl_step in {step_s:.2f} s"}
     ok = planned is not None and peak <= planned

@@ -14,7 +14,7 @@ weight broadcast (the real DeepSpeed learner sends its real weights over gloo ev
 
 Set-up. One Ray session; the retrieval service, replay queue, learner and ``max(workers)`` rollout
 workers are started once. For each point n, the first n workers form the broadcast group with the
-learner (``connect_broadcast``: a new group of n + 1 ranks), start their async rollout loops, and the
+learner (``RolloutPool.form_group``: a new group of n + 1 ranks), start their async rollout loops, and the
 driver consumes: ``replay.get`` of ``groups_per_step`` groups, ``decode_group`` of each (what the
 learner would do before training), then a weight push. There is no training step: the consumer
 must keep up, or the number measured would be the learner's speed, not the rollout side's (the
@@ -105,7 +105,6 @@ class Consumer:
     def run_for(self, seconds: float) -> None:
         import ray
 
-        from sonar.cluster.driver.roles import push_weights
         from sonar.cluster.wire.protocol import decode_group
 
         end = time.monotonic() + seconds
@@ -121,7 +120,7 @@ class Consumer:
             self._since_push += len(res["groups"])
             if self._since_push >= self.g:
                 t0 = time.perf_counter()
-                push_weights(self.roles)
+                self.roles.pool.push()
                 self.push_s += time.perf_counter() - t0
                 self.pushes += 1
                 self._since_push = 0
@@ -137,9 +136,8 @@ def measure_point(cfg, roles, all_workers, n: int, warmup_s: float, window_s: fl
     from sonar.cluster.driver import loop as D_loop, reports as D_reports, roles as D_roles, run as D_run  # noqa: F401
 
 
-    roles.workers = all_workers[:n]
-    roles.restarts = {i: 0 for i in range(n)}
-    D_roles.connect_broadcast(cfg, roles)
+    roles.pool.adopt(all_workers[:n])
+    roles.pool.form_group()  # a new group of n + 1 ranks, the weights pushed
     ray.get(roles.replay.reopen.remote())
     stage = next(s for s in cfg.stages if s.kind == "rl")
     ray.get([w.start.remote(roles.replay, 0, stage) for w in roles.workers])
@@ -151,7 +149,7 @@ def measure_point(cfg, roles, all_workers, n: int, warmup_s: float, window_s: fl
         s1, c1, t1 = _stats(roles.workers), consumer.snapshot(), time.monotonic()
         depth = ray.get(roles.replay.stats.remote())["depth_groups"]
     finally:
-        D_roles.stop_rollouts(roles)
+        roles.pool.end_stage()
     # Batch-aligned accounting per worker: between its last put before t0 and its last put before t1.
     # The simulated share of gen_s comes from the engine's own ratio (sleep / time inside generate) over
     # the same window (the engine counts per call, the worker per batch; the ratio is stable).
@@ -202,6 +200,7 @@ def run(bcfg: dict) -> tuple[dict, dict]:
     from sonar.bench.driver_harness import device_info, load_cfg, loadavg, start_ray
     from sonar.bench.sim.hooks import sim_hooks
     from sonar.cluster.driver import roles as D_roles, run as D_run
+    from sonar.cluster.driver.rollout_pool import RolloutPool, start_worker
     from sonar.cluster.wire.replay import ReplayQueue
     from sonar.learner.worker import Learner
 
@@ -221,11 +220,13 @@ def run(bcfg: dict) -> tuple[dict, dict]:
             cfg.replay.capacity_groups, cfg.replay.max_policy_lag, cfg.replay.stale_policy,
             len(D_run.world_of(cfg).train), cfg.run.seed)
         learner = ray.remote(Learner).options(num_cpus=cfg.learner.num_cpus, num_gpus=cfg.learner.num_gpus).remote(cfg, policy)
-        workers = [D_roles.start_worker(cfg, i, retrieval, hooks.engine_wrap, policy=policy)
+        workers = [start_worker(cfg, i, retrieval, hooks.engine_wrap, policy=policy)
                    for i in range(max(bcfg["workers"]))]
         handles += [replay, learner, *workers]
         ray.get([learner.ping.remote()] + [w.ready.remote() for w in workers])
-        roles = D_roles.Roles(retrieval, replay, learner, [], {}, hooks=hooks, policy=policy)
+        pool = RolloutPool(cfg, learner=learner, replay=replay, retrieval=retrieval, policy=policy,
+                           engine_wrap=hooks.engine_wrap)
+        roles = D_roles.Roles(retrieval, replay, learner, pool, hooks=hooks, policy=policy, cfg=cfg)
         for rep in range(bcfg["repeats"]):
             for n in bcfg["workers"]:
                 m = measure_point(cfg, roles, workers, n, bcfg["warmup_s"], bcfg["window_s"])

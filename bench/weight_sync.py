@@ -6,7 +6,7 @@ the machine's memcpy bandwidth measured in the same run.
 
 Set-up. One Ray actor plays the learner (rank 0, the source) and N actors play rollout workers
 (ranks 1..N). They build a ``cluster.weights.BroadcastGroup`` concurrently (group creation blocks until
-every rank has joined), exactly as ``sonar.cluster.driver.roles.connect_broadcast`` does. The parameters are a
+every rank has joined), exactly as ``sonar.cluster.driver.rollout_pool.RolloutPool.form_group`` does. The parameters are a
 transformer-like list of fp32 tensors (``transformer_specs``): per layer q/k/v/o and gate/up/down
 matrices plus two RMSNorm weights and q/k/v biases (5 small tensors out of 12), untied embedding and
 LM head, a final norm. Real layouts have many small tensors, and per-tensor pushes pay per tensor.

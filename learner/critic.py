@@ -90,7 +90,7 @@ class Critic:
                  policy_module: nn.Module | None = None, device: torch.device | str = "cpu",
                  ds_config: dict | None = None):
         from sonar.learner.deepspeed_config import zero3_loading
-        from sonar.learner.train_step import DeepSpeedStepper, TorchStepper
+        from sonar.learner.steppers import DeepSpeedStepper, TorchStepper
 
         self.cfg, self.lcfg, self.device = cfg, lcfg, torch.device(device)
         # the engine's dtype from the start: ZeRO-3 partitions the head beside a trunk that zero.Init built in
@@ -128,7 +128,7 @@ class Critic:
             self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=betas, weight_decay=lcfg.weight_decay)
             self.stepper = TorchStepper(self.model, self.optimizer, lcfg.grad_clip)
         else:
-            from sonar.learner.worker import _import_deepspeed_without_shm_jit
+            from sonar.learner.deepspeed_config import import_deepspeed_without_shm_jit as _import_deepspeed_without_shm_jit
 
             deepspeed = _import_deepspeed_without_shm_jit()
             ds = copy.deepcopy(ds_config)

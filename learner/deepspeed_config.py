@@ -10,6 +10,7 @@ token count, so no further scaling is wanted.
 from __future__ import annotations
 
 import math
+import sys
 from contextlib import contextmanager
 
 from sonar.cluster.wire.config import LearnerConfig
@@ -140,3 +141,14 @@ def lr_at(step: int, base_lr: float, warmup_steps: int, decay: str, total_steps:
     if decay == "linear":
         return base_lr * (1.0 - frac)
     raise ValueError(f"learner.lr_decay={decay!r} is not constant|cosine|linear")
+
+
+def import_deepspeed_without_shm_jit():
+    """Import DeepSpeed with the shm comm op disabled (it JIT-compiles for ~90 s on first use)."""
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401  (binds the module into sys.modules)
+
+    mod = sys.modules["deepspeed.comm.torch"]
+    if hasattr(mod, "build_shm_op"):
+        mod.build_shm_op = lambda: None
+    return deepspeed

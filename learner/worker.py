@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import os
 import socket
-import sys
 import time
 from contextlib import contextmanager, nullcontext
 from typing import Sequence
@@ -36,15 +35,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _import_deepspeed_without_shm_jit():
-    """Import DeepSpeed with the shm comm op disabled (it JIT-compiles for ~90 s on first use)."""
-    import deepspeed
-    import deepspeed.comm.torch  # noqa: F401  (binds the module into sys.modules)
-
-    mod = sys.modules["deepspeed.comm.torch"]
-    if hasattr(mod, "build_shm_op"):
-        mod.build_shm_op = lambda: None
-    return deepspeed
+# DeepSpeed imported with its shm comm op skipped (deepspeed_config.py has why); the old name stays for callers.
+from sonar.learner.deepspeed_config import import_deepspeed_without_shm_jit as _import_deepspeed_without_shm_jit  # noqa: E402,F401
 
 
 RENDEZVOUS_TIMEOUT_S = 1800.0

@@ -8,7 +8,8 @@ request is cancelled). A dead replica -> ``RetrievalError('connection')``, and t
 re-probing its ``health()`` every ``recheck_s`` in the background until it answers again. The
 server's tagged replies (``("ok", hits)`` / ``("err", kind, message, retryable)``) become hits or a
 ``RetrievalError`` here. The client pickles (handles + settings), so it can be passed to
-rollout-worker actors.
+rollout-worker actors. A replica gone for good (its Ray restarts used up) is replaced in its slot by
+the driver, which hands every copy of the client the new handle (``replace_replica``).
 """
 from __future__ import annotations
 
@@ -98,6 +99,18 @@ class RetrievalClient:
         return f"RetrievalClient(name={self.name!r}, replicas={len(self.handles)}, timeout_s={self.timeout_s})"
 
     # ----------------------------------------------------------------------------------- replicas
+    def replace_replica(self, i: int, handle: Any) -> None:
+        """Put ``handle`` (a new replica, already answering) in slot ``i`` in place of a dead one; it is
+        healthy from now on. Requests still in flight on the old handle keep their slot's load count
+        and, when they fail, no longer mark the slot dead (``_mark_dead`` checks the handle)."""
+        if not 0 <= i < len(self.handles):
+            raise ValueError(f"replica slot {i} out of range: the client holds {len(self.handles)} replicas")
+        with self._lock:
+            old = self._replicas[i]
+            self.handles[i] = handle
+            self._replicas[i] = _Replica(handle, inflight=old.inflight)
+            self._c["replica_replacements"] += 1
+
     def _poll_probes(self, now: float) -> None:
         for rep in self._replicas:
             if not rep.dead:
@@ -139,9 +152,13 @@ class RetrievalClient:
         with self._lock:
             self._replicas[i].inflight -= 1
 
-    def _mark_dead(self, i: int, e: BaseException) -> None:
+    def _mark_dead(self, i: int, e: BaseException, handle: Any = None) -> None:
+        """``handle``: the one the failed request went to; a slot that holds another one now (replaced
+        meanwhile) is left as it is."""
         with self._lock:
             rep = self._replicas[i]
+            if handle is not None and rep.handle is not handle:
+                return
             if not rep.dead:
                 self._c["replica_deaths"] += 1
             rep.dead, rep.failures, rep.probe = True, rep.failures + 1, None
@@ -153,9 +170,9 @@ class RetrievalClient:
             self._errors[err.kind] += 1
         return err
 
-    def _map(self, i: int, e: BaseException) -> RetrievalError:
+    def _map(self, i: int, e: BaseException, handle: Any = None) -> RetrievalError:
         if isinstance(e, (RayActorError, ObjectLostError)):
-            self._mark_dead(i, e)
+            self._mark_dead(i, e, handle)
             return RetrievalError("connection", f"retrieval replica {i} is unavailable: {type(e).__name__}")
         if isinstance(e, TaskCancelledError):
             return RetrievalError("timeout", f"retrieval request on replica {i} was cancelled")
@@ -228,8 +245,9 @@ class RetrievalClient:
         with self._lock:
             self._c["calls"] += 1
         i = self._pick()
+        handle = self._replicas[i].handle  # the slot may be given a new replica while this request waits
         try:
-            ref = self._replicas[i].handle.batch_search.remote(queries, k)
+            ref = handle.batch_search.remote(queries, k)
             try:
                 yield ref
             except _Expired:
@@ -237,7 +255,7 @@ class RetrievalClient:
                 raise self._fail(RetrievalError(
                     "timeout", f"retrieval replica {i} did not answer within {self.timeout_s}s")) from None
             except Exception as e:  # noqa: BLE001
-                raise self._fail(self._map(i, e)) from e
+                raise self._fail(self._map(i, e, handle)) from e
         finally:
             self._release(i)
 
@@ -253,6 +271,7 @@ class RetrievalClient:
         with self._lock:
             return {"calls": self._c["calls"], "errors": dict(self._errors),
                     "replica_deaths": self._c["replica_deaths"], "replica_recoveries": self._c["replica_recoveries"],
+                    "replica_replacements": self._c["replica_replacements"],
                     "waits_for_replica": self._c["waits_for_replica"],
                     "replicas": [{"dead": r.dead, "inflight": r.inflight, "failures": r.failures,
                                   "last_error": r.last_error} for r in self._replicas]}
@@ -269,12 +288,13 @@ class RetrievalClient:
 
     def health(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
         """Each replica's ``health()``; a replica that does not answer reads {"ok": False, "error": ...}."""
-        refs = [h.health.remote() for h in self.handles]
+        handles = list(self.handles)
+        refs = [h.health.remote() for h in handles]
         out = []
         for i, ref in enumerate(refs):
             try:
                 out.append(ray.get(ref, timeout=timeout_s))
             except Exception as e:  # noqa: BLE001
-                self._mark_dead(i, e)
+                self._mark_dead(i, e, handles[i])
                 out.append({"ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"})
         return out

@@ -106,7 +106,8 @@ def test_training_eval_and_sonar_eval_give_the_same_numbers(setup, tmp_path):
 
     from sonar.cluster.driver import reports
     from sonar.cluster.driver.evaluate import run_eval
-    from sonar.cluster.driver.roles import init_ray, prepare_corpus, start_retrieval, start_worker
+    from sonar.cluster.driver.roles import init_ray, prepare_corpus, start_retrieval
+    from sonar.cluster.driver.rollout_pool import RolloutPool, start_worker
     from sonar.cluster.driver.run import start_run
     from sonar.cluster.wire.config import CONFIG_DIR, load_config
 
@@ -125,7 +126,7 @@ def test_training_eval_and_sonar_eval_give_the_same_numbers(setup, tmp_path):
         run = start_run(cfg)
         handles = start_retrieval(cfg, run, prepare_corpus(cfg, run))
         worker = start_worker(cfg, 0, handles, policy=str(policy))
-        training = reports.evaluate(cfg, SimpleNamespace(workers=[worker], cfg=cfg, active=None), run,
+        training = reports.evaluate(cfg, SimpleNamespace(pool=RolloutPool(cfg, workers=[worker])), run,
                                     split="parity")["search"]
         for h in [worker, *handles]:
             ray.kill(h, no_restart=True)
@@ -319,12 +320,21 @@ def test_eval_cli_user_errors_are_one_line_naming_the_file_exit_2(setup, flashra
     cases = [([str(tmp_path / "bad_hf")] + ["--data", flashrag_layout[0]], str(w)),
              ([str(tmp_path / "nothing")] + ["--data", flashrag_layout[0]], "nothing"),
              ([str(tmp / "hf")] + ["--data", flashrag_layout[0], "--data", flashrag_layout[0]], "given twice")]
-    for args, named in cases:
-        out = subprocess.run([sys.executable, "-m", "sonar", "eval", "--config", "configs/smoke.yaml",
-                              "--out", str(tmp_path / "out"), "--checkpoint", *args, f"run.root={tmp_path}"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 2, out.stderr[-2000:]
-        errors = [l for l in out.stderr.splitlines() if l.startswith("sonar:")]
-        assert len(errors) == 1 and named in errors[0], out.stderr[-2000:]
-        assert "Traceback" not in out.stderr
-        assert not (tmp_path / "out").exists()
+    # The three refusals run side by side (each is mostly the CLI's start-up); none may write anything.
+    procs = [subprocess.Popen([sys.executable, "-m", "sonar", "eval", "--config", "configs/smoke.yaml",
+                               "--out", str(tmp_path / "out"), "--checkpoint", *args, f"run.root={tmp_path}"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args, _ in cases]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, stderr), (_, named) in zip(procs, outs, cases):
+        assert p.returncode == 2, stderr[-2000:]
+        errors = [l for l in stderr.splitlines() if l.startswith("sonar:")]
+        assert len(errors) == 1 and named in errors[0], stderr[-2000:]
+        assert "Traceback" not in stderr
+    assert not (tmp_path / "out").exists()

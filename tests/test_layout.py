@@ -145,3 +145,293 @@ def test_the_wheel_installs_one_namespace(tmp_path):
     assert not any(n.startswith("sonar/tests/") for n in names), "tests must not be installed"
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "sonar = sonar.cluster.driver.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+# ---------------------------------------------------------------------- no import cycle
+
+def import_graph(modules: dict[str, Path] | None = None) -> dict[str, dict[str, int]]:
+    """Production module -> {production module it imports: first line}. Every import counts (function-local
+    ones too), and importing ``a.b.c`` imports its packages ``a.b`` and ``a`` as well (their ``__init__``)."""
+    modules = MODULES if modules is None else modules
+    graph: dict[str, dict[str, int]] = {m: {} for m in modules}
+    for m, p in modules.items():
+        for line, name in imports_of(m, p):
+            parts = name.split(".")
+            for k in range(len(parts), 0, -1):
+                target = ".".join(parts[:k])
+                if target in modules and target != m and not m.startswith(target + "."):
+                    graph[m].setdefault(target, line)
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One cycle (a list of modules, the first repeated at the end) per strongly connected component of
+    more than one module, in a stable order (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    comps: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    comps.append(sorted(comp))
+    cycles = []
+    for comp in sorted(comps):
+        members, start = set(comp), comp[0]
+        # the shortest way back to start through the component (breadth first)
+        prev, frontier, found = {start: None}, [start], None
+        while frontier and found is None:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v]):
+                    if w == start:
+                        found = v
+                        break
+                    if w in members and w not in prev:
+                        prev[w] = v
+                        nxt.append(w)
+                if found is not None:
+                    break
+            frontier = nxt
+        path = [start]
+        v = found
+        while v is not None and v != start:
+            path.insert(1, v)
+            v = prev[v]
+        cycles.append(path + [start])
+    return cycles
+
+
+def test_no_import_cycle_among_production_modules():
+    """Doors open one way inside a room too: no module imports itself back through others."""
+    graph = import_graph()
+    bad = []
+    for c in import_cycles(graph):
+        path = " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(c, c[1:])) + f" -> {c[-1]}"
+        reach = {c[0]}
+        while True:  # the whole tangle: every module on some cycle through c[0]
+            more = {b for a in reach for b in graph[a] if c[0] in _reachable(graph, b)} - reach
+            if not more:
+                break
+            reach |= more
+        bad.append(path + (f"  [tangled with it: {', '.join(sorted(reach - set(c)))}]" if reach - set(c) else ""))
+    assert not bad, "import cycles (a function-local import counts):\n" + "\n".join(bad)
+
+
+def _reachable(graph: dict[str, dict[str, int]], start: str) -> set[str]:
+    seen, todo = {start}, [start]
+    while todo:
+        for b in graph[todo.pop()]:
+            if b not in seen:
+                seen.add(b)
+                todo.append(b)
+    return seen
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_local_import(tmp_path):
+    """The checker itself: x imports y at the top, y imports x inside a function; z only imports x."""
+    (tmp_path / "x.py").write_text("import sonar.y\n")
+    (tmp_path / "y.py").write_text("def f():\n    from sonar.x import thing\n")
+    (tmp_path / "z.py").write_text("from sonar import x\n")
+    mods = {f"sonar.{n}": tmp_path / f"{n}.py" for n in "xyz"}
+    assert import_cycles(import_graph(mods)) == [["sonar.x", "sonar.y", "sonar.x"]]
+    three = {"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1, "b": 2}, "d": {"a": 1}}
+    assert import_cycles(three) == [["a", "b", "c", "a"]]
+    assert import_cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+# ---------------------------------------------------------------------- every worker call through the pool
+
+POOL_MODULE = "sonar.cluster.driver.rollout_pool"
+"""The one module that calls rollout workers (``RolloutPool``); inside it, through ``RolloutPool.call``."""
+
+
+def public_methods(path: Path, cls: str) -> set[str]:
+    tree = ast.parse(path.read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and not f.name.startswith("_")}
+
+
+WORKER_METHODS = public_methods(ROOT / "actors" / "worker.py", "RolloutWorker") | {"__ray_call__", "__ray_ready__"}
+OTHER_ACTOR_METHODS = (public_methods(ROOT / "learner" / "worker.py", "Learner")
+                       | public_methods(ROOT / "cluster" / "wire" / "replay.py", "ReplayQueue")
+                       | public_methods(ROOT / "retrieval" / "server.py", "RetrievalServerImpl"))
+WORKER_ONLY = WORKER_METHODS - OTHER_ACTOR_METHODS - {"__ray_call__", "__ray_ready__"}
+"""Methods only a rollout worker has: a ``.remote`` call of one is a worker call, whatever the handle's name."""
+
+
+def _scopes(tree: ast.AST) -> dict[int, list[ast.AST]]:
+    """id(function or module) -> the nodes whose nearest enclosing function (or the module) it is."""
+    out: dict[int, list[ast.AST]] = {}
+
+    def visit(node: ast.AST, scope: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            out.setdefault(id(scope), []).append(child)
+            visit(child, child if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) else scope)
+
+    visit(tree, tree)
+    return out
+
+
+def _names_bound_from_workers(nodes: list[ast.AST]) -> set[str]:
+    """Names bound by a loop or comprehension over (or an assignment from) an expression that mentions a
+    ``workers`` list: they hold worker handles."""
+    out: set[str] = set()
+    for node in nodes:
+        pairs = []
+        if isinstance(node, (ast.For, ast.comprehension)):
+            pairs.append((node.target, node.iter))
+        elif isinstance(node, ast.Assign):
+            pairs += [(t, node.value) for t in node.targets]
+        for target, source in pairs:
+            if "workers" in ast.unparse(source):
+                out |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return out
+
+
+def _is_worker_handle(expr: ast.AST, tainted: set[str]) -> bool:
+    """An expression that is a rollout worker's handle: an element of a ``workers`` list, a name bound from
+    one, or a name that says so (``w``, ``worker``...)."""
+    if isinstance(expr, ast.Subscript) and "workers" in ast.unparse(expr.value):
+        return True
+    if isinstance(expr, ast.Name):
+        return expr.id in tainted or expr.id == "w" or "worker" in expr.id.lower()
+    return isinstance(expr, ast.Attribute) and expr.attr in ("worker", "_worker")
+
+
+def worker_calls_outside_the_pool(tree: ast.AST) -> list[str]:
+    """Every place a module takes a rollout worker's method (to call it, ``.remote``, or to hand it on):
+    a worker-only method on any handle, or any actor method on a worker handle. One entry per line."""
+    bad: dict[int, str] = {}
+    for nodes in _scopes(tree).values():
+        tainted = _names_bound_from_workers(nodes)
+        for node in nodes:
+            if not isinstance(node, ast.Attribute):
+                continue
+            if node.attr in WORKER_METHODS and _is_worker_handle(node.value, tainted):
+                bad.setdefault(node.lineno, f"line {node.lineno}: {ast.unparse(node)}")
+            elif (node.attr == "remote" and isinstance(node.value, ast.Attribute) and node.value.attr in WORKER_ONLY
+                  and not isinstance(node.value.value, ast.Call)):
+                bad.setdefault(node.lineno, f"line {node.lineno}: {ast.unparse(node)}")
+    return [bad[k] for k in sorted(bad)]
+
+
+TRANSPORT_WORKER_METHODS = {
+    f.name for f in next(n for n in ast.parse((ROOT / "cluster" / "wire" / "transport.py").read_text()).body
+                         if isinstance(n, ast.ClassDef) and n.name == "WeightTransport").body
+    if isinstance(f, ast.FunctionDef) and len(f.args.args) > 1 and f.args.args[1].arg == "worker"}
+"""The transport's methods that address a worker (their first argument is its handle)."""
+CANDIDATE_PROBE = {"add_candidate"}
+"""RolloutPool methods allowed to call a worker outside ``call``: the readiness probe of a worker that is
+not a member yet (a failed candidate is dropped, not restarted)."""
+
+
+def worker_calls_around_the_pools_call(tree: ast.AST) -> list[str]:
+    """Inside ``RolloutPool``: every ``.remote`` call on anything but the learner or the replay, and every
+    transport call that addresses a worker, must sit in a lambda handed to ``self.call`` (the one fault
+    path), or in the candidate probe."""
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "RolloutPool")
+    inside: set[int] = set()  # ids of nodes within a lambda passed to self.call
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "self.call":
+            for arg in [*node.args, *(k.value for k in node.keywords)]:
+                if isinstance(arg, ast.Lambda):
+                    inside |= {id(n) for n in ast.walk(arg)}
+    bad = []
+    for method in cls.body:
+        if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) or method.name in CANDIDATE_PROBE:
+            continue
+        for node in ast.walk(method):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute) or id(node) in inside:
+                continue
+            f = node.func
+            if f.attr == "remote":
+                if ast.unparse(f.value) == "ray":
+                    continue  # ray.remote(cls): the decorator
+                target = f.value.value if isinstance(f.value, ast.Attribute) else f.value
+                if isinstance(target, ast.Call) or ast.unparse(target) in ("self.learner", "self.replay"):
+                    continue  # an actor's creation, or a call of the learner or the replay
+                bad.append((node.lineno, f"line {node.lineno}: {ast.unparse(node)}"))
+            elif f.attr in TRANSPORT_WORKER_METHODS and ast.unparse(f.value) in ("t", "self.transport"):
+                bad.append((node.lineno, f"line {node.lineno}: {ast.unparse(node)}"))
+    return [b for _, b in sorted(bad)]
+
+
+def test_every_worker_call_goes_through_the_pool():
+    """``cluster/driver``: no module but the pool's takes a rollout worker's method, and inside the pool
+    every worker call is made by ``RolloutPool.call`` (its fault path: restart, or a failure naming the
+    worker)."""
+    assert "ready" in WORKER_ONLY and "receive_weights" in WORKER_ONLY and "health" not in WORKER_ONLY
+    assert TRANSPORT_WORKER_METHODS == {"ranks", "join", "receive"}
+    found = {}
+    for module, path in MODULES.items():
+        if module.startswith("sonar.cluster.driver.") and module != POOL_MODULE:
+            bad = worker_calls_outside_the_pool(ast.parse(path.read_text()))
+            if bad:
+                found[module] = bad
+    assert not found, "rollout worker calls outside the pool (use RolloutPool's methods):\n" + "\n".join(
+        f"{m}: {b}" for m, bs in found.items() for b in bs)
+    bad = worker_calls_around_the_pools_call(ast.parse(MODULES[POOL_MODULE].read_text()))
+    assert not bad, "worker calls in RolloutPool that bypass RolloutPool.call:\n" + "\n".join(bad)
+
+
+def test_the_worker_call_rules_catch_a_bypass():
+    """The checkers themselves, on the calls that bypassed ``call_workers`` before the pool (b405bc9)."""
+    old = ast.parse(
+        "def connect_broadcast(cfg, roles):\n"
+        "    ranks = ray.get([w.broadcast_ranks.remote() for w in roles.workers])\n"          # 2
+        "    refs = [roles.learner.setup_broadcast.remote(addr, port, n, backend, prefix)]\n"  # 3: the learner's
+        "    refs += [h.setup_broadcast.remote(addr, b) for h, b in zip(roles.workers, bases)]\n"  # 4
+        "def check_workers(cfg, roles):\n"
+        "    refs = [x.health.remote() for x in roles.workers]\n"                              # 6
+        "    ray.get(roles.workers[i].ready.remote(), timeout=9)\n"                            # 7
+        "    kill(roles.workers[i].ready)\n"                                                   # 8: handed on
+        "    ray.get([h.health.remote() for h in roles.retrieval])\n"                          # 9: replicas'
+        "    ray.get(roles.learner.checksum.remote())\n"                                       # 10: learner's
+        "    node = ray.get(roles.workers[0].__ray_call__.remote(f))\n"                        # 11
+        "    ray.get(handle.receive_weights.remote(v))\n")                                     # 12: worker-only
+    lines = [int(b.split(":")[0].split()[1]) for b in worker_calls_outside_the_pool(old)]
+    assert lines == [2, 4, 6, 7, 8, 11, 12]
+    pool = ast.parse(
+        "class RolloutPool:\n"
+        "    def ok(self, t):\n"
+        "        self.call('ready', lambda w, i: w.ready.remote())\n"
+        "        self.call('join', lambda w, i: t.join(w, ep, 1))\n"
+        "        ray.get(self.learner.ping.remote())\n"
+        "        ray.remote(Worker).options(num_cpus=1).remote(0)\n"
+        "    def bad(self, t):\n"
+        "        ray.get(self.workers[0].ready.remote())\n"                                    # 8
+        "        t.receive(self.workers[0], 3)\n"                                              # 9
+        "        self.call('x', fn)\n"
+        "        refs = [w.stop.remote() for w in self.workers]\n")                            # 11
+    assert [int(b.split(":")[0].split()[1]) for b in worker_calls_around_the_pools_call(pool)] == [8, 9, 11]

@@ -1,15 +1,20 @@
 """``sonar chaos``: train while processes die, then account for every prompt.
 
-    sonar chaos --config C --minutes N [--kill-every K] [--seed S] [--compare] [key=value ...]
+    sonar chaos --config C --steps N [--kill-every K] [--replica-at R] [--learner-at L] [--minutes M]
+                [--seed S] [--compare] [key=value ...]
 
 The run is the driver's own (``loop.train``); ``Chaos`` is its ``Hooks.on_step``, so every fault lands
-between two learner steps of an RL stage while the rollout loops run. Over the N minutes of RL (the
-clock starts at the first RL step; SFT before it is not counted) it SIGKILLs a random rollout
-worker's process every K seconds, kills the retrieval replica's process once (a quarter of the way
-in: the search service is down until Ray restarts it, and searches wait), and kills the learner's
-process once (half-way, once a checkpoint of this run exists: ``cluster.auto_resume`` resumes from
-it). At N minutes it ends training; the run then finishes as usual (final push, checksums, evaluation,
-export).
+between two learner steps of an RL stage while the rollout loops run. The schedule is in **RL learner
+steps**, read from the learner version the step just logged (counted from the first RL step; SFT before
+it is not counted), not in seconds: a loaded machine runs it more slowly, never differently. Over N RL
+learner steps it SIGKILLs a random rollout worker's process every K steps (K, 2K, ... below N), kills the
+retrieval replica's process once at step R (default N/4: the search service is down until Ray restarts
+it, and searches wait) and the learner's process once at step L (default N/2, or the first step after
+it once a checkpoint of this run exists: ``cluster.auto_resume`` resumes from it). A resumed learner
+continues from its checkpoint's version, so the steps it trains again count again, and a fault already
+done is not done twice. At step N it ends training; the run then finishes as usual (final push,
+checksums, evaluation, export). ``--minutes`` optionally bounds the RL wall time as well (training ends
+at whichever comes first; the report says which).
 
 The accounting is computed from the run's own records: ``trained_prompts.jsonl`` (every learner step's
 trained and stale-dropped prompts, rolled back to the checkpoint on a resume) and the replay's
@@ -21,8 +26,8 @@ counters in ``summary.json``:
   recorded (``consumed_groups`` minus trained prompts);
 - trained twice: prompts recorded more often than the epochs the cursor walked allow.
 
-``--compare`` then runs the same config and seed without faults for as many RL steps and prints the
-two reward curves side by side.
+``--compare`` then runs the same config and seed without faults for as many RL learner steps and prints
+the two reward curves side by side.
 """
 from __future__ import annotations
 
@@ -45,52 +50,102 @@ from sonar.cluster.wire.config import Config
 log = logging.getLogger("sonar")
 
 UNBOUNDED_STEPS = 1_000_000
-"""RL stages run this many steps in a chaos run: the clock (``--minutes``) ends them."""
+"""RL stages run this many steps in a chaos run: the schedule (``--steps``) ends them."""
+
+KINDS = ("rollout worker", "retrieval replica", "learner")
+"""What a chaos run kills; ``Chaos.events``' ``killed`` starts with one of these."""
 
 
 class Chaos:
-    """The fault schedule, as a driver ``on_step`` hook (see the module docstring). ``clock`` is
-    injectable for tests; ``events`` records every fault (elapsed seconds, what, pid)."""
+    """The fault schedule, as a driver ``on_step`` hook (see the module docstring). ``steps``: RL learner
+    steps under faults (N); ``kill_every``: RL steps between two worker kills (0: none); ``replica_at`` /
+    ``learner_at``: the RL step of the replica's and the learner's kill (None: N/4 and N/2; 0: never);
+    ``minutes``: an optional wall-clock bound on the RL phase. ``clock`` is injectable for tests;
+    ``events`` records every fault (RL step, learner version, elapsed seconds, what, pid)."""
 
-    def __init__(self, minutes: float, kill_every_s: float, seed: int = 0, kill_replica: bool = True,
-                 kill_learner: bool = True, clock=time.monotonic):
-        self.duration_s = minutes * 60.0
-        self.kill_every_s = kill_every_s
+    def __init__(self, steps: int, kill_every: int, seed: int = 0, replica_at: int | None = None,
+                 learner_at: int | None = None, minutes: float | None = None, clock=time.monotonic):
+        if steps < 1 or kill_every < 0:
+            raise ValueError(f"chaos: steps={steps} must be >= 1 and kill_every={kill_every} >= 0")
+        self.total = steps
+        self.kill_every = kill_every
+        self.replica_at = max(1, steps // 4) if replica_at is None else replica_at
+        self.learner_at = max(1, steps // 2) if learner_at is None else learner_at
+        self.duration_s = None if minutes is None else minutes * 60.0
         self.rng = random.Random(seed)
-        self.kill_replica, self.kill_learner = kill_replica, kill_learner
         self.clock = clock
         self.t0: float | None = None
-        self.last_kill = 0.0
+        self.base: int | None = None
+        """The learner version before the first RL step: RL step = version - base."""
+        self.done: set = set()
+        """Faults already done, as (kind, RL step): a step trained again after a resume repeats none."""
         self.events: list[dict] = []
-        self.steps = 0
+        self.calls = 0
+        """``on_step`` calls (RL steps logged, the ones a resumed learner trained again included)."""
+        self.reached = 0
+        """The highest RL step reached."""
+        self.ended_by: str | None = None
+        """"steps" or "minutes": what ended training (None: the run ended otherwise)."""
+
+    @property
+    def schedule(self) -> dict:
+        """The planned faults: {kind: [RL steps]} (the learner's waits for a checkpoint)."""
+        workers = list(range(self.kill_every, self.total, self.kill_every)) if self.kill_every else []
+        return {"rollout worker": workers,
+                "retrieval replica": [self.replica_at] if 0 < self.replica_at < self.total else [],
+                "learner": [self.learner_at] if 0 < self.learner_at < self.total else []}
 
     def __call__(self, roles, run, stage_index: int, steps: int) -> bool:
         now = self.clock()
         if self.t0 is None:
-            self.t0 = self.last_kill = now
-        self.steps += 1
+            self.t0 = now
+        self.calls += 1
+        # The row the loop logged for this step holds the learner version it reached.
+        version = next((int(r[K.LEARNER_VERSION]) for r in reversed(run.history) if K.LEARNER_VERSION in r), None)
+        if version is None:  # no learner row (a harness's own loop): count the calls
+            version = (self.base or 0) + self.calls
+        if self.base is None:
+            self.base = version - 1
+        step = version - self.base
+        self.reached = max(self.reached, step)
         elapsed = now - self.t0
-        if elapsed >= self.duration_s:
+        if step >= self.total:
+            self.ended_by = "steps"
             return True
-        if self.kill_every_s > 0 and now - self.last_kill >= self.kill_every_s:
-            i = self.rng.randrange(len(roles.workers))
-            self._kill(f"rollout worker {i}", roles.workers[i].ready, elapsed)
-            self.last_kill = now
-        if self.kill_replica and elapsed >= self.duration_s / 4:
-            self.kill_replica = False
-            self._kill("retrieval replica 0", roles.retrieval[0].health, elapsed)
-        if self.kill_learner and elapsed >= self.duration_s / 2 and (run.dir / "checkpoints" / "latest").exists():
-            self.kill_learner = False
-            self._kill("learner", roles.learner.ping, elapsed)
+        if self.duration_s is not None and elapsed >= self.duration_s:
+            self.ended_by = "minutes"
+            return True
+        plan = self.schedule
+        for at in plan["rollout worker"]:
+            if at <= step and ("rollout worker", at) not in self.done:
+                self.done.add(("rollout worker", at))
+                i = self.rng.randrange(len(roles.workers))
+                self._kill(f"rollout worker {i}", roles.pool.pid(i), step, version, elapsed)  # asked through the pool
+        for at in plan["retrieval replica"]:
+            if at <= step and ("retrieval replica", at) not in self.done:
+                self.done.add(("retrieval replica", at))
+                self._kill("retrieval replica 0", roles.retrieval[0].health, step, version, elapsed)
+        for at in plan["learner"]:
+            if (at <= step and ("learner", at) not in self.done
+                    and (run.dir / "checkpoints" / "latest").exists()):
+                self.done.add(("learner", at))
+                self._kill("learner", roles.learner.ping, step, version, elapsed)
         return False
 
-    def _kill(self, what: str, info_method, elapsed: float) -> None:
+    def _kill(self, what: str, info_method, step: int, version: int, elapsed: float) -> None:
+        """``info_method``: a handle's method answering {"pid": ...}, or the pid itself."""
         import ray
 
-        pid = int(ray.get(info_method.remote(), timeout=60)["pid"])
+        pid = info_method if isinstance(info_method, int) else int(ray.get(info_method.remote(), timeout=60)["pid"])
         os.kill(pid, signal.SIGKILL)
-        self.events.append({"t_s": round(elapsed, 1), "killed": what, "pid": pid})
-        log.warning("chaos: SIGKILL %s (pid %d) at %.0f s", what, pid, elapsed)
+        self.events.append({"rl_step": step, "version": version, "t_s": round(elapsed, 1), "killed": what,
+                            "pid": pid})
+        log.warning("chaos: SIGKILL %s (pid %d) at RL step %d (learner version %d, %.0f s)", what, pid, step,
+                    version, elapsed)
+
+    def kills(self) -> dict:
+        """{kind: how many times it was killed} (every kind of ``KINDS``, 0 included)."""
+        return {k: sum(e["killed"].startswith(k) for e in self.events) for k in KINDS}
 
 
 class StopAfter:
@@ -104,19 +159,20 @@ class StopAfter:
         return self.seen >= self.steps
 
 
-def chaos_config(cfg: Config, minutes: float | None = None, kill_every_s: float | None = None) -> Config:
-    """RL stages unbounded (the clock ends them); a checkpoint every 5 RL steps unless the config has
-    its own (the learner resumes from it). Given the schedule, the restart budgets cover it: every
-    scheduled worker kill may hit the same worker (``cluster.max_worker_restarts`` at least the number of
-    kills + 1), and the learner's one kill needs ``cluster.auto_resume`` >= 1. A budget the schedule
-    exhausts would end the run by design, which is not what a chaos run measures."""
+def chaos_config(cfg: Config, chaos: Chaos | None = None) -> Config:
+    """RL stages unbounded (the schedule ends them); a checkpoint every 5 RL steps unless the config has
+    its own (the learner resumes from it). Given the schedule ``chaos``, the restart budgets cover it:
+    every scheduled worker kill may hit the same worker (``cluster.max_worker_restarts`` at least the
+    number of kills + 1), and a scheduled learner kill needs ``cluster.auto_resume`` >= 1. A budget the
+    schedule exhausts would end the run by design, which is not what a chaos run measures."""
     stages = [dataclasses.replace(s, steps=UNBOUNDED_STEPS) if s.kind == "rl" else s for s in cfg.stages]
     run = cfg.run if cfg.run.checkpoint_every else dataclasses.replace(cfg.run, checkpoint_every=5)
     cluster = cfg.cluster
-    if minutes is not None and kill_every_s:
-        kills = int(math.ceil(minutes * 60.0 / kill_every_s))
-        cluster = dataclasses.replace(cluster, max_worker_restarts=max(cluster.max_worker_restarts, kills + 1),
-                                      auto_resume=max(cluster.auto_resume, 1))
+    if chaos is not None:
+        plan = chaos.schedule
+        cluster = dataclasses.replace(
+            cluster, max_worker_restarts=max(cluster.max_worker_restarts, len(plan["rollout worker"]) + 1),
+            auto_resume=max(cluster.auto_resume, len(plan["learner"])))
     return dataclasses.replace(cfg, stages=stages, run=run, cluster=cluster)
 
 
@@ -170,38 +226,40 @@ def format_curves(chaos: dict[int, float], clean: dict[int, float] | None, rows:
     return "\n".join(lines)
 
 
-def run_chaos(cfg: Config, minutes: float, kill_every_s: float, seed: int = 0, compare: bool = False,
-              kill_replica: bool = True, kill_learner: bool = True) -> dict:
+def run_chaos(cfg: Config, steps: int, kill_every: int, seed: int = 0, compare: bool = False,
+              replica_at: int | None = None, learner_at: int | None = None, minutes: float | None = None) -> dict:
     """One chaos run (and with ``compare`` a clean one of the same seed); returns the report, also
     written to ``<run>/chaos.json`` and printed."""
     from sonar.cluster.driver.loop import train
     from sonar.cluster.driver.roles import Hooks
     from sonar.cluster.driver.run import world_of
 
-    cfg = chaos_config(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=seed)), minutes, kill_every_s)
-    chaos = Chaos(minutes, kill_every_s, seed, kill_replica=kill_replica, kill_learner=kill_learner)
+    chaos = Chaos(steps, kill_every, seed, replica_at=replica_at, learner_at=learner_at, minutes=minutes)
+    cfg = chaos_config(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=seed)), chaos)
     t0 = time.monotonic()
     summary = train(cfg, Hooks(on_step=chaos))
     run_dir = Path(summary["run_dir"])
     rl_stage = next(s for s in cfg.stages if s.kind == "rl")
     num_prompts = (len(read_jsonl(run_dir / f"prompts-stage{cfg.stages.index(rl_stage)}.jsonl"))
                    or len(world_of(cfg).train))
-    report = {"run_dir": str(run_dir), "wall_s": round(time.monotonic() - t0, 1), "events": chaos.events,
-              "faults": summary.get("faults", {}), "rl_steps": chaos.steps,
+    report = {"run_dir": str(run_dir), "wall_s": round(time.monotonic() - t0, 1), "schedule": chaos.schedule,
+              "events": chaos.events, "kills": chaos.kills(), "faults": summary.get("faults", {}),
+              "rl_steps": chaos.reached, "rl_steps_logged": chaos.calls, "ended_by": chaos.ended_by,
               "accounting": accounting(run_dir, summary["replay"], num_prompts)}
     curves = {"chaos": reward_curve(run_dir)}
     if compare:
         clean_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=None, name=cfg.run.name + "-clean"))
-        clean = train(clean_cfg, Hooks(on_step=StopAfter(max(1, chaos.steps))))
+        clean = train(clean_cfg, Hooks(on_step=StopAfter(max(1, chaos.reached))))
         curves["clean"] = reward_curve(Path(clean["run_dir"]))
         report["clean_run_dir"] = clean["run_dir"]
     report["reward_curve"] = {k: {str(s): v for s, v in c.items()} for k, c in curves.items()}
     (run_dir / "chaos.json").write_text(json.dumps(report, indent=2))
     a = report["accounting"]
-    print(f"\nchaos run: {report['rl_steps']} RL steps in {minutes:g} min, faults {report['faults']}, "
-          f"events {len(chaos.events)}", flush=True)
+    print(f"\nchaos run: {report['rl_steps']} of {steps} RL steps ({chaos.calls} logged, ended by "
+          f"{chaos.ended_by or 'the run'}) in {report['wall_s']:.0f} s, kills {report['kills']}, "
+          f"faults {report['faults']}", flush=True)
     for e in chaos.events:
-        print(f"  {e['t_s']:>7.1f} s  SIGKILL {e['killed']} (pid {e['pid']})")
+        print(f"  RL step {e['rl_step']:>5} (v{e['version']}, {e['t_s']:>7.1f} s)  SIGKILL {e['killed']} (pid {e['pid']})")
     print("  " + "  ".join(f"{k} {a[k]}" for k in ("produced", "trained", "dropped_stale", "requeued",
                                                   "requeued_prompts", "requeued_infra", "lost", "trained_twice",
                                                   "balanced")))
@@ -214,21 +272,31 @@ def main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="sonar chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", action="append", help="YAML override file(s), merged in order")
-    p.add_argument("--minutes", type=float, required=True, help="minutes of RL under faults")
-    p.add_argument("--kill-every", type=float, default=30.0, help="seconds between two rollout-worker kills")
+    p.add_argument("--steps", type=int, required=True, help="RL learner steps under faults (the schedule's length)")
+    p.add_argument("--kill-every", type=int, default=30, help="RL learner steps between two rollout-worker kills (0: none)")
+    p.add_argument("--replica-at", type=int, default=None, help="RL step of the retrieval replica's kill (default steps/4; 0: none)")
+    p.add_argument("--learner-at", type=int, default=None,
+                   help="RL step of the learner's kill, once a checkpoint exists (default steps/2; 0: none)")
+    p.add_argument("--minutes", type=float, default=None, help="also end training after this many minutes of RL")
     p.add_argument("--seed", type=int, default=0, help="run.seed, and the choice of the worker killed")
     p.add_argument("--compare", action="store_true", help="also run a clean run of the same seed and steps")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     args = p.parse_args(argv)
-    if not args.minutes > 0 or args.kill_every < 0:
-        print(f"sonar chaos: --minutes={args.minutes} must be > 0 and --kill-every={args.kill_every} >= 0",
-              file=sys.stderr)
+    bad = [f"--{n}={v}" for n, v, ok in (("steps", args.steps, args.steps >= 1),
+                                        ("kill-every", args.kill_every, args.kill_every >= 0),
+                                        ("replica-at", args.replica_at, args.replica_at is None or args.replica_at >= 0),
+                                        ("learner-at", args.learner_at, args.learner_at is None or args.learner_at >= 0),
+                                        ("minutes", args.minutes, args.minutes is None or args.minutes > 0)) if not ok]
+    if bad:
+        print(f"sonar chaos: {', '.join(bad)}: --steps must be >= 1, --kill-every, --replica-at and --learner-at "
+              f">= 0, --minutes > 0", file=sys.stderr)
         return 2
     try:
         cfg = load_config(args.config or [DEFAULT_CONFIG], args.overrides)
     except (ConfigError, ValueError) as e:
         print(f"sonar: config error: {e}", file=sys.stderr)
         return 2
-    report = run_chaos(cfg, args.minutes, args.kill_every, args.seed, args.compare)
+    report = run_chaos(cfg, args.steps, args.kill_every, args.seed, args.compare, replica_at=args.replica_at,
+                       learner_at=args.learner_at, minutes=args.minutes)
     a = report["accounting"]
     return 0 if a["lost"] == 0 and a["trained_twice"] == 0 and a["balanced"] else 1

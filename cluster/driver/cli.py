@@ -97,9 +97,15 @@ def config_command(args) -> int:
 
 
 def _sigterm_as_interrupt() -> None:
-    """`ray job stop` and schedulers send SIGTERM: treat it like Ctrl-C (MLflow run KILLED, Ray shut down)."""
+    """`ray job stop` and schedulers send SIGTERM: treat it like Ctrl-C (MLflow run KILLED, actors killed,
+    Ray shut down). The interrupt carries when the signal came (``signal_at``, monotonic seconds): the
+    driver logs how long marking the run KILLED took, which must fit in Ray's stop wait (3 s by default)."""
+    import time
+
     def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+        e = KeyboardInterrupt(f"signal {signum}")
+        e.signal_at = time.monotonic()
+        raise e
 
     signal.signal(signal.SIGTERM, handler)
 

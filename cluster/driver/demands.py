@@ -30,6 +30,12 @@ class Demands:
         return (list(self.learner_group[1]) if self.learner_group else []) + list(self.actors)
 
 
+def role_resources(cfg: Config, role: str) -> dict | None:
+    """The extra Ray resources ``cluster.role_resources`` gives ``role`` (None: none), e.g. a custom
+    resource only one node type declares, so the role lands there."""
+    return dict(cfg.cluster.role_resources.get(role, {})) or None
+
+
 def role_demands(cfg: Config, workers: int | None = None) -> Demands:
     """The bundles of the roles with ``workers`` rollout workers (None: ``rollout.max_workers``, the
     largest pool the run can grow to)."""

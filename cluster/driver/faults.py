@@ -1,6 +1,6 @@
 """A learner that dies: the run's roles restarted from its last complete checkpoint (``cluster.auto_resume``).
 
-Rollout workers and retrieval replicas are restarted in place (``roles.call_workers``,
+Rollout workers and retrieval replicas are restarted in place (``rollout_pool.RolloutPool.call``,
 ``roles.check_retrieval``, Ray's ``max_restarts``); the learner holds the optimizer state and the
 policy version, so its death ends that set of roles. ``train`` (``loop.py``) then asks
 ``learner_died``; if so, ``auto_resume_config`` kills what is left, rolls this run's records back to
@@ -47,6 +47,8 @@ def auto_resume_config(cfg: Config, roles: Roles, run: Run) -> Config:
     faults["learner_resumes"] = faults.get("learner_resumes", 0) + 1
     restarts = faults.setdefault("worker_restarts", 0)
     faults["worker_restarts"] = restarts + sum(roles.restarts.values())
+    replaced = sum(getattr(roles, "replica_replacements", {}).values())
+    faults["replica_replacements"] = faults.get("replica_replacements", 0) + replaced
     kill_roles(roles)
     try:
         path: str | None = resolve_checkpoint(str(run.dir), cfg.run.root)

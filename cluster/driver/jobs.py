@@ -4,10 +4,14 @@
   ``RAY_JOB_CONFIG_JSON_ENV_VAR``) with the one ``ray.init`` is given and refuses the same env-var key in
   both. Sonar's defaults (one thread per process, loopback, offline hub) are therefore passed only for
   the keys the job leaves unset: the user's values win, nothing conflicts.
-* **SIGTERM.** ``ray job stop`` sends SIGTERM (then SIGKILL after ``RAY_JOB_STOP_WAIT_TIME_S``, 3 s by
-  default). ``ray.init`` installs its own SIGTERM handler (``sys.exit``), which the driver would report as
-  FAILED; ``keep_sigterm_handler`` puts the handler that was there before back, so Sonar's CLI handler
-  (``KeyboardInterrupt``: MLflow run KILLED, roles stopped) still answers it.
+* **SIGTERM.** ``ray job stop`` sends SIGTERM to the driver's process tree, then SIGKILL once
+  ``RAY_JOB_STOP_WAIT_TIME_S`` (3 s by default, read by the head's job supervisor) have passed
+  (``ray/dashboard/modules/job/job_supervisor.py``). ``ray.init`` installs its own SIGTERM handler
+  (``sys.exit``), which the driver would report as FAILED; ``keep_sigterm_handler`` puts the handler that
+  was there before back, so Sonar's CLI handler (``KeyboardInterrupt``) still answers it. ``loop.train``
+  then works to fit the default wait: the KILLED status first (one write, before the queued metrics are
+  flushed: ``MLflowSink.finish``), then every actor killed outright (``roles.kill_roles``, no waits on
+  their loops). The actors would die with the driver anyway, being the job's.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The driver loop: config -> Ray -> roles -> stages -> evaluation -> export.
 
-``train(cfg)`` fits on one screen; every step it calls is named in ``roles``, ``reports`` or below.
+``train(cfg)`` fits on one screen; every step it calls is named in ``roles``, ``rollout_pool``
+(``roles.pool``: the rollout workers), ``reports`` or below.
 """
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ import time
 from sonar.cluster.driver.critical_path import StepClock
 from sonar.cluster.driver.data import stage_questions, write_stage_prompts
 from sonar.cluster.driver.reports import (Throughput, evaluate, print_summary, record_prompts, replay_metrics,
-                                         retrieval_metrics)
-from sonar.cluster.driver.roles import (Hooks, Roles, call_workers, check_retrieval, check_workers, export_model,
-                                       maybe_checkpoint, maybe_resume, prepare_demonstrations, push_weights,
-                                       save_checkpoint, start_roles, stop_roles, stop_rollouts, verify_weights)
+                                         retrieval_metrics, step_log_line)
+from sonar.cluster.driver.roles import (Hooks, Roles, check_retrieval, export_model, kill_roles, maybe_checkpoint,
+                                       maybe_resume, prepare_demonstrations, save_checkpoint, start_roles, stop_roles)
 from sonar.cluster.driver.faults import auto_resume_config, learner_died
 from sonar.cluster.driver.pool import Pool
 from sonar.cluster.driver.run import Run, start_run
@@ -25,7 +25,7 @@ log = logging.getLogger("sonar")
 def train(cfg: Config, hooks: Hooks | None = None) -> dict:
     """``hooks``: extension points for code outside production (``roles.Hooks``); None for a real run."""
     run = start_run(cfg)
-    roles = None
+    roles, interrupted = None, False
     try:
         attempt_cfg, owns = cfg, False
         while True:
@@ -39,14 +39,35 @@ def train(cfg: Config, hooks: Hooks | None = None) -> dict:
                 if not learner_died(cfg, roles, run, e):
                     raise
                 attempt_cfg, roles = auto_resume_config(cfg, roles, run), None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        # Ctrl-C, or SIGTERM (`ray job stop`: Ray SIGKILLs the driver RAY_JOB_STOP_WAIT_TIME_S later, 3 s
+        # by default). The status is written first (KILLED, one write, then the queued metrics: the sink's
+        # finish), then the actors are killed outright, not stopped politely (no waits on their loops).
         run.finish("KILLED")
+        interrupted = True
+        since = getattr(e, "signal_at", None)  # set by the CLI's SIGTERM handler
+        log.warning("interrupted (%s): MLflow run marked KILLED, its metrics flushed%s; killing the actors",
+                    str(e) or "Ctrl-C", f" {time.monotonic() - since:.2f} s after the signal" if since is not None else "")
         raise
     except BaseException:
         run.finish("FAILED")
         raise
     finally:
-        stop_roles(roles)
+        if interrupted:
+            _kill_at_once(roles)
+        else:
+            stop_roles(roles)
+
+
+def _kill_at_once(roles: Roles | None) -> None:
+    """An interrupted run's teardown: every actor killed (``kill_roles``, no waits for their loops to
+    stop), then Ray shut down when this driver started it (as ``stop_roles``)."""
+    import ray
+
+    if roles is not None and ray.is_initialized():
+        kill_roles(roles)
+    if ray.is_initialized() and (roles is None or roles.owns_ray):
+        ray.shutdown()
 
 
 def _train_roles(cfg: Config, roles: Roles, run: Run) -> dict:
@@ -62,7 +83,7 @@ def _train_roles(cfg: Config, roles: Roles, run: Run) -> dict:
         else:
             run_rl_stage(cfg, roles, run, index, stage, first)
         save_checkpoint(roles, run, index + 1, 0, tag=f"stage{index}")  # waits: a resume starts here
-    run.results["weights"] = verify_weights(roles)  # waits for every checksum: all must hold the same weights
+    run.results["weights"] = roles.pool.verify_weights()  # waits for every checksum: all must hold the same weights
     run.results["final"] = evaluate(cfg, roles, run, split="after")  # waits for every worker's shard
     export_model(cfg, roles, run)  # waits for the learner's HF export
     summary = print_summary(cfg, roles, run)
@@ -89,7 +110,7 @@ def run_sft_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageC
             log.info("sft step %d/%d loss %.3f (%.0f tok/s)", step + 1, stage.steps, m[K.LEARNER_LOSS],
                      m[K.LEARNER_TOKENS_PER_S])
         maybe_checkpoint(cfg, roles, run, index, step + 1)  # waits for the learner's save when one is due
-    run.log(push_weights(roles))  # waits until the workers hold the SFT weights: the next stage samples them
+    run.log(roles.pool.push())  # waits until the workers hold the SFT weights: the next stage samples them
 
 
 def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageConfig, start_step: int = 0) -> None:
@@ -99,7 +120,7 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
 
     # Wait: the learner must hold this stage's objective and optimizer settings before it trains a group.
     ray.get(roles.learner.begin_stage.remote(index, stage, start_step))
-    push_weights(roles)  # waits for every worker to hold the learner's weights: the stage starts on-policy
+    roles.pool.push()  # waits for every worker to hold the learner's weights: the stage starts on-policy
     if cfg.eval.before and start_step == 0 and "before" not in run.results:  # before the first RL stage
         run.results["before"] = evaluate(cfg, roles, run, split="before")  # waits for every worker's shard
     # This stage's questions (stages.N.data, else the world's): listed in the run directory, and the
@@ -110,18 +131,19 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
     ray.get(roles.replay.set_num_prompts.remote(len(questions)))
     ray.get(roles.replay.reopen.remote())  # wait: the previous stage closed the replay; workers put next
     sync = cfg.cluster.mode == "sync"
-    roles.active = (index, stage)  # a worker restarted from here on starts its rollout loop too
-    if not sync:  # wait only until each loop has started; they run until stop_rollouts
-        call_workers(roles, lambda w, i: w.start.remote(roles.replay, index, stage), "start")
+    # A worker restarted from here on starts its rollout loop too. Async: wait only until each loop has
+    # started; they run until end_stage.
+    roles.pool.begin_stage(index, stage)
     steps, t_stage, throughput = start_step, time.monotonic(), Throughput()
     pool = Pool(cfg, len(roles.workers))  # resizes an elastic rollout pool at step boundaries (pool.py)
     clock = StepClock()  # the step's wall time split along the critical path (critical_path.py)
     while steps < stage.steps:
         if sync:
             with clock.phase("generate_sync"):
-                generate_in_lockstep(cfg, roles, index, stage, steps)  # waits for the batch: that is the lockstep
+                # Sync mode: waits for the batch, one learner step's groups with the current weights (the lockstep).
+                roles.pool.generate(index, stage, cfg.learner.groups_per_step, steps)
         with clock.phase("health"):
-            worker_metrics = check_workers(cfg, roles, index, stage)  # waits for health: a dead worker surfaces here
+            worker_metrics = roles.pool.health()  # waits for health: a dead worker surfaces here
             worker_metrics.update(check_retrieval(cfg, roles))  # waits for every replica's ping (or the deadline)
         # Wait for one learner step. The learner waits at most 10 s for groups, so a stalled rollout
         # side comes back as `waiting` and meets the health check above instead of hanging here.
@@ -130,48 +152,32 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
         clock.parts["waiting_calls" if res.waiting else "learner_call"] += time.monotonic() - t_call
         record_prompts(run, res)
         if res.waiting:
-            pool.step(roles, res.metrics.get(K.LEARNER_WAIT_S, 0.0), 0)  # a starved learner grows it
+            pool.step(roles.pool, res.metrics.get(K.LEARNER_WAIT_S, 0.0), 0)  # a starved learner grows it
             continue
         steps += 1
         run.step += 1
         m = dict(res.metrics)
         if steps % cfg.learner.broadcast_every == 0:  # waits for the collective: bounds the policy lag
             with clock.phase("push"):
-                m.update(push_weights(roles))
+                m.update(roles.pool.push())
         with clock.phase("log"):
             m.update(worker_metrics)
             m.update(replay_metrics(roles))  # waits for the replay's counters (one small actor call)
-            m.update(pool.step(roles, res.metrics.get(K.LEARNER_WAIT_S, 0.0), int(m[K.REPLAY_DEPTH])))  # may resize
+            m.update(pool.step(roles.pool, res.metrics.get(K.LEARNER_WAIT_S, 0.0), int(m[K.REPLAY_DEPTH])))  # may resize
             m.update(throughput.tick(m))
             if steps % 10 == 0 or steps == stage.steps:
                 m.update(retrieval_metrics(roles))  # waits for every retrieval replica's stats
         m.update(clock.finish(m))  # this step's split; run.log and the checkpoint go to the next step's log_s
         run.log({**m, "stage": index})
         if steps % 5 == 0 or steps == stage.steps:
-            log.info("rl step %d/%d reward %.3f lag max %s searches/traj %.2f dropped %s", steps, stage.steps,
-                     m.get(K.LEARNER_REWARD_MEAN, float("nan")), m.get(K.LEARNER_POLICY_LAG_MAX),
-                     m.get(K.ROLLOUT_SEARCH_CALLS_MEAN, float("nan")), m.get(K.REPLAY_DROPPED_STALE))
+            log.info("%s", step_log_line(steps, stage.steps, m))  # no nan: a step without rollouts says so
         with clock.phase("log"):
             maybe_checkpoint(cfg, roles, run, index, steps)  # waits for the learner's save when one is due
         if roles.hooks.on_step is not None and roles.hooks.on_step(roles, run, index, steps):
             run.results["stopped_early"] = {"stage": index, "steps": steps}
             break
-    pool.close()
+    pool.close(roles.pool)
     run.results.setdefault("pool", {})[index] = pool.history  # (seconds, workers) at start and each resize
-    stop_rollouts(roles)  # waits until every loop has ended and the replay is drained: the stage is over
+    roles.pool.end_stage()  # waits until every loop has ended and the replay is drained: the stage is over
     run.results.setdefault("rl", {})[index] = {"steps": steps, "seconds": time.monotonic() - t_stage}
-
-
-def generate_in_lockstep(cfg: Config, roles: Roles, index: int, stage: StageConfig, step: int) -> None:
-    """Sync mode: the workers generate exactly one learner batch with the current weights, then stop."""
-    import ray
-
-    n, k = cfg.learner.groups_per_step, len(roles.workers)
-    shares = [n // k + (1 if i < n % k else 0) for i in range(k)]
-    # Wait for every share: the learner's next step must see only groups sampled by the current weights.
-    # A worker that dies meanwhile is restarted; its share is missing from this batch (the learner
-    # waits, the loop generates again).
-    call_workers(roles, lambda w, i: w.generate_groups.remote(roles.replay, index, stage, shares[i], step),
-                 "generate_groups", retry=False, timeout=cfg.cluster.step_timeout_s,
-                 only=[i for i, s in enumerate(shares) if s])
 

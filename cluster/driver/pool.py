@@ -13,7 +13,8 @@ after the last resize) has passed it answers:
   once);
 - 0 otherwise, or at a bound. Growing wins when both hold.
 
-``Pool`` carries the decisions out on the roles (Ray). It asks the autoscaler for the bundles of the
+``Pool`` has the decisions carried out by the workers' owner (``rollout_pool.RolloutPool``, the only
+code that calls a worker). It asks the autoscaler for the bundles of the
 target pool first (``ray.autoscaler.sdk.request_resources``: the learner's, one per worker and the
 retrieval replicas'), so a cluster launcher adds nodes before the worker asks for them; a new worker is
 started without waiting and joins at the first step boundary after it is ready (or is given up after
@@ -21,13 +22,14 @@ started without waiting and joins at the first step boundary after it is ready (
 
 The weight-broadcast group has a fixed world size (every rank joins at creation; a gloo/NCCL broadcast
 with a missing rank hangs), so the pool re-forms it at the step boundary where its membership changes,
-as a worker restart does: the replay is closed and every rollout loop stopped (no new claims; the groups
-in flight finish and are put, or, if the queue is full, their claims are requeued: ``ReplayQueue.put`` on
-a closed queue), the worker joins or leaves, the group is rebuilt with the current members and the
-current weights pushed, and the loops start again. A removed worker is the highest-numbered one (worker
-ids stay 0..n-1); its outstanding claims are released to the front of the prompt cursor before it is
-killed. So the replay's accounting stays exact (produced = trained + dropped stale + requeued + queued)
-and no prompt is trained twice (a put is accepted only against an outstanding claim).
+as a worker restart does (``RolloutPool.regroup``): the replay is closed and every rollout loop stopped
+(no new claims; the groups in flight finish and are put, or, if the queue is full, their claims are
+requeued: ``ReplayQueue.put`` on a closed queue), the worker joins or leaves, the group is rebuilt with
+the current members and the current weights pushed, and the loops start again. A removed worker is the
+highest-numbered one (worker ids stay 0..n-1); its outstanding claims are released to the front of the
+prompt cursor before it is killed. So the replay's accounting stays exact (produced = trained + dropped
+stale + requeued + queued) and no prompt is trained twice (a put is accepted only against an outstanding
+claim).
 """
 from __future__ import annotations
 
@@ -107,8 +109,10 @@ def wanted_bundles(cfg: Config, workers: int) -> list[dict]:
 
 @dataclass
 class Pool:
-    """The elastic pool of one RL stage's roles (module docstring). Fixed (min == max): it only logs the
-    pool size. ``clock``: seconds, monotonic (tests may pass a fake one)."""
+    """The elastic pool of one RL stage (module docstring): the decisions; ``rollout_pool.RolloutPool``
+    carries them out (``step``'s ``rollout``: anything with its ``workers``, ``add_candidate``,
+    ``candidate``, ``drop_candidate``, ``admit_candidate`` and ``shrink``). Fixed (min == max): it only
+    logs the pool size. ``clock``: seconds, monotonic (tests may pass a fake one)."""
 
     cfg: Config
     size: int
@@ -126,7 +130,7 @@ class Pool:
                                   shrink_full_share=r.pool_shrink_full_share, cooldown_s=r.pool_cooldown_s,
                                   now=self.t0)
         self.target = self.size
-        self._pending = None  # (worker index, handle, ready ref, started at)
+        self._pending = None  # (worker index, started at) of the candidate being started
         self.history.append((0.0, self.size))
 
     def full(self, depth: int) -> bool:
@@ -136,19 +140,19 @@ class Pool:
     def observe(self, wait_s: float, depth: int) -> None:
         self.ctl.observe(self.clock(), wait_s, self.full(depth))
 
-    def step(self, roles, wait_s: float, depth: int) -> dict:
-        """A trained learner step: observe it, carry out a decision on ``roles``, return the pool's metrics."""
+    def step(self, rollout, wait_s: float, depth: int) -> dict:
+        """A trained learner step: observe it, carry out a decision on ``rollout``, return the pool's metrics."""
         self.observe(wait_s, depth)
         if self.elastic:
-            self._join_pending(roles)
+            self._join_pending(rollout)
             if self._pending is None:
                 delta = self.ctl.decide(self.clock())
                 if delta > 0:
-                    self._grow(roles)
+                    self._grow(rollout)
                 elif delta < 0:
-                    self._shrink(roles)
+                    self._shrink(rollout)
         wait, full = self.ctl.shares()
-        return {K.ROLLOUT_POOL_SIZE: float(len(roles.workers)), K.ROLLOUT_POOL_TARGET: float(self.target),
+        return {K.ROLLOUT_POOL_SIZE: float(len(rollout.workers)), K.ROLLOUT_POOL_TARGET: float(self.target),
                 K.ROLLOUT_POOL_WAIT_SHARE: wait, K.ROLLOUT_POOL_FULL_SHARE: full,
                 K.ROLLOUT_POOL_RESIZES: float(self.resizes)}
 
@@ -162,107 +166,56 @@ class Pool:
         except Exception as e:  # noqa: BLE001 - a hint only: never fail the run over it
             log.warning("request_resources for %d workers failed: %s", workers, e)
 
-    def _grow(self, roles) -> None:
-        from sonar.cluster.driver.roles import start_worker
-
-        i = len(roles.workers)
-        self.target = i + 1
+    def _grow(self, rollout) -> None:
+        self.target = len(rollout.workers) + 1
         self._request(self.target)
-        w = start_worker(self.cfg, i, roles.retrieval, roles.hooks.engine_wrap, policy=roles.policy)
-        self._pending = (i, w, w.ready.remote(), self.clock())
+        i = rollout.add_candidate()
+        self._pending = (i, self.clock())
         log.info("pool: starting rollout worker %d (learner wait share %.2f)", i, self.ctl.shares()[0])
-        self._join_pending(roles)
+        self._join_pending(rollout)
 
-    def _join_pending(self, roles) -> None:
+    def _join_pending(self, rollout) -> None:
         """A started worker joins once it is ready (checked without waiting), or is given up."""
-        import ray
-
         if self._pending is None:
             return
-        i, w, ref, t = self._pending
-        ready, _ = ray.wait([ref], timeout=0)
-        if not ready:
+        i, t = self._pending
+        state = rollout.candidate()
+        if state is None:
             if self.clock() - t > self.cfg.cluster.step_timeout_s:
                 log.warning("pool: worker %d not ready after cluster.step_timeout_s=%ss (no resources?): given up",
                             i, self.cfg.cluster.step_timeout_s)
-                ray.kill(w, no_restart=True)
-                self._pending, self.target = None, len(roles.workers)
-                self._request(self.target)
-                self.ctl.resized(len(roles.workers), self.clock())
+                rollout.drop_candidate()
+                self._gave_up(rollout)
+            return
+        if state:  # it failed to start: dropped, not added
+            log.warning("pool: worker %d failed to start: %s", i, state)
+            self._gave_up(rollout)
             return
         self._pending = None
-        try:
-            ray.get(ref)
-        except Exception as e:  # noqa: BLE001 - a worker that failed to start is not added
-            log.warning("pool: worker %d failed to start: %s", i, e)
-            self.target = len(roles.workers)
-            self._request(self.target)
-            self.ctl.resized(len(roles.workers), self.clock())
-            return
+        rollout.admit_candidate()
+        self._resized(rollout)
 
-        def add():
-            roles.workers.append(w)
-            roles.restarts.setdefault(i, 0)
-
-        regroup(self.cfg, roles, add)
-        self._resized(roles)
-
-    def _shrink(self, roles) -> None:
-        import ray
-
-        i = len(roles.workers) - 1
-        self.target = i
-        removed = {}
-
-        def remove():
-            # Its loop has stopped (regroup): in-flight groups were put or their claims requeued; what it
-            # still holds goes back to the cursor's front before it dies.
-            removed["requeued"] = ray.get(roles.replay.release_worker.remote(i))
-            w = roles.workers.pop()
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:  # noqa: BLE001 - gone already
-                pass
-
-        log.info("pool: draining rollout worker %d (replay full share %.2f)", i, self.ctl.shares()[1])
-        regroup(self.cfg, roles, remove)
+    def _gave_up(self, rollout) -> None:
+        self._pending, self.target = None, len(rollout.workers)
         self._request(self.target)
-        self._resized(roles)
+        self.ctl.resized(len(rollout.workers), self.clock())
 
-    def _resized(self, roles) -> None:
+    def _shrink(self, rollout) -> None:
+        i = len(rollout.workers) - 1
+        self.target = i
+        log.info("pool: draining rollout worker %d (replay full share %.2f)", i, self.ctl.shares()[1])
+        rollout.shrink()
+        self._request(self.target)
+        self._resized(rollout)
+
+    def _resized(self, rollout) -> None:
         self.resizes += 1
-        self.ctl.resized(len(roles.workers), self.clock())
-        self.history.append((round(self.clock() - self.t0, 2), len(roles.workers)))
-        log.info("pool: %d rollout workers", len(roles.workers))
+        self.ctl.resized(len(rollout.workers), self.clock())
+        self.history.append((round(self.clock() - self.t0, 2), len(rollout.workers)))
+        log.info("pool: %d rollout workers", len(rollout.workers))
 
-    def close(self) -> None:
+    def close(self, rollout) -> None:
         """Stage end: a worker still starting is dropped."""
-        import ray
-
         if self._pending is not None:
-            try:
-                ray.kill(self._pending[1], no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+            rollout.drop_candidate()
             self._pending = None
-
-
-def regroup(cfg: Config, roles, change) -> None:
-    """Change the pool's membership (``change()``) at a step boundary and re-form the broadcast group
-    (module docstring): pause every rollout loop (replay closed), change, rebuild the group and push
-    the current weights, resume the loops."""
-    import ray
-
-    from sonar.cluster.driver.roles import call_workers, connect_broadcast
-
-    running = roles.active is not None and cfg.cluster.mode == "async"
-    if running:
-        ray.get(roles.replay.close.remote())
-        call_workers(roles, lambda w, j: w.stop.remote(), "stop", retry=False)
-    change()
-    if running:
-        ray.get(roles.replay.reopen.remote())
-    connect_broadcast(cfg, roles)
-    if running:
-        index, stage = roles.active
-        call_workers(roles, lambda w, j: w.start.remote(roles.replay, index, stage), "start")

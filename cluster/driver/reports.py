@@ -43,6 +43,25 @@ def rollout_metrics(recent: list[dict]) -> dict:
     return m
 
 
+def step_log_line(steps: int, total: int, m: dict) -> str:
+    """The driver's log line for RL step ``steps`` of ``total`` from the step's metrics ``m``.
+
+    Searches per trajectory are the mean over the rollouts the workers finished since the previous step
+    (``rollout_metrics``): a step with trajectories but no search reads 0.00. A step at which no rollout
+    finished (every group still generating, or a worker just restarted) has no such mean, and the line
+    says so rather than print the nan of an empty mean."""
+    def num(key: str, fmt: str) -> str:
+        v = m.get(key)
+        return "-" if v is None else format(v, fmt)
+
+    if K.ROLLOUT_SEARCH_CALLS_MEAN in m:
+        searches = f"{m[K.ROLLOUT_SEARCH_CALLS_MEAN]:.2f}"
+    else:
+        searches = "- (no rollout finished since the previous step)"
+    return (f"rl step {steps}/{total} reward {num(K.LEARNER_REWARD_MEAN, '.3f')} lag max "
+            f"{num(K.LEARNER_POLICY_LAG_MAX, '')} searches/traj {searches} dropped {num(K.REPLAY_DROPPED_STALE, '')}")
+
+
 class Throughput:
     """Rollout throughput between consecutive learner steps, from the replay's produced counter."""
 
@@ -111,14 +130,9 @@ def evaluate(cfg: Config, roles: Roles, run: Run, split: str) -> dict:
     stage = cfg.stages[-1]
     out = {}
     for mode in (["search", "no_search"] if cfg.eval.no_search else ["search"]):
-        shards = [questions[i::len(roles.workers)] for i in range(len(roles.workers))]
-        # Sync point: the summary is over every question, so wait for every worker's shard.
-        # call_workers: a worker that dies meanwhile is restarted and its shard evaluated again.
-        from sonar.cluster.driver.roles import call_workers
-
-        use = [i for i, s in enumerate(shards) if s]
-        recs = [r for rs in call_workers(roles, lambda w, i: w.evaluate.remote(shards[i], mode == "search", stage),
-                                         "evaluate", only=use) for r in rs]
+        # Sync point: the summary is over every question, so wait for every worker's shard (a worker
+        # that dies meanwhile is restarted and its shard evaluated again).
+        recs = roles.pool.evaluate(questions, mode == "search", stage)
         row = out[mode] = summarize(recs)
         key = f"{split}_{mode}"
         run.log(eval_metrics(key, row))
@@ -157,6 +171,8 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
         "learner_steps": run.totals.learner_steps,
         "faults": {"worker_restarts": run.results.get("faults", {}).get("worker_restarts", 0)
                    + sum(getattr(roles, "restarts", {}).values()),
+                   "replica_replacements": run.results.get("faults", {}).get("replica_replacements", 0)
+                   + sum(getattr(roles, "replica_replacements", {}).values()),
                    "learner_resumes": run.results.get("faults", {}).get("learner_resumes", 0)},
     }
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

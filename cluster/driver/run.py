@@ -104,10 +104,10 @@ def resolve_resume(cfg: Config) -> str | None:
     Raises ``ResumeError`` (one line) otherwise."""
     if not cfg.run.resume:
         return None
-    from sonar.learner.checkpoint import CheckpointError, resolve_checkpoint, validate_checkpoint
+    from sonar.learner.checkpoint import CheckpointError, validate_checkpoint
 
     try:
-        path = str(validate_checkpoint(resolve_checkpoint(cfg.run.resume, cfg.run.root)))
+        path = str(validate_checkpoint(resolve_resume_path(cfg)))
     except CheckpointError as e:
         raise ResumeError(f"run.resume={cfg.run.resume!r}: {e}") from None
     saved = Path(path).parent.parent / "config.yaml"
@@ -124,6 +124,15 @@ def resolve_resume(cfg: Config) -> str | None:
         raise ResumeError(f"run.resume={cfg.run.resume!r}: checkpoint {path} was saved by a run whose config "
                           f"differs in " + "; ".join(diffs) + " (saved " + str(saved) + ")")
     return path
+
+
+def resolve_resume_path(cfg: Config) -> str:
+    """Where ``run.resume`` points: a checkpoint or run directory as given; 'latest' the newest checkpoint
+    under ``run.root`` of a run of this ``run.name`` (and of ``tracking.experiment`` when set), never
+    another experiment's sharing the root. Raises ``CheckpointError`` naming the name and the root."""
+    from sonar.learner.checkpoint import resolve_checkpoint
+
+    return resolve_checkpoint(cfg.run.resume, cfg.run.root, name=cfg.run.name, experiment=cfg.tracking.experiment)
 
 
 def config_differences(saved: dict, current: dict) -> list[str]:

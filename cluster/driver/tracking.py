@@ -317,10 +317,17 @@ class MLflowSink:
         return f"models:/{self.registered_model_name}/{version}"
 
     def finish(self, status: str = "FINISHED") -> None:
+        """End the run with ``status``, the queued metrics flushed. FINISHED and FAILED: the metrics first,
+        then the status. KILLED (Ctrl-C, ``ray job stop``) has a deadline, Ray SIGKILLing the driver 3 s
+        after its SIGTERM by default, and the flush alone can take a second (MLflow's logging thread
+        polls its queue once a second): the status is written first (one write), then the metrics,
+        which MLflow still accepts on an ended run, then the run is ended as usual."""
         if self._mlflow.active_run() is not None:
             with _atomic_write():
+                if status == "KILLED":
+                    self._client.set_terminated(self.run_id, status)
                 if self.async_logging:
-                    self._mlflow.flush_async_logging()  # every queued step is written before the status
+                    self._mlflow.flush_async_logging()  # every queued step is written before end_run
                 self._mlflow.end_run(status=status)
 
 

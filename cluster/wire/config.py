@@ -26,6 +26,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from sonar.cluster.wire.paths import CONFIG_DIR, find_config, resolve_relative, resolve_run_root
+from sonar.cluster.wire.resolved import broadcast_backend, engine_dtype  # noqa: F401  (re-exported: callers import them from here)
 
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
 
@@ -609,12 +610,17 @@ class ClusterConfig:
     """CPUs of the local cluster (None: detect)."""
     max_worker_restarts: int = 2
     """Restarts allowed per rollout worker before the run fails (>= 0). Every driver call to a worker
-    goes through one place (``roles.call_workers``): a dead worker is restarted, its claimed prompts
+    goes through one place (``RolloutPool.call``): a dead worker is restarted, its claimed prompts
     requeued and the broadcast group rebuilt; past this many restarts the run fails naming the worker."""
     max_replica_restarts: int = 2
     """Ray restarts of each retrieval replica after its process dies (the actor's ``max_restarts``, >= 0);
-    the driver pings the replicas every RL step and fails the run, naming the replica, once none is
-    left alive."""
+    the driver pings the replicas every RL step. One whose restarts are used up is replaced
+    (``max_replica_replacements``); past those, the run fails, naming the replicas, once none is left alive."""
+    max_replica_replacements: int = 2
+    """New actors the driver starts in the place of each retrieval replica that is dead for good (its
+    ``max_replica_restarts`` used up, >= 0; 0: none), handing the workers' clients the new handle; each new
+    one has its own Ray restarts. Counted in ``retrieval/replicas_replaced``. Bounded so that a replica
+    that cannot live (a broken index) ends the run instead of being replaced for ever."""
     retrieval_wait_s: float = 120.0
     """While no retrieval replica is healthy, a search waits up to this many seconds for one to come
     back (> 0) instead of failing at once; a search that still fails is an infrastructure failure."""
@@ -845,6 +851,7 @@ RANGES: dict[str, str] = {
     "stages.N.algo.vtrace_c_bar": "> 0", "stages.N.algo.ppo_epochs": ">= 1", "stages.N.algo.mini_batches": ">= 1",
     "eval.batch_size": ">= 1",
     "cluster.num_cpus": ">= 1", "cluster.max_worker_restarts": ">= 0", "cluster.max_replica_restarts": ">= 0",
+    "cluster.max_replica_replacements": ">= 0",
     "cluster.retrieval_wait_s": "> 0", "cluster.auto_resume": ">= 0", "cluster.health_timeout_s": "> 0",
     "cluster.step_timeout_s": "> 0", "cluster.gpu_memory_gib": "> 0",
 }
@@ -1116,25 +1123,6 @@ def _check_vllm(cfg: Config) -> None:
                          f"'architectures' (got {archs!r}), so vLLM cannot pick a model class")
 
 
-def engine_dtype(cfg: Config) -> str:
-    """``rollout.vllm_dtype`` resolved: ``auto`` is the learner's precision (see the field)."""
-    d = cfg.rollout.vllm_dtype
-    if d != "auto":
-        return d
-    L = cfg.learner
-    return "bfloat16" if L.precision == "bf16" or (L.precision == "auto" and L.num_gpus > 0) else "float32"
-
-
-def broadcast_backend(cfg: Config) -> str:
-    """The weight broadcast's backend: NCCL only when every rank of the group (the learner and every
-    rollout worker) has a GPU and learner.dist_backend allows it; gloo otherwise (CPU tensors; a GPU
-    learner copies its buckets to host memory first)."""
-    L = cfg.learner
-    if L.dist_backend == "gloo":
-        return "gloo"
-    return "nccl" if L.num_gpus > 0 and cfg.rollout.num_gpus_per_worker > 0 else "gloo"
-
-
 def _check_gpu_placement(cfg: Config) -> None:
     """NCCL with a CPU rank, and two NCCL ranks on one GPU, fail only once the broadcast group forms:
     refuse them here, naming the fields."""
@@ -1358,7 +1346,7 @@ def _check_data(cfg: Config, where: str, data, fmt: str) -> None:
 def _check_cluster(cfg: Config) -> None:
     _check_choices(cfg, "cluster")
     c = cfg.cluster
-    for name in ("max_worker_restarts", "max_replica_restarts", "auto_resume"):
+    for name in ("max_worker_restarts", "max_replica_restarts", "max_replica_replacements", "auto_resume"):
         if getattr(c, name) < 0:
             raise ValueError(f"cluster.{name}={getattr(c, name)} must be >= 0")
     if not c.retrieval_wait_s > 0:

@@ -37,6 +37,9 @@ RETRIEVAL_BATCH_SIZE_MEAN = "retrieval/batch_size/mean"
 RETRIEVAL_ERRORS_KIND = "retrieval/errors/{kind}"
 RETRIEVAL_REPLICAS_HEALTHY = "retrieval/replicas_healthy"
 """Retrieval replicas that answered the driver's health ping this step (``roles.check_retrieval``)."""
+RETRIEVAL_REPLICAS_REPLACED = "retrieval/replicas_replaced"
+"""Retrieval replicas the driver replaced so far, dead for good with Ray's restarts used up
+(``cluster.max_replica_replacements``; counted since the run's roles started, an auto-resume starts anew)."""
 REPLAY_REQUEUED_INFRA = "replay/requeued_infra"
 """Prompts requeued because a search of their group failed for infrastructure reasons (not trained)."""
 # learner

@@ -241,8 +241,8 @@ GPU_TYPES = {
 
 def torch_gib(gb: int) -> float:
     """GiB a GPU sold as ``gb`` GB has for the memory plan: what torch reports as its total memory (79.1
-    for the 80 GB H100/A100), from the plan's own table (``cluster/wire/memory.py:TABLE_GPUS``)."""
-    from sonar.cluster.wire.memory import TABLE_GPUS
+    for the 80 GB H100/A100), from the plan's own table (``cluster/wire/memory_table.py:TABLE_GPUS``)."""
+    from sonar.cluster.wire.memory_table import TABLE_GPUS
 
     return {int(label.split()[0]): gib for label, gib in TABLE_GPUS}[gb]
 

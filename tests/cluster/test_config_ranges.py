@@ -122,6 +122,7 @@ BAD: dict[str, list] = {
     "cluster.num_cpus": ["0"],
     "cluster.max_worker_restarts": ["-1"],
     "cluster.max_replica_restarts": ["-1"],
+    "cluster.max_replica_replacements": ["-1"],
     "cluster.retrieval_wait_s": ["0", "nan"],
     "cluster.auto_resume": ["-1"],
     "cluster.health_timeout_s": ["0", "nan"],

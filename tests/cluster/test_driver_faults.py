@@ -38,20 +38,18 @@ def roles_for(tmp_path):
 def _start_rl(cfg, roles):
     stage = cfg.stages[1]
     ray.get(roles.learner.begin_stage.remote(1, stage))
-    ray.get([w.start.remote(roles.replay, 1, stage) for w in roles.workers])
+    roles.pool.begin_stage(1, stage)
     return stage
 
 
 def test_dead_worker_without_restarts_fails_the_run_naming_it(roles_for):
-    from sonar.cluster.driver.roles import WorkerFailed, check_workers
+    from sonar.cluster.driver.rollout_pool import WorkerFailed
 
     cfg, run, roles = roles_for(0)
-    stage = _start_rl(cfg, roles)
+    _start_rl(cfg, roles)
     ray.kill(roles.workers[1], no_restart=True)
     wait_actor_dead(roles.workers[1])  # ray.kill returns before the actor is dead: a health call could still succeed
     with pytest.raises(WorkerFailed, match=r"rollout worker 1 failed .*max_worker_restarts=0"):
-        check_workers(cfg, roles, 1, stage)
-    from sonar.cluster.driver.roles import stop_rollouts
-
-    roles.workers.pop(1)
-    stop_rollouts(roles)
+        roles.pool.health()
+    roles.pool.workers.pop(1)  # gone for good: the stage ends without it
+    roles.pool.end_stage()

@@ -127,41 +127,108 @@ class _Handle:
         self.pid = pid
 
 
-def test_chaos_schedule_on_a_fake_clock(tmp_path, monkeypatch):
+def _chaos_roles():
+    return SimpleNamespace(workers=[SimpleNamespace(ready=None), SimpleNamespace(ready=None)],
+                           pool=SimpleNamespace(pid=lambda i: 1000 + i),
+                           retrieval=[SimpleNamespace(health=None)], learner=SimpleNamespace(ping=None))
+
+
+def _drive(c, run, versions, checkpoint_at=None):
+    """Call the hook as the loop does: the step's row (its learner version) logged first. The
+    run's first checkpoint appears when the version ``checkpoint_at`` is logged."""
+    out = []
+    for v in versions:
+        from sonar.cluster.wire import metrics as K
+
+        run.history.append({"step": len(run.history), K.LEARNER_VERSION: v})
+        if v == checkpoint_at:
+            (run.dir / "checkpoints").mkdir(exist_ok=True)
+            (run.dir / "checkpoints" / "latest").write_text("step1")
+        out.append(c(_chaos_roles(), run, 1, len(out) + 1))
+    return out
+
+
+def _fake_kills(monkeypatch, chaos_mod):
+    killed = []
+
+    def fake(self, what, method, step, version, elapsed):
+        killed.append((step, what))
+        self.events.append({"rl_step": step, "version": version, "t_s": elapsed, "killed": what, "pid": 0})
+    monkeypatch.setattr(chaos_mod.Chaos, "_kill", fake)
+    return killed
+
+
+def test_chaos_schedule_counts_rl_learner_steps_not_seconds(tmp_path, monkeypatch):
+    """N=12 RL steps, a worker kill every 3, the replica at 12 // 4 = 3, the learner at 12 // 2 = 6
+    but only once a checkpoint exists (it appears at RL step 8). SFT ended at version 20, so RL step
+    s is version 20 + s. The clock is frozen: time plays no part."""
+    from collections import deque
+
     from sonar.cluster.driver import chaos as chaos_mod
 
-    killed = []
-    monkeypatch.setattr(chaos_mod.Chaos, "_kill", lambda self, what, m, t: (killed.append((t, what)),
-                                                                             self.events.append(what)))
+    killed = _fake_kills(monkeypatch, chaos_mod)
+    c = chaos_mod.Chaos(steps=12, kill_every=3, seed=3, clock=lambda: 0.0)
+    assert c.schedule == {"rollout worker": [3, 6, 9], "retrieval replica": [3], "learner": [6]}
+    run = SimpleNamespace(dir=tmp_path, history=deque())
+    out = _drive(c, run, range(21, 33), checkpoint_at=28)
+    assert [s for s, w in killed if w.startswith("rollout worker")] == [3, 6, 9]
+    assert [s for s, w in killed if w == "retrieval replica 0"] == [3]
+    assert [s for s, w in killed if w == "learner"] == [8]  # due at 6, waits for the checkpoint
+    assert out[-1] is True and not any(out[:-1]) and c.ended_by == "steps"  # version 32 = RL step 12
+    assert c.kills() == {"rollout worker": 3, "retrieval replica": 1, "learner": 1}
+    assert (c.reached, c.calls) == (12, 12)
+
+
+def test_chaos_schedule_after_a_learner_resume_repeats_no_fault(tmp_path, monkeypatch):
+    """The learner is killed at RL step 5 and resumes from its checkpoint at step 3: steps 4 and 5 are
+    trained again (versions 4, 5 logged twice) and kill nothing twice; the run ends at step 8, after
+    10 logged steps."""
+    from collections import deque
+
+    from sonar.cluster.driver import chaos as chaos_mod
+
+    killed = _fake_kills(monkeypatch, chaos_mod)
+    c = chaos_mod.Chaos(steps=8, kill_every=4, seed=0, replica_at=2, learner_at=5, clock=lambda: 0.0)
+    run = SimpleNamespace(dir=tmp_path, history=deque())
+    versions = [1, 2, 3, 4, 5, 4, 5, 6, 7, 8]  # SFT-less: version 0 before RL
+    out = _drive(c, run, versions, checkpoint_at=3)
+    kinds = [(s, w.rstrip("0123456789").strip()) for s, w in killed]  # which worker is the seed's choice
+    assert kinds == [(2, "retrieval replica"), (4, "rollout worker"), (5, "learner")]
+    assert out == [False] * 9 + [True] and (c.reached, c.calls) == (8, 10)
+
+
+def test_chaos_minutes_bound_ends_training_first(tmp_path, monkeypatch):
+    """--minutes with --steps: whichever comes first; here 60 s pass at the third RL step of 100."""
+    from collections import deque
+
+    from sonar.cluster.driver import chaos as chaos_mod
+
+    _fake_kills(monkeypatch, chaos_mod)
     now = [0.0]
-    c = chaos_mod.Chaos(minutes=1.0, kill_every_s=10.0, seed=3, clock=lambda: now[0])
-    roles = SimpleNamespace(workers=[SimpleNamespace(ready=None), SimpleNamespace(ready=None)],
-                            retrieval=[SimpleNamespace(health=None)], learner=SimpleNamespace(ping=None))
-    run = SimpleNamespace(dir=tmp_path)
+    c = chaos_mod.Chaos(steps=100, kill_every=0, replica_at=0, learner_at=0, minutes=1.0, clock=lambda: now[0])
+    assert c.schedule == {"rollout worker": [], "retrieval replica": [], "learner": []}
+    run = SimpleNamespace(dir=tmp_path, history=deque())
     out = []
-    for t in range(0, 65, 5):
-        now[0] = float(t)
-        if t == 45:  # the first checkpoint of the run appears
-            (tmp_path / "checkpoints").mkdir()
-            (tmp_path / "checkpoints" / "latest").write_text("step1")
-        out.append(c(roles, run, 1, t // 5 + 1))
-    workers = [t for t, w in killed if w.startswith("rollout worker")]
-    assert workers == [10.0, 20.0, 30.0, 40.0, 50.0]
-    assert [t for t, w in killed if w == "retrieval replica 0"] == [15.0]
-    assert [t for t, w in killed if w == "learner"] == [45.0]  # due at 30 s, waits for a checkpoint
-    assert out[-1] is True and not any(out[:-1])  # 60 s: training ends
+    for v, t in ((1, 0.0), (2, 30.0), (3, 60.0)):
+        now[0] = t
+        out += _drive(c, run, [v])
+    assert out == [False, False, True] and c.ended_by == "minutes" and c.events == []
+    with pytest.raises(ValueError, match="steps=0"):
+        chaos_mod.Chaos(steps=0, kill_every=3)
 
 
 def test_chaos_restart_budgets_cover_the_kill_schedule():
-    """Ten minutes of a kill every 60 s may hit one worker ten times: the budget must not end the run
-    (it did, at the third kill, with the default cluster.max_worker_restarts=2)."""
-    from sonar.cluster.driver.chaos import UNBOUNDED_STEPS, chaos_config
+    """100 RL steps with a kill every 10 may hit one worker 9 times (steps 10..90): the budget must not
+    end the run (it did, at the third kill, with the default cluster.max_worker_restarts=2)."""
+    from sonar.cluster.driver.chaos import UNBOUNDED_STEPS, Chaos, chaos_config
     from sonar.cluster.wire.config import load_config
 
     cfg = load_config([], ["cluster.max_worker_restarts=2", "cluster.auto_resume=0"])
-    out = chaos_config(cfg, minutes=10, kill_every_s=60)
-    assert out.cluster.max_worker_restarts == 11 and out.cluster.auto_resume == 1
+    out = chaos_config(cfg, Chaos(steps=100, kill_every=10))
+    assert out.cluster.max_worker_restarts == 10 and out.cluster.auto_resume == 1
     assert all(s.steps == UNBOUNDED_STEPS for s in out.stages if s.kind == "rl")
     big = load_config([], ["cluster.max_worker_restarts=50", "cluster.auto_resume=3"])
-    kept = chaos_config(big, minutes=1, kill_every_s=30)
+    kept = chaos_config(big, Chaos(steps=10, kill_every=3))
     assert (kept.cluster.max_worker_restarts, kept.cluster.auto_resume) == (50, 3)  # never lowered
+    no_learner = chaos_config(cfg, Chaos(steps=10, kill_every=0, learner_at=0))
+    assert (no_learner.cluster.max_worker_restarts, no_learner.cluster.auto_resume) == (2, 0)

@@ -1,10 +1,9 @@
-"""check_workers asks every rollout worker at once and judges every answer against one deadline: a
-healthy worker's recent rollouts reach the metrics; a silent or dead one goes to restart_worker, in
-worker order, with the reason."""
+"""``RolloutPool.health`` asks every rollout worker at once and judges every answer against one deadline:
+a healthy worker's recent rollouts reach the metrics; a silent or dead one is replaced (``_replace``),
+with the reason."""
 import os
 import sys
 import threading
-from types import SimpleNamespace
 
 import pytest
 
@@ -72,15 +71,16 @@ class FakeWorker:
 
 
 def _check(ray, workers, timeout_s, monkeypatch):
-    """check_workers over ``workers`` with restart_worker recorded instead of run: (metrics, restarts)."""
-    from sonar.cluster.driver import roles as roles_mod
+    """The pool's health check over ``workers`` with the replacement recorded instead of run: (metrics, restarts)."""
+    from sonar.cluster.driver.rollout_pool import RolloutPool
     from sonar.cluster.wire.config import CONFIG_DIR, load_config
 
     cfg = load_config([CONFIG_DIR / "smoke.yaml"], ["cluster.mode=async", f"cluster.health_timeout_s={timeout_s}"])
     restarted = []
-    monkeypatch.setattr(roles_mod, "restart_worker", lambda cfg, roles, i, err, *a: restarted.append((i, err)))
+    pool = RolloutPool(cfg, workers=workers)
+    monkeypatch.setattr(pool, "_replace", lambda i, err: restarted.append((i, err)))
     try:
-        return roles_mod.check_workers(cfg, SimpleNamespace(workers=workers), 1, cfg.stages[1]), restarted
+        return pool.health(), restarted
     finally:
         for w in workers:
             ray.kill(w, no_restart=True)
@@ -104,7 +104,7 @@ def test_health_is_asked_of_all_workers_at_once(ray_local, monkeypatch):
     finally:
         ray.kill(gate, no_restart=True)
     assert [i for i, _ in restarted] == [1], restarted
-    assert restarted[0][1].startswith("ActorDiedError")
+    assert restarted[0][1].startswith("health: ActorDiedError")
     # Workers 0 and 2 answered: their records, and only theirs, reach the metrics.
     assert m[K.ROLLOUT_TRAJECTORIES] == 2.0 and m[K.ROLLOUT_REWARD_MEAN] == 0.5
 
@@ -118,5 +118,5 @@ def test_a_silent_worker_is_restarted_after_the_deadline(ray_local, monkeypatch)
         m, restarted = _check(ray, workers, 2.0, monkeypatch)
     finally:
         ray.kill(gate, no_restart=True)
-    assert restarted == [(0, "GetTimeoutError: no health answer within cluster.health_timeout_s=2.0s")]
+    assert restarted == [(0, "health: no answer within 2 s")]
     assert m == {}

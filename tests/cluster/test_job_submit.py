@@ -4,8 +4,10 @@ processes it started, never `ray stop`).
 1. A short smoke run submitted with ``--working-dir`` (a config file from the uploaded folder) and
    ``--runtime-env-json`` env vars that Sonar also sets: it runs on that cluster, SUCCEEDED, and its
    MLflow run and checkpoints are under ``$SONAR_RUN_ROOT``, nothing under Ray's package folder.
-2. A long run, stopped with ``ray job stop`` once it has a checkpoint: MLflow KILLED, no actor left.
-3. A fresh submission with ``run.resume=latest`` resumes the stopped run's checkpoint and finishes.
+2. A long run, stopped with ``ray job stop`` once it has a checkpoint, under Ray's default stop wait
+   (SIGTERM, then SIGKILL 3 s later): MLflow KILLED within it, no actor left.
+3. A fresh submission of the same run name with ``run.resume=latest`` resumes the stopped run's
+   checkpoint (not the first run's, of another name under the same root) and finishes.
 """
 import itertools
 import json
@@ -54,12 +56,19 @@ def ray_head(tmp_path):
     head's temp dir, by pid."""
     temp = tempfile.mkdtemp(prefix="sj", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     port, dash = _free_port(), _free_port()
-    # the graceful-stop window `ray job stop` gives the driver (3 s by default) sized for a loaded CI box
-    env = _env(RAY_JOB_STOP_WAIT_TIME_S="60")
+    # The head's dashboard agent takes the job submissions: its HTTP port is fixed (52365) by default, so
+    # another Ray on the machine (a test's local cluster) could hold it and leave the job server with
+    # "No available agent". Free ports for every listener the agents open.
+    agent_ports = [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+                   f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}"]
+    # Ray's default graceful-stop window for `ray job stop` (RAY_JOB_STOP_WAIT_TIME_S unset: 3 s, then
+    # SIGKILL): the driver must mark its run KILLED inside it (_env drops any RAY_JOB* of this process).
+    env = _env()
+    assert "RAY_JOB_STOP_WAIT_TIME_S" not in env
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
          "--num-cpus=4", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
-         f"--temp-dir={temp}", "--disable-usage-stats"],
+         f"--temp-dir={temp}", "--disable-usage-stats", *agent_ports],
         env=env, stdout=open(tmp_path / "ray-head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{dash}"
     try:
@@ -94,13 +103,22 @@ def ray_head(tmp_path):
         shutil.rmtree(temp, ignore_errors=True)
 
 
+NO_AGENT = "No available agent to submit job, please try again later"
+"""The job server's answer while the head's dashboard agent has not registered yet (seconds after
+`ray start` on a loaded machine): the job was not created, and Ray asks to try again."""
+
+
 def _submit(url: str, wd: Path, root: Path, args: list[str], wait: bool = True) -> str:
-    sid = f"sonar-{next(_SUBMISSIONS)}-{os.getpid()}"
     runtime_env = {"env_vars": {"SONAR_RUN_ROOT": str(root), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}}
-    cmd = [str(BIN / "ray"), "job", "submit", "--address", url, "--submission-id", sid, "--working-dir", str(wd),
-           "--runtime-env-json", json.dumps(runtime_env), *([] if wait else ["--no-wait"]), "--",
-           sys.executable, "-m", "sonar", "train", "--config", "smoke", "--config", "job.yaml", *SHORT, *args]
-    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900)
+
+    def attempt():
+        sid = f"sonar-{next(_SUBMISSIONS)}-{os.getpid()}"
+        cmd = [str(BIN / "ray"), "job", "submit", "--address", url, "--submission-id", sid, "--working-dir",
+               str(wd), "--runtime-env-json", json.dumps(runtime_env), *([] if wait else ["--no-wait"]), "--",
+               sys.executable, "-m", "sonar", "train", "--config", "smoke", "--config", "job.yaml", *SHORT, *args]
+        p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900)
+        return None if p.returncode != 0 and NO_AGENT in p.stdout + p.stderr else (sid, p)
+    sid, p = wait_until(attempt, 180, "the head's job agent accepting a submission", poll_s=1.0)
     head_log = root.parent.parent / "ray-head.log"
     assert p.returncode == 0, (f"{' '.join(args)}: exit {p.returncode}\n{p.stdout[-6000:]}\n{p.stderr[-3000:]}\n"
                                f"ray head: {head_log.read_text()[-3000:] if head_log.exists() else ''}")
@@ -179,14 +197,20 @@ def test_submit_stop_and_resume_through_ray_jobs(ray_head, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert jobs.get_job_status(long_) == JobStatus.STOPPED
-    run2, id2 = _run_of(jobs.get_job_logs(long_))
-    assert _mlflow_status(root, id2) == "KILLED", jobs.get_job_logs(long_)[-4000:]
+    long_logs = jobs.get_job_logs(long_)
+    run2, id2 = _run_of(long_logs)
+    assert _mlflow_status(root, id2) == "KILLED", long_logs[-4000:]
+    # the driver's own account: KILLED written on the SIGTERM, before the actors were killed
+    took = re.findall(r"interrupted \(signal 15\): MLflow run marked KILLED, its metrics flushed ([0-9.]+) s after "
+                      r"the signal", long_logs)
+    assert took, long_logs[-4000:]
+    print(f"ray job stop: KILLED and metrics flushed {took[0]} s after the SIGTERM (Ray's stop wait: 3 s)")
     long_job_id = jobs.get_job_info(long_).job_id
     wait_until(lambda: not _alive_actors(url, long_job_id), 60,
                lambda: f"the stopped job's actors to end: {_alive_actors(url, long_job_id)}", poll_s=0.5)
 
     # 3. a fresh submission resumes it
-    third = _submit(url, wd, root, ["run.name=resumed", "run.resume=latest"])
+    third = _submit(url, wd, root, ["run.name=long", "run.resume=latest"])
     assert jobs.get_job_status(third) == JobStatus.SUCCEEDED
     resumed_logs = jobs.get_job_logs(third)
     # the stopped run's checkpoint (the first one seen, or one it saved before the stop took effect)

@@ -404,10 +404,12 @@ def test_train_logs_the_plan_before_it_starts(monkeypatch, caplog):
 # ---------------------------------------------------------------------------------- the README table
 
 def test_the_readme_table_is_the_generated_one():
+    from sonar.cluster.wire import memory_table
+
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     begin, end = "<!-- memory-table:begin -->\n", "<!-- memory-table:end -->"
     assert begin in readme and end in readme, "README.md lost its memory-table markers"
     shown = readme.split(begin, 1)[1].split(end, 1)[0].strip()
     dirs = [SHAPES / n for n in ("qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b")]
-    assert shown == M.table(dirs), ("README.md's memory table is stale: regenerate it with `python -m "
-                                    "sonar.cluster.wire.memory --table tests/fixtures/model_shapes/qwen2.5-{1.5b,3b,7b,14b}`")
+    assert shown == memory_table.table(dirs), ("README.md's memory table is stale: regenerate it with `python -m "
+                                    "sonar.cluster.wire.memory_table tests/fixtures/model_shapes/qwen2.5-{1.5b,3b,7b,14b}`")

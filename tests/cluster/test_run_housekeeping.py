@@ -64,9 +64,60 @@ def test_a_checkpoint_from_another_config_is_refused_naming_the_fields(tmp_path)
 def test_a_different_number_of_stages_is_named(tmp_path):
     saved = load_config([ROOT / "configs" / "smoke.yaml"], [f"run.root={tmp_path}"])
     fake_run_with_checkpoint(tmp_path, saved)
-    fewer = load_config([], [f"run.root={tmp_path}", "run.resume=latest"])
+    fewer = load_config([], [f"run.root={tmp_path}", "run.name=smoke", "run.resume=latest"])
     with pytest.raises(R.ResumeError, match=f"stages: checkpoint has {len(saved.stages)} stages, now {len(fewer.stages)}"):
         R.resolve_resume(fewer)
+
+
+def _aged(ck: Path, t: int) -> Path:
+    """Give the run of checkpoint ``ck`` a ``checkpoints/latest`` written at time ``t`` (what 'latest' orders by)."""
+    import os
+
+    os.utime(ck.parent / "latest", (t, t))
+    return ck
+
+
+def test_resume_latest_resumes_its_own_run_name_and_experiment_under_a_shared_root(tmp_path):
+    """One root (a shared $SONAR_RUN_ROOT), runs of two experiments: each resume=latest finds its own
+    run's checkpoint, even when the other's is newer; the same run.name in two experiments is told apart
+    by tracking.experiment when it is set."""
+    def cfg(name, experiment, *extra):
+        return load_config([], [f"run.root={tmp_path}", f"run.name={name}", f"tracking.experiment={experiment}",
+                                *extra])
+    alpha = _aged(fake_run_with_checkpoint(tmp_path, cfg("alpha", "exp-a"), "alpha-20261201-100000-11"), 1000)
+    beta = _aged(fake_run_with_checkpoint(tmp_path, cfg("beta", "exp-b"), "beta-20261201-110000-12"), 2000)
+    shared_a = _aged(fake_run_with_checkpoint(tmp_path, cfg("shared", "exp-a"), "shared-20261201-120000-13"), 3000)
+    shared_b = _aged(fake_run_with_checkpoint(tmp_path, cfg("shared", "exp-b"), "shared-20261201-130000-14"), 4000)
+    assert R.resolve_resume(cfg("alpha", "exp-a", "run.resume=latest")) == str(alpha)  # not the newer beta
+    assert R.resolve_resume(cfg("beta", "exp-b", "run.resume=latest")) == str(beta)  # not the newer shared runs
+    assert R.resolve_resume(cfg("shared", "exp-a", "run.resume=latest")) == str(shared_a)  # not exp-b's, newer
+    assert R.resolve_resume(cfg("shared", "exp-b", "run.resume=latest")) == str(shared_b)
+    # no experiment set: the newest run of the name, whichever experiment
+    anyexp = load_config([], [f"run.root={tmp_path}", "run.name=shared", "run.resume=latest"])
+    assert R.resolve_resume(anyexp) == str(shared_b)
+    # a name with no run there: one line naming the name, the experiment, the root and what is there
+    with pytest.raises(R.ResumeError) as e:
+        R.resolve_resume(cfg("gamma", "exp-a", "run.resume=latest"))
+    msg = str(e.value)
+    assert "\n" not in msg and "run named 'gamma'" in msg and "tracking.experiment='exp-a'" in msg
+    assert repr(str(tmp_path)) in msg and "alpha (experiment exp-a)" in msg and "shared (experiment exp-b)" in msg
+    with pytest.raises(R.ResumeError, match="run named 'alpha' in tracking.experiment='exp-b'"):
+        R.resolve_resume(cfg("alpha", "exp-b", "run.resume=latest"))
+
+
+def test_resume_latest_tells_a_run_without_a_saved_config_by_its_directory_name(tmp_path):
+    """A run directory without config.yaml (an older layout) is matched by its ``<name>-<date>-<time>-<pid>``;
+    'alpha' is not a run of 'alpha-x' nor the other way round."""
+    from sonar.learner.checkpoint import resolve_checkpoint
+
+    base = load_config([], [f"run.root={tmp_path}"])
+    mine = _aged(fake_run_with_checkpoint(tmp_path, base, "alpha-20261201-100000-7"), 1000)
+    other = _aged(fake_run_with_checkpoint(tmp_path, base, "alpha-x-20261201-110000-8"), 2000)
+    for ck in (mine, other):
+        (ck.parent.parent / "config.yaml").unlink()
+    assert resolve_checkpoint("latest", str(tmp_path), name="alpha") == str(mine)
+    assert resolve_checkpoint("latest", str(tmp_path), name="alpha-x") == str(other)
+    assert resolve_checkpoint("latest", str(tmp_path)) == str(other)  # no name: the newest of all
 
 
 def test_a_partial_checkpoint_is_refused_before_start(tmp_path):

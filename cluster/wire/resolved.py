@@ -1,0 +1,23 @@
+"""Values of the config resolved from several fields, used by the checks in config.py and by the memory
+plan (memory.py), which config.py calls: kept here so neither imports the other's module for them.
+Duck-typed over the ``Config`` dataclasses (no import of config.py)."""
+from __future__ import annotations
+
+
+def engine_dtype(cfg: Config) -> str:
+    """``rollout.vllm_dtype`` resolved: ``auto`` is the learner's precision (see the field)."""
+    d = cfg.rollout.vllm_dtype
+    if d != "auto":
+        return d
+    L = cfg.learner
+    return "bfloat16" if L.precision == "bf16" or (L.precision == "auto" and L.num_gpus > 0) else "float32"
+
+
+def broadcast_backend(cfg: Config) -> str:
+    """The weight broadcast's backend: NCCL only when every rank of the group (the learner and every
+    rollout worker) has a GPU and learner.dist_backend allows it; gloo otherwise (CPU tensors; a GPU
+    learner copies its buckets to host memory first)."""
+    L = cfg.learner
+    if L.dist_backend == "gloo":
+        return "gloo"
+    return "nccl" if L.num_gpus > 0 and cfg.rollout.num_gpus_per_worker > 0 else "gloo"
