@@ -30,8 +30,13 @@ def _env_defaults() -> None:
 
 
 def _load(args, notes: list | None = None) -> "Config":
+    overrides = list(args.overrides)
+    if getattr(args, "cmd", None) in ("index", "eval"):
+        # Nothing is trained on the config's stages here (eval reads its --data files): the refusal of RL
+        # on the toy world with a real corpus or model (world.force) does not apply.
+        overrides.append("world.force=true")
     try:
-        return load_config(args.config or [DEFAULT_CONFIG], args.overrides, notes=notes)
+        return load_config(args.config or [DEFAULT_CONFIG], overrides, notes=notes)
     except (ConfigError, ValueError) as e:
         msg = " ".join(str(e).split())  # one line, whatever the message held
         print(f"sonar: config error: {msg}", file=sys.stderr)

@@ -1303,8 +1303,10 @@ def _check_world_questions(cfg: Config) -> None:
     ``world.force`` (see that field)."""
     if cfg.world.force:
         return
-    # SFT demonstrations are always the world's (they need a gold search plan), so an SFT stage counts too.
-    on_world = [f"stages[{i}]" for i, st in enumerate(cfg.stages) if st.steps > 0 and st.data is None]
+    # SFT stages are left out: their demonstrations are always the world's (a gold search plan), and
+    # they teach the format, not facts (a tiny policy learns the tags there before RL on the files).
+    on_world = [f"stages[{i}]" for i, st in enumerate(cfg.stages)
+                if st.kind == "rl" and st.steps > 0 and st.data is None]
     if cfg.eval.data is None:
         on_world.append("eval")
     if not on_world:

@@ -20,9 +20,10 @@ R1 = FIX / "r1_searcher" / "training_set" / "stage_2.jsonl"
 
 
 def files_cfg(*extra):
-    """smoke.yaml's stages: 0 sft (world), 1 rl on hotpot_mini, 2 rl on R1-Searcher's stage-2 layout."""
+    """smoke.yaml's stages: 0 sft (world), 1 rl on hotpot_mini, 2 rl on R1-Searcher's stage-2 layout; the
+    held-out evaluation stays the world's (world.force: these tests pin that fallback)."""
     return load_config([CONFIG_DIR / "smoke.yaml"], [f"stages.1.data={HOTPOT}", f"stages.2.data=[{R1}]",
-                                                    f"retrieval.corpus={CORPUS}", *extra])
+                                                    f"retrieval.corpus={CORPUS}", "world.force=true", *extra])
 
 
 def test_stage_questions_come_from_the_files_else_the_world():

@@ -68,7 +68,7 @@ def _model_dir(tmp_path, vocab: int):
 
 def test_a_pretrained_model_on_the_toy_world_is_refused_a_sonar_word_policy_is_not(tmp_path):
     big = _model_dir(tmp_path, 151_936)
-    with pytest.raises(ValueError, match=r"stages\[0\], stages\[1\], stages\[2\], eval would use .*vocabulary 151,936"):
+    with pytest.raises(ValueError, match=r"stages\[1\], stages\[2\], eval would use .*vocabulary 151,936"):
         load_config(["smoke"], [f"model.path={big}"])
     assert load_config(["smoke"], [f"model.path={big}", "world.force=true"]).model.path == str(big)
     small = _model_dir(tmp_path, 563)  # the tiny policy's export (benchmarks start RL from one)
@@ -82,3 +82,18 @@ def test_the_tiny_default_and_files_with_a_corpus_pass(tmp_path):
                                   f"eval.data={fix / 'hotpot_mini_dev.json'}", "stages.0.steps=0",
                                   *(f"stages.{i}.data={fix / 'hotpot_mini_dev.json'}" for i in (1, 2))])
     assert cfg.eval.data.endswith("hotpot_mini_dev.json")
+
+
+def test_index_and_eval_are_not_refused_for_stages_they_do_not_train(tmp_path, monkeypatch):
+    """``sonar index`` / ``sonar eval`` with a real corpus and a preset whose RL stages use the world:
+    nothing is trained on those stages, so the toy-world refusal does not apply (train still refuses)."""
+    from types import SimpleNamespace
+
+    from sonar.cluster.driver.cli import _load
+
+    corpus = CONFIG_DIR.parent / "tests" / "fixtures" / "datasets" / "hotpot_mini_corpus.jsonl"
+    for cmd in ("index", "eval"):
+        cfg = _load(SimpleNamespace(cmd=cmd, config=["smoke"], overrides=[f"retrieval.corpus={corpus}"]))
+        assert cfg.retrieval.corpus == str(corpus)
+    with pytest.raises(SystemExit):
+        _load(SimpleNamespace(cmd="train", config=["smoke"], overrides=[f"retrieval.corpus={corpus}"]))
