@@ -143,9 +143,10 @@ def role_nodes(cfg, nodes: list[dict]) -> dict[str, list[str]]:
 
 
 def visibility_problems(results: dict[str, tuple[str, list[str], list[str]]]) -> list[str]:
-    """``{node id: (address, roles, problems)}`` -> one line per node with problems (pure)."""
+    """``{node id: (address, roles, problems)}`` -> one line per node with problems (pure), ordered by
+    address (node ids are random, so ordering by them would shuffle the message from run to run)."""
     return [f"{addr} (could run the {' and '.join(roles)}): {'; '.join(problems)}"
-            for _, (addr, roles, problems) in sorted(results.items()) if problems]
+            for addr, roles, problems in sorted(results.values()) if problems]
 
 
 def check_policy_visible(cfg, policy: str, token: str | None, probe=None) -> dict[str, list[str]]:

@@ -22,9 +22,10 @@ def test_cpu_roles_may_run_anywhere_alive():
     assert role_nodes(cfg, [_node("a"), _node("b", alive=False)]) == {"a": ["learner", "rollout"]}
 
 
-def test_the_message_names_each_node_with_problems_only():
-    lines = visibility_problems({"n2": ("10.0.0.2", ["learner"], ["policy directory /runs/x/policy: no config.json"]),
+def test_the_message_names_each_node_with_problems_only_in_address_order():
+    # Node ids sort opposite to the addresses: Ray's ids are random, the message must not be.
+    lines = visibility_problems({"n9": ("10.0.0.2", ["learner"], ["policy directory /runs/x/policy: no config.json"]),
                                  "n1": ("10.0.0.1", ["rollout"], []),
-                                 "n3": ("10.0.0.3", ["learner", "rollout"], ["a: not readable", "b: not readable"])})
+                                 "n0": ("10.0.0.3", ["learner", "rollout"], ["a: not readable", "b: not readable"])})
     assert lines == ["10.0.0.2 (could run the learner): policy directory /runs/x/policy: no config.json",
                      "10.0.0.3 (could run the learner and rollout): a: not readable; b: not readable"]
