@@ -11,7 +11,9 @@ workers' as a summary over the workers), and the RSS at the end of the warm-up a
 
 How the run lasts N minutes: the last RL stage is given a very large number of steps, and the driver's
 ``on_step`` hook (``roles.Hooks``) ends training at the first RL step after N minutes have passed since
-the roles answered; the roles then stop as at the end of any run. (An earlier version raised a
+that stage's first step; the roles then stop as at the end of any run. The slope is measured in that
+window only (issue 26: a window that straddled SFT and RL showed the switch, not a leak); the samples
+before it are kept in the result and drawn. (An earlier version raised a
 KeyboardInterrupt in the main thread from the sampler; it could land anywhere, inside the roles'
 shutdown too, and left a Ray cluster with live actors behind in the test process.)
 
@@ -50,15 +52,21 @@ def rss_slope(t_s: list[float], rss_bytes: list[float]) -> float:
 
 
 class RssSampler:
-    """Every ``every_s`` seconds, the RSS of each named pid; after ``minutes``, sets ``interrupted`` (the on_step hook ``done`` then ends training)."""
+    """Every ``every_s`` seconds, the RSS of each named pid, from the moment the roles answer. The measured
+    window opens at the first step of the RL stage ``rl_stage`` (``window_t0``: after the SFT -> RL switch,
+    whose allocations (the rollout engines' first batches, the replay, the first pushes) are a change of
+    regime, not a leak); after ``minutes`` of it, ``interrupted`` is set (the on_step hook ``done`` then
+    ends training)."""
 
-    def __init__(self, every_s: float, minutes: float):
-        self.every_s, self.minutes = every_s, minutes
+    def __init__(self, every_s: float, minutes: float, rl_stage: int = 0):
+        self.every_s, self.minutes, self.rl_stage = every_s, minutes, rl_stage
         self.pids: dict[str, int] = {}
         self.samples: dict[str, list[tuple[float, int]]] = {}
         self.t0 = None
+        self.window_t0: float | None = None  # seconds after t0 of the RL stage's first step
         self.interrupted = False
         self._stop = threading.Event()
+        self._window = threading.Event()
         self._thread = None
 
     def start(self, pids: dict[str, int]) -> None:
@@ -79,16 +87,19 @@ class RssSampler:
                 pass
 
     def _loop(self) -> None:
-        deadline = self.t0 + 60.0 * self.minutes
         while not self._stop.is_set():
             self._sample()
-            if time.monotonic() >= deadline:
+            if self._window.is_set() and time.monotonic() - self.t0 >= self.window_t0 + 60.0 * self.minutes:
                 self.interrupted = True  # read by the driver's on_step hook (``done``): it ends training
                 return
-            self._stop.wait(min(self.every_s, max(0.0, deadline - time.monotonic())))
+            self._stop.wait(self.every_s)
 
     def done(self, roles, run, stage_index: int, steps: int) -> bool:
-        """The driver's ``on_step`` hook: end training once the N minutes have passed."""
+        """The driver's ``on_step`` hook: opens the window at the RL stage's first step, ends training once
+        its N minutes have passed."""
+        if stage_index == self.rl_stage and not self._window.is_set() and self.t0 is not None:
+            self.window_t0 = time.monotonic() - self.t0
+            self._window.set()
         return self.interrupted
 
     def stop(self) -> None:
@@ -107,10 +118,13 @@ def role_pids(roles) -> dict[str, int]:
     return pids
 
 
-def analyse(samples: dict[str, list[tuple[float, int]]], warmup: float) -> dict:
-    """Per role: slope after the warm-up (MB/min) and the RSS (MB) at the warm-up's end and at the end."""
+def analyse(samples: dict[str, list[tuple[float, int]]], warmup: float, window_t0: float = 0.0) -> dict:
+    """Per role: slope after the warm-up (MB/min) and the RSS (MB) at the warm-up's end and at the end.
+    Only the samples from ``window_t0`` on (the RL stage's) count; the warm-up is the first ``warmup``
+    fraction of those."""
     out = {}
     for role, ss in samples.items():
+        ss = [s for s in ss if s[0] >= window_t0]
         if len(ss) < 3:
             continue
         cut = min(int(len(ss) * warmup), len(ss) - 2)
@@ -123,8 +137,8 @@ def analyse(samples: dict[str, list[tuple[float, int]]], warmup: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = driver_bench_parser(NAME, __doc__.splitlines()[0], "the run's config")
-    p.add_argument("--minutes", type=float, default=None, help="how long to train after the roles answered "
-                                                               "(default 5; quick 0.3)")
+    p.add_argument("--minutes", type=float, default=None, help="how long to train in the last RL stage, from "
+                                                               "its first step (default 5; quick 0.3)")
     p.add_argument("--every", type=float, default=None, help="seconds between samples (default 5; quick 1)")
     p.add_argument("--warmup", type=float, default=None, help="fraction of the samples taken as warm-up (0.3)")
     p.add_argument("--config", default=None, help="run config (default configs/tiny.yaml; quick: smoke.yaml)")
@@ -141,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     last_rl = max(i for i, s in enumerate(base.stages) if s.kind == "rl")
     cfg = load_config([REPO_ROOT / bench["config"]],
                       bench["overrides"] + [f"stages.{last_rl}.steps=1000000"] + args.overrides)
-    sampler = RssSampler(bench["every_s"], bench["minutes"])
+    sampler = RssSampler(bench["every_s"], bench["minutes"], rl_stage=last_rl)
     t0 = time.monotonic()
     try:
         run_training(cfg, evaluate_after=False, on_roles=lambda roles: sampler.start(role_pids(roles)),
@@ -149,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         sampler.stop()
     wall = time.monotonic() - t0
-    roles = analyse(sampler.samples, bench["warmup"])
+    if sampler.window_t0 is None:
+        log.error("soak: the RL stage %d never logged a step", last_rl)
+        return 1
+    roles = analyse(sampler.samples, bench["warmup"], sampler.window_t0)
     if "driver" not in roles or "learner" not in roles:
         log.error("soak: too few samples (%s); run longer (--minutes)", {r: len(s) for r, s in sampler.samples.items()})
         return 1
@@ -161,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics[f"rss_mb_end/{name}"] = summarise(g["rss_mb_end"] for g in group)
             metrics[f"rss_mb_after_warmup/{name}"] = summarise(g["rss_mb_after_warmup"] for g in group)
     for role, v in roles.items():
-        log.info("soak %-8s RSS %.1f -> %.1f MB over %.0f s after warm-up: slope %+.3f MB/min (%d samples)",
+        log.info("soak %-8s RSS %.1f -> %.1f MB over %.0f s of RL after warm-up: slope %+.3f MB/min (%d samples)",
                  role, v["rss_mb_after_warmup"], v["rss_mb_end"], v["seconds_measured"], v["slope_mb_per_min"],
                  v["samples"])
     samples = {r: [[round(t, 2), int(b)] for t, b in s] for r, s in sampler.samples.items()}
@@ -173,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         for r, s in samples.items():
             if s:
                 ax.plot([x[0] / 60 for x in s], [x[1] / 1e6 for x in s], label=r)
+        ax.axvline(sampler.window_t0 / 60, color="grey", ls="--", lw=1, label="RL starts (window opens)")
         ax.set_xlabel("minutes since the roles answered")
         ax.set_ylabel("RSS (MB)")
         ax.set_title(f"soak: RSS per role ({bench['config']}, {bench['minutes']} min)")
@@ -182,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
 
     config = {"quick": bool(args.quick), **bench, "cli_overrides": args.overrides, "resolved": to_dict(cfg)}
     path = write_result(NAME, config, metrics, plot, args.out,
-                        extra={"roles": roles, "samples": samples, "wall_s": wall, "pids": sampler.pids})
+                        extra={"roles": roles, "samples": samples, "wall_s": wall, "pids": sampler.pids,
+                              "window_t0_s": sampler.window_t0, "rl_stage": last_rl})
     print(f"soak: wrote {path}")
     return 0
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from sonar.bench import common, run
-from sonar.bench.soak import analyse, rss_slope
+from sonar.bench.soak import RssSampler, analyse, rss_slope
 
 
 def test_rss_slope_is_the_least_squares_slope_in_mb_per_minute():
@@ -23,6 +23,25 @@ def test_analyse_drops_the_warmup_samples():
     a = analyse({"learner": ss}, warmup=0.4)["learner"]
     assert a["warmup_samples"] == 2 and a["slope_mb_per_min"] == pytest.approx(0.0)
     assert a["rss_mb_after_warmup"] == 1000 and a["rss_mb_end"] == 1000
+
+
+def test_the_window_is_the_rl_stage_only():
+    # SFT grows the learner by 400 MB (its optimiser, the switch to RL); RL then is flat: only the samples
+    # from the RL stage's first step count, and their first 40 % are its warm-up.
+    ss = [(0.0, 100e6), (60.0, 300e6), (120.0, 500e6)] + [(180.0 + 60 * i, 500e6) for i in range(5)]
+    a = analyse({"learner": ss}, warmup=0.4, window_t0=150.0)["learner"]
+    assert a["warmup_samples"] == 2 and a["samples"] == 5 and a["slope_mb_per_min"] == pytest.approx(0.0)
+    assert analyse({"learner": ss}, warmup=0.0)["learner"]["slope_mb_per_min"] > 0  # the whole run: it grows
+
+
+def test_the_sampler_opens_its_window_at_the_rl_stages_first_step():
+    s = RssSampler(every_s=3600.0, minutes=0.0, rl_stage=1)
+    s.t0 = 0.0
+    assert s.done(None, None, 0, 5) is False and s.window_t0 is None  # SFT steps do not open it
+    assert s.done(None, None, 1, 1) is False and s.window_t0 is not None
+    first = s.window_t0
+    s.done(None, None, 1, 2)
+    assert s.window_t0 == first  # opened once
 
 
 @pytest.mark.slow
@@ -44,3 +63,5 @@ def test_soak_quick(tmp_path):
         assert math.isfinite(sm["median"])
     assert sorted(doc["extra"]["pids"]) == ["driver", "learner", "worker0", "worker1"]  # smoke: two workers
     assert len(set(doc["extra"]["pids"].values())) == 4  # four distinct processes sampled
+    # the window opened at the last RL stage's first step, after the earlier stages' samples
+    assert doc["extra"]["rl_stage"] == 2 and doc["extra"]["window_t0_s"] > 0  # smoke: sft, rl, rl
