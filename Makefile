@@ -27,14 +27,31 @@ $(VENV)/.installed: pyproject.toml
 run: setup
 	$(VENV)/bin/sonar train $(ARGS)
 
-test: setup
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+# Bytecode is written: Ray's workers and the CLI subprocesses a test starts then import Sonar (and the
+# test modules) compiled once, not once per process (an environment may set it off for the session).
+unexport PYTHONDONTWRITEBYTECODE
 
+# CI's record of where the time goes: the 25 slowest phases in the output, and every test's setup, call
+# and teardown seconds in .ci/durations.tsv plus a JUnit report in .ci/junit.xml (both gitignored).
+DURATIONS := --durations=25 --durations-file=.ci/durations.tsv -o junit_family=xunit2 --junitxml=.ci/junit.xml
+
+# Two pytest-xdist workers (the CI machine's two cores; the suite alone keeps about 1.3 of them busy,
+# waiting on actor start-ups, subprocesses and collectives the rest of the time). Whole files go to a
+# worker (a module's fixtures, e.g. a trained run or a vLLM engine, are built once), the files with
+# vLLM/slow/Ray tests first (tests/conftest.py). PARALLEL=-n0 runs everything in one process.
+TEST_WORKERS ?= 2
+PARALLEL ?= -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider $(PARALLEL) $(DURATIONS) $(PYTEST_ARGS)
+
+# The edit loop: no Ray, no vLLM, nothing slow (tests/backend_guard.py keeps the ray and vllm markers
+# true: an unmarked test that starts either fails).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not ray and not vllm" $(PARALLEL) --durations=10 $(PYTEST_ARGS)
 
 bench-quick: setup
 	for b in codec-and-queue weight-sync retrieval rollout-scaling async-vs-sync end-to-end; do $(VENV)/bin/sonar bench $$b --quick || exit 1; done
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache .ci/durations.tsv .ci/junit.xml

@@ -191,7 +191,7 @@ class RolloutWorker:
         names and shapes must be this engine's). None: this engine's own specs."""
         from sonar.cluster.wire.weights import BroadcastGroup, TensorSpec, layout_digest, plan_buckets, wire_layout
 
-        timeout_s = self.cfg.cluster.step_timeout_s  # every wait of a push: a dead learner raises within it
+        timeout_s = self.cfg.cluster.broadcast_timeout()  # every wait of a push: a dead learner raises within it
         if receives_weights(self.engine.inner):
             return self.engine.inner.setup_broadcast(master_addr, master_port, rank, world_size, backend, prefix,
                                                      sender_specs, timeout_s=timeout_s)

@@ -252,7 +252,7 @@ class Learner:
 
         nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
         host = resolve_bind_host(self.cfg.cluster.bind_host, ray.util.get_node_ip_address(), nodes)
-        self._bcast_store = open_store(host, world_size)
+        self._bcast_store = open_store(host, world_size, timeout_s=self.cfg.cluster.broadcast_timeout())
         return host, int(self._bcast_store.port)
 
     def setup_broadcast(self, master_addr: str, master_port: int, world_size: int, backend: str, prefix: str) -> str:
@@ -264,9 +264,9 @@ class Learner:
         self._bcast_store = None
         if store is not None and store.port != master_port:
             store = None  # a stale endpoint: bind master_port instead
-        # Every wait of a push is bounded: a dead receiver raises within cluster.step_timeout_s.
+        # Every wait of a push is bounded: a dead receiver raises within the group's timeout.
         self._group = BroadcastGroup(master_addr, master_port, 0, world_size, backend, prefix=prefix, store=store,
-                                     timeout_s=self.cfg.cluster.step_timeout_s)
+                                     timeout_s=self.cfg.cluster.broadcast_timeout())
         return layout_digest(specs)
 
     @on_all_ranks

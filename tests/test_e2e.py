@@ -8,7 +8,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
+def smoke_run(tmp_path_factory, shared_ray):
     from sonar.cluster.wire.config import CONFIG_DIR, load_config
     from sonar.cluster.driver.loop import train
 

@@ -20,7 +20,7 @@ CRITIC_KEYS = (K.LEARNER_CRITIC_VALUE_LOSS, K.LEARNER_CRITIC_EXPLAINED_VAR, K.LE
 
 
 @pytest.fixture(scope="module")
-def ppo_run(tmp_path_factory):
+def ppo_run(tmp_path_factory, shared_ray):
     from sonar.cluster.driver.loop import train
     from sonar.cluster.wire.config import CONFIG_DIR, load_config
 

@@ -32,12 +32,12 @@ def _run(tmp_path_factory, preset: str, extra: list[str]):
 
 
 @pytest.fixture(scope="module")
-def r1_run(tmp_path_factory):
+def r1_run(tmp_path_factory, shared_ray):
     return _run(tmp_path_factory, "r1_searcher", ["stages.1.steps=2", "stages.2.steps=2"])
 
 
 @pytest.fixture(scope="module")
-def search_r1_run(tmp_path_factory):
+def search_r1_run(tmp_path_factory, shared_ray):
     # 10 SFT steps leave every reward at 0 and GRPO's dynamic sampling would drop every group, so the
     # steps would train nothing; keeping them checks the update path (zero-signal groups add no gradient).
     return _run(tmp_path_factory, "search_r1", ["stages.1.steps=2", "stages.1.algo.dynamic_sampling=false"])

@@ -9,7 +9,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
-def test_smoke_run_with_two_learner_ranks(tmp_path):
+def test_smoke_run_with_two_learner_ranks(tmp_path, shared_ray):
     from sonar.cluster.driver.loop import train
     from sonar.cluster.wire.config import CONFIG_DIR, load_config
 

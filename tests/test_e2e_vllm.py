@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
 
 
 @pytest.fixture(scope="module")
-def vllm_run(tmp_path_factory):
+def vllm_run(tmp_path_factory, shared_ray):
     from sonar.cluster.driver.loop import train
     from sonar.cluster.wire.config import CONFIG_DIR, load_config
 

@@ -312,6 +312,7 @@ def test_a_corrupt_weights_file_is_named(setup, tmp_path, keep):
         check_policy_files(tmp_path / "hf")
 
 
+@pytest.mark.slow  # spawns processes (ranks / a CLI): `make test` runs it, `make test-fast` does not
 def test_eval_cli_user_errors_are_one_line_naming_the_file_exit_2(setup, flashrag_layout, tmp_path):
     """Corrupt weights, a checkpoint without a model and the same file twice: exit 2, one line each,
     naming the file, no traceback, nothing written."""

@@ -33,7 +33,7 @@ def sft_run(root):
     return summary, weights, preds
 
 
-def test_same_seeds_give_bit_identical_sft_weights_and_eval_under_load(tmp_path):
+def test_same_seeds_give_bit_identical_sft_weights_and_eval_under_load(tmp_path, shared_ray):
     quiet = sft_run(tmp_path / "quiet")
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # competes for a core throughout
     try:

@@ -17,7 +17,7 @@ the driver makes to a member worker goes through ``RolloutPool.call``, the one f
   on the new worker (it holds the current weights by then).
 - Inside a regroup (pausing, forming, pushing, resuming) a fault replaces the worker and the regroup
   starts over. A worker that dies while the group forms, or mid-push, costs at most the group's timeout
-  (``cluster.step_timeout_s``): the other ranks' rendezvous or collective raises within it (or the push
+  (``cluster.broadcast_timeout_s``): the other ranks' rendezvous or collective raises within it (or the push
   completes); then the group forms again with the replacement and the run goes on.
 
 Errors that are not a death or a silence are the call's own and propagate (after the deaths are
@@ -305,8 +305,8 @@ class RolloutPool:
             return False
         self._event("group_open")
         # The rendezvous of a group with a dead rank fails on the others within the group's timeout
-        # (cluster.step_timeout_s): the deadline covers it, so only a truly silent worker is replaced.
-        deadline = c.step_timeout_s + c.health_timeout_s
+        # (cluster.broadcast_timeout_s): the deadline covers it, so only a truly silent worker is replaced.
+        deadline = c.broadcast_timeout() + c.health_timeout_s
         source = t.join_source(ep)
         digests = self.call("join", lambda w, i: t.join(w, ep, bases[i]), timeout=deadline, collect=True)
         died = any(d is DIED for d in digests)
@@ -367,7 +367,7 @@ class RolloutPool:
         version = ray.get(self.learner.ping.remote(), timeout=c.step_timeout_s)["version"]
         sent = t.send()
         self._event("push_sent")
-        deadline = c.step_timeout_s + c.health_timeout_s  # the collective's own bound is c.step_timeout_s
+        deadline = c.broadcast_timeout() + c.health_timeout_s  # the collective's own bound is broadcast_timeout()
         got = self.call("receive_weights", lambda w, i: t.receive(w, version), timeout=deadline, collect=True)
         died = any(g is DIED for g in got)
         try:

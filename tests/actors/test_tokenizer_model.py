@@ -123,6 +123,7 @@ def test_save_load_policy(world, tok, tmp_path):
         load_policy(tmp_path / "missing")
 
 
+@pytest.mark.slow  # spawns processes (ranks / a CLI): `make test` runs it, `make test-fast` does not
 def test_reload_offline_in_fresh_process(tok, tmp_path):
     save_policy(build_policy(ModelConfig(), tok), tok, tmp_path / "p")
     code = ("import os; os.environ['HF_HUB_OFFLINE']='1';"

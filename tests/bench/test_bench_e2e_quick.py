@@ -9,7 +9,8 @@ are finite, and a few invariants that hold whatever the speed (accounting balanc
 within the bound, fractions in [0, 1]).
 
 Together they take about 1.5-2 minutes on 2 cores (each < 1 minute; mostly actor start-up).
-Each benchmark starts and stops its own private Ray cluster, so no fixture holds one.
+Each benchmark joins the session's Ray cluster as a job of its own (``shared_ray``, tests/conftest.py) and
+leaves it at its end, so no fixture holds a connection.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def load_result(out: Path, name: str) -> dict:
     return doc
 
 
-def test_async_vs_sync_quick(tmp_path):
+def test_async_vs_sync_quick(tmp_path, shared_ray):
     assert run.main(["async-vs-sync", "--quick", "--out", str(tmp_path),
                      "--set", f"run.root={tmp_path / 'runs'}"]) == 0
     doc = load_result(tmp_path, "async-vs-sync")
@@ -87,7 +88,7 @@ def test_async_vs_sync_quick(tmp_path):
         assert curve["t"] == sorted(curve["t"]) and curve["generated_tokens"] == sorted(curve["generated_tokens"])
 
 
-def test_rollout_scaling_quick(tmp_path):
+def test_rollout_scaling_quick(tmp_path, shared_ray):
     assert run.main(["rollout-scaling", "--quick", "--out", str(tmp_path),
                      "--set", f"run.root={tmp_path / 'runs'}"]) == 0
     doc = load_result(tmp_path, "rollout-scaling")
@@ -103,7 +104,7 @@ def test_rollout_scaling_quick(tmp_path):
     assert m["workers=1/efficiency_vs_linear"]["median"] == pytest.approx(1.0)
 
 
-def test_end_to_end_quick(tmp_path):
+def test_end_to_end_quick(tmp_path, shared_ray):
     assert run.main(["end-to-end", "--quick", "--out", str(tmp_path), "--run-root", str(tmp_path / "runs")]) == 0
     doc = load_result(tmp_path, "end-to-end")
     m = doc["metrics"]

@@ -2,9 +2,9 @@
 
 They check that each benchmark runs end to end and that its JSON follows the shared schema (resolved
 config, hardware, versions, commit, timestamp, metrics as median/min/max summaries), never the numbers:
-performance is reported as ratios measured inside one run, not as timed tests. The quick runs start a
-local Ray cluster and take about 45 s together on 2 cores, hence ``slow`` and ``ray``; the dispatcher and
-schema tests are fast.
+performance is reported as ratios measured inside one run, not as timed tests. The quick runs join the
+session's local Ray cluster (``shared_ray``) and take about 45 s together on 2 cores, hence ``slow`` and
+``ray``; the dispatcher and schema tests are fast.
 """
 from __future__ import annotations
 
@@ -116,12 +116,16 @@ def test_codec_quick_without_ray(tmp_path):
 
 # ------------------------------------------------------------------------------------ slow: real Ray
 @pytest.fixture(scope="module")
-def ray_local():
+def ray_local(shared_ray):
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    started = common.init_ray_local(num_cpus=4)
+    if shared_ray and not ray.is_initialized():  # the session's cluster (tests/conftest.py), as a job of its own
+        ray.init(address=shared_ray, log_to_driver=True, configure_logging=False)
+        started = True
+    else:
+        started = common.init_ray_local(num_cpus=4)
     yield ray
     if started:
         ray.shutdown()

@@ -36,7 +36,7 @@ def test_registered_as_a_benchmark():
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_sensitivity_quick(tmp_path):
+def test_sensitivity_quick(tmp_path, shared_ray):
     assert run.main(["sensitivity", "--quick", "--out", str(tmp_path), "--allow-dirty",
                      "--set", f"run.root={tmp_path / 'runs'}"]) == 0
     files = sorted(tmp_path.glob("sensitivity-*.json"))

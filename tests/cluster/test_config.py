@@ -234,7 +234,9 @@ def test_every_config_field_is_read_somewhere():
         for path in (_ROOT / pkg).rglob("*.py"):
             if path != _CONFIG_SRC:
                 read |= {n.attr for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)}
-    for fn in ast.parse(_CONFIG_SRC.read_text()).body:  # config.py's own resolvers (inflight_budget) count;
+    body = ast.parse(_CONFIG_SRC.read_text()).body
+    methods = [m for c in body if isinstance(c, ast.ClassDef) for m in c.body]  # (ClusterConfig.broadcast_timeout)
+    for fn in body + methods:  # config.py's own resolvers (inflight_budget) count;
         if isinstance(fn, ast.FunctionDef) and not (fn.name == "validate" or fn.name.startswith("_check")):
             read |= {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)}  # its checks do not
     unread = [f"{c}.{f}" for c, f, _ in _dataclass_fields(ast.parse(_CONFIG_SRC.read_text())) if f not in read]
@@ -327,3 +329,11 @@ def test_bad_data_settings_name_the_field_and_value(overrides, fields):
 def test_stage_data_of_the_wrong_type_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match="data"):
         load_config([], ["stages.0.data={a: 1}"])
+
+
+def test_the_broadcast_timeout_defaults_to_the_step_timeout_and_can_be_set_apart():
+    from sonar.cluster.wire.config import load_config
+
+    assert load_config([], ["cluster.step_timeout_s=123"]).cluster.broadcast_timeout() == 123.0
+    cfg = load_config([], ["cluster.step_timeout_s=123", "cluster.broadcast_timeout_s=7.5"])
+    assert cfg.cluster.broadcast_timeout() == 7.5 and cfg.cluster.step_timeout_s == 123.0

@@ -127,6 +127,7 @@ BAD: dict[str, list] = {
     "cluster.auto_resume": ["-1"],
     "cluster.health_timeout_s": ["0", "nan"],
     "cluster.step_timeout_s": ["0", "-1", "inf"],
+    "cluster.broadcast_timeout_s": ["0", "-5", "inf"],
     "cluster.gpu_memory_gib": ["0", "-80", "nan", "inf"],
 }
 

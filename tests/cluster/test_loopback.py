@@ -122,6 +122,7 @@ print(json.dumps({"listen": [[c.laddr.ip, c.laddr.port] for c in conns if c.stat
 """
 
 
+@pytest.mark.slow  # spawns processes (ranks / a CLI): `make test` runs it, `make test-fast` does not
 def test_learner_deepspeed_group_and_broadcast_store_listen_on_loopback_only(tmp_path):
     """The real learner (DeepSpeed initialised through ``Learner.__init__``) and its broadcast group
     with a receiving rank, in a fresh process: its DeepSpeed store, its broadcast store and every gloo

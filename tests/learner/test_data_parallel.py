@@ -102,6 +102,7 @@ def expected_no_grad_rows(kind: str, rank: int, world: int) -> int:
 
 
 @pytest.mark.parametrize("case", ["z0", "z1", "z2", "z3", "z3-kl-loss", "ppo-z0", "ppo-z3"])
+@pytest.mark.slow  # two DeepSpeed ranks in spawned processes (the module fixture): not in `make test-fast`
 def test_two_ranks_take_the_one_rank_update(two_ranks, case):
     """Policy (and PPO's DeepSpeed critic) after one step: 2 ranks == 1 rank, with the proximal, reference and
     V_old forwards split across the ranks (each forwards its own rows: counted)."""
@@ -148,6 +149,7 @@ def test_two_ranks_take_the_one_rank_update(two_ranks, case):
         assert got["m2"]["learner/kl_reward_penalty"] == pytest.approx(m["learner/kl_reward_penalty"], rel=1e-4)
 
 
+@pytest.mark.slow  # two DeepSpeed ranks in spawned processes (the module fixture): not in `make test-fast`
 def test_only_rank_0_materialises_the_export(two_ranks):
     """``_param_state`` (what exports and checkpoints write): rank 0 holds every parameter in the training
     dtype, equal to the gathered weights; rank 1 joined ZeRO-3's gathers and holds nothing."""
@@ -161,6 +163,7 @@ def test_only_rank_0_materialises_the_export(two_ranks):
 
 
 @pytest.mark.parametrize("case", ["z0", "z2", "z3"])
+@pytest.mark.slow  # two DeepSpeed ranks in spawned processes (the module fixture): not in `make test-fast`
 def test_the_push_checksum_and_specs_of_two_ranks_need_no_whole_model_gather(two_ranks, case):
     """Under ZeRO-3 the push gathers one bucket at a time (rank 1 joins each gather in rank 0's order, so
     the two processes do not deadlock), the checksum one parameter at a time, and the specs come from
@@ -179,6 +182,7 @@ def test_the_push_checksum_and_specs_of_two_ranks_need_no_whole_model_gather(two
 
 
 @pytest.mark.parametrize("case", ["z0", "z1", "z2", "z3", "z3-kl-loss", "ppo-z0", "ppo-z3"])
+@pytest.mark.slow  # two DeepSpeed ranks in spawned processes (the module fixture): not in `make test-fast`
 def test_two_rank_checkpoint_resumes_the_uninterrupted_step(two_ranks, case):
     from sonar.learner.critic import CRITIC_DIR
 
@@ -197,6 +201,7 @@ def test_two_rank_checkpoint_resumes_the_uninterrupted_step(two_ranks, case):
         assert len(list((ckpt / "ds" / "engine").glob("*zero_pp_rank_1_*optim_states.pt"))) == 1
 
 
+@pytest.mark.slow  # two DeepSpeed ranks in spawned processes (the module fixture): not in `make test-fast`
 def test_two_rank_zero0_checkpoint_resumes_on_one_rank(two_ranks):
     """ZeRO 0: DeepSpeed's checkpoint is whole, so one rank resumes it and takes the same next step."""
     from tests.learner.dp_ranks import batches, weights
@@ -214,6 +219,7 @@ def test_two_rank_zero0_checkpoint_resumes_on_one_rank(two_ranks):
     assert m["learner/grad_norm"] == pytest.approx(got["m2"]["learner/grad_norm"], rel=1e-5)
 
 
+@pytest.mark.slow  # two DeepSpeed ranks in spawned processes (the module fixture): not in `make test-fast`
 def test_two_rank_zero2_checkpoint_on_one_rank_is_refused_naming_the_fix(two_ranks):
     from sonar.learner.checkpoint import CheckpointError
 

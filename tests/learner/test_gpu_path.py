@@ -51,6 +51,7 @@ def _two_ranks(backend: str, tmp_path) -> list[dict]:
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
 
 
+@pytest.mark.slow  # spawns processes (ranks / a CLI): `make test` runs it, `make test-fast` does not
 def test_a_cuda_only_group_refuses_the_cpu_tensors_and_takes_the_given_device(tmp_path):
     """The old ``_dp_sum`` all-reduced ``torch.tensor([x])`` (CPU) and the object broadcasts let torch pick
     the device: on a group with only a CUDA backend (NCCL's case, reproduced by ``"cuda:gloo"``) a CPU tensor
@@ -67,6 +68,7 @@ def test_a_cuda_only_group_refuses_the_cpu_tensors_and_takes_the_given_device(tm
         assert res[("sum_disjoint_rows_", "meta")] is None
 
 
+@pytest.mark.slow  # spawns processes (ranks / a CLI): `make test` runs it, `make test-fast` does not
 def test_the_learner_collectives_compute_on_a_cpu_group_and_split_the_no_grad_forwards(tmp_path):
     """The same collectives' values over 2 gloo ranks, and the data-parallel no-grad forwards: each rank
     forwards only its shard of the rows (plus fillers: ``rank_packs``), and every rank ends with the whole

@@ -145,7 +145,7 @@ def test_inner_errors_are_replies_not_crashes():
 
 # ------------------------------------------------------------------------------------ real Ray actors
 @pytest.fixture(scope="module")
-def ray_local():
+def ray_local(shared_ray):
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -156,8 +156,11 @@ def ray_local():
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     started = False
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-                 configure_logging=False)
+        if shared_ray:  # the session's cluster (tests/conftest.py), joined as a job of this module's own
+            ray.init(address=shared_ray, log_to_driver=False, configure_logging=False)
+        else:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+                     log_to_driver=False, configure_logging=False)
         started = True
     yield ray
     if started:
