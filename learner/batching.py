@@ -62,6 +62,9 @@ class Batch:
     """[B, T-1] float32 V_old of the critic (ppo), fixed for the batch; None otherwise."""
     returns: Tensor | None = None
     """[B, T-1] float32 value targets of the critic (ppo), fixed for the batch; None otherwise."""
+    response_mask: Tensor | None = None
+    """[B, T-1] float32; 1 iff the predicted token t+1 follows the prompt (MODEL or RETRIEVAL), the
+    critic's tokens under ``critic.tokens='response'``; ``collate`` always sets it."""
     traj_ids: list[str] = field(default_factory=list)
     group_ids: list[str] = field(default_factory=list)
 
@@ -118,6 +121,7 @@ def collate(trajs: list[Trajectory], advantages_per_traj: Sequence[float] | None
     ids = np.full((b, T), pad_id, dtype=np.int64)
     attn = np.zeros((b, T), dtype=np.int64)
     lmask = np.zeros((b, T - 1), dtype=np.float32)
+    rmask = np.zeros((b, T - 1), dtype=np.float32)
     blp = np.zeros((b, T - 1), dtype=np.float32)
     vers = np.full((b, T - 1), -1, dtype=np.int64)
     group_of: dict[str, int] = {}
@@ -130,6 +134,7 @@ def collate(trajs: list[Trajectory], advantages_per_traj: Sequence[float] | None
         attn[i, :n] = 1
         m = t.loss_mask()[1:].astype(np.float32)        # token t+1 is trained -> column t
         lmask[i, :n - 1] = m
+        rmask[i, :n - 1] = t.response_mask()[1:]
         blp[i, :n - 1] = np.where(m > 0, t.behaviour_logprobs()[1:], 0.0)
         vers[i, :n - 1] = np.where(m > 0, t.versions()[1:], -1)
     for i, t in enumerate(trajs):
@@ -142,6 +147,7 @@ def collate(trajs: list[Trajectory], advantages_per_traj: Sequence[float] | None
         input_ids=torch.from_numpy(ids),
         attention_mask=torch.from_numpy(attn),
         loss_mask=torch.from_numpy(lmask),
+        response_mask=torch.from_numpy(rmask),
         behaviour_logprobs=torch.from_numpy(blp),
         versions=torch.from_numpy(vers),
         sample_weight=torch.tensor([float(t.weight) for t in trajs], dtype=torch.float32),

@@ -162,9 +162,18 @@ class Critic:
             return self.stepper(hidden=hidden.detach())
         return self.stepper(input_ids=input_ids, attention_mask=attention_mask)
 
+    def mask(self, batch: Batch) -> Tensor:
+        """[B, T-1] the critic's tokens (``critic.tokens``): the loss mask (``model``) or every token after
+        the prompt (``response``, RAG-R1's fork)."""
+        if self.cfg.tokens == "response":
+            if batch.response_mask is None:
+                raise ValueError("critic.tokens='response' needs Batch.response_mask (made by batching.collate)")
+            return batch.response_mask
+        return batch.loss_mask
+
     @torch.no_grad()
     def predict(self, batch: Batch, dp: tuple[int, int] = (0, 1)) -> Tensor:
-        """V_old: [B, T-1] float32 (on CPU) for the whole batch, 0 where loss_mask is 0. ``dp``: each rank
+        """V_old: [B, T-1] float32 (on CPU) for the whole batch, 0 off the critic's tokens (``mask``). ``dp``: each rank
         forwards its shard of the rows and the ranks' rows are summed on the device (as
         ``train_step.batch_logprobs``)."""
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
@@ -175,7 +184,7 @@ class Critic:
                 out[torch.as_tensor(idx, device=self.device)[:, None],
                     torch.arange(v.shape[1], device=self.device)[None, :]] = v
         out = sum_disjoint_rows_(out, dp).cpu()
-        return torch.where(batch.loss_mask > 0, out, torch.zeros_like(out))
+        return torch.where(self.mask(batch) > 0, out, torch.zeros_like(out))
 
     # ------------------------------------------------------------------ update
     def update(self, batch: Batch, old_values: Tensor, returns: Tensor,
@@ -191,7 +200,7 @@ class Critic:
         gradients; the logged loss and clip fraction are the whole batch's."""
         if dp[1] > 1 and self.engine is None:
             raise ValueError(f"a plain-PyTorch critic trains on one rank, not dp={dp}: pass ds_config")
-        tokens = float((batch.loss_mask > 0).sum())
+        tokens = float((self.mask(batch) > 0).sum())
         loss_total, clip_sum = 0.0, 0.0
         packs = rank_packs(batch.lengths.tolist(), self.lcfg.micro_batch_tokens, dp)
         self.model.train()
@@ -202,22 +211,23 @@ class Critic:
             old = old_values[rows, :w].to(self.device)
             ret = returns[rows, :w].to(self.device)
             v = self.values(mb.input_ids, mb.attention_mask)
-            out = value_loss(v, old, ret, mb.loss_mask, self.cfg.value_clip, tokens=tokens)
+            mb_mask = self.mask(mb)
+            out = value_loss(v, old, ret, mb_mask, self.cfg.value_clip, tokens=tokens)
             scale = (float(dp[1]) if real else 0.0) if dp[1] > 1 else 1.0
             self.stepper.backward(out.loss * scale if dp[1] > 1 else out.loss, boundary=i == len(packs) - 1)
             if real:
                 loss_total += float(out.loss.detach())
-                clip_sum += out.metrics["value_clipfrac"] * float((mb.loss_mask > 0).sum())
+                clip_sum += out.metrics["value_clipfrac"] * float((mb_mask > 0).sum())
         loss_total = dp_sum(loss_total, dp, self.device)
         clip_sum = dp_sum(clip_sum, dp, self.device)
         norm = self.stepper.step()
         self.steps += 1
         n = max(tokens, 1.0)
-        m = batch.loss_mask > 0
+        m = self.mask(batch) > 0
         return {K.LEARNER_CRITIC_VALUE_LOSS: loss_total, K.LEARNER_CRITIC_VALUE_CLIPFRAC: clip_sum / n,
                 K.LEARNER_CRITIC_VALUE_MEAN: float(old_values[m].mean()) if m.any() else 0.0,
                 K.LEARNER_CRITIC_RETURN_MEAN: float(returns[m].mean()) if m.any() else 0.0,
-                K.LEARNER_CRITIC_EXPLAINED_VAR: explained_variance(old_values, returns, batch.loss_mask),
+                K.LEARNER_CRITIC_EXPLAINED_VAR: explained_variance(old_values, returns, self.mask(batch)),
                 K.LEARNER_CRITIC_GRAD_NORM: norm}
 
     # ------------------------------------------------------------------ checkpoint
@@ -287,8 +297,11 @@ def gae_advantages(critic: Critic, batch: Batch, kl: Tensor | None, kl_coef: flo
     whitening over the batch (``critic.whiten``). Returns (advantages float32, V_old, returns), all
     [B, T-1] on CPU, 0 where loss_mask is 0. ``dp``: V_old split across the data-parallel ranks (``predict``)."""
     old_values = critic.predict(batch, dp)
-    rewards = outcome_token_rewards(batch.rewards, batch.loss_mask, kl, kl_coef if kl is not None else 0.0)
-    adv, returns = gae(rewards, old_values, batch.loss_mask, critic.cfg.gamma, critic.cfg.lam)
+    mask = critic.mask(batch)  # critic.tokens: the model's tokens, or the whole response (RAG-R1's fork)
+    # kl is 0 off the model's tokens (train_step multiplies it by loss_mask), as the fork's info_mask makes it
+    rewards = outcome_token_rewards(batch.rewards, mask, kl, kl_coef if kl is not None else 0.0)
+    adv, returns = gae(rewards, old_values, mask, critic.cfg.gamma, critic.cfg.lam)
     if critic.cfg.whiten:
-        adv = masked_whiten(adv, batch.loss_mask)
-    return adv.float(), old_values, returns.float()
+        adv = masked_whiten(adv, mask)
+    # the policy loss reads only the model's tokens (retrieved tokens are never trained)
+    return torch.where(batch.loss_mask > 0, adv, torch.zeros_like(adv)).float(), old_values, returns.float()

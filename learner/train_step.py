@@ -225,7 +225,7 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
         # KL as a reward penalty: per-token KL(current || ref) of the batch, before the first update.
         ref = batch_logprobs(ref_module, batch, temperature, lcfg.micro_batch_tokens, device, lcfg.logits_chunk_tokens,
                              dp)
-        kl = kl_estimate(cur, ref, algo.kl_estimator) * batch.loss_mask
+        kl = kl_estimate(cur, ref, algo.kl_estimator, algo.kl_clamp) * batch.loss_mask
         m[K.LEARNER_KL_REWARD_PENALTY] = float(algo.kl_coef * kl.sum() / max(1.0, float(batch.loss_mask.sum())))
     batch.advantages = batch_advantages(batch, algo, kl, critic, dp)
     if algo.name == "ppo":

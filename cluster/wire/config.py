@@ -358,6 +358,11 @@ class AlgoConfig:
     """Lower PPO clip: the ratio's lower bound is 1 - clip_low, clip_low in [0, 1)."""
     clip_high: float = 0.28
     """Asymmetric PPO clip: ratio in [1-clip_low, 1+clip_high] (clip-higher)."""
+    dual_clip: Optional[float] = None
+    """Dual-clip PPO (Ye et al. 2020; veRL's ``clip_ratio_c``, 3.0 there), > 1: for a negative advantage
+    the token's loss is at most -A * dual_clip, so a ratio above dual_clip gives no gradient (a token
+    the policy now favours far more than the behaviour did cannot be pushed down without bound).
+    None: off (the plain PPO clip)."""
     loss_agg: Optional[str] = None
     """token_mean | seq_mean_token_mean | seq_sum_norm (sum / loss_norm_const). None: the algorithm's default,
     seq_sum_norm for dr_grpo (its constant normaliser is half of Dr.GRPO), token_mean for the others. An
@@ -370,6 +375,11 @@ class AlgoConfig:
     0 disables it and no reference copy is kept. Applied per ``kl_mode``."""
     kl_estimator: str = "k3"
     """k1 | k2 | k3"""
+    kl_clamp: Optional[float] = 10.0
+    """k3 only: the per-token estimate is clamped to [-kl_clamp, kl_clamp] (> 0) in the loss and the
+    reward penalty, as veRL's ``low_var_kl`` does (``torch.clamp(kld, min=-10, max=10)``): at
+    ref - logp = 11.9 the unclamped k3 is 147,254 with gradient -147,265; clamped it is 10 with none.
+    None: unclamped (only the exponent's +-20 guard). The logged approx/mismatch KL are never clamped."""
     kl_mode: str = "loss"
     """loss | reward"""
     off_policy: str = "tis"
@@ -402,7 +412,7 @@ class AlgoConfig:
 class CriticConfig:
     """PPO's value model, used by the RL stages with ``algo.name=ppo`` (RAG-R1's ``adv_estimator=gae``).
     The learner builds it once when any stage runs ppo (``learner/critic.py``); advantages come from GAE
-    over MODEL tokens (``learner/algo/gae.py``). A ppo stage needs no group: one sample per prompt
+    over the critic's tokens (``tokens``; ``learner/algo/gae.py``). A ppo stage needs no group: one sample per prompt
     (``rollout.group_size=1``) is allowed, and dynamic sampling drops no group under ppo."""
 
     mode: str = "separate"
@@ -425,6 +435,13 @@ class CriticConfig:
     whiten: bool = True
     """Whiten the GAE advantages over the batch's trained tokens (veRL's ``masked_whiten``: mean 0, unbiased
     std 1) before the policy loss."""
+    tokens: str = "model"
+    """The tokens the critic works on: its values, the outcome reward's position, the GAE recursion, the
+    whitening statistics and the value loss. ``model``: the policy's own tokens only (retrieved spans
+    bridged; Sonar's default). ``response``: every token after the prompt, retrieved documents included,
+    as RAG-R1's veRL fork does (``compute_advantage``: ``response_mask = attention_mask[:,
+    -response_length:]``, whitened by ``masked_whiten`` over it; the critic's loss over the same mask).
+    The policy loss is over the model's tokens either way."""
 
 
 @dataclass(frozen=True)
@@ -753,6 +770,7 @@ _CHOICES = {
     "learner.rendezvous": ("auto", "loopback"),
     "replay.stale_policy": ("drop", "downweight"),
     "critic.mode": ("separate", "head"),
+    "critic.tokens": ("model", "response"),
 }
 DATA_FORMATS = ("auto", "flashrag", "hotpotqa", "2wiki", "musique", "bamboogle", "r1_searcher", "verl",
                 "search_r1", "jsonl", "rag_r1", "hotpot", "2wikimultihopqa", "search_r1_parquet", "parquet")
@@ -857,7 +875,7 @@ RANGES: dict[str, str] = {
     "stages.N.steps": ">= 0", "stages.N.lr": "> 0", "stages.N.batch_size": ">= 1", "stages.N.difficulty": "[0, 1]",
     "stages.N.reward.format_weight": ">= 0", "stages.N.reward.format_penalty": "<= 0",
     "stages.N.algo.clip_low": "[0, 1)", "stages.N.algo.clip_high": ">= 0", "stages.N.algo.loss_norm_const": "> 0",
-    "stages.N.algo.kl_coef": ">= 0", "stages.N.algo.tis_cap": "> 0", "stages.N.algo.vtrace_rho_bar": "> 0",
+    "stages.N.algo.kl_coef": ">= 0", "stages.N.algo.kl_clamp": "> 0", "stages.N.algo.dual_clip": "> 1", "stages.N.algo.tis_cap": "> 0", "stages.N.algo.vtrace_rho_bar": "> 0",
     "stages.N.algo.vtrace_c_bar": "> 0", "stages.N.algo.ppo_epochs": ">= 1", "stages.N.algo.mini_batches": ">= 1",
     "eval.batch_size": ">= 1",
     "cluster.num_cpus": ">= 1", "cluster.max_worker_restarts": ">= 0", "cluster.max_replica_restarts": ">= 0",

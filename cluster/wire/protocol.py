@@ -118,6 +118,11 @@ class Trajectory:
         return np.concatenate(
             [np.full(len(s), 1 if s.kind == SegmentKind.MODEL else 0, dtype=np.int8) for s in self.segments])
 
+    def response_mask(self) -> np.ndarray:
+        """1 on every token after the prompt (MODEL and RETRIEVAL), 0 on PROMPT tokens."""
+        return np.concatenate(
+            [np.full(len(s), 0 if s.kind == SegmentKind.PROMPT else 1, dtype=np.int8) for s in self.segments])
+
     def behaviour_logprobs(self) -> np.ndarray:
         """Sampling logprobs aligned with token_ids (0 on untrained tokens)."""
         return np.concatenate(

@@ -137,7 +137,7 @@ def _masked_max(x: Tensor, m: Tensor) -> float:
 
 # ------------------------------------------------------------------ KL
 
-def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3", clamp: float | None = None) -> Tensor:
     """Per-token KL(pi || pi_ref) estimators (Schulman's k1/k2/k3) from sampled-token logprobs.
 
     With d = logprobs - ref_logprobs (= log pi/pi_ref at the sampled token):
@@ -145,7 +145,9 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -
                                         gradient is a constant push-down of logp (use in reward mode);
       * k2 = 0.5 * d^2                  biased, low variance, >= 0;
       * k3 = exp(-d) + d - 1            unbiased for KL(pi||ref), >= 0, low variance (GRPO's choice).
-    The exponent of k3 is clamped at +-20. Shapes: any, same for both inputs; returns that shape.
+    The exponent of k3 is clamped at +-20; ``clamp``: k3 itself is clamped to [-clamp, clamp]
+    (``algo.kl_clamp``, veRL's 10: beyond it no gradient). Shapes: any, same for both inputs; returns
+    that shape.
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"algo.kl_estimator={estimator!r} is not one of {list(KL_ESTIMATORS)}")
@@ -155,7 +157,8 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -
     if estimator == "k2":
         return 0.5 * d * d
     neg = (-d).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.exp(neg) - neg - 1.0
+    k3 = torch.exp(neg) - neg - 1.0
+    return k3 if clamp is None else k3.clamp(-clamp, clamp)
 
 
 # ------------------------------------------------------------------ V-trace
@@ -381,6 +384,13 @@ def policy_loss(inp: LossInputs, cfg: AlgoConfig) -> LossOutput:
         with torch.no_grad():
             clipped = m & (((adv > 0) & (ratio > hi)) | ((adv < 0) & (ratio < lo)))
         per_token = torch.where(clipped, -adv * ratio.detach().clamp(lo, hi), -adv * ratio)
+        if cfg.dual_clip is not None:
+            # Dual clip: min(max(-A r, -A clip(r)), -A c) for A < 0, i.e. a constant -A c (no gradient)
+            # wherever r > c; A >= 0 and r <= c are untouched.
+            with torch.no_grad():
+                dual = m & (adv < 0) & (ratio > cfg.dual_clip)
+                metrics["dual_clip_fraction"] = _masked_mean(dual.to(lp.dtype), m)
+            per_token = torch.where(dual, -adv * cfg.dual_clip, per_token)
         if weight is not None:
             per_token = per_token * weight
         with torch.no_grad():
@@ -403,7 +413,7 @@ def policy_loss(inp: LossInputs, cfg: AlgoConfig) -> LossOutput:
         if inp.ref_logprobs is None:
             raise ValueError(f"algo.kl_mode='loss' with algo.kl_coef={cfg.kl_coef} needs LossInputs.ref_logprobs")
         ref = torch.where(m, inp.ref_logprobs.detach().to(lp.dtype), zeros)
-        kl_tok = kl_estimate(lp_m, ref, cfg.kl_estimator)
+        kl_tok = kl_estimate(lp_m, ref, cfg.kl_estimator, cfg.kl_clamp)
         if sw is not None:
             kl_tok = kl_tok * sw
         kl_loss = aggregate(kl_tok, inp.mask, agg, cfg.loss_norm_const, inp.denominators)

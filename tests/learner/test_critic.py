@@ -103,6 +103,48 @@ def test_ppo_advantages_are_whitened_gae_of_the_critic(policy):
     assert torch.all(adv[~m] == 0)
 
 
+def test_rag_r1_critic_tokens_whiten_over_the_whole_response_documents_included(policy):
+    """critic.tokens='response' (RAG-R1's veRL fork, ray_trainer.compute_advantage: eos_mask =
+    attention_mask[:, -response_length:], masked_whiten over it): with V = 0.25 and gamma = lam = 1 every
+    response token's raw advantage is R - 0.25 (retrieved tokens too), the whitening's mean and unbiased
+    variance are over all of them, the returns are R on every response token, and the policy still
+    reads the advantages of the model's tokens only."""
+    critic = Critic(CriticConfig(gamma=1.0, lam=1.0, tokens="response"), LearnerConfig(), policy_dir=str(policy))
+    with torch.no_grad():
+        critic.head.bias.fill_(0.25)
+    batch = collate([g[0] for g in singleton_groups()], None, 0)
+    r = batch.response_mask > 0
+    m = batch.loss_mask > 0
+    assert (r & ~m).any() and not (m & ~r).any()  # documents are response tokens, never model tokens
+    adv, old, ret = gae_advantages(critic, batch, None, 0.0)
+    assert torch.allclose(old[r], torch.full_like(old[r], 0.25)) and torch.all(old[~r] == 0)
+    raw = (batch.rewards[:, None].expand_as(old) - 0.25).double()
+    mean, var = raw[r].mean(), raw[r].var(unbiased=True)
+    expect = (raw - mean) / torch.sqrt(var + 1e-8)
+    assert torch.allclose(adv[m].double(), expect[m], atol=1e-6)
+    assert torch.all(adv[~m] == 0)
+    assert torch.allclose(ret[r].double(), batch.rewards[:, None].expand_as(old).double()[r], atol=1e-6)
+    # Sonar's default (model tokens) whitens with the model tokens' statistics: a different advantage
+    model = Critic(CriticConfig(gamma=1.0, lam=1.0), LearnerConfig(), policy_dir=str(policy))
+    with torch.no_grad():
+        model.head.bias.fill_(0.25)
+    adv_m, _, _ = gae_advantages(model, batch, None, 0.0)
+    assert not torch.allclose(adv_m[m], adv[m], atol=1e-3)
+    # the value loss covers the documents: its token count is the response's
+    out = critic.update(batch, old, ret)
+    assert np.isfinite(out[K.LEARNER_CRITIC_VALUE_LOSS])
+
+
+def test_the_response_mask_marks_every_token_after_the_prompt():
+    rng = np.random.default_rng(0)
+    t = rl_traj(rng, 0, 1.0)  # PROMPT 5, MODEL 2, RETRIEVAL 4, MODEL 1
+    assert t.response_mask().tolist() == [0] * 5 + [1] * 7
+    b = collate([t], None, 0)
+    assert b.response_mask[0].tolist() == [0] * 4 + [1] * 7  # column t: token t+1
+    assert b.loss_mask[0].tolist() == [0] * 4 + [1, 1, 0, 0, 0, 0, 1]
+    assert b.select([0]).response_mask.tolist() == b.response_mask.tolist()
+
+
 def ppo_learner(policy, mode="separate"):
     from tests.learner.test_train_step import init_deepspeed
 

@@ -197,6 +197,57 @@ def test_clip_is_asymmetric():
     assert out.loss.item() == pytest.approx(expect, rel=1e-12)
 
 
+def test_dual_clip_caps_a_negative_advantages_loss_at_minus_a_times_c():
+    """veRL's dual clip (clip_ratio_c = 3): for A < 0 the loss is min(max(-A r, -A clip(r)), -A c).
+    Hand values with clip [0.8, 1.28], c = 3: r = 5, A = -1 -> 3 (constant: no gradient); r = 2, A = -1
+    -> 2 (gradient -A r / n = 2/4); r = 5, A = +1 -> -1.28 (the ordinary clip; dual clip is for A < 0
+    only); r = 0.5, A = -1 -> 0.8 (clipped below, no gradient)."""
+    ratios = torch.tensor([[5.0, 2.0, 5.0, 0.5]], dtype=D)
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0]], dtype=D)
+    A = cfg(off_policy="none", clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    lp = ratios.log().requires_grad_(True)
+    out = policy_loss(LossInputs(lp, torch.zeros_like(ratios), adv, torch.ones_like(ratios)), A)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx((3.0 + 2.0 - 1.28 + 0.8) / 4, rel=1e-12)
+    assert lp.grad[0].tolist() == pytest.approx([0.0, 2.0 / 4, 0.0, 0.0], abs=1e-12)
+    assert out.metrics["dual_clip_fraction"] == pytest.approx(1 / 4)
+    # off (the default): the r = 5, A = -1 token keeps its unbounded -A r = 5 and its gradient
+    lp2 = ratios.log().requires_grad_(True)
+    plain = policy_loss(LossInputs(lp2, torch.zeros_like(ratios), adv, torch.ones_like(ratios)),
+                        cfg(off_policy="none", clip_low=0.2, clip_high=0.28))
+    plain.loss.backward()
+    assert plain.loss.item() == pytest.approx((5.0 + 2.0 - 1.28 + 0.8) / 4, rel=1e-12)
+    assert lp2.grad[0, 0].item() == pytest.approx(5.0 / 4, rel=1e-12) and "dual_clip_fraction" not in plain.metrics
+
+
+def test_k3_is_clamped_at_10_like_verl_at_large_gaps():
+    """veRL kl_penalty 'low_var_kl': kl = clamp(ref - logp, -20, 20); clamp(exp(kl) - kl - 1, -10, 10).
+    At ref - logp = 11.9 the unclamped k3 is exp(11.9) - 12.9 = 147,253.7 with gradient
+    d/dlogp = 1 - exp(11.9) = -147,265.6; clamped: 10, gradient 0. Small gaps are untouched."""
+    lp = torch.tensor([-12.0, -1.0], dtype=D, requires_grad=True)
+    ref = torch.tensor([-0.1, -1.5], dtype=D)
+    raw = kl_estimate(lp, ref, "k3")
+    assert raw[0].item() == pytest.approx(math.exp(11.9) - 12.9, rel=1e-12) and raw[0].item() == pytest.approx(147253.7, abs=0.1)
+    (g,) = torch.autograd.grad(raw[0], lp)
+    assert g[0].item() == pytest.approx(1.0 - math.exp(11.9), rel=1e-12)
+    k = kl_estimate(lp, ref, "k3", clamp=10.0)
+    assert k[0].item() == 10.0 and k[1].item() == pytest.approx(math.exp(-0.5) + 0.5 - 1, rel=1e-12)
+    (g,) = torch.autograd.grad(k[0], lp)
+    assert g[0].item() == 0.0
+    # the loss uses algo.kl_clamp (default 10): the KL term of that token is kl_coef * 10, no gradient from it
+    assert AlgoConfig().kl_clamp == 10.0
+    lp2 = torch.tensor([[-12.0]], dtype=D, requires_grad=True)
+    out = policy_loss(LossInputs(lp2, lp2.detach().clone(), torch.zeros(1, 1, dtype=D), torch.ones(1, 1, dtype=D),
+                                 ref_logprobs=torch.tensor([[-0.1]], dtype=D)),
+                      cfg(off_policy="none", kl_coef=0.5, kl_mode="loss", kl_estimator="k3"))
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(0.5 * 10.0, rel=1e-12) and lp2.grad.abs().max().item() == 0.0
+    unclamped = policy_loss(LossInputs(lp2, lp2.detach().clone(), torch.zeros(1, 1, dtype=D), torch.ones(1, 1, dtype=D),
+                                       ref_logprobs=torch.tensor([[-0.1]], dtype=D)),
+                            cfg(off_policy="none", kl_coef=0.5, kl_mode="loss", kl_estimator="k3", kl_clamp=None))
+    assert unclamped.loss.item() == pytest.approx(0.5 * (math.exp(11.9) - 12.9), rel=1e-12)
+
+
 def test_empty_mask_zero_loss_zero_grad():
     for agg in ("token_mean", "seq_mean_token_mean", "seq_sum_norm"):
         for off in ("none", "tis", "decoupled", "vtrace"):
