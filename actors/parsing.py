@@ -85,7 +85,8 @@ class Search:
 
 @dataclass(frozen=True)
 class Answer:
-    """The final answer (stripped, non-empty)."""
+    """The final answer, stripped: never empty from ``parse_turn``; ``actors.upstream`` (a paper's own
+    rules) may return an empty one, which ends the rollout as upstream does."""
 
     text: str
     trailing: bool = False

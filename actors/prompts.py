@@ -136,13 +136,14 @@ def tag_id(tokenizer, tag: str) -> int | None:
     return int(ids[0]) if len(ids) == 1 and ids[0] != unk else None
 
 
-def stop_plan(tokenizer, tags: TagSet) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Where a model turn ends, as (stop ids, stop strings): each closing tag (``query_close``,
-    ``answer_close``) that is one added token of the tokenizer stops on its id, any other on its
-    string (tags as plain text). The rollout adds EOS to the ids."""
+def stop_plan(tokenizer, tags: TagSet, closing: tuple[str, ...] | None = None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Where a model turn ends, as (stop ids, stop strings): each closing tag (``closing``; default
+    ``query_close`` and ``answer_close``; ``actors.upstream.stop_tags`` for ``protocol.rules``) that is
+    one added token of the tokenizer stops on its id, any other on its string (tags as plain text).
+    The rollout adds EOS to the ids."""
     ids: list[int] = []
     texts: list[str] = []
-    for tag in dict.fromkeys((tags.query_close, tags.answer_close)):
+    for tag in dict.fromkeys(closing if closing is not None else (tags.query_close, tags.answer_close)):
         tid = tag_id(tokenizer, tag)
         if tid is None:
             texts.append(tag)

@@ -63,7 +63,8 @@ the ``solution`` string: ``full`` is everything after the prompt (model text and
   in ``<think>``; one think_open otherwise), exactly one think_close, exactly one answer_open and
   answer_close (Llama: one condition; Qwen: the same conditions checked separately).
 * Qwen only: neither "Assistant" nor "assistant" anywhere in ``full`` (documents included, as the
-  server does); the answer holds no query/documents tag; the answer has at most ``R1_MAX_ANSWER_WORDS``
+  server does); the answer holds neither substring "begin_of_query" nor "begin_of_documents" (the
+  server's test: plain substrings, not the tags); the answer has at most ``R1_MAX_ANSWER_WORDS``
   whitespace words.
 * Qwen and Llama stage 2: no CJK character (U+4E00..U+9FFF) in ``model``.
 
@@ -250,7 +251,9 @@ def r1_format_failures(variant: str, traj: "Trajectory", text: ResponseText, tag
         if "Assistant" in text.full or "assistant" in text.full:
             out.append("assistant")
         pred = traj.prediction or ""
-        if tags.query_open in pred or tags.docs_open in pred:
+        # The server's rule is on the plain substrings (reward_server_qwen_zero.py:233-237), so it also
+        # fires on an answer that names them without the tag's delimiters.
+        if "begin_of_query" in pred or "begin_of_documents" in pred:
             out.append("tag in answer")
         if len(pred.split()) > R1_MAX_ANSWER_WORDS:
             out.append("long answer")

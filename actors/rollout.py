@@ -71,7 +71,9 @@ from typing import Any, Callable
 import numpy as np
 
 from sonar.actors.engine import Engine, Generation, SamplingParams, cut_at_stop
+from sonar.actors.parsing import parse_turn
 from sonar.actors.prompts import TagSet, render_documents, render_invalid, render_prompt, stop_plan
+from sonar.actors.upstream import parse_turn_upstream, stop_tags
 from sonar.cluster.wire.config import ProtocolConfig
 from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, Trajectory
 from sonar.retrieval.base import AsyncRetriever, Hit, RetrievalError, Retriever, check_retriever, search_async
@@ -188,10 +190,11 @@ def _accepts_caps(engine: Engine) -> bool:
     return "max_new_tokens_per_prompt" in ps or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps.values())
 
 
-def _stops(tokenizer, tags: TagSet) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Generation stops on the closing query and answer tags (their ids when they are special tokens,
-    their strings when plain text: ``prompts.stop_plan``) and on EOS (duplicates removed)."""
-    ids, texts = stop_plan(tokenizer, tags)
+def _stops(tokenizer, tags: TagSet, rules: str = "sonar") -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Generation stops on the closing tags of ``protocol.rules`` (``upstream.stop_tags``: the query's and
+    the answer's, or only the query's for R1-Searcher's own rules; their ids when they are special
+    tokens, their strings when plain text: ``prompts.stop_plan``) and on EOS (duplicates removed)."""
+    ids, texts = stop_plan(tokenizer, tags, stop_tags(tags, rules))
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is not None:
         ids = (*ids, int(eos))
@@ -212,7 +215,8 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
     ``search_enabled=False``.
     ``k``: hits requested per query (>= ``proto.docs_per_query``; extra hits backfill de-duplication).
     ``seed``: turn t samples with seed ``seed + t`` (None: unseeded).
-    ``parse_fn``: defaults to ``actors.parsing.parse_turn(text, tags, max_queries)``; actions are
+    ``parse_fn``: defaults to ``actors.parsing.parse_turn(text, tags, max_queries)`` (``proto.rules=sonar``) or
+    ``actors.upstream.parse_turn_upstream`` (``upstream``: the paper's released parsing); actions are
     dispatched by type name (``Search`` / ``Answer`` / ``Malformed``).
     ``retrieval_timeout_s``: bound on one batched retriever call; a timeout fails that turn's searches
     (error ``"timeout"``), like any exception from the retriever.
@@ -235,12 +239,12 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
                          f"protocol.max_new_tokens_per_turn={proto.max_new_tokens_per_turn} must be >= 1")
     if retriever is not None:
         check_retriever(retriever)
-    if parse_fn is None:
-        from sonar.actors.parsing import parse_turn as parse_fn  # noqa: N813
+    if parse_fn is None:  # protocol.rules: Sonar's strict parser or the paper's own (actors/upstream.py)
+        parse_fn = parse_turn_upstream if proto.rules == "upstream" else parse_turn
 
     t_start = time.perf_counter()
     call = _Call(engine, retriever if search_enabled else None, tokenizer, tags, proto, temperature, top_p, k,
-                 seed, parse_fn, retrieval_timeout_s, *_stops(tokenizer, tags),
+                 seed, parse_fn, retrieval_timeout_s, *_stops(tokenizer, tags, proto.rules),
                  tuple(render_invalid(tags, tokenizer, proto.prompt)), _accepts_caps(engine), RolloutStats())
     groups, states = _prepare(items, group_size, call, actor_id, stage)
     if per_trajectory:

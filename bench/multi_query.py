@@ -81,10 +81,10 @@ SHARE_SOURCE = {
                    "(found with the search tool; not recounted here: no dataset download on this machine)",
     "share": "1487 / 7405 = 0.2008",
 }
-FULL = {"config": "configs/rag_r1.yaml", "seeds": 3, "sft_steps": 300, "batch_size": 64, "lr": 3e-3,
+FULL = {"config": "configs/rag_r1_tiny.yaml", "seeds": 3, "sft_steps": 300, "batch_size": 64, "lr": 3e-3,
         "warmup_steps": 30, "questions": 200, "parallel_share": HOTPOT_SHARE,
         "overrides": ["retrieval.cache_size=0", "retrieval.backend=tantivy"]}
-QUICK = {"config": "configs/rag_r1.yaml", "seeds": 2, "sft_steps": 3, "batch_size": 8, "lr": 3e-3,
+QUICK = {"config": "configs/rag_r1_tiny.yaml", "seeds": 2, "sft_steps": 3, "batch_size": 8, "lr": 3e-3,
          "warmup_steps": 1, "questions": 4, "parallel_share": HOTPOT_SHARE,
          # an untrained policy writes until the token caps: small caps keep the smoke test short
          # (4 turns: a two-step comparison takes 4 single-query steps)
@@ -448,7 +448,7 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = base_parser(NAME, __doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, help="SFT runs per protocol (default 3; quick 2)")
-    p.add_argument("--sft-steps", type=int, help="SFT steps per run (default 300, as configs/rag_r1.yaml)")
+    p.add_argument("--sft-steps", type=int, help="SFT steps per run (default 300, as configs/rag_r1_tiny.yaml)")
     p.add_argument("--questions", type=int, help="held-out questions per run (default 200)")
     p.add_argument("--run-root", default=str(REPO_ROOT / "runs" / "bench-multi-query"),
                    help="where the corpus and index go")
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"world.parallel_share: the parallel share of training and held-out questions "
                         f"(default {HOTPOT_SHARE:.4f}, HotpotQA dev's comparison share; none: today's world)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra config overrides on top of configs/rag_r1.yaml (repeatable)")
+                   help="extra config overrides on top of configs/rag_r1_tiny.yaml (repeatable)")
     args = p.parse_args(argv)
     bcfg = bench_settings(args, QUICK, FULL)
     for k in ("seeds", "sft_steps", "questions"):

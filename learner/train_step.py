@@ -73,7 +73,7 @@ def _last_hidden_state(model, trunk: torch.nn.Module, mb: Batch) -> torch.Tensor
 
 
 def forward_logprobs(model, mb: Batch, temperature: float, with_entropy: bool = False,
-                     chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     chunk_tokens: int = 0, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, t-1] logprobs of the realised next tokens at the sampling temperature (and entropy).
     ``model``: a Stepper (trained forward), a DeepSpeed engine or a plain module (reference policy).
 
@@ -86,12 +86,13 @@ def forward_logprobs(model, mb: Batch, temperature: float, with_entropy: bool = 
     trunk = trunk_of(getattr(model, "module", model), required=False) if head is not None else None
     if head is not None and trunk is not None:
         hidden = _last_hidden_state(model, trunk, mb)
-        return chunked_logprobs(hidden, head, mb.input_ids, temperature, chunk_tokens, with_entropy=with_entropy)
+        return chunked_logprobs(hidden, head, mb.input_ids, temperature, chunk_tokens, with_entropy=with_entropy,
+                                entropy_grad=entropy_grad)
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits.float()
     lp = token_logprobs(logits, mb.input_ids, temperature)
     ent = None
     if with_entropy:
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             ent = entropy_from_logits(logits, temperature)
     return lp, ent
 
@@ -248,7 +249,7 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
             loss_total = 0.0
             for i, mb in enumerate(mbs):
                 lp, ent = forward_logprobs(stepper, mb, temperature, with_entropy=True,
-                                           chunk_tokens=lcfg.logits_chunk_tokens)
+                                           chunk_tokens=lcfg.logits_chunk_tokens, entropy_grad=algo.entropy_coef > 0)
                 ref = None
                 if use_ref:
                     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""End to end (slow): configs/rag_r1.yaml's PPO with a critic through the real driver — Ray actors, the
+"""End to end (slow): configs/rag_r1_tiny.yaml's PPO with a critic through the real driver — Ray actors, the
 DeepSpeed learner with its separate value model, one sample per prompt, KL 0.001 as a reward penalty,
 four mini-batches per rollout batch — shrunk to a few steps on smoke.yaml's small world. It checks that
 the run completes, that every RL step trained the critic and logged its metrics, and that the stage's
@@ -25,7 +25,7 @@ def ppo_run(tmp_path_factory, shared_ray):
     from sonar.cluster.wire.config import CONFIG_DIR, load_config
 
     root = tmp_path_factory.mktemp("runs")
-    cfg = load_config([smoke_sizing(root), CONFIG_DIR / "rag_r1.yaml"], [
+    cfg = load_config([smoke_sizing(root), CONFIG_DIR / "rag_r1_tiny.yaml"], [
         f"run.root={root}", f"run.run_dir={root / 'ppo'}", "world.num_heldout_eval=8", "eval.no_search=false",
         "stages.0.steps=10", "stages.0.batch_size=16", "stages.1.steps=3", "learner.groups_per_step=8",
         "tracking.log_model=false"])

@@ -1,5 +1,5 @@
 """End to end (slow): the R1-Searcher and Search-R1 presets run through the real driver, shrunk to a few
-steps on smoke.yaml's small world (configs/rag_r1.yaml's PPO with a critic has its own: test_e2e_ppo.py).
+steps on smoke.yaml's small world (configs/rag_r1_tiny.yaml's PPO with a critic has its own: test_e2e_ppo.py).
 
 Each run checks what makes the preset that paper's, not only that it completes: the protocol's tags in
 what the policy wrote, the reward's parts, the algorithm's optimizer steps per rollout batch, and that
@@ -33,14 +33,14 @@ def _run(tmp_path_factory, preset: str, extra: list[str]):
 
 @pytest.fixture(scope="module")
 def r1_run(tmp_path_factory, shared_ray):
-    return _run(tmp_path_factory, "r1_searcher", ["stages.1.steps=2", "stages.2.steps=2"])
+    return _run(tmp_path_factory, "r1_searcher_tiny", ["stages.1.steps=2", "stages.2.steps=2"])
 
 
 @pytest.fixture(scope="module")
 def search_r1_run(tmp_path_factory, shared_ray):
     # 10 SFT steps leave every reward at 0 and GRPO's dynamic sampling would drop every group, so the
     # steps would train nothing; keeping them checks the update path (zero-signal groups add no gradient).
-    return _run(tmp_path_factory, "search_r1", ["stages.1.steps=2", "stages.1.algo.dynamic_sampling=false"])
+    return _run(tmp_path_factory, "search_r1_tiny", ["stages.1.steps=2", "stages.1.algo.dynamic_sampling=false"])
 
 
 def _common(cfg, s, rows):

@@ -75,6 +75,16 @@ def config_command(args) -> int:
     from sonar.cluster.wire.config import to_yaml
     from sonar.cluster.wire.paths import preset_summary, presets
 
+    if args.config_cmd == "recipes":  # the README's recipe tables: each preset beside the released scripts
+        from sonar.cluster.wire.recipes import RECIPES, markdown
+
+        names = args.names or list(RECIPES)
+        unknown = [n for n in names if n not in RECIPES]
+        if unknown:
+            print(f"sonar: no recipe table for {', '.join(unknown)} (recipes: {', '.join(RECIPES)})", file=sys.stderr)
+            return 2
+        print("\n".join(markdown(n, _load_recipe(n)) for n in names), end="")
+        return 0
     if args.config_cmd == "list":
         found = presets()
         width = max((len(n) for n in found), default=0)
@@ -99,6 +109,13 @@ def config_command(args) -> int:
         if tail:
             print("\n".join(tail))
     return 0
+
+
+def _load_recipe(name: str):
+    """A recipe preset as shipped (its files on the cluster's storage noted, not refused)."""
+    from sonar.cluster.wire.config import load_config
+
+    return load_config([name], notes=[])
 
 
 def _sigterm_as_interrupt() -> None:
@@ -155,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         v.add_argument("--config", action="append", help=CONFIG_HELP)
         v.add_argument("overrides", nargs="*", help="key=value overrides")
     c_sub.add_parser("list", help="the shipped presets (`--config NAME`) with their first comment line")
+    rc = c_sub.add_parser("recipes", help="the paper recipes field by field beside the released scripts (Markdown)")
+    rc.add_argument("names", nargs="*", help="r1_searcher, search_r1, rag_r1 (default: all)")
     ix = sub.add_parser("index", help="build the retrieval index (tantivy or Elasticsearch) of a config, no Ray")
     ix.add_argument("--config", action="append", help=CONFIG_HELP)
     ix.add_argument("--resume", action="store_true",

@@ -121,6 +121,17 @@ class ProtocolConfig:
     compact documents block; for the tiny model, which learns the format by SFT) | r1_searcher_base
     (template base) | r1_searcher_instruct (template chat) | search_r1 | rag_r1 (single- or multi-query
     by ``name``): each paper's prompt and documents block as its released code renders them."""
+    rules: str = "sonar"
+    """How a turn is cut and parsed and how the answer is read: sonar (``actors/parsing.py``: every turn
+    stops at the first closing tag, the first complete block decides, nested or model-written document
+    tags and empty answers or queries are invalid actions) | upstream (the paper's released code, per
+    protocol, ``actors/upstream.py``): R1-Searcher generates until ``<|end_of_query|>``, EOS or the turn
+    limit (no stop at ``</answer>``, so text after the answer stays in the scored response), takes the
+    text after the last query opener with double quotes removed, and its answer is the last
+    ``<answer>`` of the response; Search-R1 and RAG-R1 take the first ``<search>``/``<answer>`` block
+    as the action whatever it contains (an empty answer ends the rollout, an empty search is sent), and
+    RAG-R1 searches every comma-separated query up to ``max_queries_per_step``. The paper recipes use
+    upstream."""
     on_invalid: str = "message"
     """What follows an invalid action (no parseable search or answer): message (Search-R1's / RAG-R1's
     "My previous action is invalid..." is injected as an untrained segment and the rollout continues;
@@ -382,8 +393,19 @@ class AlgoConfig:
     None: unclamped (only the exponent's +-20 guard). The logged approx/mismatch KL are never clamped."""
     kl_mode: str = "loss"
     """loss | reward"""
+    entropy_coef: float = 0.0
+    """Entropy bonus (>= 0): the policy loss becomes pg_loss + kl term - entropy_coef x the entropy of
+    the policy's token distributions (at the sampling temperature), aggregated over the trained tokens
+    like the policy loss (``loss_agg``), its gradient flowing through the logits, as veRL's
+    ``entropy_coeff`` (Search-R1 and RAG-R1: 0.001). 0: no bonus; the entropy is still logged."""
     off_policy: str = "tis"
-    """none | tis | decoupled | vtrace"""
+    """none | tis | decoupled | vtrace | auto. How the learner corrects for rollouts sampled by another
+    policy than the one it trains (a lagging version in async mode; the engine's precision even in sync):
+    none (the PPO ratio against the learner's own old logprobs, as every paper's released trainer does),
+    tis (truncated importance weights, ``tis_cap``), decoupled, vtrace. auto: tis when
+    ``cluster.mode=async``, none when sync, resolved at load (what ``sonar config show`` prints): the
+    paper recipes train on-policy as released and take the correction when ``configs/async.yaml`` makes
+    them asynchronous."""
     tis_cap: float = 2.0
     """Importance weight cap (> 0): ``tis`` truncates the weight exp(proximal - behaviour) to it;
     ``decoupled`` drops the tokens whose weight exceeds it."""
@@ -756,6 +778,7 @@ _CHOICES = {
     "protocol.name": ("r1_searcher", "search_r1", "rag_r1", "rag_r1_multi"),
     "protocol.template": ("base", "chat"),
     "protocol.prompt": ("short", "r1_searcher_base", "r1_searcher_instruct", "search_r1", "rag_r1"),
+    "protocol.rules": ("sonar", "upstream"),
     "protocol.on_invalid": ("message", "end"),
     "retrieval.backend": ("tantivy", "elasticsearch"),
     "retrieval.rerank": ("none", "dense", "cross"),
@@ -783,7 +806,7 @@ _STAGE_CHOICES = {
     "algo.loss_agg": (None, "token_mean", "seq_mean_token_mean", "seq_sum_norm"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.kl_mode": ("loss", "reward"),
-    "algo.off_policy": ("none", "tis", "decoupled", "vtrace"),
+    "algo.off_policy": ("none", "tis", "decoupled", "vtrace", "auto"),
     "reward.name": ("answer_em", "answer_f1", "cover_em", "search_r1", "rag_r1", "r1_stage1", "r1_stage2"),
     "reward.variant": ("paper", "code_qwen", "code_llama"),
 }
@@ -875,7 +898,7 @@ RANGES: dict[str, str] = {
     "stages.N.steps": ">= 0", "stages.N.lr": "> 0", "stages.N.batch_size": ">= 1", "stages.N.difficulty": "[0, 1]",
     "stages.N.reward.format_weight": ">= 0", "stages.N.reward.format_penalty": "<= 0",
     "stages.N.algo.clip_low": "[0, 1)", "stages.N.algo.clip_high": ">= 0", "stages.N.algo.loss_norm_const": "> 0",
-    "stages.N.algo.kl_coef": ">= 0", "stages.N.algo.kl_clamp": "> 0", "stages.N.algo.dual_clip": "> 1", "stages.N.algo.tis_cap": "> 0", "stages.N.algo.vtrace_rho_bar": "> 0",
+    "stages.N.algo.kl_coef": ">= 0", "stages.N.algo.entropy_coef": ">= 0", "stages.N.algo.kl_clamp": "> 0", "stages.N.algo.dual_clip": "> 1", "stages.N.algo.tis_cap": "> 0", "stages.N.algo.vtrace_rho_bar": "> 0",
     "stages.N.algo.vtrace_c_bar": "> 0", "stages.N.algo.ppo_epochs": ">= 1", "stages.N.algo.mini_batches": ">= 1",
     "eval.batch_size": ">= 1",
     "cluster.num_cpus": ">= 1", "cluster.max_worker_restarts": ">= 0", "cluster.max_replica_restarts": ">= 0",
@@ -968,6 +991,7 @@ def validate(cfg: Config, notes: Optional[list] = None) -> Config:
     A check that relates two sections lives with the field it constrains (e.g. ``replay.capacity_groups``
     against ``learner.groups_per_step`` in :func:`_check_replay`). ``notes``: a list to collect what could
     not be checked here (files on the cluster's storage) instead of failing on it (``not_checked``)."""
+    cfg = resolve_auto(cfg)
     token = _NOTES.set(notes)
     try:
         _check_ranges(cfg)
@@ -988,6 +1012,15 @@ def validate(cfg: Config, notes: Optional[list] = None) -> Config:
     finally:
         _NOTES.reset(token)
     return cfg
+
+
+def resolve_auto(cfg: Config) -> Config:
+    """Values that depend on another section, made concrete (idempotent): ``stages.N.algo.off_policy=auto``
+    is tis in async mode and none in sync mode (``AlgoConfig.off_policy``)."""
+    concrete = "tis" if cfg.cluster.mode == "async" else "none"
+    stages = [dataclasses.replace(st, algo=dataclasses.replace(st.algo, off_policy=concrete))
+              if st.algo.off_policy == "auto" else st for st in cfg.stages]
+    return cfg if stages == list(cfg.stages) else dataclasses.replace(cfg, stages=stages)
 
 
 def _check_memory(cfg: Config) -> None:

@@ -276,7 +276,8 @@ class LossInputs:
     sample_weight: Tensor | None = None
     """[B] staleness weight multiplying every per-token loss of its sequence. None: 1."""
     entropy: Tensor | None = None
-    """Optional per-token entropy, only reported (masked mean) in the metrics."""
+    """Optional per-token entropy [B, T-1]: reported (masked mean) in the metrics, and with
+    ``algo.entropy_coef`` > 0 subtracted from the loss (it must then carry its graph)."""
     denominators: AggDenominators | None = None
     """Global aggregation counts for micro-batches / DP shards; None: from ``mask``."""
 
@@ -419,6 +420,18 @@ def policy_loss(inp: LossInputs, cfg: AlgoConfig) -> LossOutput:
         kl_loss = aggregate(kl_tok, inp.mask, agg, cfg.loss_norm_const, inp.denominators)
         loss = loss + cfg.kl_coef * kl_loss
         kl_loss_value = float(kl_loss.detach())
+    if cfg.entropy_coef:
+        # veRL's entropy bonus (Search-R1 / RAG-R1 entropy_coeff 0.001): loss - c * H, H aggregated as the
+        # policy loss is, so the bonus weighs every trained token as the policy gradient does.
+        if inp.entropy is None or not inp.entropy.requires_grad:
+            raise ValueError(f"algo.entropy_coef={cfg.entropy_coef} needs LossInputs.entropy with its graph "
+                             f"(forward_logprobs(..., entropy_grad=True))")
+        ent = torch.where(m, inp.entropy.to(lp.dtype), zeros)
+        if sw is not None:
+            ent = ent * sw
+        entropy_bonus = aggregate(ent, inp.mask, agg, cfg.loss_norm_const, inp.denominators)
+        loss = loss - cfg.entropy_coef * entropy_bonus
+        metrics["entropy_loss"] = float(entropy_bonus.detach())
     metrics["pg_loss"] = float(pg_loss.detach())
     metrics["kl_loss"] = kl_loss_value
     metrics["loss"] = float(loss.detach())

@@ -224,6 +224,9 @@ SERVER_RULES = [
     # a query tag in the answer also unbalances the query count (as upstream: count_3 != count_4)
     (solution(answer=f"{T.query_open} x"), {"prediction": f"{T.query_open} x"}, ["documents", "tag in answer"],
      ["documents"]),
+    # the Qwen server tests the plain substrings (reward_server_qwen_zero.py:233-237), tag delimiters or not
+    (solution(answer="see begin_of_documents"), {"prediction": "see begin_of_documents"}, ["tag in answer"], []),
+    (solution(answer="begin_of_query"), {"prediction": "begin_of_query"}, ["tag in answer"], []),
     (ResponseText(full=Q + DOCS, model=Q), {"prediction": None, "finish": FinishReason.MAX_TOKENS},
      ["no answer", "think/answer tags"], ["no answer", "think/answer tags"]),
 ]
@@ -334,12 +337,16 @@ def test_presets_use_the_released_rewards():
     """search_r1.yaml: Search-R1's EM without a format term; r1_searcher.yaml: the paper's -2; rag_r1.yaml: qa_em."""
     from sonar.cluster.wire.config import CONFIG_DIR, load_config
 
-    rl = {n: [s.reward for s in load_config([CONFIG_DIR / f"{n}.yaml"]).stages if s.kind == "rl"]
-          for n in ("search_r1", "r1_searcher", "rag_r1")}
-    (sr1,) = rl["search_r1"]
-    assert sr1.name == "search_r1"
-    wrong = traj(prediction="Rome")  # answered, wrong: a format term would pay here; Search-R1 pays 0
-    assert trajectory_reward(sr1, wrong).total == 0.0 and trajectory_reward(sr1, traj()).total == 1.0
-    assert [(r.name, r.variant) for r in rl["r1_searcher"]] == [("r1_stage1", "paper"), ("r1_stage2", "paper")]
-    assert rl["r1_searcher"][1].format_penalty == -2.0
-    assert [r.name for r in rl["rag_r1"]] == ["rag_r1"]
+    rl = {n: [s.reward for s in load_config([CONFIG_DIR / f"{n}.yaml"], notes=[]).stages if s.kind == "rl"]
+          for n in ("search_r1", "r1_searcher", "rag_r1", "search_r1_tiny", "r1_searcher_tiny", "rag_r1_tiny")}
+    for n in ("search_r1", "search_r1_tiny"):
+        (sr1,) = rl[n]
+        assert sr1.name == "search_r1"
+        wrong = traj(prediction="Rome")  # answered, wrong: a format term would pay here; Search-R1 pays 0
+        assert trajectory_reward(sr1, wrong).total == 0.0 and trajectory_reward(sr1, traj()).total == 1.0
+    # the paper recipe: the Llama servers' rules (stage 2's -1); the tiny one: the paper's formulas and -2
+    assert [(r.name, r.variant) for r in rl["r1_searcher"]] == [("r1_stage1", "code_llama"), ("r1_stage2", "code_llama")]
+    assert rl["r1_searcher"][1].format_penalty == -1.0
+    assert [(r.name, r.variant) for r in rl["r1_searcher_tiny"]] == [("r1_stage1", "paper"), ("r1_stage2", "paper")]
+    assert rl["r1_searcher_tiny"][1].format_penalty == -2.0
+    assert [r.name for r in rl["rag_r1"]] == [r.name for r in rl["rag_r1_tiny"]] == ["rag_r1"]

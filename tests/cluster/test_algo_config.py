@@ -58,7 +58,7 @@ def test_r1_searcher_preset_runs_reinforce_pp_as_its_scripts():
     """R1-Searcher's OpenRLHF scripts: Llama stage 1 group_norm, stage 2 reinforce_baseline; train_batch_size is
     a quarter of rollout_batch_size x n_samples_per_prompt (4 optimizer steps), eps_clip 0.2, init_kl_coef 1e-4
     (k1, in the reward); no dynamic sampling."""
-    cfg = load_config([CONFIG_DIR / "r1_searcher.yaml"])
+    cfg = load_config([CONFIG_DIR / "r1_searcher_tiny.yaml"])
     rl = [s for s in cfg.stages if s.kind == "rl"]
     assert [s.algo.name for s in rl] == ["group_norm", "reinforce_pp_baseline"]
     for s in rl:

@@ -107,6 +107,7 @@ BAD: dict[str, list] = {
     "stages.N.algo.clip_high": ["-0.1", "nan"],
     "stages.N.algo.loss_norm_const": ["0", "nan"],
     "stages.N.algo.kl_coef": ["-0.001", "nan"],
+    "stages.N.algo.entropy_coef": ["-0.001", "nan"],
     "stages.N.algo.kl_clamp": ["0", "-10", "nan"],
     "stages.N.algo.dual_clip": ["1", "0.5", "nan"],
     "stages.N.algo.tis_cap": ["0", "nan"],

@@ -26,7 +26,7 @@ def test_two_files_that_both_set_stages_are_refused_naming_both():
 
 
 def test_a_sizing_overlay_without_stages_keeps_the_recipes_algorithms(tmp_path):
-    cfg = load_config([smoke_sizing(tmp_path), "r1_searcher"])
+    cfg = load_config([smoke_sizing(tmp_path), "r1_searcher_tiny"])
     assert [s.algo.name for s in cfg.stages if s.kind == "rl"] == ["group_norm", "reinforce_pp_baseline"]
     assert cfg.world.num_entities == 120  # smoke's sizing arrived
 

@@ -145,7 +145,7 @@ def test_explained_variance():
 def test_with_gamma_lambda_one_bridging_equals_rag_r1s_recursion_through_retrieved_tokens():
     """RAG-R1's veRL fork ran GAE through every response token (retrieved ones carry a value and no
     reward) and masked only the losses; at gamma = lam = 1 that gives the same advantages and returns
-    on every trained token as bridging the spans (the README's claim for configs/rag_r1.yaml)."""
+    on every trained token as bridging the spans (the README's claim for configs/rag_r1_tiny.yaml)."""
     g = torch.Generator().manual_seed(11)
     B, L = 4, 15
     mask = (torch.rand(B, L, generator=g) > 0.5).float()

@@ -220,6 +220,32 @@ def test_dual_clip_caps_a_negative_advantages_loss_at_minus_a_times_c():
     assert lp2.grad[0, 0].item() == pytest.approx(5.0 / 4, rel=1e-12) and "dual_clip_fraction" not in plain.metrics
 
 
+def test_entropy_bonus_subtracts_c_times_the_token_mean_entropy_and_its_gradient_flows():
+    """veRL's entropy_coeff (Search-R1 / RAG-R1: 0.001): loss = pg_loss - c * masked_mean(H). Hand case:
+    two rows of logits over 2 tokens, one trained position each; H(p) = -p log p - (1-p) log(1-p) with
+    dH/dz0 = -p(1-p) * (z0 - z1) for softmax([z0, z1]); at z = [0, 0] H = log 2 and the gradient is 0,
+    at z = [log 3, 0] p = 3/4."""
+    z = torch.tensor([[[0.0, 0.0], [math.log(3.0), 0.0]]], dtype=D, requires_grad=True)  # [1, 2, 2]
+    ent = entropy_from_logits(torch.cat([z, z[:, :1]], dim=1))[:, :2]  # [1, 2]; the extra step is dropped
+    mask = torch.ones(1, 2, dtype=D)
+    lp = torch.zeros(1, 2, dtype=D, requires_grad=True)
+    A = cfg(off_policy="none", entropy_coef=0.5)
+    out = policy_loss(LossInputs(lp, torch.zeros_like(mask), torch.zeros_like(mask), mask, entropy=ent), A)
+    h2 = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
+    # (entropy_from_logits computes in float32, hence 1e-6)
+    assert out.metrics["entropy_loss"] == pytest.approx((math.log(2) + h2) / 2, rel=1e-6)
+    assert out.loss.item() == pytest.approx(-0.5 * (math.log(2) + h2) / 2, rel=1e-6)  # advantages 0: pg_loss 0
+    out.loss.backward()
+    # d(-0.5 * mean H)/dz0 of row 2 = -0.5 / 2 * dH/dz0 = 0.25 * p(1-p) * log 3; row 1 has gradient 0
+    assert z.grad[0, 0].tolist() == pytest.approx([0.0, 0.0], abs=1e-7)
+    assert z.grad[0, 1, 0].item() == pytest.approx(0.25 * 0.75 * 0.25 * math.log(3.0), rel=1e-6)
+    with pytest.raises(ValueError, match="entropy_coef=0.5 needs LossInputs.entropy with its graph"):
+        policy_loss(LossInputs(lp, torch.zeros_like(mask), torch.zeros_like(mask), mask, entropy=ent.detach()), A)
+    off = policy_loss(LossInputs(lp, torch.zeros_like(mask), torch.zeros_like(mask), mask, entropy=ent.detach()),
+                      cfg(off_policy="none"))
+    assert off.loss.item() == 0.0 and "entropy_loss" not in off.metrics
+
+
 def test_k3_is_clamped_at_10_like_verl_at_large_gaps():
     """veRL kl_penalty 'low_var_kl': kl = clamp(ref - logp, -20, 20); clamp(exp(kl) - kl - 1, -10, 10).
     At ref - logp = 11.9 the unclamped k3 is exp(11.9) - 12.9 = 147,253.7 with gradient

@@ -128,6 +128,22 @@ def test_micro_batch_packing_does_not_change_the_update():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
 
 
+def test_entropy_bonus_moves_the_update_the_same_with_and_without_chunked_logits():
+    """algo.entropy_coef > 0 (Search-R1 / RAG-R1: 0.001) adds -c * H to the loss with H's gradient: the
+    update differs from c = 0, and the chunked head (learner.logits_chunk_tokens) gives the same update
+    as the full logits."""
+    def update(coef, chunk):
+        model = tiny_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rl_step(TorchStepper(model, opt, 0.0), groups(1), [0, 0, 0], AlgoConfig(entropy_coef=coef),
+                LearnerConfig(logits_chunk_tokens=chunk), ReplayConfig(), 1.0, 0)
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    plain, bonus, bonus_chunked = update(0.0, 0), update(0.5, 0), update(0.5, 8)
+    assert (bonus - plain).abs().max() > 1e-4
+    torch.testing.assert_close(bonus, bonus_chunked, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["rl", "sft"])
 def test_gradient_reaches_only_model_tokens(kind):
     """The gradient on the logits is exactly 0 at every position whose target is a PROMPT,

@@ -1,0 +1,109 @@
+"""The papers' own turn parsing (``protocol.rules=upstream``). Pure, standard library only.
+
+Sonar's parser (``actors/parsing.py``) is strict: the first complete block decides, and nested tags,
+model-written document tags, empty queries and empty answers are invalid actions. The released code of
+each paper reads a turn differently, and a run that reproduces a paper, or evaluates its checkpoint, must
+read it the same way. Both parsers return the same actions (``Search`` / ``Answer`` / ``Malformed``), so
+the rollout loop is unchanged; what differs is where a turn stops (:func:`stop_tags`) and what it means.
+
+R1-Searcher (``RUCAIBox/R1-Searcher@631167c``, ``OpenRLHF-RAG/openrlhf/trainer/ppo_utils/experience_maker.py``)
+  * A turn stops only at ``<|end_of_query|>`` (its one stop string, line 1087), EOS or 512 tokens; it does
+    not stop at ``</answer>``, so whatever the model writes after its answer stays in the response that
+    the reward server scores (lines 1105, 1173-1180).
+  * A turn that ends at ``<|end_of_query|>`` and contains ``<|begin_of_query|>`` is a search: the text after
+    the *last* opener, double quotes removed, stripped, whitespace collapsed (lines 1142-1145). Nothing is
+    left: the rollout ends without a search (lines 1161-1171: ``Malformed(EMPTY_QUERY)``, with the recipe's
+    ``on_invalid: end``).
+  * Any other turn ends the rollout. Its answer is what the reward servers read: the text between the
+    *last* ``<answer>`` and the next ``</answer>``, stripped (``train/reward_server_qwen_zero.py:109-110``),
+    possibly empty; nested or model-written tags are the servers' business (their tag counts), not the
+    parser's. Without an ``<answer> ... </answer>`` pair there is no answer (``Malformed``; the servers
+    score a missing answer tag as 0 before their penalty).
+
+Search-R1 (``PeterGriffinJin/Search-R1@a14dc3a``, ``search_r1/llm_agent/generation.py``) and RAG-R1
+(``inclusionAI/AWorld-RL@4aeef7b``, ``RAG-R1/rag_r1/llm_agent/generation.py``)
+  * The turn is cut after the first ``</search>`` if there is one, else after the first ``</answer>``
+    (lines 61-66 / 64-69). (Sonar stops generating at either closing tag, which yields the same cut
+    except when an ``</answer>`` comes before a later ``</search>``: upstream then keeps the answer
+    and the search text and still acts on the first block, as here.)
+  * The action is the *first* match of ``<(search|answer)>(.*?)</\\1>`` (non-greedy, across lines),
+    stripped, whatever it contains (lines 422-429): nested tags are content, an ``<information>`` tag the
+    model wrote is ignored, and no quotes are stripped.
+  * An answer ends the rollout even when empty (lines 385-389).
+  * A search with no text is still a search step: Search-R1 sends the empty string to its retriever,
+    RAG-R1 multi-query splits on commas, drops empty parts and sends what is left, possibly nothing
+    (RAG-R1 line 474-475). Here an empty search retrieves nothing and injects an empty documents block.
+  * RAG-R1 searches every comma-separated part; Sonar still stops at ``protocol.max_queries_per_step``
+    (the recipe sets 16) and counts the rest as dropped.
+  * No match is an invalid action: the "My previous action is invalid..." message (lines 395-401).
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+from sonar.actors.parsing import (EMPTY_QUERY, NO_ACTION, NO_TAGS, UNTERMINATED_ANSWER, Answer, Malformed,
+                                  Search)
+from sonar.actors.prompts import TagSet
+
+RULES = ("sonar", "upstream")
+"""``protocol.rules``: Sonar's strict parser (``actors.parsing.parse_turn``) or the paper's own (this module)."""
+
+
+def stop_tags(tags: TagSet, rules: str) -> tuple[str, ...]:
+    """The closing tags a turn stops at: both (query and answer) under Sonar's rules and Search-R1's /
+    RAG-R1's (generating on after the first closing tag only produces text that upstream cuts away);
+    only the query's under R1-Searcher's, which does not stop at ``</answer>``."""
+    if rules == "upstream" and tags.name == "r1_searcher":
+        return (tags.query_close,)
+    return tuple(dict.fromkeys((tags.query_close, tags.answer_close)))
+
+
+def parse_turn_upstream(text: str, tags: TagSet, max_queries: int) -> Search | Answer | Malformed:
+    """One model turn read as the paper's released code reads it (module docstring). ``text`` is the
+    decoded turn, cut after the first stop string as the rollout does."""
+    if max_queries < 1:
+        raise ValueError(f"max_queries={max_queries} must be >= 1")
+    if tags.name == "r1_searcher":
+        return _r1_searcher(text, tags)
+    return _search_r1(text, tags, max_queries)
+
+
+def _r1_searcher(text: str, tags: TagSet) -> Search | Answer | Malformed:
+    if text.rstrip().endswith(tags.query_close) and tags.query_open in text:
+        body = text.rstrip()[: -len(tags.query_close)].split(tags.query_open)[-1]
+        query = " ".join(body.replace('"', "").split())
+        return Search([query]) if query else Malformed(EMPTY_QUERY)
+    if tags.answer_open not in text:
+        return Malformed(NO_ACTION if any(t in text for t in tags.special_tokens()) else NO_TAGS)
+    last = text.split(tags.answer_open)[-1]
+    if tags.answer_close not in last:
+        return Malformed(UNTERMINATED_ANSWER)
+    body, _, rest = last.partition(tags.answer_close)
+    return Answer(body.strip(), trailing=bool(rest.strip()))
+
+
+@functools.lru_cache(maxsize=None)
+def _action_pattern(tags: TagSet) -> re.Pattern:
+    q, a = (re.escape(tags.query_open), re.escape(tags.query_close)), (re.escape(tags.answer_open),
+                                                                       re.escape(tags.answer_close))
+    return re.compile(f"{q[0]}(?P<search>.*?){q[1]}|{a[0]}(?P<answer>.*?){a[1]}", re.DOTALL)
+
+
+def _search_r1(text: str, tags: TagSet, max_queries: int) -> Search | Answer | Malformed:
+    if tags.query_close in text:
+        text = text[: text.index(tags.query_close) + len(tags.query_close)]
+    elif tags.answer_close in text:
+        text = text[: text.index(tags.answer_close) + len(tags.answer_close)]
+    m = _action_pattern(tags).search(text)
+    if m is None:
+        return Malformed(NO_ACTION if any(t in text for t in tags.special_tokens()) else NO_TAGS)
+    if m.group("answer") is not None:
+        return Answer(m.group("answer").strip())
+    body = m.group("search").strip()
+    if tags.query_sep:
+        queries = [q.strip() for q in body.split(tags.query_sep)]
+        queries = [q for q in queries if q]
+    else:
+        queries = [body] if body else []
+    return Search(queries[:max_queries], dropped=max(0, len(queries) - max_queries))

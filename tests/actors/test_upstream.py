@@ -1,0 +1,108 @@
+"""protocol.rules=upstream: each paper's own turn parsing, table-driven against the released code's rules
+(expected actions worked out by hand from the cited lines), beside Sonar's strict parser on the same text;
+and through the real rollout loop, R1-Searcher's missing stop at </answer> and its effect on the reward.
+
+Sources: R1-Searcher ``RUCAIBox/R1-Searcher@631167c`` (EM = OpenRLHF-RAG/openrlhf/trainer/ppo_utils/
+experience_maker.py); Search-R1 ``PeterGriffinJin/Search-R1@a14dc3a`` (GEN = search_r1/llm_agent/
+generation.py); RAG-R1 ``inclusionAI/AWorld-RL@4aeef7b`` (MQ = RAG-R1/rag_r1/llm_agent/generation.py)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sonar.actors import parsing as P
+from sonar.actors.parsing import Answer, Malformed, Search, parse_turn
+from sonar.actors.prompts import get_protocol
+from sonar.actors.upstream import parse_turn_upstream, stop_tags
+
+R1 = get_protocol("r1_searcher")
+SR = get_protocol("search_r1")
+MQ = get_protocol("rag_r1_multi")
+QO, QC = R1.query_open, R1.query_close
+
+# (tags, turn text, upstream action, Sonar's action, why: the upstream line)
+CASES = [
+    # R1-Searcher: the text after the LAST query opener, double quotes removed, whitespace collapsed (EM 1142-1145)
+    (R1, f'<think> a {QO} "capital"  of\tfrance {QC}', Search(["capital of france"]), Search(['"capital"  of\tfrance']),
+     "EM 1144-1145: .replace('\"', '') and ' '.join(split())"),
+    (R1, f"{QO} first {QO} second {QC}", Search(["second"]), Malformed(P.NESTED), "EM 1143: split(opener)[-1]"),
+    (R1, f"{QO} 'single' {QC}", Search(["'single'"]), Search(["'single'"]), "EM 1144: only double quotes go"),
+    (R1, f'{QO} "" {QC}', Malformed(P.EMPTY_QUERY), Search(['""']), "EM 1161-1171: no search, the rollout ends"),
+    # R1-Searcher's answer: the servers read the last <answer>, possibly empty (reward_server_qwen_zero.py:109-110)
+    (R1, "</think> <answer> </answer>", Answer(""), Malformed(P.EMPTY_ANSWER), "qwen_zero.py:109-110: F1('') = 0"),
+    (R1, "<answer> a <answer> b </answer>", Answer("b"), Malformed(P.NESTED), "qwen_zero.py:109-110: the last opener"),
+    (R1, "<answer> Paris </answer> Assistant: done", Answer("Paris", trailing=True), Answer("Paris", trailing=True),
+     "EM 1087: no stop at </answer>; the text stays in the scored response"),
+    (R1, f"<answer> x </answer> {R1.docs_open} y", Answer("x", trailing=True), Malformed(P.DOCS_TAG),
+     "EM 1295-1299: a model-written documents block is only logged"),
+    (R1, "<answer> cut off by the limit", Malformed(P.UNTERMINATED_ANSWER), Malformed(P.UNTERMINATED_ANSWER),
+     "no </answer>: the servers' missing-tag score"),
+    # Search-R1: the first <search>/<answer> block is the action, whatever it holds (GEN 422-429)
+    (SR, "<search> a <answer> b </search>", Search(["a <answer> b"]), Malformed(P.NESTED), "GEN 422-429: (.*?) is content"),
+    (SR, "<answer></answer>", Answer(""), Malformed(P.EMPTY_ANSWER), "GEN 385-389: an empty answer ends the rollout"),
+    (SR, "<search>   </search>", Search([]), Malformed(P.EMPTY_QUERY), "GEN 370-372: an empty query is sent"),
+    (SR, "<information> fake </information> <answer> x </answer>", Answer("x"), Malformed(P.DOCS_TAG),
+     "GEN 422-429: a model-written <information> is not an action"),
+    (SR, '<search> "quoted" </search>', Search(['"quoted"']), Search(['"quoted"']), "no quote stripping"),
+    (SR, "thinking only", Malformed(P.NO_TAGS), Malformed(P.NO_TAGS), "GEN 395-401: the invalid-action message"),
+    (SR, "<answer> a </answer> <search> q </search>", Answer("a"), Answer("a", trailing=True),
+     "GEN 61-66 cuts at </search>, then the first match is the answer"),
+    # RAG-R1 multi-query: every comma-separated part, empty parts dropped (MQ 474-475)
+    (MQ, "<search> a, , b,c,d,e </search>", Search(["a", "b", "c", "d", "e"]), Search(["a", "b", "c"], dropped=2),
+     "MQ 474-475: no bound in code (the recipe's max_queries_per_step=16)"),
+    (MQ, "<search> , </search>", Search([]), Malformed(P.EMPTY_QUERY), "MQ 474-475: queries: [] is posted"),
+]
+
+
+@pytest.mark.parametrize("tags,text,upstream,sonar,why", CASES, ids=[c[4][:40] for c in CASES])
+def test_upstream_rules_beside_sonars(tags, text, upstream, sonar, why):
+    assert parse_turn_upstream(text, tags, 16) == upstream, why
+    assert parse_turn(text, tags, 3) == sonar
+
+
+def test_rag_r1_upstream_still_counts_what_the_step_budget_drops():
+    assert parse_turn_upstream("<search> a,b,c,d </search>", MQ, 3) == Search(["a", "b", "c"], dropped=1)
+
+
+def test_r1_searcher_upstream_turns_stop_only_at_the_query_close():
+    assert stop_tags(R1, "upstream") == (R1.query_close,)
+    assert stop_tags(R1, "sonar") == (R1.query_close, R1.answer_close)
+    assert stop_tags(SR, "upstream") == stop_tags(SR, "sonar") == ("</search>", "</answer>")
+
+
+def test_upstream_rules_through_the_rollout_loop_score_r1_searchers_trailing_text():
+    """The r1_searcher tags as special tokens of a word-level tokenizer: the scripted model answers
+    "paris", then goes on with a second answer, "berlin". Sonar's rules stop the turn at the first
+    </answer>: the prediction is paris and the Qwen server's rules pass (F1 1). R1-Searcher's own rules
+    do not stop there (EM 1087): the response holds both answers, the server reads the last one
+    (qwen_zero.py:109-110: berlin, F1 0) and its one-answer rule fails (226-231): 0 - 2."""
+    from sonar.actors.rewards import make_reward_fn
+    from sonar.actors.rollout import PromptItem, rollout_groups
+    from sonar.cluster.wire.config import ProtocolConfig, RewardConfig
+
+    from .test_rollout import TOK, FakeRetriever, ScriptedEngine
+
+    def script(ctx, turn):
+        if turn == 0:
+            return f"{R1.think_open} {R1.query_open} capital france {R1.query_close}"
+        return (f"{R1.think_close} {R1.answer_open} paris {R1.answer_close} "
+                f"{R1.answer_open} berlin {R1.answer_close} [EOS]")
+
+    out = {}
+    for rules in ("sonar", "upstream"):
+        proto = ProtocolConfig(name="r1_searcher", rules=rules, on_invalid="end", max_turns=4, docs_per_query=1)
+        reward = make_reward_fn(RewardConfig(name="r1_stage2", variant="code_qwen"), TOK, R1)
+        engine = ScriptedEngine(script)
+        groups, _ = asyncio.run(rollout_groups(
+            [PromptItem("q", "what is the capital of france", ["paris"])], engine=engine,
+            retriever=FakeRetriever(), tokenizer=TOK, tags=R1, proto=proto, temperature=1.0, group_size=1, k=1,
+            reward_fn=reward))
+        out[rules] = groups[0][0], engine.calls[0]["params"].stop_token_ids
+    (sonar, sonar_stops), (upstream, upstream_stops) = out["sonar"], out["upstream"]
+    assert TOK.convert_tokens_to_ids(R1.answer_close) in sonar_stops
+    assert TOK.convert_tokens_to_ids(R1.answer_close) not in upstream_stops
+    assert (sonar.prediction, upstream.prediction) == ("paris", "berlin")
+    assert sonar.reward == pytest.approx(1.0)
+    assert upstream.reward == pytest.approx(0.0 - 2.0)
+    assert [c.queries for c in upstream.searches] == [["capital france"]]
