@@ -122,7 +122,7 @@ def make_demonstrations(questions: Sequence, tags: TagSet, tokenizer, retriever,
     prefilled = prefills_think(style)
     plans = [search_steps(q, tags, proto) for q in questions]
     segments: list[list[Segment]] = [
-        [Segment(SegmentKind.PROMPT, np.asarray(render_prompt(tags, q.question, tokenizer, proto.template, style),
+        [Segment(SegmentKind.PROMPT, np.asarray(render_prompt(tags, q.question, tokenizer, proto.template, style, proto.rules),
                                                 np.int32))]
         for q in questions]
     searches: list[list[SearchCall]] = [[] for _ in questions]
@@ -142,7 +142,7 @@ def make_demonstrations(questions: Sequence, tags: TagSet, tokenizer, retriever,
             pos += len(queries)
             segments[i].append(_model_segment(enc.search(queries, thought, opened=prefilled and s == 0)))
             docs = render_documents(tags, [[(h.title, h.text) for h in hs] for hs in hits], tokenizer,
-                                    proto.max_doc_tokens, queries=list(queries), style=style)
+                                    proto.max_doc_tokens, queries=list(queries), style=style, rules=proto.rules)
             segments[i].append(Segment(SegmentKind.RETRIEVAL, np.asarray(docs, np.int32)))
             searches[i].append(SearchCall(turn=s, queries=list(queries),
                                           doc_ids=[[h.doc_id for h in hs] for hs in hits],

@@ -96,11 +96,12 @@ PROTOCOLS: dict[str, TagSet] = {
                            "<information>", "</information>", "<answer>", "</answer>", ",", "<|doc|>"),
 }
 
-PROMPT_STYLES = ("short", "r1_searcher_base", "r1_searcher_instruct", "search_r1", "rag_r1")
+PROMPT_STYLES = ("short", "r1_searcher_base", "r1_searcher_instruct", "r1_searcher_eval", "search_r1", "rag_r1")
 PROMPT_PROTOCOLS = {
     "short": tuple(PROTOCOLS),
     "r1_searcher_base": ("r1_searcher",),
     "r1_searcher_instruct": ("r1_searcher",),
+    "r1_searcher_eval": ("r1_searcher",),
     "search_r1": ("search_r1",),
     "rag_r1": ("rag_r1", "rag_r1_multi"),
 }
@@ -200,6 +201,15 @@ Then, the search system will provide the Assistant with the retrieval informatio
 User:{question}
 Assistant: <think>"""
 
+# R1-Searcher's evaluation prompt (evaluation/eval_search_loacl.py:58-62, base_prompt_v0, chosen by
+# gen_search.sh's --prompt_type v0), verbatim: not the training prompt (the Assistant, not "you", searches;
+# "(only keywords)"; "the system will provide ... helpful information").
+R1_SEARCHER_EVAL = """The User asks a question, and the Assistant solves it.
+The Assistant first thinks about the reasoning process in the mind and then provides the User with the final answer.
+The output format of reasoning process and final answer are enclosed within <think> </think> and <answer> </answer> tags, respectively, i.e., "<think> reasoning process here </think>\n\n<answer> final answer here </answer>".
+During the thinking process, the Assistant can perform searching for uncertain knowledge if necessary with the format of "<|begin_of_query|> search query (only keywords) here <|end_of_query|>". **A query must involve only a single triple**.
+Then, the system will provide the Assistant with helpful information with the format of "<|begin_of_documents|> ...search results... <|end_of_documents|>".\n\nUser:{question}\nAssistant: <think>"""
+
 # Search-R1, scripts/data_process/nq_search.py (make_prefix, template 'base'), verbatim.
 SEARCH_R1 = ("Answer the given question. "
              "You must conduct reasoning inside <think> and </think> first every time you get new information. "
@@ -241,8 +251,8 @@ def check_style(tags: TagSet, style: str, template: str) -> None:
     if tags.name not in PROMPT_PROTOCOLS[style]:
         raise ValueError(f"protocol.prompt={style!r} describes protocol(s) {list(PROMPT_PROTOCOLS[style])}, "
                          f"not protocol.name={tags.name!r}")
-    if style == "r1_searcher_base" and template != "base":
-        raise ValueError(f"protocol.prompt='r1_searcher_base' is a plain-text prompt; protocol.template={template!r} "
+    if style in ("r1_searcher_base", "r1_searcher_eval") and template != "base":
+        raise ValueError(f"protocol.prompt={style!r} is a plain-text prompt; protocol.template={template!r} "
                          "must be 'base' (use r1_searcher_instruct with the chat template)")
     if style == "r1_searcher_instruct" and template != "chat":
         raise ValueError(f"protocol.prompt='r1_searcher_instruct' goes through the chat template; "
@@ -251,7 +261,7 @@ def check_style(tags: TagSet, style: str, template: str) -> None:
 
 def prefills_think(style: str) -> bool:
     """R1-Searcher's prompts end with ``<think>``: the model's first turn starts inside the think block."""
-    return style in ("r1_searcher_base", "r1_searcher_instruct")
+    return style in ("r1_searcher_base", "r1_searcher_instruct", "r1_searcher_eval")
 
 
 def neutralise(text: str, specials: list[str]) -> str:
@@ -285,8 +295,13 @@ def _chat(tokenizer, messages: list[dict]) -> list[int]:
     return [int(i) for i in ids]
 
 
-def render_prompt(tags: TagSet, question: str, tokenizer, template: str = "base", style: str = "short") -> list[int]:
+def render_prompt(tags: TagSet, question: str, tokenizer, template: str = "base", style: str = "short",
+                  rules: str = "sonar") -> list[int]:
     """Prompt token ids for one question (see the module docstring for the styles).
+
+    ``rules='upstream'`` (``protocol.rules``): the Search-R1 and RAG-R1 styles get the question as their
+    data scripts write it, stripped and ending in "?" (Search-R1 ``scripts/data_process/nq_search.py:61-63``,
+    RAG-R1 ``scripts/data_process/hotpotqa_search_mq.py:63-65``; R1-Searcher's data is used as it is).
 
     ``template='chat'`` wraps the text in the tokenizer's chat template as the user's message
     (``r1_searcher_instruct``: R1-Searcher's system message, the question as the user's, ``<think>``
@@ -295,12 +310,17 @@ def render_prompt(tags: TagSet, question: str, tokenizer, template: str = "base"
     neutralised against every special token of the tokenizer.
     """
     check_style(tags, style, template)
+    if rules == "upstream" and style in ("search_r1", "rag_r1"):
+        question = question.strip()
+        question += "" if question.endswith("?") else "?"
     question = neutralise(question, special_strings(tokenizer))
     if style == "r1_searcher_instruct":
         ids = _chat(tokenizer, [{"role": "system", "content": R1_SEARCHER_SYSTEM}, {"role": "user", "content": question}])
         return ids + _encode(tokenizer, tags.think_open)  # one special id, or the tag as text
     if style == "short":
         body = f"question : {question}"
+    elif style == "r1_searcher_eval":
+        body = R1_SEARCHER_EVAL.format(question=question)
     elif style == "r1_searcher_base":
         body = R1_SEARCHER_BASE.format(question=question)
     elif style == "search_r1":
@@ -321,7 +341,7 @@ def _truncate(tokenizer, text: str, max_tokens: int) -> str:
 
 def render_documents(tags: TagSet, per_query_docs: list[list[tuple[str, str]]], tokenizer,
                      max_doc_tokens: int, error: str | None = None, queries: list[str] | None = None,
-                     style: str = "short") -> list[int]:
+                     style: str = "short", rules: str = "sonar") -> list[int]:
     """Token ids of one injected documents block.
 
     ``per_query_docs[i]`` is the (title, text) list of query i (``queries[i]``, echoed by the
@@ -335,7 +355,9 @@ def render_documents(tags: TagSet, per_query_docs: list[list[tuple[str, str]]], 
     * R1-Searcher (``r1_searcher_*``, its ``experience_maker.py``): ``\\n\\n{docs_open}\\n(1)title
       text\\n(2)...{docs_close}\\n\\n``; no documents: ``None``.
     * Search-R1 (``search_r1``, its ``generation.py``): ``\\n\\n{docs_open}Doc 1(Title: t) text\\nDoc 2
-      ...{docs_close}\\n\\n``.
+      ...{docs_close}\\n\\n``; with ``rules='upstream'`` the title keeps the double quotes of wiki-18's
+      ``contents`` line, which upstream prints as it is (``generation.py:460-469``; Sonar's corpus reader
+      strips them, ``retrieval/corpus.py:split_contents``).
     * RAG-R1 single-query (``generation_sq.py``): ``\\n{docs_open}\\nDoc 1: "t"\\ntext\\n...\\n{docs_close}\\n``;
       multi-query (``generation_mq.py``): the same frame around ``json.dumps({"query": [...],
       "documents": ["Doc 1: ...\\nDoc 2: ...", ...]}, indent=2)``, one documents string per query.
@@ -353,13 +375,14 @@ def render_documents(tags: TagSet, per_query_docs: list[list[tuple[str, str]]], 
     def doc(title: str, text: str) -> tuple[str, str]:
         return neutralise(title, specials), _truncate(tokenizer, neutralise(text, specials), max_doc_tokens)
 
-    if style in ("r1_searcher_base", "r1_searcher_instruct"):
+    if style in ("r1_searcher_base", "r1_searcher_instruct", "r1_searcher_eval"):
         docs = [doc(t, x) for group in per_query_docs for t, x in group]
         body = "".join(f"({j + 1}){t}\n{x}\n" for j, (t, x) in enumerate(docs)) or "None"
         text = f"\n\n{tags.docs_open}\n{body}{tags.docs_close}\n\n"
     elif style == "search_r1":
         docs = [doc(t, x) for group in per_query_docs for t, x in group]
-        body = "".join(f"Doc {j + 1}(Title: {t}) {x}\n" for j, (t, x) in enumerate(docs))
+        q = '"' if rules == "upstream" else ""
+        body = "".join(f"Doc {j + 1}(Title: {q}{t}{q}) {x}\n" for j, (t, x) in enumerate(docs))
         text = f"\n\n{tags.docs_open}{body.strip()}{tags.docs_close}\n\n"
     elif style == "rag_r1":
         groups = ["\n".join(f'Doc {j + 1}: "{t}"\n{x}' for j, (t, x) in enumerate(doc(*d) for d in group))

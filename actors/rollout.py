@@ -272,7 +272,8 @@ def _prepare(items: list[PromptItem], group_size: int, call: _Call, actor_id: in
     states: list[_State] = []
     for gi, item in enumerate(items):
         prompt = [int(t) for t in render_prompt(call.tags, item.question, call.tokenizer,
-                                                template=call.proto.template, style=call.proto.prompt)]
+                                                template=call.proto.template, style=call.proto.prompt,
+                                                rules=call.proto.rules)]
         group_id = f"a{actor_id}-{call_uid}-g{gi}"
         group = []
         for j in range(group_size):
@@ -475,19 +476,21 @@ def _inject(call: _Call, s: _State, queries: list[str], dropped: int, results: d
     """Record the trajectory's ``SearchCall`` and append its documents as a RETRIEVAL segment.
 
     Documents are de-duplicated across the queries of this step (a doc shown for an earlier query is
-    skipped, later hits backfill), ``docs_per_query`` kept per query, rendered (neutralised) by
+    skipped, later hits backfill; not under ``protocol.rules=upstream``, as RAG-R1's code), ``docs_per_query`` kept per query, rendered (neutralised) by
     ``render_documents``. A block that would overflow ``max_total_tokens`` is not appended (MAX_TOKENS;
     the SearchCall is kept); a block that exactly fills the budget finishes the trajectory too.
     """
     proto = call.proto
     seen: set[str] = set()
+    # RAG-R1's own code shows each query its own top documents, repeats included (generation_mq.py:492-507)
+    dedupe = proto.rules != "upstream"
     per_query_docs: list[list[tuple[str, str]]] = []
     doc_ids: list[list[str]] = []
     for q in queries:
         chosen: list[Hit] = []
         if error is None:
             for h in results.get(q, []):
-                if h.doc_id in seen:
+                if dedupe and h.doc_id in seen:
                     continue
                 seen.add(h.doc_id)
                 chosen.append(h)
@@ -503,7 +506,7 @@ def _inject(call: _Call, s: _State, queries: list[str], dropped: int, results: d
     if error is not None:
         call.stats.failed_searches += 1
     block = render_documents(call.tags, per_query_docs, call.tokenizer, proto.max_doc_tokens, error=error,
-                             queries=queries, style=proto.prompt)
+                             queries=queries, style=proto.prompt, rules=proto.rules)
     if len(s.ctx) + len(block) > proto.max_total_tokens:
         s.finish(FinishReason.MAX_TOKENS)
         return

@@ -118,7 +118,8 @@ class ProtocolConfig:
     instruct models). Read by ``actors.prompts.render_prompt``."""
     prompt: str = "short"
     """The prompt text and documents format (``actors/prompts.py``): short (``question : ...``, Sonar's
-    compact documents block; for the tiny model, which learns the format by SFT) | r1_searcher_base
+    compact documents block; for the tiny model, which learns the format by SFT) | r1_searcher_eval
+    (R1-Searcher's evaluation prompt, ``evaluation/eval_search_loacl.py``; template base) | r1_searcher_base
     (template base) | r1_searcher_instruct (template chat) | search_r1 | rag_r1 (single- or multi-query
     by ``name``): each paper's prompt and documents block as its released code renders them."""
     rules: str = "sonar"
@@ -777,7 +778,7 @@ _CHOICES = {
     "model.tags": ("auto", "text", "special"),
     "protocol.name": ("r1_searcher", "search_r1", "rag_r1", "rag_r1_multi"),
     "protocol.template": ("base", "chat"),
-    "protocol.prompt": ("short", "r1_searcher_base", "r1_searcher_instruct", "search_r1", "rag_r1"),
+    "protocol.prompt": ("short", "r1_searcher_base", "r1_searcher_instruct", "r1_searcher_eval", "search_r1", "rag_r1"),
     "protocol.rules": ("sonar", "upstream"),
     "protocol.on_invalid": ("message", "end"),
     "retrieval.backend": ("tantivy", "elasticsearch"),
@@ -1074,7 +1075,7 @@ def _check_protocol(cfg: Config) -> None:
     if p.name not in _PROMPT_PROTOCOLS[p.prompt]:
         raise ValueError(f"protocol.prompt={p.prompt!r} describes protocol.name in {list(_PROMPT_PROTOCOLS[p.prompt])}, "
                          f"not protocol.name={p.name!r}")
-    need = {"r1_searcher_base": "base", "r1_searcher_instruct": "chat"}.get(p.prompt)
+    need = {"r1_searcher_base": "base", "r1_searcher_instruct": "chat", "r1_searcher_eval": "base"}.get(p.prompt)
     if need and p.template != need:
         raise ValueError(f"protocol.prompt={p.prompt!r} needs protocol.template={need!r}, got protocol.template={p.template!r}")
 
@@ -1082,6 +1083,7 @@ def _check_protocol(cfg: Config) -> None:
 _PROMPT_PROTOCOLS = {
     "short": ("r1_searcher", "search_r1", "rag_r1", "rag_r1_multi"),
     "r1_searcher_base": ("r1_searcher",),
+    "r1_searcher_eval": ("r1_searcher",),
     "r1_searcher_instruct": ("r1_searcher",),
     "search_r1": ("search_r1",),
     "rag_r1": ("rag_r1", "rag_r1_multi"),

@@ -106,3 +106,79 @@ def test_upstream_rules_through_the_rollout_loop_score_r1_searchers_trailing_tex
     assert sonar.reward == pytest.approx(1.0)
     assert upstream.reward == pytest.approx(0.0 - 2.0)
     assert [c.queries for c in upstream.searches] == [["capital france"]]
+
+
+def test_r1_searchers_evaluation_prompt_is_eval_search_loacl_py_base_prompt_v0():
+    """evaluation/eval_search_loacl.py:58-62 (gen_search.sh: --prompt_type v0), pinned verbatim; the
+    overlay configs/r1_searcher_eval.yaml applies it with top-5 documents and 9 retrievals (lines 230, 203)."""
+    from sonar.actors.prompts import render_prompt
+    from sonar.cluster.wire.config import load_config
+
+    expected = (
+        "The User asks a question, and the Assistant solves it.\n"
+        "The Assistant first thinks about the reasoning process in the mind and then provides the User with the final "
+        "answer.\nThe output format of reasoning process and final answer are enclosed within <think> </think> and "
+        "<answer> </answer> tags, respectively, i.e., \"<think> reasoning process here </think>\n\n<answer> final "
+        "answer here </answer>\".\nDuring the thinking process, the Assistant can perform searching for uncertain "
+        "knowledge if necessary with the format of \"<|begin_of_query|> search query (only keywords) here "
+        "<|end_of_query|>\". **A query must involve only a single triple**.\nThen, the system will provide the "
+        "Assistant with helpful information with the format of \"<|begin_of_documents|> ...search results... "
+        "<|end_of_documents|>\".\n\nUser:Who wrote it?\nAssistant: <think>")
+
+    class Chars:  # a tokenizer that keeps the text: one id per character
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+    assert "".join(map(chr, render_prompt(R1, "Who wrote it?", Chars(), "base", "r1_searcher_eval"))) == expected
+    cfg = load_config(["r1_searcher", "r1_searcher_eval"], notes=[])
+    assert (cfg.protocol.prompt, cfg.protocol.template, cfg.retrieval.k, cfg.protocol.docs_per_query,
+            cfg.protocol.max_turns) == ("r1_searcher_eval", "base", 5, 5, 9)
+
+
+def test_search_r1_upstream_prompt_ends_the_question_with_a_mark_and_titles_keep_their_quotes():
+    """nq_search.py:61-63 (strip, then '?' unless present) and generation.py:460-469 (the title is the
+    corpus's first line as it is: wiki-18 quotes it)."""
+    from sonar.actors.prompts import render_documents, render_prompt
+
+    class Chars:
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+    text = lambda ids: "".join(map(chr, ids))  # noqa: E731
+    assert text(render_prompt(SR, " who wrote it ", Chars(), "base", "search_r1", "upstream")).endswith(
+        "Question: who wrote it?\n")
+    assert text(render_prompt(SR, "who wrote it?", Chars(), "base", "search_r1", "upstream")).endswith(
+        "Question: who wrote it?\n")
+    assert text(render_prompt(SR, "who wrote it", Chars(), "base", "search_r1")).endswith("Question: who wrote it\n")
+    docs = [[("Paris", "Paris is the capital.")]]
+    assert text(render_documents(SR, docs, Chars(), 100, style="search_r1", rules="upstream")) == \
+        '\n\n<information>Doc 1(Title: "Paris") Paris is the capital.</information>\n\n'
+    assert text(render_documents(SR, docs, Chars(), 100, style="search_r1")) == \
+        "\n\n<information>Doc 1(Title: Paris) Paris is the capital.</information>\n\n"
+
+
+def test_rag_r1_upstream_shows_each_query_its_own_documents_repeats_included():
+    """generation_mq.py:492-507: every query gets its own top-k, a document already shown for an earlier
+    query of the step included; Sonar's rules skip it and backfill."""
+    from sonar.actors.rollout import PromptItem, rollout_groups
+    from sonar.cluster.wire.config import ProtocolConfig
+    from sonar.retrieval.base import Hit
+
+    from .test_rollout import TOK, FakeRetriever, ScriptedEngine
+
+    shared, other = Hit("d1", "paris", "paris is a city", 1.0), Hit("d2", "berlin", "berlin is a city", 0.5)
+    table = {"france": [shared, other], "germany": [shared, other]}
+
+    def script(ctx, turn):
+        return "<search> france , germany </search>" if turn == 0 else "<answer> paris </answer>"
+
+    ids = {}
+    for rules in ("sonar", "upstream"):
+        proto = ProtocolConfig(name="rag_r1_multi", rules=rules, docs_per_query=1, max_turns=2)
+        groups, _ = asyncio.run(rollout_groups(
+            [PromptItem("q", "what is the capital of france", ["paris"])], engine=ScriptedEngine(script),
+            retriever=FakeRetriever(table), tokenizer=TOK, tags=MQ, proto=proto, temperature=1.0, group_size=1, k=2,
+            reward_fn=lambda t: type("R", (), {"total": 0.0, "parts": {}})()))
+        ids[rules] = groups[0][0].searches[0].doc_ids
+    assert ids["sonar"] == [["d1"], ["d2"]]
+    assert ids["upstream"] == [["d1"], ["d1"]]
