@@ -37,6 +37,14 @@ from sonar.actors.evaluation import SCORES, question_scores
 _MISSING = object()
 DEFAULT_METRICS = ("acc_r", "em", "f1")
 """Columns of the default table: R1-Searcher's ACC_R first, then HotpotQA's EM and F1."""
+PAPER_METRICS = {
+    "r1_searcher": ("em_r1", "acc_r", "f1_r1"),
+    "search_r1": ("em",),
+    "rag_r1": ("em",),
+}
+"""``sonar score --paper NAME``: the columns that paper's own evaluation prints, in its order. R1-Searcher's
+``evaluation/metric_calc_rule.py:200-205`` prints EM, Cover-EM and F1 under its own normalisation;
+Search-R1 and RAG-R1 report the EM of ``qa_em.py`` (SQuAD normalisation, HotpotQA's ``em``)."""
 _FIELD_FALLBACKS = {"prediction": "pred_ans", "golden_answers": "answer"}
 _SPLIT_STEMS = {"train", "dev", "test", "val", "valid", "validation", "predictions", "preds"}
 
@@ -206,11 +214,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="prediction field, dotted for nested (default: prediction, or R1-Searcher's pred_ans)")
     ap.add_argument("--gold-field", default=None,
                     help="gold field(s), string or list (default: golden_answers, or R1-Searcher's answer)")
-    ap.add_argument("--metrics", default=",".join(DEFAULT_METRICS),
+    ap.add_argument("--metrics", default=None,
                     help=f"comma-separated columns among {','.join(SCORES)} (default: {','.join(DEFAULT_METRICS)}): "
                          "acc_r/em_r1/f1_r1 are R1-Searcher's (its normalisation), em/f1 HotpotQA's official ones")
+    ap.add_argument("--paper", choices=sorted(PAPER_METRICS), default=None,
+                    help="the columns that paper's own evaluation prints (r1_searcher: em_r1,acc_r,f1_r1 as its "
+                         "metric_calc_rule.py; search_r1 / rag_r1: em as their qa_em.py)")
     args = ap.parse_args(argv)
-    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    if args.paper and args.metrics:
+        ap.error(f"--paper {args.paper} chooses the columns; drop --metrics {args.metrics!r} (or --paper)")
+    chosen = args.metrics or ",".join(PAPER_METRICS[args.paper] if args.paper else DEFAULT_METRICS)
+    args.metrics = chosen
+    metrics = [m.strip() for m in chosen.split(",") if m.strip()]
     if not metrics or any(m not in SCORES for m in metrics):
         ap.error(f"--metrics {args.metrics!r}: each must be one of {','.join(SCORES)}")
     reports: dict[str, ScoreReport] = {}

@@ -111,6 +111,20 @@ def test_r1_searcher_file_scores_as_its_metric_calc_rule(tmp_path, capsys):
     assert "| hotpotqa_500 | 6 | 83.3 | 66.7 | 63.3 | 33.3 | 16.7 |" in capsys.readouterr().out
 
 
+def test_paper_flag_prints_that_papers_columns_in_its_order(tmp_path, capsys):
+    """--paper r1_searcher: EM, Cover-EM, F1 under R1-Searcher's normalisation, the order its
+    metric_calc_rule.py:200-205 prints them; search_r1: qa_em.py's EM (SQuAD normalisation)."""
+    path = write_jsonl(tmp_path / "hotpotqa_500.jsonl", R1_FILE)
+    assert main([str(path), "--paper", "r1_searcher"]) == 0
+    out = capsys.readouterr().out
+    assert "| em_r1 | acc_r | f1_r1 |" in out and "| hotpotqa_500 | 6 | 66.7 | 83.3 | 63.3 |" in out
+    assert main([str(path), "--paper", "search_r1"]) == 0
+    assert "| hotpotqa_500 | 6 | 33.3 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main([str(path), "--paper", "r1_searcher", "--metrics", "em"])
+    assert e.value.code == 2 and "--paper r1_searcher chooses the columns" in capsys.readouterr().err
+
+
 def test_percent_rounds_as_upstream(tmp_path):
     # 1 covered of 16: 6.25 -> round(6.25, 1) == 6.2 (the binary 6.25 is exact; Python rounds half to even)
     recs = [{"prediction": "x", "golden_answers": ["x" if i == 0 else "y"]} for i in range(16)]
