@@ -40,7 +40,12 @@ def r1_run(tmp_path_factory, shared_ray):
 def search_r1_run(tmp_path_factory, shared_ray):
     # 10 SFT steps leave every reward at 0 and GRPO's dynamic sampling would drop every group, so the
     # steps would train nothing; keeping them checks the update path (zero-signal groups add no gradient).
-    return _run(tmp_path_factory, "search_r1_tiny", ["stages.1.steps=2", "stages.1.algo.dynamic_sampling=false"])
+    # Run as the paper recipe runs (configs/search_r1.yaml): Search-R1's own parsing, on-policy in lockstep
+    # (off_policy auto -> none), the entropy bonus; the tiny preset's Sonar-rules path is the R1 run's.
+    return _run(tmp_path_factory, "search_r1_tiny", ["stages.1.steps=2", "stages.1.algo.dynamic_sampling=false",
+                                                     "protocol.rules=upstream", "cluster.mode=sync",
+                                                     "replay.max_policy_lag=0", "stages.1.algo.off_policy=auto",
+                                                     "stages.1.algo.entropy_coef=0.001"])
 
 
 def _common(cfg, s, rows):
@@ -78,3 +83,7 @@ def test_search_r1_preset_trains_em_without_a_format_term(search_r1_run):
     assert rl
     # The reward is the answer's EM and nothing else (the format part is logged as a diagnostic only).
     assert all(x[K.ROLLOUT_REWARD_MEAN] == pytest.approx(x["rollout/reward/em"], abs=1e-12) for x in rl)
+    # upstream rules, lockstep, no off-policy correction, and the entropy bonus in every RL step's loss
+    assert (cfg.protocol.rules, cfg.cluster.mode, cfg.stages[1].algo.off_policy) == ("upstream", "sync", "none")
+    steps = [x for x in rows if x.get("stage") == 1 and K.LEARNER_VERSION in x]
+    assert steps and all(K.LEARNER_LOSS_PART.format(part="entropy_loss") in x for x in steps)
