@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Mapping
 
@@ -93,20 +94,31 @@ def presets() -> dict[str, Path]:
 
 
 def preset_summary(path: Path) -> str:
-    """The first comment line of a preset, without ``# name.yaml —`` (what ``sonar config list`` prints)."""
-    for line in path.read_text().splitlines():
+    """The first sentence of a preset's opening comment, without ``# name.yaml —`` (what ``sonar config
+    list`` prints): the comment lines are joined until the sentence ends (". " or the paragraph's end, a
+    blank comment line, or a command line indented under ``#   ``), so no description stops mid-sentence."""
+    words: list[str] = []
+    for i, line in enumerate(path.read_text().splitlines()):
         s = line.strip()
         if not s:
+            if words:
+                break
             continue
-        if not s.startswith("#"):
-            return ""
+        if not s.startswith("#") or line.startswith("#   ") or not s.lstrip("#").strip():
+            break
         text = s.lstrip("#").strip()
-        for sep in (" — ", " -- ", " - "):
-            head, found, tail = text.partition(sep)
-            if found and head.strip() == path.name:
-                return tail.strip()
-        return text
-    return ""
+        if not words:
+            for sep in (" — ", " -- ", " - "):
+                head, found, tail = text.partition(sep)
+                if found and head.strip() == path.name:
+                    text = tail.strip()
+                    break
+        words.append(text)
+        joined = " ".join(words)
+        end = re.search(r"(?<!\.)[.!?](\s|$)", joined)  # an ellipsis ("...") is not an end
+        if end:
+            return joined[: end.start() + 1]
+    return " ".join(words)
 
 
 def find_config(name: str | os.PathLike, cwd: str | os.PathLike | None = None) -> Path:

@@ -85,3 +85,11 @@ def test_preset_summary_is_the_first_comment_line_without_the_file_name(tmp_path
     p.write_text("run: {}\n")
     assert preset_summary(p) == ""
     assert preset_summary(CONFIG_DIR / "tiny.yaml").startswith("the embedded default")
+    # a sentence that wraps is joined to its end; an ellipsis does not end it; a command line stops it
+    p.write_text("# x.yaml — it does a (<a> ...\n# </a>) thing. And more.\n#   sonar train\nrun: {}\n")
+    assert preset_summary(p) == "it does a (<a> ... </a>) thing."
+    p.write_text("# x.yaml — no end\n#   sonar train --config x\n")
+    assert preset_summary(p) == "no end"
+    # every shipped preset's description is a whole sentence (`sonar config list`)
+    for name, path in presets().items():
+        assert preset_summary(path).endswith("."), (name, preset_summary(path))
