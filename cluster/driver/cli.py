@@ -132,23 +132,8 @@ def _sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def main(argv: list[str] | None = None) -> int:
-    _env_defaults()
-    _sigterm_as_interrupt()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "score":
-        from sonar.actors.scoring import main as score_main
-
-        return score_main(argv[1:])
-    if argv and argv[0] == "chaos":
-        from sonar.cluster.driver.chaos import main as chaos_main
-
-        return chaos_main(argv[1:])
-    if argv and argv[0] == "bench":
-        from sonar.bench.run import main as bench_main
-
-        return bench_main(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """The `sonar` command line (score, chaos and bench parse their own arguments)."""
     p = argparse.ArgumentParser(prog="sonar")
     p.add_argument("--version", action="version", version=f"sonar {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -156,14 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--config", action="append", help=CONFIG_HELP)
     t.add_argument("overrides", nargs="*", help="key=value overrides")
     e = sub.add_parser("eval", help="greedy evaluation of a checkpoint over dataset files")
-    e.add_argument("--config", action="append")
+    e.add_argument("--config", action="append", help=CONFIG_HELP)
     e.add_argument("--checkpoint", required=True, help="Sonar checkpoint or Hugging Face model directory")
     e.add_argument("--data", action="append", required=True, help="dataset file (repeatable)")
     e.add_argument("--format", default="auto", dest="fmt",
                    help="format of the --data files when detection cannot tell: flashrag, hotpotqa, 2wiki, musique, "
                         "bamboogle, r1_searcher, verl (aliases: search_r1, rag_r1, parquet, ...); default auto")
     e.add_argument("--out", default=None, help="output directory")
-    e.add_argument("overrides", nargs="*")
+    e.add_argument("overrides", nargs="*", help="key=value overrides")
     c = sub.add_parser("config", help="print, check or list configs without running anything")
     c_sub = c.add_subparsers(dest="config_cmd", required=True)
     for verb, text in (("show", "print the resolved config as YAML"),
@@ -182,6 +167,27 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("score", help="score predictions JSONL files")
     sub.add_parser("bench", help="run a benchmark from bench/")
     sub.add_parser("chaos", help="train while killing workers, the search service and the learner; account for every prompt")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    _env_defaults()
+    _sigterm_as_interrupt()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "score":
+        from sonar.actors.scoring import main as score_main
+
+        return score_main(argv[1:])
+    if argv and argv[0] == "chaos":
+        from sonar.cluster.driver.chaos import main as chaos_main
+
+        return chaos_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from sonar.bench.run import main as bench_main
+
+        return bench_main(argv[1:])
+    p = build_parser()
     args = p.parse_args(argv)
     if args.cmd == "config":
         return config_command(args)

@@ -54,3 +54,20 @@ def test_bench_takes_bare_overrides_and_set_as_a_deprecated_alias(monkeypatch, c
     assert ns.quick and ns.overrides == ["e.f=3", "a.b=1", "c.d=2"]
     assert "deprecated" in capsys.readouterr().err
     assert p.parse_args([]).overrides == []
+
+
+def test_every_option_of_every_verb_has_help_text():
+    """`sonar <verb> --help` explains every option and positional (score, chaos and bench parse their own)."""
+    import argparse
+
+    from sonar.cluster.driver.cli import build_parser
+
+    def walk(p, path):
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    yield from walk(sub, path + [name])
+            elif not isinstance(a, (argparse._HelpAction, argparse._VersionAction)) and not a.help:
+                yield " ".join(path), a.dest
+
+    assert list(walk(build_parser(), ["sonar"])) == []
