@@ -339,3 +339,13 @@ def test_eval_cli_user_errors_are_one_line_naming_the_file_exit_2(setup, flashra
         assert len(errors) == 1 and named in errors[0], stderr[-2000:]
         assert "Traceback" not in stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_eval_run_is_named_after_its_directory_without_a_doubled_prefix(setup, flashrag_layout, tmp_path):
+    from sonar.cluster.driver.evaluate import run_eval
+
+    cfg, tmp = setup
+    for name, expected in (("eval-20261202-000000", "eval-20261202-000000"), ("out", "eval-out")):
+        run_eval(cfg, str(tmp / "hf"), flashrag_layout[:1], str(tmp_path / name))
+        (run,) = _mlflow_runs(tmp_path / name, "sonar")
+        assert run.info.run_name == expected

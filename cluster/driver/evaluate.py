@@ -182,7 +182,8 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
     # The project's MLflow store, tagged with (and nested under) the training run of the checkpoint.
-    sink = tracking.make_sink(cfg, out, f"eval-{out.name}", tags={"sonar.eval.checkpoint": str(model_dir)},
+    run_name = out.name if out.name.startswith("eval-") else f"eval-{out.name}"  # never "eval-eval-..."
+    sink = tracking.make_sink(cfg, out, run_name, tags={"sonar.eval.checkpoint": str(model_dir)},
                               parent_of=model_dir)
     table: dict[str, dict] = {}
     current = None
