@@ -1,7 +1,7 @@
 """Generation engines behind one interface: token ids in, token ids and sampling logprobs out.
 
 The interface fits both the transformers engine (CPU and GPU, :class:`HFEngine`, defined here) and
-vLLM (``engine_vllm.py``, GPU only):
+vLLM (``engine_vllm.py``, on GPU and, built for x86 CPUs, on CPU):
 
 - ``generate(prompts, params)``: one ``Generation`` per prompt, in order. Stops on any id in
   ``params.stop_token_ids`` (the stop token is included in the output), at the first generated token

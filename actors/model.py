@@ -2,7 +2,7 @@
 
 Why this size: on 2 CPU cores a 2-layer, hidden-128 Llama with tied embeddings (~0.45M parameters
 with the ~200-token world vocabulary) learns the search format and reaches ~85-90 % held-out EM within
-minutes of SFT; a 4.3M-parameter model learned nothing in the same time (see shared/GUIDE.md).
+minutes of SFT; a 4.3M-parameter model learned nothing in the same time (a measurement of an earlier session on this project's 2-core machine; not re-run here).
 
 Invariants:
 - ``build_policy`` is a pure function of (``ModelConfig``, tokenizer): every process that builds it
