@@ -10,7 +10,7 @@ import time
 
 from sonar.cluster.driver.critical_path import StepClock
 from sonar.cluster.driver.data import stage_questions, write_stage_prompts
-from sonar.cluster.driver.reports import (Throughput, evaluate, print_summary, record_prompts, replay_metrics,
+from sonar.cluster.driver.reports import (StageProgress, Throughput, evaluate, print_summary, record_prompts, replay_metrics,
                                          retrieval_metrics, step_log_line)
 from sonar.cluster.driver.roles import (Hooks, Roles, check_retrieval, export_model, kill_roles, maybe_checkpoint,
                                        maybe_resume, prepare_demonstrations, save_checkpoint, start_roles, stop_roles)
@@ -100,16 +100,19 @@ def run_sft_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageC
     # Wait: the learner must hold the demonstrations and this stage's settings before its first step.
     info = ray.get(roles.learner.begin_stage.remote(index, stage, start_step, demos))
     log.info("stage %d (sft): %d demonstrations, %d steps", index, info.get("demonstrations", 0), stage.steps)
+    progress = StageProgress(stage.steps, start_step, f"stage {index} {stage.name}")
     for step in range(start_step, stage.steps):
         # Wait for each step: the driver logs and checkpoints between steps (no rollouts run in SFT).
         m = ray.get(roles.learner.sft_step.remote(stage), timeout=cfg.cluster.step_timeout_s)
         run.step += 1
+        progress.update()
         if run.step % cfg.run.log_every == 0:
             run.log({**m, "stage": index})
-        if (step + 1) % 25 == 0:
-            log.info("sft step %d/%d loss %.3f (%.0f tok/s)", step + 1, stage.steps, m[K.LEARNER_LOSS],
-                     m[K.LEARNER_TOKENS_PER_S])
+        if (step + 1) % 25 == 0 or step + 1 == stage.steps:
+            log.info("sft step %d/%d loss %.3f (%.0f tok/s) %s", step + 1, stage.steps, m[K.LEARNER_LOSS],
+                     m[K.LEARNER_TOKENS_PER_S], progress.text(step + 1))
         maybe_checkpoint(cfg, roles, run, index, step + 1)  # waits for the learner's save when one is due
+    progress.close()
     run.log(roles.pool.push())  # waits until the workers hold the SFT weights: the next stage samples them
 
 
@@ -137,6 +140,7 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
     steps, t_stage, throughput = start_step, time.monotonic(), Throughput()
     pool = Pool(cfg, len(roles.workers))  # resizes an elastic rollout pool at step boundaries (pool.py)
     clock = StepClock()  # the step's wall time split along the critical path (critical_path.py)
+    progress = StageProgress(stage.steps, start_step, f"stage {index} {stage.name}")
     while steps < stage.steps:
         if sync:
             with clock.phase("generate_sync"):
@@ -156,6 +160,7 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
             continue
         steps += 1
         run.step += 1
+        progress.update()
         m = dict(res.metrics)
         if steps % cfg.learner.broadcast_every == 0:  # waits for the collective: bounds the policy lag
             with clock.phase("push"):
@@ -170,12 +175,13 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
         m.update(clock.finish(m))  # this step's split; run.log and the checkpoint go to the next step's log_s
         run.log({**m, "stage": index})
         if steps % 5 == 0 or steps == stage.steps:
-            log.info("%s", step_log_line(steps, stage.steps, m))  # no nan: a step without rollouts says so
+            log.info("%s %s", step_log_line(steps, stage.steps, m), progress.text(steps))  # no nan: see step_log_line
         with clock.phase("log"):
             maybe_checkpoint(cfg, roles, run, index, steps)  # waits for the learner's save when one is due
         if roles.hooks.on_step is not None and roles.hooks.on_step(roles, run, index, steps):
             run.results["stopped_early"] = {"stage": index, "steps": steps}
             break
+    progress.close()
     pool.close(roles.pool)
     run.results.setdefault("pool", {})[index] = pool.history  # (seconds, workers) at start and each resize
     roles.pool.end_stage()  # waits until every loop has ended and the replay is drained: the stage is over

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 
 import numpy as np
@@ -41,6 +42,53 @@ def rollout_metrics(recent: list[dict]) -> dict:
     m[K.RETRIEVAL_ERRORS] = float(sum(r["failed_searches"] for r in recent))
     m[K.ROLLOUT_TRAJECTORIES] = float(len(recent))
     return m
+
+
+def fmt_duration(seconds: float) -> str:
+    """A duration for the log lines: 45s, 6m20s, 1h02m (rounded down to the shown unit)."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+class StageProgress:
+    """Where a stage stands: percentage, step rate and ETA from the steps done since the stage (re)started
+    (``start_step``: a resumed stage's rate counts only the steps this process ran), for the log lines; and
+    on a terminal (stderr a TTY) a tqdm bar updated every step, so a run can be watched between log lines.
+    Files get only the log lines: no bar, no carriage returns."""
+
+    def __init__(self, total: int, start_step: int = 0, desc: str = "", clock=time.monotonic, bar: bool | None = None):
+        self.total, self.start_step, self.clock = total, start_step, clock
+        self.t0 = clock()
+        if bar is None:
+            bar = sys.stderr.isatty()
+        self.bar = None
+        if bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start_step, desc=desc, unit="step", file=sys.stderr, leave=False,
+                            dynamic_ncols=True, mininterval=0.5)
+
+    def text(self, step: int) -> str:
+        """``12% 0.85 steps/s ETA 9m48s`` at step ``step`` (1-based count of steps done)."""
+        pct = 100.0 * step / self.total if self.total else 100.0
+        done, dt = step - self.start_step, self.clock() - self.t0
+        if done <= 0 or dt <= 0:
+            return f"{pct:.0f}%"
+        rate = done / dt
+        return f"{pct:.0f}% {rate:.2f} steps/s ETA {fmt_duration((self.total - step) / rate)}"
+
+    def update(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def step_log_line(steps: int, total: int, m: dict) -> str:

@@ -37,3 +37,34 @@ def test_a_step_at_which_no_rollout_finished_says_so_instead_of_nan():
     # a row without the learner's or the replay's numbers prints "-" for them, never nan
     assert step_log_line(1, 2, {}) == ("rl step 1/2 reward - lag max - searches/traj - (no rollout finished since "
                                        "the previous step) dropped -")
+
+
+def test_stage_progress_gives_the_rate_and_eta_of_this_processes_steps():
+    from sonar.cluster.driver.reports import StageProgress, fmt_duration
+
+    now = [100.0]
+    p = StageProgress(500, start_step=100, clock=lambda: now[0], bar=False)  # resumed at step 100
+    assert p.text(100) == "20%"                       # nothing done yet: no rate to extrapolate
+    now[0] += 40.0
+    assert p.text(120) == "24% 0.50 steps/s ETA 12m40s"  # 20 steps in 40 s; 380 left at 0.5/s = 760 s
+    now[0] += 7200.0
+    assert p.text(121) == "24% 0.00 steps/s ETA 36h17m"  # 379 x 7240 / 21 s: a stall shows as a long ETA
+    assert [fmt_duration(x) for x in (0, 59.9, 60, 3599, 3600, 3725)] == ["0s", "59s", "1m00s", "59m59s", "1h00m", "1h02m"]
+    p.update(), p.close()  # without a bar (not a terminal) both are no-ops
+
+
+def test_stage_progress_draws_a_bar_only_on_a_terminal(monkeypatch):
+    import io
+
+    from sonar.cluster.driver import reports
+
+    monkeypatch.setattr(reports.sys, "stderr", io.StringIO())  # a file: no bar
+    assert reports.StageProgress(10).bar is None
+    fake_tty = io.StringIO()
+    fake_tty.isatty = lambda: True
+    monkeypatch.setattr(reports.sys, "stderr", fake_tty)
+    p = reports.StageProgress(10, desc="stage 1 rl")
+    p.update(3)
+    assert p.bar is not None and p.bar.n == 3
+    p.close()
+    assert p.bar is None and "stage 1 rl" in fake_tty.getvalue()
