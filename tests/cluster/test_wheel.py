@@ -34,8 +34,11 @@ def wheel_env(tmp_path_factory):
         if (ROOT / rel).is_file():
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             (src / rel).write_bytes((ROOT / rel).read_bytes())
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"),
-          str(src)])
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-4000:]
+    # a quiet install: setuptools has nothing to warn about (license string, every package listed)
+    assert "Warning" not in built.stderr, built.stderr[-4000:]
     wheel = next((tmp_path / "dist").glob("sonar_rl-*.whl"))
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
