@@ -1,6 +1,7 @@
 """End to end (slow): configs/smoke.yaml through the real driver — Ray actors, DeepSpeed learner,
 tantivy behind the Ray retrieval service, gloo weight broadcast, replay queue, MLflow (sqlite)."""
 import json
+import logging
 
 import pytest
 
@@ -14,8 +15,32 @@ def smoke_run(tmp_path_factory, shared_ray):
 
     root = tmp_path_factory.mktemp("runs")
     cfg = load_config([CONFIG_DIR / "smoke.yaml"], [f"run.root={root}", f"run.run_dir={root / 'smoke'}"])
-    summary = train(cfg)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("sonar")
+    log.addHandler(handler)
+    old_level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        summary = train(cfg)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+    SMOKE_LOG[:] = lines
     return cfg, summary
+
+
+SMOKE_LOG: list[str] = []
+"""The driver's log lines of the smoke run (the "sonar" logger)."""
+
+
+def test_the_driver_logs_each_startup_phase_and_the_steps_eta(smoke_run):
+    from sonar.cluster.driver.reports import STARTUP_PHASES
+
+    done = [ln.split("start-up: ", 1)[1].rsplit(" done in ", 1)[0] for ln in SMOKE_LOG if " done in " in ln]
+    assert done == list(STARTUP_PHASES)
+    assert any(ln.startswith("rl step ") and " steps/s ETA " in ln for ln in SMOKE_LOG)
 
 
 def test_every_worker_produced_and_the_learner_stepped(smoke_run):

@@ -2,6 +2,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -42,6 +43,21 @@ def rollout_metrics(recent: list[dict]) -> dict:
     m[K.RETRIEVAL_ERRORS] = float(sum(r["failed_searches"] for r in recent))
     m[K.ROLLOUT_TRAJECTORIES] = float(len(recent))
     return m
+
+
+STARTUP_PHASES = ("ray", "corpus and index", "retrieval service", "policy", "learner and rollout workers",
+                  "weight transport")
+"""What ``start_roles`` logs, in order, each as ``start-up: <phase> ...`` then ``... done in X s``."""
+
+
+@contextlib.contextmanager
+def startup_phase(name: str):
+    """Log a start-up phase as it begins and when it is done, with its seconds: the minute before the first
+    step is no longer silent (``STARTUP_PHASES``)."""
+    t0 = time.monotonic()
+    log.info("start-up: %s ...", name)
+    yield
+    log.info("start-up: %s done in %.1f s", name, time.monotonic() - t0)
 
 
 def fmt_duration(seconds: float) -> str:

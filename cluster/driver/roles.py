@@ -18,7 +18,7 @@ from typing import Callable
 from sonar.cluster.driver.data import cursor_prompts
 from sonar.cluster.driver.demands import role_resources
 from sonar.cluster.driver.learner_ranks import remove_learner_group, start_learner
-from sonar.cluster.driver.reports import eval_table
+from sonar.cluster.driver.reports import eval_table, startup_phase
 from sonar.cluster.driver.rollout_pool import RolloutPool, node_of
 from sonar.cluster.driver.run import Run, world_of
 from sonar.cluster.wire import metrics as K
@@ -120,10 +120,14 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
     from sonar.cluster.wire.replay import ReplayQueue
 
     hooks = hooks or Hooks()
-    owns = init_ray(cfg)
-    corpus = prepare_corpus(cfg, run)
-    retrieval = start_retrieval(cfg, run, corpus, hooks.retriever_wrap)
-    policy = prepare_policy(cfg, run)
+    with startup_phase("ray"):
+        owns = init_ray(cfg)
+    with startup_phase("corpus and index"):
+        corpus = prepare_corpus(cfg, run)
+    with startup_phase("retrieval service"):
+        retrieval = start_retrieval(cfg, run, corpus, hooks.retriever_wrap)
+    with startup_phase("policy"):
+        policy = prepare_policy(cfg, run)
     if cfg.world.force:
         log.warning("world.force=true: the toy world's questions with model.path=%s and retrieval.corpus=%s, as asked",
                     cfg.model.path, cfg.retrieval.corpus)
@@ -137,24 +141,26 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
     replay = ray.remote(num_cpus=0)(ReplayQueue).options(max_concurrency=1000).remote(
         cfg.replay.capacity_groups, cfg.replay.max_policy_lag, cfg.replay.stale_policy, num_train, cfg.run.seed,
         budget, cfg.learner.groups_per_step if budget else 0)
-    learner, learner_pg = start_learner(cfg, policy, role_resources(cfg, "learner"))
-    pool = RolloutPool(cfg, learner=learner, replay=replay, retrieval=retrieval, policy=policy,
-                       engine_wrap=hooks.engine_wrap, on_event=hooks.on_pool)
-    pool.start(cfg.rollout.num_workers)
-    try:
-        ray.get(learner.ping.remote(), timeout=cfg.cluster.step_timeout_s)
-        pool.ready()  # a worker that dies while starting is restarted; one still starting at the deadline raises
-    except ray.exceptions.GetTimeoutError:
-        raise RuntimeError(
-            f"the learner and {cfg.rollout.num_workers} rollout workers did not start within cluster.step_timeout_s="
-            f"{cfg.cluster.step_timeout_s}s: the cluster lacks the CPUs/GPUs they ask for "
-            f"(learner.num_cpus={cfg.learner.num_cpus}, learner.num_gpus={cfg.learner.num_gpus}, "
-            f"rollout.num_cpus_per_worker={cfg.rollout.num_cpus_per_worker}, "
-            f"rollout.num_gpus_per_worker={cfg.rollout.num_gpus_per_worker}; available {ray.available_resources()})"
-        ) from None
+    with startup_phase("learner and rollout workers"):
+        learner, learner_pg = start_learner(cfg, policy, role_resources(cfg, "learner"))
+        pool = RolloutPool(cfg, learner=learner, replay=replay, retrieval=retrieval, policy=policy,
+                           engine_wrap=hooks.engine_wrap, on_event=hooks.on_pool)
+        pool.start(cfg.rollout.num_workers)
+        try:
+            ray.get(learner.ping.remote(), timeout=cfg.cluster.step_timeout_s)
+            pool.ready()  # a worker that dies while starting is restarted; one still starting at the deadline raises
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"the learner and {cfg.rollout.num_workers} rollout workers did not start within cluster.step_timeout_s="
+                f"{cfg.cluster.step_timeout_s}s: the cluster lacks the CPUs/GPUs they ask for "
+                f"(learner.num_cpus={cfg.learner.num_cpus}, learner.num_gpus={cfg.learner.num_gpus}, "
+                f"rollout.num_cpus_per_worker={cfg.rollout.num_cpus_per_worker}, "
+                f"rollout.num_gpus_per_worker={cfg.rollout.num_gpus_per_worker}; available {ray.available_resources()})"
+            ) from None
     roles = Roles(retrieval, replay, learner, pool, owns_ray=owns, hooks=hooks, policy=policy, cfg=cfg,
                   learner_pg=learner_pg, corpus=corpus)
-    pool.form_group()  # every worker and the learner join the weight transport; the weights pushed
+    with startup_phase("weight transport"):
+        pool.form_group()  # every worker and the learner join the weight transport; the weights pushed
     roles.files_node = unshared_learner_node(cfg, roles, run)
     return roles
 

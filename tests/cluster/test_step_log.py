@@ -68,3 +68,21 @@ def test_stage_progress_draws_a_bar_only_on_a_terminal(monkeypatch):
     assert p.bar is not None and p.bar.n == 3
     p.close()
     assert p.bar is None and "stage 1 rl" in fake_tty.getvalue()
+
+
+def test_a_startup_phase_is_logged_when_it_begins_and_when_it_is_done(caplog):
+    import logging
+
+    import pytest
+
+    from sonar.cluster.driver.reports import startup_phase
+
+    with caplog.at_level(logging.INFO, logger="sonar"):
+        with startup_phase("ray"):
+            pass
+        with pytest.raises(ValueError):
+            with startup_phase("policy"):
+                raise ValueError("no config.json")
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs[0] == "start-up: ray ..." and msgs[1].startswith("start-up: ray done in ") and msgs[1].endswith(" s")
+    assert msgs[2:] == ["start-up: policy ..."]  # a phase that failed is not reported done
