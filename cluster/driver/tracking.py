@@ -307,6 +307,11 @@ class MLflowSink:
                 pip_requirements=[f"transformers=={transformers.__version__}", f"torch=={torch.__version__.split('+')[0]}"],
                 metadata=json.loads(json.dumps(meta, default=str)),
                 registered_model_name=self.registered_model_name or None)
+            # The model's own metrics are the held-out evaluation (eval/<split>/<metric>: EM, F1, ACC_R, ...),
+            # not the system samples MLflow would otherwise show on it.
+            model_metrics = eval_metrics(eval_table or {})
+            if model_metrics:
+                self._mlflow.log_metrics(model_metrics, model_id=info.model_id, synchronous=True)
         if not self.registered_model_name:
             return info.model_uri
         version = str(info.registered_model_version)
@@ -329,6 +334,13 @@ class MLflowSink:
                 if self.async_logging:
                     self._mlflow.flush_async_logging()  # every queued step is written before end_run
                 self._mlflow.end_run(status=status)
+
+
+def eval_metrics(table: Mapping) -> dict[str, float]:
+    """An eval table ({split or dataset: {metric: value}}) as flat metrics ``eval/<split>/<metric>``
+    (numbers only; a count such as ``n`` included)."""
+    return {f"eval/{k}/{c}": float(x) for k, v in table.items() if isinstance(v, Mapping)
+            for c, x in v.items() if isinstance(x, (int, float)) and not isinstance(x, bool)}
 
 
 def eval_markdown(table: Mapping) -> str:
