@@ -349,3 +349,20 @@ def test_the_eval_run_is_named_after_its_directory_without_a_doubled_prefix(setu
         run_eval(cfg, str(tmp / "hf"), flashrag_layout[:1], str(tmp_path / name))
         (run,) = _mlflow_runs(tmp_path / name, "sonar")
         assert run.info.run_name == expected
+
+
+def test_a_dataset_the_policy_cannot_read_is_warned_about_with_its_unknown_share(setup, tmp_path, caplog):
+    import logging
+
+    from sonar.cluster.driver.evaluate import _load_policy, run_eval, unknown_share
+
+    cfg, tmp = setup
+    _, tok = _load_policy(tmp / "hf")
+    assert unknown_share(tok, ["question : zzqx wvut"]) == pytest.approx(2 / 4)  # 2 of 4 words unknown
+    path = tmp_path / "foreign.jsonl"
+    path.write_text(json.dumps({"question": "zzqx wvut", "golden_answers": ["a"]}) + "\n")
+    with caplog.at_level(logging.INFO, logger="sonar.eval"):
+        run_eval(cfg, str(tmp / "hf"), [str(path)], str(tmp_path / "out"))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("dataset foreign: 100.0 % of its question tokens are unknown" in m for m in msgs), msgs
+    assert any(m.startswith(f"sonar eval: writing predictions and the table to {tmp_path / 'out'}") for m in msgs)

@@ -147,6 +147,16 @@ def _default_corpus(cfg: Config) -> str:
     return prepare_corpus(cfg, None)
 
 
+def unknown_share(tokenizer, questions: list[str]) -> float:
+    """The share of the questions' tokens that ``tokenizer`` maps to its unknown token (0 without one): a
+    tiny world's word-level policy reads every word outside its vocabulary as ``<unk>``."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return 0.0
+    ids = [t for q in questions for t in tokenizer.encode(q, add_special_tokens=False)]
+    return sum(1 for t in ids if t == unk) / len(ids) if ids else 0.0
+
+
 def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str | None = None,
              fmt: str = "auto") -> dict:
     """Evaluate the policy at ``checkpoint`` on each of ``data_files``; returns {name: summary}, names
@@ -174,6 +184,12 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
     except FileNotFoundError as e:
         raise EvalError(str(e)) from None
     model, tokenizer = _load_policy(model_dir)
+    for name, _, items in datasets:
+        share = unknown_share(tokenizer, [it.question for it in items])
+        if share > 0:
+            log.warning("dataset %s: %.1f %% of its question tokens are unknown to the policy's tokenizer (read as "
+                        "%s); a policy trained on the synthetic world cannot read it", name, 100 * share,
+                        tokenizer.unk_token)
     engine = HFEngine(model, eos_token_id=tokenizer.eos_token_id, tokenizer=tokenizer)  # stop strings: tags as text
     tags = get_protocol(cfg.protocol.name)
     corpus = cfg.retrieval.corpus or _default_corpus(cfg)
@@ -185,6 +201,8 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
     run_name = out.name if out.name.startswith("eval-") else f"eval-{out.name}"  # never "eval-eval-..."
     sink = tracking.make_sink(cfg, out, run_name, tags={"sonar.eval.checkpoint": str(model_dir)},
                               parent_of=model_dir)
+    log.info("sonar eval: writing predictions and the table to %s; MLflow run %r in %s", out, run_name,
+             getattr(sink, "uri", "(tracking off)"))
     table: dict[str, dict] = {}
     current = None
     try:
