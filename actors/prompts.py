@@ -240,8 +240,6 @@ INVALID_MESSAGE = ("\nMy previous action is invalid. If I want to search, I shou
                    "Let me try again.\n")
 INVALID_SHORT = "no query and no answer ."
 """The ``short`` style's message, in words of the synthetic world's vocabulary."""
-SHORT_FIXED_TEXTS = ("question :", "no results", "title : text", "query :", INVALID_SHORT)
-"""Every fixed word the ``short`` style renders (the synthetic world puts them in its vocabulary)."""
 
 
 def check_style(tags: TagSet, style: str, template: str) -> None:

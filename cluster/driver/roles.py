@@ -280,10 +280,6 @@ class ReplicaFailed(RuntimeError):
     pass
 
 
-class LearnerDied(RuntimeError):
-    pass
-
-
 def check_retrieval(cfg: Config, roles: Roles) -> dict:
     """Ping every retrieval replica at once (``health()``: a cheap actor call), one shared deadline
     (``cluster.health_timeout_s``). A replica Ray is restarting (``ActorUnavailableError``), or that

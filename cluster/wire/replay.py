@@ -44,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -70,7 +70,6 @@ class QueuedGroup:
     num_trajs: int
     prompt_index: int
     worker_id: int
-    enqueued_at: float = field(default_factory=time.monotonic)
 
 
 class PromptCursor:
