@@ -116,8 +116,9 @@ def summarize(records: list[dict]) -> dict[str, float]:
 
 
 def eval_metrics(split: str, summary: dict[str, float]) -> dict[str, float]:
-    """The summary under its metric keys: ``eval/{split}/em`` and so on (``cluster/wire/metrics.py``)."""
-    return {_METRIC_KEYS[name].format(split=split): float(summary[name]) for name in SUMMARY_FIELDS}
+    """The summary under its metric keys: ``eval/{split}/em`` and so on (``cluster/wire/metrics.py``); the
+    fields of ``SUMMARY_FIELDS`` that ``summary`` holds."""
+    return {_METRIC_KEYS[name].format(split=split): float(summary[name]) for name in SUMMARY_FIELDS if name in summary}
 
 
 def markdown(table: dict[str, dict[str, float]]) -> str:

@@ -337,10 +337,11 @@ class MLflowSink:
 
 
 def eval_metrics(table: Mapping) -> dict[str, float]:
-    """An eval table ({split or dataset: {metric: value}}) as flat metrics ``eval/<split>/<metric>``
-    (numbers only; a count such as ``n`` included)."""
-    return {f"eval/{k}/{c}": float(x) for k, v in table.items() if isinstance(v, Mapping)
-            for c, x in v.items() if isinstance(x, (int, float)) and not isinstance(x, bool)}
+    """An eval table ({split or dataset: summary}) as the evaluation's metrics, ``eval/<split>/<metric>``
+    (``actors.evaluation.eval_metrics``: the keys of ``cluster/wire/metrics.py``)."""
+    from sonar.actors.evaluation import eval_metrics as split_metrics
+
+    return {k: v for split, row in table.items() if isinstance(row, Mapping) for k, v in split_metrics(split, row).items()}
 
 
 def eval_markdown(table: Mapping) -> str:

@@ -212,7 +212,7 @@ def test_final_policy_is_a_registered_transformers_model_with_eval_and_config(tm
     assert info.metadata == {"sonar_eval": table, "sonar_config": {"run": {"name": "tiny"}}}
     # the logged model's metrics are the evaluation, not system samples
     got = {m.key: m.value for m in client.get_logged_model(info.model_id).metrics}
-    assert got == {"eval/after_search/n": 12.0, "eval/after_search/em": 0.75, "eval/after_search/f1": 0.8}
+    assert got == {"eval/after_search/questions": 12.0, "eval/after_search/em": 0.75, "eval/after_search/f1": 0.8}
 
 
 def test_an_empty_registered_name_logs_without_registering(tmp_path, policy_dir):
