@@ -27,6 +27,8 @@ def _env_defaults() -> None:
                  "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
                  "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_ALLOW_FILE_STORE": "true"}.items():
         os.environ.setdefault(k, v)
+    if not sys.stderr.isatty():  # a log file or a pipe: Ray prints its workers' lines without colour codes
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 def _load(args, notes: list | None = None) -> "Config":

@@ -71,3 +71,23 @@ def test_every_option_of_every_verb_has_help_text():
                 yield " ".join(path), a.dest
 
     assert list(walk(build_parser(), ["sonar"])) == []
+
+
+def test_worker_lines_carry_no_colour_codes_when_the_output_is_not_a_terminal(monkeypatch):
+    """Ray prefixes its workers' lines with ANSI colours unless RAY_COLOR_PREFIX=0 (ray/_private/worker.py,
+    print_worker_logs): set when stderr is a file or a pipe, left alone on a terminal or when the user set it."""
+    import io
+    import os
+
+    from sonar.cluster.driver import cli
+
+    monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
+    monkeypatch.setattr(cli.sys, "stderr", io.StringIO())
+    cli._env_defaults()
+    assert os.environ["RAY_COLOR_PREFIX"] == "0"
+    monkeypatch.delenv("RAY_COLOR_PREFIX")
+    tty = io.StringIO()
+    tty.isatty = lambda: True
+    monkeypatch.setattr(cli.sys, "stderr", tty)
+    cli._env_defaults()
+    assert "RAY_COLOR_PREFIX" not in os.environ
