@@ -5,13 +5,15 @@ Shape of one call (``rollout_groups``): every item becomes ``group_size`` trajec
 
 1. ``_generate``: one batched ``engine.generate`` over every active trajectory (run in a thread via
    ``asyncio.to_thread`` so the event loop stays free), stopping on ``tags.query_close``,
-   ``tags.answer_close`` and EOS: on the tags' ids when they are special tokens of the tokenizer, on
+   ``tags.answer_close`` (not under R1-Searcher's own rules, ``protocol.rules=upstream``:
+   ``upstream.stop_tags``) and EOS: on the tags' ids when they are special tokens of the tokenizer, on
    their strings when they are plain text (``prompts.stop_plan``; ``model.tags``); each row is capped
    at ``min(max_new_tokens_per_turn, budget left)``;
 2. ``_act``: each row's new ids become a MODEL segment (ids, sampling logprobs, engine version); ONLY
    those ids are decoded (special tokens kept), cut after the first stop string (the token that
    completed it may carry more text, as BPE merges ``"</search>\n"``; upstream cuts at the first
-   ``</search>`` too), and parsed with ``actors.parsing.parse_turn``;
+   ``</search>`` too), and parsed with ``actors.parsing.parse_turn`` (``actors.upstream.parse_turn_upstream``
+   under ``protocol.rules=upstream``);
 3. ``_search``: every query of every trajectory that searched this turn goes out in ONE batched
    search (identical query strings are sent once; ``retrieval.base.search_async`` awaits any
    retriever, blocking or not), then ``_inject``, per trajectory: the documents are de-duplicated
