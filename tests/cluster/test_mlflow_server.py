@@ -47,7 +47,9 @@ def mlflow_server(tmp_path_factory):
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: proc.poll() is not None or _healthy(url), 180.0,
+        # The server's start (migrations, then its job executor) took over 180 s with both cores busy in a
+        # loaded CI run (07:59:09 -> 08:00:19 for the executor alone): the bound is on a readiness event, not a pace.
+        wait_until(lambda: proc.poll() is not None or _healthy(url), 420.0,
                    lambda: f"mlflow server not healthy: {(d / 'server.log').read_text()[-2000:]}", poll_s=0.2)
         assert proc.poll() is None, (d / "server.log").read_text()[-2000:]
         yield url
@@ -90,7 +92,9 @@ def test_a_run_over_http_keeps_every_metric_artifact_and_the_registered_model(ml
     run = client.get_run(sink.run_id)
     assert run.info.status == "KILLED" and run.data.tags["sonar.preset"] == "smoke"
     assert client.get_experiment(run.info.experiment_id).name == "server-test"
-    assert len(run.data.metrics) == 45 and "stage" not in run.data.metrics and run.data.tags["sonar.stage"] == "0"
+    # the 45 learner keys, and the evaluation logged with the model (MLflow links a model's metrics to its run too)
+    assert set(run.data.metrics) == {*keys, "eval/after_search/questions", "eval/after_search/em"}
+    assert "stage" not in run.data.metrics and run.data.tags["sonar.stage"] == "0"
     assert sorted(m.step for m in client.get_metric_history(sink.run_id, keys[44])) == list(range(20))
     assert [a.path for a in client.list_artifacts(sink.run_id, "predictions")] == ["predictions/predictions-after_search.jsonl"]
     assert uri == "models:/sonar-server/1"
