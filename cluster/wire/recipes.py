@@ -136,6 +136,13 @@ _R1_ALGO = lambda i: (  # noqa: E731  (both stages share the scripts' algorithm 
         "synchronous: generate, train, push, clear the buffer; auto resolves to none in sync mode"),
 )
 
+_VERL_OPTIMIZER = lambda yaml: (  # noqa: E731  (Search-R1's veRL fork, which RAG-R1 ships unchanged)
+    Row("learner.lr_decay", "constant", f"{_FW}:240-241", "constant after warm-up, hard-wired"),
+    Row("learner.betas", [0.9, 0.999], f"{_FW}:231", "AdamW defaults"),
+    Row("learner.weight_decay", 0.01, f"{_FW}:232"),
+    Row("learner.grad_clip", 1.0, f"{yaml}:32"),
+)
+
 RECIPES.update({
     "r1_searcher": (
         Row("protocol.name", "r1_searcher", f"{_EM}:1087", "<|begin_of_query|> / <|begin_of_documents|> / <answer>"),
@@ -193,10 +200,7 @@ RECIPES.update({
         Row("stages.0.lr", 1e-6, f"{_G}:45"),
         Row("learner.warmup_steps", 286, f"{_G}:46", "lr_warmup_steps_ratio 0.285 x 1005 total steps",
             caveat="Sonar's step s runs at lr (s + 1) / 286; veRL's at s / 286 (its first update at lr 0)"),
-        Row("learner.lr_decay", "constant", f"{_FW}:240-241", "constant after warm-up, hard-wired"),
-        Row("learner.betas", [0.9, 0.999], f"{_FW}:231", "AdamW defaults"),
-        Row("learner.weight_decay", 0.01, f"{_FW}:232"),
-        Row("learner.grad_clip", 1.0, f"{_SY}:32"),
+        *_VERL_OPTIMIZER(_SY),
         Row("stages.0.steps", 1004, f"{_G}:75", "total_training_steps=1005; the loop ends after 1,004 updates"),
         Row("stages.0.algo.name", "grpo", f"{_G}:41", "(r - mean) / (unbiased std + 1e-6)"),
         Row("stages.0.algo.kl_coef", 1e-3, f"{_G}:59"),
@@ -242,10 +246,7 @@ RECIPES.update({
             caveat="constant; upstream warms the critic's lr up over int(0.015 x 500) = 7 steps"),
         Row("learner.warmup_steps", 142, f"{_MQ}:31", "0.285 x 500 total steps",
             caveat="Sonar's step s runs at lr (s + 1) / 142; veRL's at s / 142 (its first update at lr 0)"),
-        Row("learner.lr_decay", "constant", f"{_FW}:240-241"),
-        Row("learner.betas", [0.9, 0.999], f"{_FW}:231"),
-        Row("learner.weight_decay", 0.01, f"{_FW}:232"),
-        Row("learner.grad_clip", 1.0, f"{_AY}:32"),
+        *_VERL_OPTIMIZER(_AY),
         Row("stages.0.steps", 499, f"{_MQ}:69", "total_training_steps=500: 499 updates"),
         Row("stages.0.algo.name", "ppo", f"{_MQ}:26", "adv_estimator=gae"),
         Row("stages.0.algo.kl_coef", 1e-3, f"{_MQ}:55"),
