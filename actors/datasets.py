@@ -1,4 +1,5 @@
-"""Loaders for the QA datasets users keep on disk -> ``list[QAItem]``. Standard library only.
+"""Loaders for the QA datasets users keep on disk -> ``list[QAItem]``. Standard library only (and the
+plug-in registry of ``cluster/wire/plugins.py``).
 
 Formats (``fmt``) and where the real files come from
 ----------------------------------------------------
@@ -80,6 +81,8 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
+
+from sonar.cluster.wire.plugins import Registry, is_plugin
 
 FORMATS = ("flashrag", "hotpotqa", "2wiki", "musique", "bamboogle", "r1_searcher", "verl")
 ALIASES = {"search_r1": "flashrag", "jsonl": "flashrag", "rag_r1": "flashrag", "hotpot": "hotpotqa",
@@ -386,17 +389,112 @@ def load_dataset(path: str | Path, fmt: str = "auto", source: str | None = None)
     return items
 
 
-def load_datasets(paths: str | Path | list, fmt: str = "auto") -> list[QAItem]:
+def _dotted(rec: Any, key: str) -> Any:
+    """``rec[a][b]`` for ``key`` "a.b" (a list index where a part is a number); KeyError if absent."""
+    cur = rec
+    for part in key.split("."):
+        if isinstance(cur, dict) and part in cur:
+            cur = cur[part]
+        elif isinstance(cur, list) and part.isdigit() and int(part) < len(cur):
+            cur = cur[int(part)]
+        else:
+            raise KeyError(key)
+    return cur
+
+
+def load_mapped(path: str | Path, fields: dict, source: str | None = None) -> list[QAItem]:
+    """Any JSONL / JSON list / parquet file through a field mapping (``stages.N.fields``): Sonar's key ->
+    the record's (dotted) key, ``question`` and ``golds`` required, ``qid`` optional (else
+    ``<source>-<index>``). Every other small scalar field of the record becomes the item's ``meta``."""
+    path = Path(path)
+    _, records = _records(path)
+    if not records:
+        raise DatasetError(f"{path}: no records")
+    src = source or _source_name(path, "mapped")
+    items, seen = [], {}
+    for index, (loc, rec) in enumerate(records):
+        if not isinstance(rec, dict):
+            raise DatasetError(f"{path}: {loc}: expected a JSON object, got {type(rec).__name__}")
+        got = {}
+        for ours, theirs in fields.items():
+            try:
+                got[ours] = _dotted(rec, theirs)
+            except KeyError:
+                if ours == "qid":
+                    continue
+                raise DatasetError(f"{path}: {loc}: field {theirs!r} (fields.{ours}): missing "
+                                   f"(fields: {sorted(rec)})") from None
+        q = _text(path, loc, fields["question"], got["question"])
+        golds = _text_list(path, loc, fields["golds"], got["golds"])
+        qid = _text(path, loc, fields["qid"], got["qid"]) if got.get("qid") is not None else f"{src}-{index}"
+        if qid in seen:
+            raise DatasetError(f"{path}: {loc}: field {fields.get('qid', 'qid')!r}: duplicate id {qid!r} "
+                               f"(first at {seen[qid]})")
+        seen[qid] = loc
+        used = {str(v).split(".")[0] for v in fields.values()}
+        items.append(QAItem(qid=qid, question=q, golds=golds, source=src, meta=_small(rec, used)))
+    return items
+
+
+DATASETS = Registry("dataset")
+"""``stages.N.format`` -> ``load(path) -> iterable``: every built-in format (``FORMATS``) and a user's
+plug-in (``module:attr`` / ``file.py:attr``) are served by ``DATASETS.get``. A loader yields
+``QAItem`` or dicts with ``question``, ``golds`` (a string or a list) and optionally ``qid``, ``meta``."""
+for _fmt in FORMATS:
+    DATASETS.register(_fmt)(lambda path, _f=_fmt: load_dataset(path, fmt=_f))
+
+
+def _plugin_items(path: Path, fmt: str) -> list[QAItem]:
+    """The items a dataset plug-in yields for ``path``, checked as the built-in loaders check theirs."""
+    loader = DATASETS.get(fmt, "format")
+    try:
+        rows = list(loader(str(path)))
+    except DatasetError:
+        raise
+    except Exception as e:
+        raise DatasetError(f"{path}: dataset plug-in {fmt!r} failed: {type(e).__name__}: {e}") from e
+    src, items, seen = path.parent.name or path.stem, [], set()
+    for i, row in enumerate(rows):
+        loc = f"item {i} of {fmt!r}"
+        if isinstance(row, QAItem):
+            item = row
+        elif isinstance(row, dict):
+            q = _text(path, loc, "question", _field(path, loc, row, "question"))
+            golds = _text_list(path, loc, "golds", _field(path, loc, row, "golds"))
+            qid = _text(path, loc, "qid", row["qid"]) if row.get("qid") is not None else f"{src}-{i}"
+            meta = row.get("meta") or {}
+            if not isinstance(meta, dict):
+                raise DatasetError(f"{path}: {loc}: field 'meta': expected a dict, got {type(meta).__name__}")
+            item = QAItem(qid=qid, question=q, golds=golds, source=str(row.get("source") or src), meta=dict(meta))
+        else:
+            raise DatasetError(f"{path}: {loc}: expected a QAItem or a dict, got {type(row).__name__}")
+        if item.qid in seen:
+            raise DatasetError(f"{path}: {loc}: duplicate id {item.qid!r}")
+        seen.add(item.qid)
+        items.append(item)
+    if not items:
+        raise DatasetError(f"{path}: dataset plug-in {fmt!r} yielded no items")
+    return items
+
+
+def load_datasets(paths: str | Path | list, fmt: str = "auto", fields: dict | None = None) -> list[QAItem]:
     """Several files as one question set, in the order given (one path: ``load_dataset``).
 
-    ``fmt`` applies to every file. A qid that two files share raises ``DatasetError`` naming both
-    (training keys prompts by qid)."""
+    ``fmt`` applies to every file: a format, "auto", or a dataset plug-in (``DATASETS``); ``fields`` (a
+    field mapping, ``load_mapped``) replaces the format's loader. A qid that two files share raises
+    ``DatasetError`` naming both (training keys prompts by qid)."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     items: list[QAItem] = []
     seen: dict[str, str] = {}
     for path in paths:
-        for item in load_dataset(path, fmt=fmt):
+        if fields:
+            loaded = load_mapped(path, dict(fields))
+        elif is_plugin(fmt):
+            loaded = _plugin_items(Path(path), fmt)
+        else:
+            loaded = load_dataset(path, fmt=fmt)
+        for item in loaded:
             if item.qid in seen:
                 raise DatasetError(f"{path}: qid {item.qid!r} is also in {seen[item.qid]}: files trained or "
                                    "evaluated together need distinct ids")

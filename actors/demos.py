@@ -38,13 +38,13 @@ a tag.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from sonar.actors.prompts import (TagSet, neutralise, prefills_think, render_documents, render_prompt,
+from sonar.actors.prompts import (TOOL_TAGS, TagSet, neutralise, prefills_think, render_documents, render_prompt,
                                   special_strings)
-from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, Trajectory
+from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, ToolCall, Trajectory
 
 DEFAULT_STEP_THOUGHT = "search"
 DEFAULT_FINAL_THOUGHT = "answer"
@@ -99,6 +99,11 @@ class _Ids:
         body = self.joiner.join(queries) if t.multi_query else " ".join(queries)
         return self._think(thought, opened) + [*self.id[t.query_open], *self.words(body), *self.id[t.query_close]]
 
+    def visit(self, key: str) -> list[int]:
+        """``<visit> key </visit>`` (``prompts.TOOL_TAGS``; one id each for the tiny model, text otherwise)."""
+        open_, close = (list(self.tok.encode(t, add_special_tokens=False)) for t in TOOL_TAGS["visit"])
+        return [*open_, *self.words(key), *close]
+
     def answer(self, text: str, thought: str, opened: bool = False) -> list[int]:
         t = self.tags
         return self._think(thought, opened) + [*self.id[t.answer_open], *self.words(text), *self.id[t.answer_close]]
@@ -113,7 +118,10 @@ def make_demonstrations(questions: Sequence, tags: TagSet, tokenizer, retriever,
 
     ``k`` is the search depth asked of the retriever; the top ``proto.docs_per_query`` hits of each
     query are injected (as in rollouts). Retrieval errors propagate: demonstrations are training data,
-    never built from failed searches, and a broken index must fail loudly.
+    never built from failed searches, and a broken index must fail loudly. With ``visit`` in
+    ``proto.tools`` the demonstration opens the first document of its last search (``<visit>`` its
+    title ``</visit>``, the document in full up to ``visit_max_tokens``, recorded as a ``ToolCall``)
+    before it answers, so SFT teaches the call's format as it teaches the search's.
     """
     if k < proto.docs_per_query:
         raise ValueError(f"k={k} < protocol.docs_per_query={proto.docs_per_query}")
@@ -126,6 +134,8 @@ def make_demonstrations(questions: Sequence, tags: TagSet, tokenizer, retriever,
                                                 np.int32))]
         for q in questions]
     searches: list[list[SearchCall]] = [[] for _ in questions]
+    visits = "visit" in list(getattr(proto, "tools", ["search"]))
+    last_hit: dict[int, Any] = {}
     for s in range(max((len(p) for p in plans), default=0)):
         active = [i for i, p in enumerate(plans) if s < len(p)]
         flat = [query for i in active for query in plans[i][s][0]]
@@ -144,9 +154,19 @@ def make_demonstrations(questions: Sequence, tags: TagSet, tokenizer, retriever,
             docs = render_documents(tags, [[(h.title, h.text) for h in hs] for hs in hits], tokenizer,
                                     proto.max_doc_tokens, queries=list(queries), style=style, rules=proto.rules)
             segments[i].append(Segment(SegmentKind.RETRIEVAL, np.asarray(docs, np.int32)))
+            if hits and hits[0]:
+                last_hit[i] = hits[0][0]
             searches[i].append(SearchCall(turn=s, queries=list(queries),
                                           doc_ids=[[h.doc_id for h in hs] for hs in hits],
                                           latency_ms=latency_ms / len(active)))
+    tool_calls: list[list[ToolCall]] = [[] for _ in questions]
+    for i, hit in last_hit.items() if visits else ():
+        segments[i].append(_model_segment(enc.visit(hit.title)))
+        doc = render_documents(tags, [[(hit.title, hit.text)]], tokenizer, proto.visit_max_tokens, style=style,
+                               rules=proto.rules)
+        segments[i].append(Segment(SegmentKind.RETRIEVAL, np.asarray(doc, np.int32)))
+        tool_calls[i].append(ToolCall(turn=len(plans[i]), tool="visit", args=[hit.title], refs=[hit.doc_id],
+                                      output_tokens=len(doc)))
     out = []
     for i, q in enumerate(questions):
         gold = q.golds[0]
@@ -154,7 +174,7 @@ def make_demonstrations(questions: Sequence, tags: TagSet, tokenizer, retriever,
         out.append(Trajectory(
             traj_id=f"demo-{q.qid}", group_id=f"demo-{q.qid}", prompt_id=q.qid, actor_id=-1,
             segments=segments[i], reward=1.0, searches=searches[i], finish_reason=FinishReason.ANSWERED,
-            question=q.question, golds=list(q.golds), prediction=gold))
+            question=q.question, golds=list(q.golds), prediction=gold, tool_calls=tool_calls[i]))
     return out
 
 

@@ -66,6 +66,7 @@ def trajectory_record(t: Trajectory, tokenizer: Any, latency_s: float) -> dict:
             "finish_reason": t.finish_reason, "reward": t.reward, "reward_parts": t.reward_parts,
             "searches": [{"queries": s.queries, "doc_ids": s.doc_ids, "latency_ms": s.latency_ms, "error": s.error}
                          for s in t.searches],
+            "tool_calls": [{"tool": c.tool, "args": c.args, "refs": c.refs, "error": c.error} for c in t.tool_calls],
             "num_searches": len(t.searches), "model_tokens": t.num_model_tokens(), "tokens": t.num_tokens(),
             "latency_s": latency_s,
             "trace": tokenizer.decode(t.token_ids().tolist(), skip_special_tokens=False)}
@@ -74,12 +75,13 @@ def trajectory_record(t: Trajectory, tokenizer: Any, latency_s: float) -> dict:
 async def greedy_records(items: list[PromptItem], *, engine: Any, retriever: Any, tokenizer: Any, tags: Any,
                          proto: ProtocolConfig, k: int, reward: RewardConfig, batch_size: int,
                          search_enabled: bool = True, actor_id: int = 0,
-                         progress: Callable[[int], None] | None = None) -> list[dict]:
+                         progress: Callable[[int], None] | None = None, tools: list | None = None) -> list[dict]:
     """Greedy rollouts over ``items`` in batches of ``batch_size``; one record per item, in order.
 
     ``reward`` fills each record's ``reward``/``reward_parts`` (the metrics do not depend on it).
     ``retriever`` may be None only with ``search_enabled=False``. ``progress(n)`` is called after each
-    batch with the number of questions it held.
+    batch with the number of questions it held. ``tools``: the run's tools other than search
+    (``actors.tools.build_tools``), as in training.
     """
     from sonar.actors.rollout import rollout_groups
 
@@ -92,7 +94,7 @@ async def greedy_records(items: list[PromptItem], *, engine: Any, retriever: Any
         groups, _ = await rollout_groups(
             chunk, engine=engine, retriever=retriever, tokenizer=tokenizer, tags=tags, proto=proto,
             temperature=0.0, group_size=1, k=k, reward_fn=make_reward_fn(reward, tokenizer, tags),
-            actor_id=actor_id, stage=-1, search_enabled=search_enabled)
+            actor_id=actor_id, stage=-1, search_enabled=search_enabled, tools=tools)
         dt = (time.perf_counter() - t0) / max(1, len(groups))
         out.extend(trajectory_record(g[0], tokenizer, latency_s=dt) for g in groups)
         if progress is not None:

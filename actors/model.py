@@ -141,7 +141,8 @@ def resolve_model_path(value: str, *, env=None, download=None) -> Path:
     return Path(local)
 
 
-def materialise_policy(cfg, world, out_dir: str | Path, extra_vocab: Sequence[str] = ()) -> str:
+def materialise_policy(cfg, world, out_dir: str | Path, extra_vocab: Sequence[str] = (),
+                       extra_tags: Sequence[str] = ()) -> str:
     """The directory every role loads the run's initial policy from (``cluster.wire.policy.load_policy``).
 
     ``cfg.path`` set: with the tags as plain text (``model_tags(cfg) == 'text'``, the default) the
@@ -152,7 +153,9 @@ def materialise_policy(cfg, world, out_dir: str | Path, extra_vocab: Sequence[st
     directory is never modified, and every role (vLLM included) loads the same policy. Unset: the world's word tokenizer and a random tiny Llama
     (``build_policy``) saved into ``out_dir``; a pure function of (``cfg``, world), so a resumed run
     writes the same initial weights again. ``extra_vocab``: words the tiny model's tokenizer needs
-    beyond the world's (the driver's ``cluster/driver/data.py:extra_vocab``, for runs on dataset files).
+    beyond the world's (the driver's ``cluster/driver/data.py:extra_vocab``, for runs on dataset files);
+    ``extra_tags``: the run's tool tags (``actors.tools.tool_tags``), special tokens of the tiny model's
+    tokenizer (a stock tokenizer keeps them as text, ``model.tags=text``).
     """
     if cfg.path:
         from sonar.actors.tokenizer import missing_tags
@@ -170,7 +173,7 @@ def materialise_policy(cfg, world, out_dir: str | Path, extra_vocab: Sequence[st
         return str(save_policy(model, tokenizer, out_dir))
     from sonar.actors.tokenizer import build_tokenizer
 
-    tokenizer = build_tokenizer([*world.vocab(), *extra_vocab])
+    tokenizer = build_tokenizer([*world.vocab(), *extra_vocab], extra_tags=extra_tags)
     return str(save_policy(build_policy(cfg, tokenizer), tokenizer, out_dir))
 
 

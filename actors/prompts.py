@@ -109,6 +109,13 @@ PROMPT_PROTOCOLS = {
 table (the wire imports nothing of actors); ``tests/actors/test_prompts.py`` checks they agree."""
 
 
+TOOL_TAGS = {"visit": ("<visit>", "</visit>")}
+"""The built-in tools' call tags beside the protocols' (``actors/tools.py``). With the tiny word-level
+model they become special tokens of its tokenizer only in runs that list the tool (appended after its
+words, ``tokenizer.build_tokenizer(extra_tags=)``), so every other run's vocabulary, and its policy, is
+the same as before; untrusted text can never spell them (``special_strings``)."""
+
+
 def get_protocol(name: str) -> TagSet:
     try:
         return PROTOCOLS[name]
@@ -156,7 +163,7 @@ def stop_plan(tokenizer, tags: TagSet, closing: tuple[str, ...] | None = None) -
 def special_strings(tokenizer=None) -> list[str]:
     """Every string that encodes to a special id: the tags, plus (given a tokenizer) its special tokens
     (``<eos>``, ``<pad>``...) and every added token (chat-role markers such as ``<|im_start|>``)."""
-    out = list(all_special_tokens())
+    out = list(all_special_tokens()) + [t for pair in TOOL_TAGS.values() for t in pair]
     if tokenizer is not None:
         out.extend(str(t) for t in (getattr(tokenizer, "all_special_tokens", None) or []))
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}

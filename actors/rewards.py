@@ -74,13 +74,19 @@ paper vs released code") tabulates every difference.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
 import re
 import string
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
+from sonar.cluster.wire.plugins import Registry, is_plugin, positional_arity
 from sonar.cluster.wire.protocol import FinishReason, SegmentKind
+
+log = logging.getLogger("sonar")
 
 if TYPE_CHECKING:  # config imports omegaconf; rewards only reads a few fields
     from sonar.actors.prompts import TagSet
@@ -268,6 +274,25 @@ class RewardBreakdown:
     """Every key of ``PARTS``; logged separately (``rollout/reward/<part>``)."""
 
 
+def answer_parts(traj: "Trajectory") -> dict[str, float]:
+    """Every key of ``PARTS`` before a reward formula sets its own: the answer metrics, format (1 when
+    answered), retrieval (1 when it searched), penalty 0, the search counts. Visits and other tools'
+    calls are not searches (reward-neutral)."""
+    pred = traj.prediction
+    n_search = len(traj.searches)
+    return {
+        "em": exact_match(pred, traj.golds),
+        "f1": f1(pred, traj.golds),
+        "acc_r": acc_r(pred, traj.golds),
+        "f1_r1": f1_r1(pred, traj.golds),
+        "format": 1.0 if traj.finish_reason == FinishReason.ANSWERED else 0.0,
+        "retrieval": 1.0 if n_search >= 1 else 0.0,
+        "penalty": 0.0,
+        "num_searches": float(n_search),
+        "failed_searches": float(sum(1 for c in traj.searches if c.error is not None)),
+    }
+
+
 def needs_text(cfg: "RewardConfig") -> bool:
     """Whether ``trajectory_reward`` needs the decoded response (the R1-Searcher code variants)."""
     return cfg.variant != "paper" and cfg.name in ("r1_stage1", "r1_stage2")
@@ -294,18 +319,7 @@ def trajectory_reward(cfg: "RewardConfig", traj: "Trajectory", text: ResponseTex
     answered = finish == FinishReason.ANSWERED
     fmt = 1.0 if answered else 0.0
     broken = finish in BROKEN_FORMAT
-    n_search = len(traj.searches)
-    parts = {
-        "em": exact_match(pred, traj.golds),
-        "f1": f1(pred, traj.golds),
-        "acc_r": acc_r(pred, traj.golds),
-        "f1_r1": f1_r1(pred, traj.golds),
-        "format": fmt,
-        "retrieval": 1.0 if n_search >= 1 else 0.0,
-        "penalty": 0.0,
-        "num_searches": float(n_search),
-        "failed_searches": float(sum(1 for c in traj.searches if c.error is not None)),
-    }
+    parts = answer_parts(traj)
     name = cfg.name
     if name not in REWARD_NAMES:
         raise ValueError(f"reward.name={name!r} is not one of {list(REWARD_NAMES)}")
@@ -348,8 +362,106 @@ def _r1_code(cfg: "RewardConfig", traj: "Trajectory", text: ResponseText, tags: 
     return (parts["f1_r1"] if answered else 0.0) + parts["penalty"]
 
 
+# ---------------------------------------------------------------- the registry (built-ins and plug-ins)
+REWARDS = Registry("reward")
+"""``reward.name`` -> ``fn(sample: RewardInput, config: RewardConfig) -> float | RewardBreakdown``. The
+built-ins below and a user's plug-in (``module:attr`` / ``file.py:attr``, ``cluster/wire/plugins.py``)
+are served by the same ``REWARDS.get``; a plug-in may also take ``sample`` alone."""
+
+
+class RewardInput:
+    """What a reward function reads about one finished trajectory (the plug-in signature's ``sample``).
+
+    ``response``: the decoded response, everything after the prompt (model turns and the tools' outputs,
+    special tokens kept), as R1-Searcher's reward servers read it; ``model_text``: the model turns only;
+    ``prediction``: the parsed answer (None without one); ``finish_reason`` (``FinishReason``);
+    ``searches``: the queries of each search step; ``tool_calls``: (tool name, arguments) of every other
+    tool call; ``golds``, ``question``; ``metadata``: the example's metadata from its dataset record;
+    ``trajectory``: the typed trajectory itself (segments, token ids, logprobs, versions). Text is
+    decoded on first use only."""
+
+    def __init__(self, traj: "Trajectory", tokenizer: Any, tags: "TagSet"):
+        self.trajectory = traj
+        self._tokenizer, self._tags, self._text = tokenizer, tags, None
+        self.prediction = traj.prediction
+        self.finish_reason = traj.finish_reason
+        self.golds = list(traj.golds)
+        self.question = traj.question
+        self.metadata = dict(getattr(traj, "meta", {}) or {})
+        self.searches = [list(c.queries) for c in traj.searches]
+        self.tool_calls = [(c.tool, list(c.args)) for c in getattr(traj, "tool_calls", [])]
+
+    @property
+    def text(self) -> ResponseText:
+        if self._text is None:
+            self._text = response_text(self.trajectory, self._tokenizer, self._tags)
+        return self._text
+
+    @property
+    def response(self) -> str:
+        return self.text.full
+
+    @property
+    def model_text(self) -> str:
+        return self.text.model
+
+
+def _builtin(name: str) -> Callable[[RewardInput, "RewardConfig"], RewardBreakdown]:
+    def reward(sample: RewardInput, config: "RewardConfig") -> RewardBreakdown:
+        cfg = config if config.name == name else dataclasses.replace(config, name=name)
+        if not needs_text(cfg):
+            return trajectory_reward(cfg, sample.trajectory)
+        return trajectory_reward(cfg, sample.trajectory, sample.text, sample._tags)
+    reward.__name__ = reward.__qualname__ = name
+    return reward
+
+
+for _name in REWARD_NAMES:
+    REWARDS.register(_name)(_builtin(_name))
+
+REWARD_ERROR = "reward_error"
+"""The part a plug-in reward's breakdown carries: 1 when the plug-in raised (the reward is then 0 and
+the error is logged), else 0; logged as ``rollout/reward/reward_error`` (the share of failed calls)."""
+_errors_logged = [0]
+
+
+def _plugin_breakdown(out: Any, traj: "Trajectory", name: str) -> RewardBreakdown:
+    """A plug-in's float or ``RewardBreakdown`` as a breakdown with Sonar's answer parts beside its own."""
+    base = dict(answer_parts(traj))
+    base[REWARD_ERROR] = 0.0
+    if isinstance(out, RewardBreakdown):
+        base.update({str(k): float(v) for k, v in dict(out.parts).items()})
+        total = out.total
+    elif isinstance(out, (int, float)) and not isinstance(out, bool):
+        total = out
+    else:
+        raise TypeError(f"reward plug-in {name!r} returned {type(out).__name__}; expected a float or a RewardBreakdown")
+    total = float(total)
+    if not math.isfinite(total):
+        raise ValueError(f"reward plug-in {name!r} returned {total}")
+    return RewardBreakdown(total, base)
+
+
 def make_reward_fn(cfg: "RewardConfig", tokenizer: Any, tags: "TagSet") -> Callable[["Trajectory"], RewardBreakdown]:
-    """``reward_fn(traj)`` for the rollout loop: decodes the response only for the variants that read it."""
-    if not needs_text(cfg):
-        return lambda t: trajectory_reward(cfg, t)
-    return lambda t: trajectory_reward(cfg, t, response_text(t, tokenizer, tags), tags)
+    """``reward_fn(traj)`` for the rollout loop, through ``REWARDS`` (a built-in or a plug-in alike). A
+    plug-in that raises, or returns something else than a finite float or a ``RewardBreakdown``, gives
+    reward 0 with ``reward_error`` 1 and a logged warning (the first 10 per process), never a crashed
+    worker; a built-in's error is a bug of Sonar and raises."""
+    fn = REWARDS.get(cfg.name, "reward.name")
+    if not is_plugin(cfg.name):
+        return lambda t: fn(RewardInput(t, tokenizer, tags), cfg)
+    with_config = positional_arity(fn)[1] >= 2
+
+    def reward(t: "Trajectory") -> RewardBreakdown:
+        sample = RewardInput(t, tokenizer, tags)
+        try:
+            return _plugin_breakdown(fn(sample, cfg) if with_config else fn(sample), t, cfg.name)
+        except Exception as e:  # the user's code: data, not a crash
+            if _errors_logged[0] < 10:
+                _errors_logged[0] += 1
+                log.warning("reward plug-in %s failed on trajectory %s: %s: %s", cfg.name, t.traj_id,
+                            type(e).__name__, e)
+            parts = dict(answer_parts(t))
+            parts[REWARD_ERROR] = 1.0
+            return RewardBreakdown(0.0, parts)
+    return reward

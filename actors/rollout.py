@@ -74,10 +74,11 @@ import numpy as np
 
 from sonar.actors.engine import Engine, Generation, SamplingParams, cut_at_stop
 from sonar.actors.parsing import parse_turn
-from sonar.actors.prompts import TagSet, render_documents, render_invalid, render_prompt, stop_plan
+from sonar.actors.prompts import TagSet, neutralise, render_documents, render_invalid, render_prompt, special_strings, stop_plan
+from sonar.actors.tools import ToolContext, ToolOutput, first_tool_call
 from sonar.actors.upstream import parse_turn_upstream, stop_tags
 from sonar.cluster.wire.config import ProtocolConfig
-from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, Trajectory
+from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, ToolCall, Trajectory
 from sonar.retrieval.base import AsyncRetriever, Hit, RetrievalError, Retriever, check_retriever, search_async
 
 
@@ -86,6 +87,8 @@ class PromptItem:
     prompt_id: str
     question: str
     golds: list[str]
+    meta: dict = field(default_factory=dict)
+    """The example's metadata (``QAItem.meta``), carried into ``Trajectory.meta`` for reward plug-ins."""
 
 
 @dataclass
@@ -108,6 +111,10 @@ class RolloutStats:
     failed_searches: int = 0
     invalid_messages: int = 0
     """Invalid actions answered with the invalid-action message (``protocol.on_invalid='message'``)."""
+    tool_calls: dict[str, int] = field(default_factory=dict)
+    """Calls of each tool other than search (``actors/tools.py``), by tool name."""
+    tool_errors: dict[str, int] = field(default_factory=dict)
+    """Those of them that failed (not found, timeout, an exception of the tool)."""
     retrieval_latency_ms: list[float] = field(default_factory=list)
     """Wall latency of each batched retriever call."""
     generate_s: float = 0.0
@@ -134,6 +141,9 @@ class RolloutStats:
         }
         for k, v in self.finish_reasons.items():
             d[f"finish/{k}"] = v
+        for k, v in self.tool_calls.items():
+            d[f"tools/{k}/calls"] = v
+            d[f"tools/{k}/errors"] = self.tool_errors.get(k, 0)
         return d
 
 
@@ -147,6 +157,10 @@ class _State:
     invalid_done: int = 0
     """Invalid actions answered with a message; they count against ``max_turns`` with the searches."""
     done: bool = False
+    tool_used: dict[str, int] = field(default_factory=dict)
+    """Calls made per tool other than search; each tool has its own budget (``Tool.max_calls``)."""
+    seen: dict[str, Hit] = field(default_factory=dict)
+    """Documents this trajectory's searches showed, by id (what a visit opens first)."""
 
     @property
     def turns_used(self) -> int:
@@ -182,6 +196,8 @@ class _Call:
     caps_ok: bool
     """The engine takes per-prompt caps (``max_new_tokens_per_prompt``)."""
     stats: RolloutStats
+    tools: tuple = ()
+    """The tools other than search (``actors/tools.py``), parsed before the protocol's actions."""
 
 
 def _accepts_caps(engine: Engine) -> bool:
@@ -192,11 +208,12 @@ def _accepts_caps(engine: Engine) -> bool:
     return "max_new_tokens_per_prompt" in ps or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps.values())
 
 
-def _stops(tokenizer, tags: TagSet, rules: str = "sonar") -> tuple[tuple[int, ...], tuple[str, ...]]:
+def _stops(tokenizer, tags: TagSet, rules: str = "sonar", tools=()) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Generation stops on the closing tags of ``protocol.rules`` (``upstream.stop_tags``: the query's and
     the answer's, or only the query's for R1-Searcher's own rules; their ids when they are special
-    tokens, their strings when plain text: ``prompts.stop_plan``) and on EOS (duplicates removed)."""
-    ids, texts = stop_plan(tokenizer, tags, stop_tags(tags, rules))
+    tokens, their strings when plain text: ``prompts.stop_plan``), on each other tool's closing tag
+    and on EOS (duplicates removed)."""
+    ids, texts = stop_plan(tokenizer, tags, (*stop_tags(tags, rules), *(t.close_tag for t in tools)))
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is not None:
         ids = (*ids, int(eos))
@@ -209,7 +226,8 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
                          search_enabled: bool = True, seed: int | None = None,
                          parse_fn: Callable[[str, TagSet, int], Any] | None = None,
                          retrieval_timeout_s: float | None = None,
-                         top_p: float = 1.0, per_trajectory: bool = False) -> tuple[list[list[Trajectory]], RolloutStats]:
+                         top_p: float = 1.0, per_trajectory: bool = False,
+                         tools: list | None = None) -> tuple[list[list[Trajectory]], RolloutStats]:
     """Roll out ``group_size`` trajectories per item; returns (groups in item order, stats).
 
     ``retriever``: any retriever of ``retrieval.base`` (a blocking ``batch_search`` runs in a thread,
@@ -226,7 +244,9 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
     ``per_trajectory`` (``rollout.per_trajectory``): every trajectory runs as its own coroutine
     (``_run_trajectory``: one single-row ``engine.generate`` and one search per turn of its own), so no
     row waits for another row's turn before it searches, as in veRL's agent loop; the engine must batch
-    concurrent calls (the continuous or vLLM engine). Row r's turn t then samples with its own seed
+    concurrent calls (the continuous or vLLM engine). ``tools``: the tools other than search
+    (``actors.tools.build_tools``): a turn that ends with one's call runs it and appends its output as
+    a RETRIEVAL segment, recorded as a ``ToolCall``; each has its own budget. Row r's turn t then samples with its own seed
     (``row_seed(seed, r, t)``), since rows no longer share one call's generator. ``generate_s`` and
     ``retrieve_s`` are then summed over trajectories whose calls overlap: they can exceed ``wall_s``.
     """
@@ -245,18 +265,21 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
         parse_fn = parse_turn_upstream if proto.rules == "upstream" else parse_turn
 
     t_start = time.perf_counter()
+    tools = tuple(tools or ())
     call = _Call(engine, retriever if search_enabled else None, tokenizer, tags, proto, temperature, top_p, k,
-                 seed, parse_fn, retrieval_timeout_s, *_stops(tokenizer, tags, proto.rules),
-                 tuple(render_invalid(tags, tokenizer, proto.prompt)), _accepts_caps(engine), RolloutStats())
+                 seed, parse_fn, retrieval_timeout_s, *_stops(tokenizer, tags, proto.rules, tools),
+                 tuple(render_invalid(tags, tokenizer, proto.prompt)), _accepts_caps(engine), RolloutStats(), tools)
     groups, states = _prepare(items, group_size, call, actor_id, stage)
     if per_trajectory:
         await asyncio.gather(*(_run_trajectory(call, s, row) for row, s in enumerate(states) if not s.done))
     turn = 0
     while active := [s for s in states if not s.done]:
         gens, caps = await _generate(call, active, turn)
-        searching = _act(call, active, gens, caps)
+        searching, tooling = _act(call, active, gens, caps)
         if searching:
             await _search_and_inject(call, searching, turn)
+        if tooling:
+            await _tools_and_inject(call, tooling, turn)
         turn += 1
     for s in states:
         _finish(call, s.traj, reward_fn)
@@ -281,7 +304,7 @@ def _prepare(items: list[PromptItem], group_size: int, call: _Call, actor_id: in
         for j in range(group_size):
             traj = Trajectory(traj_id=f"{group_id}-{j}", group_id=group_id, prompt_id=item.prompt_id,
                               actor_id=actor_id, segments=[Segment(SegmentKind.PROMPT, np.asarray(prompt, np.int32))],
-                              question=item.question, golds=list(item.golds), stage=stage)
+                              question=item.question, golds=list(item.golds), stage=stage, meta=dict(item.meta))
             st = _State(traj, list(prompt))
             if len(prompt) >= call.proto.max_total_tokens:
                 st.finish(FinishReason.MAX_TOKENS)
@@ -320,9 +343,11 @@ async def _run_trajectory(call: _Call, s: _State, row: int) -> None:
     turn = 0
     while not s.done:
         gens, caps = await _generate(call, [s], turn, row=row)
-        searching = _act(call, [s], gens, caps)
+        searching, tooling = _act(call, [s], gens, caps)
         if searching:
             await _search_and_inject(call, searching, turn)
+        if tooling:
+            await _tools_and_inject(call, tooling, turn)
         turn += 1
 
 
@@ -375,13 +400,17 @@ def model_segments(ids: np.ndarray, lps: np.ndarray, version: int,
 
 
 def _act(call: _Call, active: list[_State], gens: list[Generation],
-         caps: list[int]) -> list[tuple[_State, list[str], int]]:
+         caps: list[int]) -> tuple[list[tuple[_State, list[str], int]], list[tuple[_State, Any, list[str]]]]:
     """Each row's new ids become a MODEL segment; ONLY those ids are decoded (special tokens kept), cut
     after the first stop string, and parsed. An answer, a search past ``max_turns`` or an invalid action (unless answered with the
     invalid-action message, ``_invalid``) finishes the trajectory.
-    Returns the trajectories that search this turn: (state, queries, queries dropped by the budget)."""
+    A call of another tool (``call.tools``) that opens before the protocol's query or answer tag is that
+    tool's action: past its budget the trajectory ends (MAX_TURNS), an empty call is an invalid action.
+    Returns the trajectories that search this turn: (state, queries, queries dropped by the budget), and
+    those that call another tool: (state, tool, arguments)."""
     proto = call.proto
     searching: list[tuple[_State, list[str], int]] = []
+    tooling: list[tuple[_State, Any, list[str]]] = []
     for s, g, cap in zip(active, gens, caps):
         # Defensive truncation (an engine without per-prompt caps generated up to max(caps)): a
         # prefix of an autoregressive sample is itself a valid sample, logprobs unchanged.
@@ -395,6 +424,17 @@ def _act(call: _Call, active: list[_State], gens: list[Generation],
         text = call.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
         if call.stop_strings:
             text = cut_at_stop(text, call.stop_strings)
+        tc = first_tool_call(text, call.tools, (call.tags.query_open, call.tags.answer_open)) if call.tools else None
+        if tc is not None:
+            tool, body = tc
+            args = list(tool.parse(body))
+            if not args:
+                _invalid(call, s)
+            elif s.tool_used.get(tool.name, 0) >= tool.max_calls:
+                s.finish(FinishReason.MAX_TURNS)
+            else:
+                tooling.append((s, tool, args))
+            continue
         action = call.parse_fn(text, call.tags, proto.max_queries_per_step)
         kind = type(action).__name__
         if kind == "Answer":
@@ -409,7 +449,7 @@ def _act(call: _Call, active: list[_State], gens: list[Generation],
             _invalid(call, s)
         else:
             raise TypeError(f"parse_fn returned {action!r}; expected Search, Answer or Malformed")
-    return searching
+    return searching, tooling
 
 
 def _invalid(call: _Call, s: _State) -> None:
@@ -496,6 +536,7 @@ def _inject(call: _Call, s: _State, queries: list[str], dropped: int, results: d
                     continue
                 seen.add(h.doc_id)
                 chosen.append(h)
+                s.seen[h.doc_id] = h
                 if len(chosen) >= proto.docs_per_query:
                     break
         per_query_docs.append([(h.title, h.text) for h in chosen])
@@ -516,6 +557,62 @@ def _inject(call: _Call, s: _State, queries: list[str], dropped: int, results: d
     s.ctx.extend(int(t) for t in block)
     if len(s.ctx) >= proto.max_total_tokens:
         s.finish(FinishReason.MAX_TOKENS)
+
+
+async def _tools_and_inject(call: _Call, tooling: list[tuple[_State, Any, list[str]]], turn: int) -> None:
+    """This turn's calls of the tools other than search, concurrently, each bounded by its tool's
+    ``timeout_s``; then per trajectory its ``ToolCall`` and the output as a RETRIEVAL segment (never
+    trained). A call that raises or times out is data (error ``internal`` / ``timeout``, no output but
+    the empty documents block); an output that would overflow ``max_total_tokens`` is not appended
+    (MAX_TOKENS; the ToolCall is kept)."""
+    async def one(s: _State, tool, args: list[str]) -> tuple[ToolOutput, float]:
+        ctx = ToolContext(call.retriever, s.seen, call.tokenizer, call.tags, call.k)
+        t0 = time.perf_counter()
+        try:
+            coro = tool.call(args, ctx)
+            out = await (asyncio.wait_for(coro, tool.timeout_s) if tool.timeout_s else coro)
+            if not isinstance(out, ToolOutput):
+                raise TypeError(f"tool {tool.name!r} returned {type(out).__name__}, not a ToolOutput")
+        except asyncio.TimeoutError:
+            out = ToolOutput(documents=[], error="timeout")
+        except Exception:  # a tool's bug is data for the rollout, as a retriever's is
+            out = ToolOutput(documents=[], error="internal")
+        return out, (time.perf_counter() - t0) * 1000.0
+
+    results = await asyncio.gather(*(one(s, tool, args) for s, tool, args in tooling))
+    for (s, tool, args), (out, latency_ms) in zip(tooling, results):
+        s.tool_used[tool.name] = s.tool_used.get(tool.name, 0) + 1
+        call.stats.tool_calls[tool.name] = call.stats.tool_calls.get(tool.name, 0) + 1
+        if out.error is not None:
+            call.stats.tool_errors[tool.name] = call.stats.tool_errors.get(tool.name, 0) + 1
+        block = _render_output(call, tool, out)
+        record = ToolCall(turn=turn, tool=tool.name, args=list(args), refs=[str(r) for r in out.refs],
+                          latency_ms=latency_ms, error=out.error)
+        s.traj.tool_calls.append(record)
+        if len(s.ctx) + len(block) > call.proto.max_total_tokens:
+            s.finish(FinishReason.MAX_TOKENS)
+            continue
+        record.output_tokens = len(block)
+        s.traj.segments.append(Segment(SegmentKind.RETRIEVAL, np.asarray(block, np.int32)))
+        s.ctx.extend(int(t) for t in block)
+        if len(s.ctx) >= call.proto.max_total_tokens:
+            s.finish(FinishReason.MAX_TOKENS)
+
+
+def _render_output(call: _Call, tool, out: ToolOutput) -> list[int]:
+    """A tool's output as token ids: documents as the protocol's documents block (``render_documents``,
+    neutralised, cut to ``tool.max_tokens``), text neutralised inside the documents tags, token ids as
+    they are."""
+    proto, tags = call.proto, call.tags
+    if out.documents is not None or (out.text is None and out.token_ids is None):
+        return list(render_documents(tags, [list(out.documents or [])], call.tokenizer, tool.max_tokens,
+                                     error=None, queries=None, style=proto.prompt, rules=proto.rules))
+    if out.text is not None:
+        body = neutralise(out.text, special_strings(call.tokenizer))
+        ids = list(call.tokenizer.encode(body, add_special_tokens=False))[: tool.max_tokens]
+        frame = [list(call.tokenizer.encode(t, add_special_tokens=False)) for t in (tags.docs_open, tags.docs_close)]
+        return [*frame[0], *ids, *frame[1]]
+    return [int(t) for t in out.token_ids]
 
 
 def _finish(call: _Call, t: Trajectory, reward_fn: Callable[[Trajectory], Any]) -> None:

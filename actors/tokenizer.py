@@ -80,16 +80,20 @@ def add_tags(tokenizer, tags: Sequence[str] | None = None) -> list[str]:
     return missing
 
 
-def build_tokenizer(vocab: Sequence[str]) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab: Sequence[str], extra_tags: Sequence[str] = ()) -> PreTrainedTokenizerFast:
     """A ``PreTrainedTokenizerFast`` over ``vocab`` (words as the pre-tokenizer splits them).
 
     Words are lowercased by the normaliser, so ``vocab`` should be lowercase. Unknown words map to
-    ``<unk>`` (the world's own text never produces one).
+    ``<unk>`` (the world's own text never produces one). ``extra_tags``: more special tokens (the call
+    tags of the run's tools, ``actors.tools.tool_tags``), given ids after every word, so the ids of
+    a run without them are unchanged.
     """
-    tags = all_special_tokens()
-    specials = [PAD, UNK, BOS, EOS] + tags
-    words = [w for w in dict.fromkeys(list(FRAME_WORDS) + sorted(set(vocab))) if w not in specials]
-    table = {tok: i for i, tok in enumerate(specials + words)}
+    extra = [t for t in dict.fromkeys(extra_tags) if t not in all_special_tokens()]
+    tags = all_special_tokens() + extra
+    specials = [PAD, UNK, BOS, EOS] + all_special_tokens()
+    words = [w for w in dict.fromkeys(list(FRAME_WORDS) + sorted(set(vocab))) if w not in specials + extra]
+    table = {tok: i for i, tok in enumerate(specials + words + extra)}
+    specials = specials + extra
 
     tok = Tokenizer(models.WordLevel(vocab=table, unk_token=UNK))
     tok.normalizer = normalizers.Lowercase()

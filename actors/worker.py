@@ -138,8 +138,13 @@ class RolloutWorker:
         from sonar.actors.prompts import get_protocol
         from sonar.actors.world import build_world
 
+        from sonar.actors.tools import build_tools
+        from sonar.cluster.wire.plugins import remember
+
         self.worker_id = worker_id
         self.cfg = cfg
+        remember(cfg.plugins)  # file plug-ins (rewards, tools, datasets) travel in the config
+        self.tools = build_tools(cfg)
         self.world = build_world(cfg.world)
         # vLLM loads the weights itself; the worker needs only the parameter layout (meta tensors).
         model, self.tokenizer = load_policy(policy, weights=cfg.rollout.engine != "vllm")
@@ -318,7 +323,7 @@ class RolloutWorker:
         from sonar.actors.rollout import PromptItem
 
         q = self._train_questions(stage)[index]
-        return PromptItem(prompt_id=q.qid, question=q.question, golds=list(q.golds))
+        return PromptItem(prompt_id=q.qid, question=q.question, golds=list(q.golds), meta=dict(q.meta))
 
     def _train_questions(self, stage: StageConfig | None) -> list:
         """The stage's training questions, in the order the driver counted them (``load_datasets`` of
@@ -328,9 +333,9 @@ class RolloutWorker:
         from sonar.actors.datasets import load_datasets
         from sonar.cluster.wire.config import data_paths
 
-        key = (tuple(data_paths(stage.data)), stage.format)
+        key = (tuple(data_paths(stage.data)), stage.format, tuple(sorted(stage.fields.items())))
         if key not in self._data_cache:
-            self._data_cache[key] = load_datasets(list(key[0]), fmt=stage.format)
+            self._data_cache[key] = load_datasets(list(key[0]), fmt=stage.format, fields=dict(stage.fields))
         return self._data_cache[key]
 
     def _record(self, group: list[Trajectory], ok: bool) -> None:
@@ -347,6 +352,8 @@ class RolloutWorker:
                                      "finish": t.finish_reason, "searches": len(t.searches),
                                      "failed_searches": sum(1 for s in t.searches if s.error),
                                      "latency_ms": [s.latency_ms for s in t.searches],
+                                     "tool_calls": {c.tool: sum(1 for d in t.tool_calls if d.tool == c.tool)
+                                                    for c in t.tool_calls},
                                      "model_tokens": t.num_model_tokens()})
 
     # ------------------------------------------------------------------ evaluation
@@ -361,7 +368,7 @@ class RolloutWorker:
         return asyncio.run(greedy_records(
             items, engine=self.engine, retriever=self.eval_retriever, tokenizer=self.tokenizer, tags=self.tags,
             proto=self.cfg.protocol, k=self.cfg.retrieval.k, reward=stage.reward, batch_size=self.cfg.eval.batch_size,
-            search_enabled=search_enabled, actor_id=self.worker_id))
+            search_enabled=search_enabled, actor_id=self.worker_id, tools=self.tools))
 
 
 INFRA_ERRORS = frozenset({"timeout", "connection", "internal", "http_5xx", "http_429", "breaker_open"})
@@ -416,4 +423,4 @@ async def _arollout(w: "RolloutWorker", items, stage_index: int, stage: StageCon
         group_size=w.cfg.rollout.group_size if temperature > 0 else 1,
         k=w.cfg.retrieval.k, reward_fn=make_reward_fn(stage.reward, w.tokenizer, w.tags),
         actor_id=w.worker_id, stage=stage_index, search_enabled=search_enabled, seed=seed,
-        per_trajectory=w.cfg.rollout.per_trajectory)
+        per_trajectory=w.cfg.rollout.per_trajectory, tools=w.tools)

@@ -99,7 +99,7 @@ def make_trajectory(n_tokens: int, rng, idx: int = 0, version: int = 3):
         searches.append(SearchCall(turn=t, queries=queries,
                                    doc_ids=[[f"wiki-{int(d)}" for d in rng.integers(0, 21_000_000, 3)]
                                             for _ in queries],
-                                   latency_ms=float(rng.uniform(2, 40)), cache_hits=int(rng.integers(0, 2))))
+                                   latency_ms=float(rng.uniform(2, 40))))
     segs.append(model(model_sizes[-1]))
     traj = Trajectory(traj_id=f"t{idx}", group_id=f"g{idx // GROUP}", prompt_id=f"p{idx // GROUP}",
                       actor_id=idx % 4, segments=segs, reward=1.0,

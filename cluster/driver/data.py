@@ -23,10 +23,10 @@ from sonar.cluster.wire.config import Config, StageConfig, data_paths
 
 
 @functools.lru_cache(maxsize=8)
-def _load(paths: tuple[str, ...], fmt: str) -> tuple:
+def _load(paths: tuple[str, ...], fmt: str, fields: tuple = ()) -> tuple:
     from sonar.actors.datasets import load_datasets
 
-    return tuple(load_datasets(list(paths), fmt=fmt))
+    return tuple(load_datasets(list(paths), fmt=fmt, fields=dict(fields)))
 
 
 def stage_questions(cfg: Config, stage: StageConfig) -> list:
@@ -34,14 +34,14 @@ def stage_questions(cfg: Config, stage: StageConfig) -> list:
     workers index them: its data files, else the world's training questions."""
     if stage.data is None:
         return world_of(cfg).train
-    return list(_load(tuple(data_paths(stage.data)), stage.format))
+    return list(_load(tuple(data_paths(stage.data)), stage.format, tuple(sorted(stage.fields.items()))))
 
 
 def eval_questions(cfg: Config) -> list[dict]:
     """Held-out questions ``{qid, question, golds}``: ``eval.data``'s, else the world's first
     ``world.num_heldout_eval`` held-out questions."""
     if cfg.eval.data is not None:
-        qs = _load(tuple(data_paths(cfg.eval.data)), cfg.eval.format)
+        qs = _load(tuple(data_paths(cfg.eval.data)), cfg.eval.format, tuple(sorted(cfg.eval.fields.items())))
     else:
         qs = world_of(cfg).heldout[: cfg.world.num_heldout_eval or None]
     return [{"qid": q.qid, "question": q.question, "golds": list(q.golds)} for q in qs]
@@ -74,11 +74,12 @@ def extra_vocab(cfg: Config) -> list[str]:
     from sonar.retrieval.corpus import iter_corpus
 
     words: set[str] = set()
-    sources = [(tuple(data_paths(s.data)), s.format) for s in cfg.stages if s.data is not None]
+    sources = [(tuple(data_paths(s.data)), s.format, tuple(sorted(s.fields.items())))
+               for s in cfg.stages if s.data is not None]
     if cfg.eval.data is not None:
-        sources.append((tuple(data_paths(cfg.eval.data)), cfg.eval.format))
-    for paths, fmt in sources:
-        for q in _load(paths, fmt):
+        sources.append((tuple(data_paths(cfg.eval.data)), cfg.eval.format, tuple(sorted(cfg.eval.fields.items()))))
+    for paths, fmt, fields in sources:
+        for q in _load(paths, fmt, fields):
             words.update(words_of(q.question))
             for g in q.golds:
                 words.update(words_of(g))

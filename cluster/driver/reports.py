@@ -32,6 +32,9 @@ def rollout_metrics(recent: list[dict]) -> dict:
     m = {K.ROLLOUT_REWARD_MEAN: float(np.mean([r["reward"] for r in recent])),
          K.ROLLOUT_SEARCH_CALLS_MEAN: float(np.mean([r["searches"] for r in recent])),
          K.ROLLOUT_TOKENS_MEAN: float(np.mean([r["model_tokens"] for r in recent]))}
+    for tool in sorted({name for r in recent for name in r.get("tool_calls", {})}):
+        m[K.ROLLOUT_TOOL_CALLS_MEAN.format(tool=tool)] = float(np.mean([r.get("tool_calls", {}).get(tool, 0)
+                                                                        for r in recent]))
     for part in recent[0]["parts"]:
         m[K.ROLLOUT_REWARD_PART.format(part=part)] = float(np.mean([r["parts"].get(part, 0.0) for r in recent]))
     for reason in ("answered", "max_turns", "max_tokens", "malformed", "retrieval_error"):

@@ -205,7 +205,10 @@ def prepare_policy(cfg: Config, run: Run) -> str:
 
     # Training or evaluating on files with the tiny word-level policy: its vocabulary also covers
     # the files' questions and answers and the corpus (data.extra_vocab; [] otherwise).
-    policy = materialise_policy(cfg.model, world_of(cfg), run.dir / "policy", extra_vocab=extra_vocab(cfg))
+    from sonar.actors.tools import tool_tags
+
+    policy = materialise_policy(cfg.model, world_of(cfg), run.dir / "policy", extra_vocab=extra_vocab(cfg),
+                                extra_tags=tool_tags(cfg))
     if Path(policy).resolve().is_relative_to(run.dir.resolve()):  # our copy (never the user's model.path)
         import uuid
 

@@ -26,6 +26,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from sonar.cluster.wire import plugins as _plugins
 from sonar.cluster.wire.paths import CONFIG_DIR, find_config, resolve_relative, resolve_run_root
 from sonar.cluster.wire.resolved import broadcast_backend, engine_dtype  # noqa: F401  (re-exported: callers import them from here)
 
@@ -152,6 +153,22 @@ class ProtocolConfig:
     """Budget for the whole trajectory, prompt and documents included."""
     max_doc_tokens: int = 96
     """Each injected document is truncated to this many tokens."""
+    tools: List[str] = field(default_factory=lambda: ["search"])
+    """The tools a trajectory may call (``actors/tools.py``): search (the protocol's own query tags, batched
+    across trajectories, ``max_turns`` its budget) | visit (``<visit>`` id or title ``</visit>``: opens one
+    document of the corpus in full, up to ``visit_max_tokens``, as ASearcher's page visits; its own budget
+    ``visit_max_calls``; reward-neutral: visits are not searches for any reward) | a plug-in
+    ``module:attr`` / ``file.py:attr``, a ``make(config) -> Tool`` (``cluster/wire/plugins.py``). search
+    must be listed (the papers' protocols are search protocols); the papers' presets list only it, so
+    their prompts and rendered text are unchanged."""
+    visit_max_calls: int = 2
+    """Visits one trajectory may make (>= 1, with ``visit`` in ``tools``); a visit past it ends the
+    trajectory with finish reason max_turns, as a search past ``max_turns`` does."""
+    visit_max_tokens: int = 160
+    """A visited document is truncated to this many tokens (>= 1)."""
+    tool_options: Dict[str, Any] = field(default_factory=dict)
+    """Free-form settings of plug-in tools, by tool name (``tool_options.<name>.<key>``); a tool's
+    ``make(config)`` reads its own entry. Sonar's built-in tools read none."""
 
 
 @dataclass(frozen=True)
@@ -598,7 +615,14 @@ class StageConfig:
     relative paths are relative to where ``sonar`` starts, and must be readable on every node."""
     format: str = "auto"
     """Format of ``data`` (``actors.datasets.FORMATS`` or an alias), when detection from the content is
-    ambiguous; "auto" detects per file."""
+    ambiguous; "auto" detects per file; or a dataset plug-in ``module:attr`` / ``file.py:attr``: a
+    ``load(path) -> iterable`` of dicts with ``question`` and ``golds`` (optional ``qid``, ``meta``) or of
+    ``QAItem`` (``cluster/wire/plugins.py``)."""
+    fields: Dict[str, str] = field(default_factory=dict)
+    """A field mapping for any JSONL / JSON-list / parquet file, instead of a known format: Sonar's key ->
+    the record's key, dotted for nested keys (``question: query``, ``golds: answers.text``, optional
+    ``qid: id``); a gold that is one string becomes a list of one; every other small scalar field is
+    kept as the item's metadata. Set, it replaces ``format``'s loader (``actors/datasets.py:load_mapped``)."""
 
 
 @dataclass(frozen=True)
@@ -615,7 +639,9 @@ class EvalConfig:
     """Held-out evaluation questions from dataset file(s) (as ``stages.N.data``; needs ``retrieval.corpus``);
     None: the synthetic world's held-out questions (``world.num_heldout_eval``). Read by the driver."""
     format: str = "auto"
-    """Format of ``eval.data``, as ``stages.N.format``."""
+    """Format of ``eval.data``, as ``stages.N.format`` (a plug-in too)."""
+    fields: Dict[str, str] = field(default_factory=dict)
+    """A field mapping for ``eval.data``, as ``stages.N.fields``."""
 
 
 @dataclass(frozen=True)
@@ -772,7 +798,13 @@ class Config:
     """MLflow."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Ray cluster, placement, fault handling, timeouts."""
+    plugins: Dict[str, str] = field(default_factory=dict)
+    """Filled at load, not set by hand: the source of each file plug-in the config names (path as written
+    -> the file's text), read once by ``validate`` so the code travels with the config to every Ray
+    process on any node, and the run's saved config records the code it ran (``cluster/wire/plugins.py``)."""
 
+
+BUILTIN_NAMES = _plugins.BUILTIN_NAMES
 
 _CHOICES = {
     "model.tags": ("auto", "text", "special"),
@@ -781,7 +813,7 @@ _CHOICES = {
     "protocol.prompt": ("short", "r1_searcher_base", "r1_searcher_instruct", "r1_searcher_eval", "search_r1", "rag_r1"),
     "protocol.rules": ("sonar", "upstream"),
     "protocol.on_invalid": ("message", "end"),
-    "retrieval.backend": ("tantivy", "elasticsearch"),
+    "retrieval.backend": BUILTIN_NAMES["retriever"],
     "retrieval.rerank": ("none", "dense", "cross"),
     "rollout.engine": ("hf", "vllm"),
     "rollout.weight_update": ("pause", "interrupt"),
@@ -808,7 +840,7 @@ _STAGE_CHOICES = {
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.kl_mode": ("loss", "reward"),
     "algo.off_policy": ("none", "tis", "decoupled", "vtrace", "auto"),
-    "reward.name": ("answer_em", "answer_f1", "cover_em", "search_r1", "rag_r1", "r1_stage1", "r1_stage2"),
+    "reward.name": BUILTIN_NAMES["reward"],
     "reward.variant": ("paper", "code_qwen", "code_llama"),
 }
 
@@ -871,6 +903,8 @@ RANGES: dict[str, str] = {
     "protocol.max_turns": ">= 0", "protocol.max_queries_per_step": ">= 1", "protocol.docs_per_query": ">= 1",
     "protocol.max_new_tokens_per_turn": ">= 1", "protocol.max_total_tokens": ">= 1",
     "protocol.max_doc_tokens": ">= 1",
+    "protocol.visit_max_calls": ">= 1",
+    "protocol.visit_max_tokens": ">= 1",
     "retrieval.k": ">= 1", "retrieval.rerank_candidates": ">= 1", "retrieval.cache_size": ">= 0",
     "retrieval.max_query_chars": ">= 1", "retrieval.timeout_s": "> 0", "retrieval.max_retries": ">= 0",
     "retrieval.backoff_s": ">= 0", "retrieval.breaker_failures": ">= 1", "retrieval.breaker_reset_s": ">= 0",
@@ -996,6 +1030,8 @@ def validate(cfg: Config, notes: Optional[list] = None) -> Config:
     token = _NOTES.set(notes)
     try:
         _check_ranges(cfg)
+        cfg = resolve_plugins(cfg)
+        _check_plugins(cfg)
         _check_world(cfg)
         _check_model(cfg)
         _check_protocol(cfg)
@@ -1038,12 +1074,68 @@ def _check_memory(cfg: Config) -> None:
         raise MemoryPlanError(plan)  # a ValueError: the refusal with its figures; ``.plan`` the whole plan
 
 
+PLUGIN_FIELDS = {"retrieval.backend": "retriever", "reward.name": "reward", "format": "dataset", "tools": "tool"}
+"""Choice fields that also take a plug-in ``module:attr`` / ``file.py:attr`` (``cluster/wire/plugins.py``),
+by field (a stage's, eval's or the protocol's) -> plug-in kind."""
+
+PLUGIN_ARITY = {"reward": (1, 2), "retriever": (3, 3), "dataset": (1, 1), "tool": (1, 1)}
+"""Positional arguments each kind of plug-in is called with (least, most): ``reward(sample[, config])``,
+``make(config, corpus, index_root)``, ``load(path)``, ``make(config)``."""
+
+
 def _check_choices(cfg: Config, section: str) -> None:
     for key, allowed in _CHOICES.items():
         if key.startswith(section + "."):
             value = _get(cfg, key)
-            if value not in allowed:
-                raise ValueError(f"{key}={value!r} is not one of {list(allowed)}")
+            if value not in allowed and not (key in PLUGIN_FIELDS and _plugins.is_plugin(value)):
+                plug = " nor a plug-in 'module:attr' / 'file.py:attr'" if key in PLUGIN_FIELDS else ""
+                raise ValueError(f"{key}={value!r} is not one of {list(allowed)}{plug}")
+
+
+def plugin_values(cfg: Config) -> list[tuple[str, str, str]]:
+    """Every plug-in the config names, as (kind, field, value)."""
+    out = []
+    if _plugins.is_plugin(cfg.retrieval.backend):
+        out.append(("retriever", "retrieval.backend", cfg.retrieval.backend))
+    for j, t in enumerate(cfg.protocol.tools):
+        if _plugins.is_plugin(t):
+            out.append(("tool", f"protocol.tools[{j}]", t))
+    for i, st in enumerate(cfg.stages):
+        if _plugins.is_plugin(st.reward.name):
+            out.append(("reward", f"stages[{i}].reward.name", st.reward.name))
+        if _plugins.is_plugin(st.format):
+            out.append(("dataset", f"stages[{i}].format", st.format))
+    if _plugins.is_plugin(cfg.eval.format):
+        out.append(("dataset", "eval.format", cfg.eval.format))
+    return out
+
+
+def _check_plugins(cfg: Config) -> None:
+    """``plugins`` holds only the sources of file plug-ins this config names (it is filled at load: a
+    source for a file no field names would be code shipped to every process for nothing)."""
+    named = {v.rpartition(":")[0] for _, _, v in plugin_values(cfg)}
+    stale = sorted(set(cfg.plugins) - named)
+    if stale:
+        raise ValueError(f"plugins has sources for {stale}, which no plug-in field of this config names; "
+                         "plugins is filled at load from the fields' file plug-ins, leave it unset")
+
+
+def resolve_plugins(cfg: Config) -> Config:
+    """Read each file plug-in's source into ``cfg.plugins`` (once: a source already there is kept, so a
+    config built on the driver resolves the same in every actor) and load every plug-in, so a missing
+    module, file or attribute, or a wrong signature, is refused at load naming the field (idempotent)."""
+    found = plugin_values(cfg)
+    if not found:
+        return cfg
+    sources = dict(cfg.plugins)
+    for kind, fld, value in found:
+        if _plugins.is_plugin(value):
+            read = None if value.rpartition(":")[0] in sources else _plugins.read_source(value, fld)
+            if read is not None:
+                sources[read[0]] = read[1]
+            _plugins.check(kind, value, fld, sources, PLUGIN_ARITY[kind])
+    _plugins.remember(sources)
+    return cfg if sources == dict(cfg.plugins) else dataclasses.replace(cfg, plugins=sources)
 
 
 def _check_world(cfg: Config) -> None:
@@ -1067,6 +1159,16 @@ def _check_model(cfg: Config) -> None:
 def _check_protocol(cfg: Config) -> None:
     _check_choices(cfg, "protocol")
     p = cfg.protocol
+    tools = list(p.tools)
+    for j, t in enumerate(tools):
+        if t not in BUILTIN_NAMES["tool"] and not _plugins.is_plugin(t):
+            raise ValueError(f"protocol.tools[{j}]={t!r} is not one of {list(BUILTIN_NAMES['tool'])} nor a tool "
+                             "plug-in 'module:attr' / 'file.py:attr'")
+    if "search" not in tools:
+        raise ValueError(f"protocol.tools={tools!r} must list search: every protocol is a search protocol "
+                         "(its budget is protocol.max_turns)")
+    if len(set(tools)) != len(tools):
+        raise ValueError(f"protocol.tools={tools!r} names a tool twice")
     if p.max_queries_per_step < 1 or p.max_turns < 0:
         raise ValueError(f"protocol.max_queries_per_step={p.max_queries_per_step} / protocol.max_turns={p.max_turns} out of range")
     if p.max_total_tokens > cfg.model.max_position_embeddings and cfg.model.path is None:
@@ -1279,8 +1381,9 @@ def _check_stages(cfg: Config) -> None:
     for i, stage in enumerate(cfg.stages):
         for key, allowed in _STAGE_CHOICES.items():
             value = _get(stage, key)
-            if value not in allowed:
-                raise ValueError(f"stages[{i}].{key}={value!r} is not one of {list(allowed)}")
+            if value not in allowed and not (key in PLUGIN_FIELDS and _plugins.is_plugin(value)):
+                plug = " nor a plug-in 'module:attr' / 'file.py:attr'" if key in PLUGIN_FIELDS else ""
+                raise ValueError(f"stages[{i}].{key}={value!r} is not one of {list(allowed)}{plug}")
         _check_reward(i, stage.reward)
         if stage.steps < 0:
             raise ValueError(f"stages[{i}].steps={stage.steps} must be >= 0")
@@ -1308,7 +1411,7 @@ def _check_stages(cfg: Config) -> None:
         if stage.kind == "rl" and a.name in ("grpo", "dr_grpo", "reinforce_pp_baseline", "group_norm") \
                 and cfg.rollout.group_size < 2:
             raise ValueError(f"stages[{i}].algo.name={a.name!r} needs rollout.group_size >= 2, got {cfg.rollout.group_size}")
-        _check_data(cfg, f"stages[{i}]", stage.data, stage.format)
+        _check_data(cfg, f"stages[{i}]", stage.data, stage.format, stage.fields)
         if stage.kind == "sft" and stage.data is not None:
             raise ValueError(f"stages[{i}].kind='sft' with stages[{i}].data={stage.data!r}: SFT demonstrations need "
                              "a gold search plan, which dataset files do not carry; train SFT on the synthetic "
@@ -1335,7 +1438,7 @@ def _check_reward(i: int, r: RewardConfig) -> None:
 def _check_eval(cfg: Config) -> None:
     if cfg.eval.batch_size < 1:
         raise ValueError(f"eval.batch_size={cfg.eval.batch_size} must be >= 1")
-    _check_data(cfg, "eval", cfg.eval.data, cfg.eval.format)
+    _check_data(cfg, "eval", cfg.eval.data, cfg.eval.format, cfg.eval.fields)
     _check_world_questions(cfg)
 
 
@@ -1389,10 +1492,25 @@ def data_paths(data: Optional[Union[str, List[str]]]) -> list[str]:
     return [data] if isinstance(data, str) else list(data)
 
 
-def _check_data(cfg: Config, where: str, data, fmt: str) -> None:
+DATA_FIELD_KEYS = ("question", "golds", "qid")
+"""Keys of ``stages.N.fields`` / ``eval.fields`` (question and golds required)."""
+
+
+def _check_data(cfg: Config, where: str, data, fmt: str, fields: Optional[dict] = None) -> None:
     """A data field: a format Sonar reads, non-empty existing paths, and a corpus to search them in."""
-    if fmt not in DATA_FORMATS:
-        raise ValueError(f"{where}.format={fmt!r} is not one of {list(DATA_FORMATS)}")
+    if fields:
+        bad = sorted(set(fields) - set(DATA_FIELD_KEYS))
+        if bad:
+            raise ValueError(f"{where}.fields: unknown key(s) {bad}; the keys are {list(DATA_FIELD_KEYS)}")
+        need = [k for k in ("question", "golds") if not fields.get(k)]
+        if need:
+            raise ValueError(f"{where}.fields={dict(fields)!r} names no record key for {need}")
+        if fmt != "auto":
+            raise ValueError(f"{where}.fields with {where}.format={fmt!r}: a field mapping is its own loader; "
+                             "leave the format at auto")
+    if fmt not in DATA_FORMATS and not _plugins.is_plugin(fmt):
+        raise ValueError(f"{where}.format={fmt!r} is not one of {list(DATA_FORMATS)} nor a dataset plug-in "
+                         "'module:attr' / 'file.py:attr'")
     if data is None:
         return
     paths = data_paths(data)

@@ -9,6 +9,8 @@ Templated keys (``{part}``, ``{reason}``, ``{split}``, ``{bin}``, ``{kind}``) ar
 ROLLOUT_REWARD_MEAN = "rollout/reward/mean"
 ROLLOUT_REWARD_PART = "rollout/reward/{part}"
 ROLLOUT_SEARCH_CALLS_MEAN = "rollout/search_calls/mean"
+ROLLOUT_TOOL_CALLS_MEAN = "rollout/tool_calls/{tool}/mean"
+"""Calls per trajectory of each tool other than search (``protocol.tools``; visit, a plug-in's)."""
 ROLLOUT_FINISH = "rollout/finish/{reason}"
 ROLLOUT_TOKENS_MEAN = "rollout/model_tokens/mean"
 ROLLOUT_TRAJ_PER_S = "rollout/trajectories_per_s"

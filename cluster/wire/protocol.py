@@ -26,7 +26,10 @@ from typing import Any, Callable, Sequence
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: ``Trajectory.tool_calls`` and ``meta``; ``SearchCall.cache_hits`` (always 0) gone. Version 1
+messages still decode (``_upgrade_v1``)."""
+READABLE_VERSIONS = (1, 2)
 _EXT_NDARRAY = 1
 
 
@@ -88,7 +91,25 @@ class SearchCall:
     error: str | None = None
     dropped_queries: int = 0
     """Queries beyond the per-step budget (not sent)."""
-    cache_hits: int = 0
+
+
+@dataclass
+class ToolCall:
+    """One call of a tool other than search (``actors/tools.py``): what was asked and what came back.
+    Its output is a RETRIEVAL segment (loss mask 0); searches keep their own record, ``SearchCall``."""
+
+    turn: int
+    tool: str
+    """The tool's name (``Tool.name``): visit, or a plug-in's."""
+    args: list[str]
+    """The arguments as parsed from the model's call."""
+    refs: list[str] = field(default_factory=list)
+    """What the call touched, e.g. the document ids a visit opened."""
+    latency_ms: float = 0.0
+    error: str | None = None
+    """None, or why the call failed (the tool's own word: not_found, timeout, ...)."""
+    output_tokens: int = 0
+    """Tokens of the output segment appended (0 when none was: error without text, no room)."""
 
 
 @dataclass
@@ -108,6 +129,10 @@ class Trajectory:
     stage: int = 0
     weight: float = 1.0
     """Sample weight set by the staleness policy (downweight); 1 otherwise."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    """Calls of the tools other than search, in order (schema 2)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """The example's metadata from its dataset record (small scalars), for reward plug-ins (schema 2)."""
 
     # Derived views: computed from segments, never stored.
     def token_ids(self) -> np.ndarray:
@@ -241,8 +266,10 @@ def _fields(cls: type, skip: tuple[str, ...] = ()) -> dict[str, tuple[Callable[[
     return {f.name: _kind(hints[f.name]) for f in dataclasses.fields(cls) if f.name not in skip}
 
 
-_TRAJ_FIELDS = _fields(Trajectory, skip=("segments", "searches"))
+_TRAJ_FIELDS = _fields(Trajectory, skip=("segments", "searches", "tool_calls"))
 _SEARCH_FIELDS = _fields(SearchCall)
+_TOOL_FIELDS = _fields(ToolCall)
+_TOOL_KEYS = frozenset(_TOOL_FIELDS)
 _TRAJ_KEYS = frozenset(f.name for f in dataclasses.fields(Trajectory))
 _KINDS = {int(k): k for k in SegmentKind}
 
@@ -280,15 +307,32 @@ def _segment_from_obj(s: Any, where: str) -> Segment:
 
 
 def _traj_to_obj(t: Trajectory) -> dict:
-    d = {f.name: getattr(t, f.name) for f in dataclasses.fields(t) if f.name not in ("segments", "searches")}
+    d = {f.name: getattr(t, f.name) for f in dataclasses.fields(t)
+         if f.name not in ("segments", "searches", "tool_calls")}
     d["segments"] = [[int(s.kind), s.token_ids, s.logprobs, s.version] for s in t.segments]
     d["searches"] = [dataclasses.asdict(c) for c in t.searches]
+    d["tool_calls"] = [dataclasses.asdict(c) for c in t.tool_calls]
     return d
 
 
-def _traj_from_obj(d: Any, where: str = "trajectory") -> Trajectory:
+_V1_ADDED = ("tool_calls", "meta")
+
+
+def _upgrade_v1(d: Any, where: str) -> Any:
+    """A schema-1 trajectory as schema 2: no tool calls, no metadata, searches without ``cache_hits``."""
+    _check_keys(d, _TRAJ_KEYS - set(_V1_ADDED), where)
+    d = dict(d, tool_calls=[], meta={})
+    if isinstance(d["searches"], list):
+        d["searches"] = [{k: v for k, v in c.items() if k != "cache_hits"} if isinstance(c, dict) else c
+                         for c in d["searches"]]
+    return d
+
+
+def _traj_from_obj(d: Any, where: str = "trajectory", version: int = SCHEMA_VERSION) -> Trajectory:
     """A decoded payload -> Trajectory, every key and type checked first: anything malformed is a
     ProtocolError naming where it is, never a TypeError or KeyError from the constructors."""
+    if version == 1:
+        d = _upgrade_v1(d, where)
     _check_keys(d, _TRAJ_KEYS, where)
     _check_values(d, _TRAJ_FIELDS, where)
     d = dict(d)
@@ -303,6 +347,14 @@ def _traj_from_obj(d: Any, where: str = "trajectory") -> Trajectory:
         _check_values(c, _SEARCH_FIELDS, f"{where}.searches[{i}]")
         searches.append(SearchCall(**c))
     d["searches"] = searches
+    if not isinstance(d["tool_calls"], list):
+        raise ProtocolError(f"{where}.tool_calls: expected a list, got {type(d['tool_calls']).__name__}")
+    calls = []
+    for i, c in enumerate(d["tool_calls"]):
+        _check_keys(c, _TOOL_KEYS, f"{where}.tool_calls[{i}]")
+        _check_values(c, _TOOL_FIELDS, f"{where}.tool_calls[{i}]")
+        calls.append(ToolCall(**c))
+    d["tool_calls"] = calls
     return Trajectory(**d)
 
 
@@ -319,7 +371,7 @@ def encode_group(trajs: list[Trajectory]) -> bytes:
                          default=_default, use_bin_type=True)
 
 
-def _unpack(data: bytes, expect: str) -> Any:
+def _unpack(data: bytes, expect: str) -> tuple[int, Any]:
     try:
         msg = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
     except ProtocolError:
@@ -328,12 +380,12 @@ def _unpack(data: bytes, expect: str) -> Any:
         raise ProtocolError(f"undecodable message ({type(e).__name__}: {e})") from None
     if not isinstance(msg, dict) or "v" not in msg:
         raise ProtocolError("message without schema version")
-    if type(msg["v"]) is not int or msg["v"] != SCHEMA_VERSION:
-        raise ProtocolError(f"schema version {msg['v']!r:.40} != supported {SCHEMA_VERSION}")
-    if msg.get("t") != expect:
+    if type(msg["v"]) is not int or msg["v"] not in READABLE_VERSIONS:
+        raise ProtocolError(f"schema version {msg['v']!r:.40} is not one this code reads {list(READABLE_VERSIONS)}")
+    if not isinstance(msg.get("t"), str) or msg["t"] != expect:  # an array there must not compare elementwise
         raise ProtocolError(f"expected a {expect!r} message, got {msg.get('t')!r:.40}")
     _check_keys(msg, _ENVELOPE, "message")
-    return msg["p"]
+    return msg["v"], msg["p"]
 
 
 _ENVELOPE = frozenset(("v", "t", "p"))
@@ -341,15 +393,16 @@ _ENVELOPE = frozenset(("v", "t", "p"))
 
 def decode_trajectory(data: bytes) -> Trajectory:
     """Raises ProtocolError for anything but a well-formed trajectory message of this schema version."""
-    return _traj_from_obj(_unpack(data, "traj"))
+    version, payload = _unpack(data, "traj")
+    return _traj_from_obj(payload, version=version)
 
 
 def decode_group(data: bytes) -> list[Trajectory]:
     """Raises ProtocolError for anything but a well-formed group message of this schema version."""
-    payload = _unpack(data, "group")
+    version, payload = _unpack(data, "group")
     if not isinstance(payload, list):
         raise ProtocolError(f"group payload: expected a list of trajectories, got {type(payload).__name__}")
-    return [_traj_from_obj(d, f"group[{i}]") for i, d in enumerate(payload)]
+    return [_traj_from_obj(d, f"group[{i}]", version) for i, d in enumerate(payload)]
 
 
 @dataclass

@@ -41,6 +41,7 @@ BAD: dict[str, list] = {
     "protocol.max_new_tokens_per_turn": ["0"],
     "protocol.max_total_tokens": ["0", "-512"],
     "protocol.max_doc_tokens": ["0"],
+    "protocol.visit_max_calls": ["0"], "protocol.visit_max_tokens": ["0"],
     "retrieval.k": ["0"],
     "retrieval.rerank_candidates": ["0"],
     "retrieval.cache_size": ["-1"],

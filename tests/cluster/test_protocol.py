@@ -2,7 +2,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from sonar.cluster.wire.protocol import (SCHEMA_VERSION, ProtocolError, SearchCall, Segment, SegmentKind, Trajectory,
+from sonar.cluster.wire.protocol import (SCHEMA_VERSION, ProtocolError, SearchCall, Segment, SegmentKind, ToolCall, Trajectory,
                               decode_group, decode_trajectory, encode_group, encode_trajectory)
 
 
@@ -15,7 +15,8 @@ def make_traj(seed=0, n_prompt=5, n_model=(4, 3), n_ret=6):
             segs.append(Segment(SegmentKind.RETRIEVAL, rng.integers(0, 500, n_ret)))
     return Trajectory(traj_id=f"t{seed}", group_id="g", prompt_id="p", actor_id=1, segments=segs, reward=0.5,
                       reward_parts={"em": 1.0, "format": -0.5},
-                      searches=[SearchCall(0, ["a", "b"], [["d1"], ["d2", "d3"]], 3.5, None, 1, 2)],
+                      searches=[SearchCall(0, ["a", "b"], [["d1"], ["d2", "d3"]], 3.5, None, 1)],
+                          tool_calls=[ToolCall(1, "visit", ["d2"], ["d2"], 1.5, None, 12)], meta={"level": "hard", "n": 3},
                       finish_reason="answered", question="q?", golds=["x", "y"], prediction="x")
 
 

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sonar.cluster.wire.protocol import (SCHEMA_VERSION, ProtocolError, SearchCall, Segment, SegmentKind,
+from sonar.cluster.wire.protocol import (SCHEMA_VERSION, ProtocolError, SearchCall, Segment, SegmentKind, ToolCall,
                                          Trajectory, decode_group, decode_trajectory, encode_group,
                                          encode_trajectory)
 
@@ -34,14 +34,17 @@ def random_traj(rng: random.Random, i: int = 0) -> Trajectory:
             segs.append(Segment(SegmentKind.RETRIEVAL, nrng.integers(0, 1000, rng.randint(0, 40))))
             qs = [f"q{turn}{k}" for k in range(rng.randint(0, 3))]
             searches.append(SearchCall(turn, qs, [[f"d{k}"] * rng.randint(0, 2) for k in range(len(qs))],
-                                       rng.random() * 50, rng.choice([None, "timeout"]), rng.randint(0, 2),
-                                       rng.randint(0, 2)))
+                                       rng.random() * 50, rng.choice([None, "timeout"]), rng.randint(0, 2)))
+    tools = [ToolCall(rng.randint(0, 4), "visit", [f"d{k}" for k in range(rng.randint(0, 2))],
+                      rng.choice([[], ["d1"]]), rng.random() * 9, rng.choice([None, "not_found"]), rng.randint(0, 40))
+             for _ in range(rng.randint(0, 2))]
     return Trajectory(traj_id=f"t{i}", group_id="g", prompt_id=f"p{rng.randint(0, 9)}", actor_id=rng.randint(0, 7),
                       segments=segs, reward=rng.choice([0.0, 1.0, -0.5, 1]),
                       reward_parts=rng.choice([{}, {"em": 1.0, "format": 0}]), searches=searches,
                       finish_reason=rng.choice(["answered", "max_turns", "malformed"]), question="q?",
                       golds=rng.choice([[], ["x"], ["x", "y"]]), prediction=rng.choice([None, "x"]),
-                      stage=rng.randint(0, 2), weight=rng.choice([1.0, 0.25]))
+                      stage=rng.randint(0, 2), weight=rng.choice([1.0, 0.25]), tool_calls=tools,
+                      meta=rng.choice([{}, {"level": "hard", "n": 3, "ok": True, "x": None}]))
 
 
 def same(a: Trajectory, b: Trajectory) -> bool:
