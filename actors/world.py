@@ -211,6 +211,11 @@ class Question:
     facts: list[tuple[str, str]] = field(default_factory=list)
     """(entity, relation) pairs the answer depends on; the split guarantees these never cross."""
 
+    @property
+    def meta(self) -> dict:
+        """The question's metadata as a dataset record's (``QAItem.meta``): what reward plug-ins read."""
+        return {"qtype": self.qtype, "hops": self.hops}
+
 
 @dataclass
 class World:

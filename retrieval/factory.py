@@ -24,13 +24,43 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from sonar.retrieval.base import Retriever
+from sonar.cluster.wire.plugins import Registry, is_plugin, remember
+from sonar.retrieval.base import Retriever, check_retriever
 from sonar.retrieval.corpus import corpus_fingerprint
 
 log = logging.getLogger(__name__)
 
 RetrieverWrap = Callable[[Retriever], Retriever]
 """``wrap_backend(backend) -> Retriever``: see ``build_retriever``."""
+
+RETRIEVERS = Registry("retriever")
+"""``retrieval.backend`` -> ``make(config: RetrievalConfig, corpus: str | None, index_root: str) -> Retriever``:
+the built-in backends below and a user's plug-in (``module:attr`` / ``file.py:attr``) alike. ``INDEXED``
+backends own an index that ``ensure_index`` builds from the corpus; any other backend is the user's
+service or code, and only the layers above the backend (resilience, reranker, cache) are Sonar's."""
+INDEXED = ("tantivy", "elasticsearch")
+
+
+@RETRIEVERS.register("tantivy")
+def make_tantivy(cfg, corpus_path, index_root, *, report=None) -> Retriever:
+    """Embedded BM25 over the index of ``corpus_path`` (built if missing, ``indexer.ensure_index``)."""
+    from sonar.retrieval.indexer import ensure_index
+    from sonar.retrieval.tantivy_index import TantivyRetriever
+
+    report = report or ensure_index(cfg, corpus_path, index_root, resume=False)
+    return TantivyRetriever(report.index_dir, title_boost=cfg.elastic.title_boost, max_query_chars=cfg.max_query_chars)
+
+
+@RETRIEVERS.register("elasticsearch")
+def make_elasticsearch(cfg, corpus_path, index_root, *, report=None) -> Retriever:
+    """Elasticsearch BM25 (``retrieval.elastic``); the index is created and filled by ``ensure_index``."""
+    from sonar.retrieval.elastic import ElasticRetriever
+
+    if report is None:
+        from sonar.retrieval.indexer import ensure_index
+
+        ensure_index(cfg, corpus_path, index_root, resume=False)
+    return ElasticRetriever.from_config(cfg.elastic)
 
 
 def index_dir_for(cfg, corpus_path: str, index_root: str) -> Path:
@@ -41,7 +71,8 @@ def index_dir_for(cfg, corpus_path: str, index_root: str) -> Path:
 
 
 def build_retriever(cfg, corpus_path: str, index_root: str, *, progress: bool = False,
-                    resilient: bool = True, wrap_backend: RetrieverWrap | None = None) -> Retriever:
+                    resilient: bool = True, wrap_backend: RetrieverWrap | None = None,
+                    plugins: dict | None = None) -> Retriever:
     """Build the retriever ``cfg`` (a ``RetrievalConfig``) describes over ``corpus_path``.
 
     ``progress``: tqdm bars while building indexes/vectors. ``resilient``: wrap the Elasticsearch
@@ -50,15 +81,36 @@ def build_retriever(cfg, corpus_path: str, index_root: str, *, progress: bool = 
     code outside production changes the backend (the benchmarks inject a remote cluster's latency):
     called once with the (resilient) backend, it returns the retriever the reranker and the cache are
     built on, so cache hits never reach it. It must keep the backend's ``name`` (cache keys) and, when
-    the factory runs inside a Ray actor, be picklable.
+    the factory runs inside a Ray actor, be picklable. ``plugins``: ``Config.plugins`` (the sources of
+    file plug-ins), for a process that has not seen the config (a retrieval replica).
+
+    The backend comes from ``RETRIEVERS`` (a built-in name or a plug-in). A backend that is not
+    ``INDEXED`` (a plug-in, the HTTP client) is wrapped in ``ResilientRetriever`` like Elasticsearch:
+    it is someone's service or code, with transient failures to retry.
     """
-    if cfg.backend not in ("tantivy", "elasticsearch"):
-        raise ValueError(f"retrieval.backend={cfg.backend!r} is not one of ['tantivy', 'elasticsearch']")
+    if plugins:
+        remember(plugins)
+    if not is_plugin(cfg.backend) and cfg.backend not in RETRIEVERS.names():
+        raise ValueError(f"retrieval.backend={cfg.backend!r} is not one of {list(RETRIEVERS.names())} nor a plug-in")
     if cfg.rerank not in ("none", "dense", "cross"):
         raise ValueError(f"retrieval.rerank={cfg.rerank!r} is not one of ['none', 'dense', 'cross']")
     if cfg.rerank == "cross" and not cfg.rerank_model:
         raise ValueError("retrieval.rerank='cross' needs retrieval.rerank_model (a local sequence-classification "
                          "model directory); retrieval.rerank_model=None")
+    if cfg.backend not in INDEXED:
+        if cfg.rerank == "dense":
+            raise ValueError(f"retrieval.rerank='dense' with retrieval.backend={cfg.backend!r}: the dense reranker "
+                             "reads passage vectors of a local index (tantivy or elasticsearch); use rerank=cross "
+                             "or none with another backend")
+        r = RETRIEVERS.get(cfg.backend, "retrieval.backend")(cfg, corpus_path, index_root)
+        check_retriever(r)
+        if not isinstance(getattr(r, "name", None), str):
+            raise TypeError(f"retrieval.backend={cfg.backend!r} made {r!r}, which has no str name (the cache key)")
+        if resilient:
+            from sonar.retrieval.resilient import ResilientRetriever
+
+            r = ResilientRetriever(r, cfg.max_retries, cfg.backoff_s, cfg.breaker_failures, cfg.breaker_reset_s)
+        return _above_backend(cfg, r, None, None, False, wrap_backend)
     from sonar.retrieval.indexer import ensure_index
 
     server_dense = cfg.backend == "elasticsearch" and cfg.rerank == "dense" and cfg.elastic.store_vectors
@@ -69,15 +121,8 @@ def build_retriever(cfg, corpus_path: str, index_root: str, *, progress: bool = 
         encoder = DenseEncoder(cfg.rerank_model)
     report = ensure_index(cfg, corpus_path, index_root, resume=False, progress=progress, encoder=encoder)
 
-    if cfg.backend == "tantivy":
-        from sonar.retrieval.tantivy_index import TantivyRetriever
-
-        r: Retriever = TantivyRetriever(report.index_dir, title_boost=cfg.elastic.title_boost,
-                                        max_query_chars=cfg.max_query_chars)
-    else:
-        from sonar.retrieval.elastic import ElasticRetriever
-
-        r = ElasticRetriever.from_config(cfg.elastic)
+    r: Retriever = RETRIEVERS.get(cfg.backend, "retrieval.backend")(cfg, corpus_path, index_root, report=report)
+    if cfg.backend == "elasticsearch":
         if server_dense:
             from sonar.retrieval.corpus import normalise_query
             from sonar.retrieval.elastic import ServerDenseReranker
@@ -89,6 +134,12 @@ def build_retriever(cfg, corpus_path: str, index_root: str, *, progress: bool = 
 
             r = ResilientRetriever(r, cfg.max_retries, cfg.backoff_s, cfg.breaker_failures, cfg.breaker_reset_s)
 
+    return _above_backend(cfg, r, encoder, report, server_dense, wrap_backend)
+
+
+def _above_backend(cfg, r: Retriever, encoder, report, server_dense: bool,
+                   wrap_backend: RetrieverWrap | None) -> Retriever:
+    """The layers above any backend: the hook, the reranker, the cache."""
     if wrap_backend is not None:
         r = wrap_backend(r)
 

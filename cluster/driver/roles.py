@@ -260,9 +260,9 @@ def start_replicas(cfg: Config, corpus: str, n: int, wrap_backend: Callable | No
     from sonar.retrieval.factory import build_retriever
     from sonar.retrieval.server import start_retrieval_service
 
-    rcfg, index_root = cfg.retrieval, indexes_dir(cfg)
+    rcfg, index_root, sources = cfg.retrieval, indexes_dir(cfg), dict(cfg.plugins)  # a file plug-in's code travels
     client = start_retrieval_service(
-        rcfg, lambda: build_retriever(rcfg, corpus, index_root, wrap_backend=wrap_backend), num_replicas=n,
+        rcfg, lambda: build_retriever(rcfg, corpus, index_root, wrap_backend=wrap_backend, plugins=sources), num_replicas=n,
         num_cpus=rcfg.num_cpus_per_replica, max_restarts=cfg.cluster.max_replica_restarts,
         actor_options={"resources": role_resources(cfg, "retrieval")})
     return list(client.handles)

@@ -1196,6 +1196,10 @@ keeps equal; the wire imports nothing of actors)."""
 
 def _check_retrieval(cfg: Config) -> None:
     _check_choices(cfg, "retrieval")
+    if cfg.retrieval.rerank == "dense" and cfg.retrieval.backend not in ("tantivy", "elasticsearch"):
+        raise ValueError(f"retrieval.rerank='dense' with retrieval.backend={cfg.retrieval.backend!r}: the dense "
+                         "reranker reads passage vectors of a local index (tantivy or elasticsearch); use "
+                         "rerank=cross or none")
     r = cfg.retrieval
     if r.rerank != "none" and r.rerank_candidates < r.k:
         raise ValueError(f"retrieval.rerank_candidates={r.rerank_candidates} < retrieval.k={r.k}")

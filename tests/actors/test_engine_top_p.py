@@ -174,7 +174,7 @@ def test_rollout_worker_passes_rollout_top_p_to_the_engine(top_p):
     cfg = load_config([], [f"rollout.top_p={top_p}", "rollout.group_size=2"])
     engine = _RecordingEngine(TOK)
     w = SimpleNamespace(engine=engine, retriever=None, tokenizer=TOK, tags=get_protocol(cfg.protocol.name),
-                        cfg=cfg, worker_id=0)
+                        cfg=cfg, worker_id=0, tools=[])
     items = [PromptItem("q0", "what is the capital of france", ["paris"])]
     groups, _ = asyncio.run(_arollout(w, items, 0, cfg.stages[0], cfg.rollout.temperature, search_enabled=False))
     assert len(groups[0]) == 2

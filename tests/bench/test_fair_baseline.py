@@ -191,13 +191,13 @@ def _worker(cfg, engine):
     from sonar.actors.worker import RolloutWorker, SwappingEngine
 
     w = object.__new__(RolloutWorker)
-    qs = [SimpleNamespace(qid=f"q{i}", question="what is the capital of france", golds=["paris"]) for i in range(4)]
+    qs = [SimpleNamespace(qid=f"q{i}", question="what is the capital of france", golds=["paris"], meta={}) for i in range(4)]
     w.__dict__.update(worker_id=0, cfg=cfg, engine=SwappingEngine(engine), retriever=FakeRetriever(), tokenizer=TOK,
                       tags=get_protocol(cfg.protocol.name), world=SimpleNamespace(train=qs), _lock=threading.Lock(),
                       _stats={"groups": 0, "trajectories": 0, "model_tokens": 0, "searches": 0, "gen_s": 0.0,
                               "retrieve_s": 0.0, "requeued": 0},
                       _recent=[], _last_progress=0.0, _stop=threading.Event(), _error=None, _thread=None,
-                      _data_cache={})
+                      _data_cache={}, tools=[])
     return w
 
 

@@ -174,3 +174,25 @@ def test_schema_1_messages_still_decode():
     (back,) = decode_group(blob)
     assert back.tool_calls == [] and back.meta == {} and back.searches == t.searches
     assert back.prediction == "paris" and np.array_equal(back.token_ids(), t.token_ids())
+
+
+def test_the_readme_example_loads_and_names_the_fixture_plugins(tmp_path, monkeypatch):
+    """README "Your own reward, tool, retriever and data": its YAML block, loaded from the repository root
+    as the README says, resolves every plug-in (the file's source into ``plugins``)."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "README.md").read_text()
+    block = re.search(r"<!-- plugins-example:begin -->\n```yaml\n(.*?)```\n<!-- plugins-example:end -->", text, re.S)
+    assert block, "README has no plugins-example block"
+    (tmp_path / "my_experiment.yaml").write_text(block.group(1))
+    monkeypatch.chdir(root)
+    command = re.search(r"#   sonar train (.*?)\n(?!#)", block.group(1), re.S).group(1).replace("\\\n#", "").split()
+    assert command[:4] == ["--config", "smoke", "--config", "my_experiment.yaml"]
+    cfg = load_config(["smoke", tmp_path / "my_experiment.yaml"], command[4:])
+    rel = "tests/fixtures/plugins/my_plugins.py"
+    assert cfg.plugins == {rel: PLUGINS.read_text()}
+    assert cfg.protocol.tools[-1] == f"{rel}:make_calculator" and cfg.stages[1].reward.name.endswith(":short_answer_reward")
+    from sonar.actors.tools import build_tools
+
+    assert [t.name for t in build_tools(cfg)] == ["visit", "calc"]
