@@ -92,6 +92,14 @@ def config_command(args) -> int:
         width = max((len(n) for n in found), default=0)
         for name, path in found.items():
             print(f"{name:<{width}}  {preset_summary(path)}")
+        from sonar.cluster.wire.config import BUILTIN_NAMES, DATA_FORMATS
+        from sonar.cluster.wire.plugins import FIELDS
+
+        print("\nplug-in fields: a built-in name, or a plug-in 'module.path:attr' / 'path/to/file.py:attr' "
+              "(README: Your own reward, tool, retriever and data)")
+        for kind, (fld, signature) in FIELDS.items():
+            names = BUILTIN_NAMES.get(kind) or tuple(f for f in DATA_FORMATS if f != "auto")
+            print(f"  {fld:<28} {kind}: {signature}\n  {'':<28} built-in: {', '.join(names)}")
         return 0
     # Files on the cluster's storage (model.path, dataset files) are noted, not refused: these verbs run on
     # a laptop too (``config.not_checked``); ``sonar train`` refuses them.
@@ -158,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         v = c_sub.add_parser(verb, help=text)
         v.add_argument("--config", action="append", help=CONFIG_HELP)
         v.add_argument("overrides", nargs="*", help="key=value overrides")
-    c_sub.add_parser("list", help="the shipped presets (`--config NAME`) with their first comment line")
+    c_sub.add_parser("list", help="the shipped presets (`--config NAME`) with their first comment line, and the plug-in fields")
     rc = c_sub.add_parser("recipes", help="the paper recipes field by field beside the released scripts (Markdown)")
     rc.add_argument("names", nargs="*", help="r1_searcher, search_r1, rag_r1 (default: all)")
     ix = sub.add_parser("index", help="build the retrieval index (tantivy or Elasticsearch) of a config, no Ray")

@@ -56,6 +56,15 @@ BUILTIN_NAMES: dict[str, tuple[str, ...]] = {
 ``DATA_FORMATS``). Each registry's entries are pinned to these by tests/cluster/test_plugins.py."""
 
 
+FIELDS: dict[str, tuple[str, str]] = {
+    "reward": ("stages.N.reward.name", "fn(sample: RewardInput[, config: RewardConfig]) -> float | RewardBreakdown"),
+    "retriever": ("retrieval.backend", "make(config: RetrievalConfig, corpus: str | None, index_root: str) -> Retriever"),
+    "dataset": ("stages.N.format, eval.format", "load(path: str) -> iterable of QAItem | {question, golds[, qid, meta]}"),
+    "tool": ("protocol.tools", "make(config: Config) -> Tool"),
+}
+"""Each kind's config field and the signature a plug-in of it has (``sonar config list`` prints them)."""
+
+
 class PluginError(ValueError):
     """A plug-in that cannot be resolved; the message names the config field, the value and what is missing."""
 

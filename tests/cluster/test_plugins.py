@@ -196,3 +196,13 @@ def test_the_readme_example_loads_and_names_the_fixture_plugins(tmp_path, monkey
     from sonar.actors.tools import build_tools
 
     assert [t.name for t in build_tools(cfg)] == ["visit", "calc"]
+
+
+def test_sonar_config_list_names_the_plugin_fields_and_their_builtins(capsys):
+    from sonar.cluster.driver.cli import main
+
+    assert main(["config", "list"]) == 0
+    out = capsys.readouterr().out
+    for kind, (fld, signature) in plugins.FIELDS.items():
+        assert f"{fld}" in out and signature in out
+    assert "built-in: search, visit" in out and "built-in: tantivy, elasticsearch, http" in out
