@@ -37,13 +37,15 @@ a tag.
 """
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from sonar.actors.prompts import (TOOL_TAGS, TagSet, neutralise, prefills_think, render_documents, render_prompt,
+from sonar.actors.prompts import (TagSet, neutralise, prefills_think, render_documents, render_prompt,
                                   special_strings)
+from sonar.actors.tools import ToolContext, render_output
 from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, ToolCall, Trajectory
 
 DEFAULT_STEP_THOUGHT = "search"
@@ -99,10 +101,11 @@ class _Ids:
         body = self.joiner.join(queries) if t.multi_query else " ".join(queries)
         return self._think(thought, opened) + [*self.id[t.query_open], *self.words(body), *self.id[t.query_close]]
 
-    def visit(self, key: str) -> list[int]:
-        """``<visit> key </visit>`` (``prompts.TOOL_TAGS``; one id each for the tiny model, text otherwise)."""
-        open_, close = (list(self.tok.encode(t, add_special_tokens=False)) for t in TOOL_TAGS["visit"])
-        return [*open_, *self.words(key), *close]
+    def tool_call(self, tool, args: Sequence[str]) -> list[int]:
+        """``open_tag args close_tag`` of a tool (one id each for the tiny model's tags, text otherwise);
+        several arguments are written comma-separated."""
+        open_, close = (list(self.tok.encode(t, add_special_tokens=False)) for t in (tool.open_tag, tool.close_tag))
+        return [*open_, *self.words(", ".join(args)), *close]
 
     def answer(self, text: str, thought: str, opened: bool = False) -> list[int]:
         t = self.tags
@@ -113,15 +116,17 @@ def _model_segment(ids: list[int]) -> Segment:
     return Segment(SegmentKind.MODEL, np.asarray(ids, np.int32), np.zeros(len(ids), np.float32), -1)
 
 
-def make_demonstrations(questions: Sequence, tags: TagSet, tokenizer, retriever, proto, k: int) -> list[Trajectory]:
+def make_demonstrations(questions: Sequence, tags: TagSet, tokenizer, retriever, proto, k: int,
+                        tools: Sequence = ()) -> list[Trajectory]:
     """Demonstrations of many questions; step s of every question is retrieved in ONE batch_search call.
 
     ``k`` is the search depth asked of the retriever; the top ``proto.docs_per_query`` hits of each
     query are injected (as in rollouts). Retrieval errors propagate: demonstrations are training data,
-    never built from failed searches, and a broken index must fail loudly. With ``visit`` in
-    ``proto.tools`` the demonstration opens the first document of its last search (``<visit>`` its
-    title ``</visit>``, the document in full up to ``visit_max_tokens``, recorded as a ``ToolCall``)
-    before it answers, so SFT teaches the call's format as it teaches the search's.
+    never built from failed searches, and a broken index must fail loudly. ``tools``: the run's tools
+    other than search (``actors.tools.build_tools``); each that has ``demonstration(hits)`` is called
+    after the last search with the arguments it returns for that search's hits (visit: the first
+    document's title), its output rendered as rollouts render it (``tools.render_output``) and recorded as
+    a ``ToolCall``, before the answer: SFT teaches the call's format as it teaches the search's.
     """
     if k < proto.docs_per_query:
         raise ValueError(f"k={k} < protocol.docs_per_query={proto.docs_per_query}")
@@ -134,8 +139,7 @@ def make_demonstrations(questions: Sequence, tags: TagSet, tokenizer, retriever,
                                                 np.int32))]
         for q in questions]
     searches: list[list[SearchCall]] = [[] for _ in questions]
-    visits = "visit" in list(getattr(proto, "tools", ["search"]))
-    last_hit: dict[int, Any] = {}
+    last_hits: dict[int, list] = {}
     for s in range(max((len(p) for p in plans), default=0)):
         active = [i for i, p in enumerate(plans) if s < len(p)]
         flat = [query for i in active for query in plans[i][s][0]]
@@ -154,19 +158,24 @@ def make_demonstrations(questions: Sequence, tags: TagSet, tokenizer, retriever,
             docs = render_documents(tags, [[(h.title, h.text) for h in hs] for hs in hits], tokenizer,
                                     proto.max_doc_tokens, queries=list(queries), style=style, rules=proto.rules)
             segments[i].append(Segment(SegmentKind.RETRIEVAL, np.asarray(docs, np.int32)))
-            if hits and hits[0]:
-                last_hit[i] = hits[0][0]
+            last_hits[i] = [h for hs in hits for h in hs]
             searches[i].append(SearchCall(turn=s, queries=list(queries),
                                           doc_ids=[[h.doc_id for h in hs] for hs in hits],
                                           latency_ms=latency_ms / len(active)))
     tool_calls: list[list[ToolCall]] = [[] for _ in questions]
-    for i, hit in last_hit.items() if visits else ():
-        segments[i].append(_model_segment(enc.visit(hit.title)))
-        doc = render_documents(tags, [[(hit.title, hit.text)]], tokenizer, proto.visit_max_tokens, style=style,
-                               rules=proto.rules)
-        segments[i].append(Segment(SegmentKind.RETRIEVAL, np.asarray(doc, np.int32)))
-        tool_calls[i].append(ToolCall(turn=len(plans[i]), tool="visit", args=[hit.title], refs=[hit.doc_id],
-                                      output_tokens=len(doc)))
+    for tool in tools:
+        demo = getattr(tool, "demonstration", None)
+        for i, hits in last_hits.items() if callable(demo) else ():
+            args = demo(hits)
+            if not args:
+                continue
+            ctx = ToolContext(retriever, {h.doc_id: h for h in hits}, tokenizer, tags, k)
+            out = asyncio.run(tool.call(list(args), ctx))
+            block = render_output(tool, out, tokenizer, tags, proto)
+            segments[i].append(_model_segment(enc.tool_call(tool, args)))
+            segments[i].append(Segment(SegmentKind.RETRIEVAL, np.asarray(block, np.int32)))
+            tool_calls[i].append(ToolCall(turn=len(plans[i]) + len(tool_calls[i]), tool=tool.name, args=list(args),
+                                          refs=list(out.refs), error=out.error, output_tokens=len(block)))
     out = []
     for i, q in enumerate(questions):
         gold = q.golds[0]

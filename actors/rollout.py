@@ -74,8 +74,8 @@ import numpy as np
 
 from sonar.actors.engine import Engine, Generation, SamplingParams, cut_at_stop
 from sonar.actors.parsing import parse_turn
-from sonar.actors.prompts import TagSet, neutralise, render_documents, render_invalid, render_prompt, special_strings, stop_plan
-from sonar.actors.tools import ToolContext, ToolOutput, first_tool_call
+from sonar.actors.prompts import TagSet, render_documents, render_invalid, render_prompt, stop_plan
+from sonar.actors.tools import ToolContext, ToolOutput, first_tool_call, render_output
 from sonar.actors.upstream import parse_turn_upstream, stop_tags
 from sonar.cluster.wire.config import ProtocolConfig
 from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, ToolCall, Trajectory
@@ -585,7 +585,7 @@ async def _tools_and_inject(call: _Call, tooling: list[tuple[_State, Any, list[s
         call.stats.tool_calls[tool.name] = call.stats.tool_calls.get(tool.name, 0) + 1
         if out.error is not None:
             call.stats.tool_errors[tool.name] = call.stats.tool_errors.get(tool.name, 0) + 1
-        block = _render_output(call, tool, out)
+        block = render_output(tool, out, call.tokenizer, call.tags, call.proto)
         record = ToolCall(turn=turn, tool=tool.name, args=list(args), refs=[str(r) for r in out.refs],
                           latency_ms=latency_ms, error=out.error)
         s.traj.tool_calls.append(record)
@@ -597,22 +597,6 @@ async def _tools_and_inject(call: _Call, tooling: list[tuple[_State, Any, list[s
         s.ctx.extend(int(t) for t in block)
         if len(s.ctx) >= call.proto.max_total_tokens:
             s.finish(FinishReason.MAX_TOKENS)
-
-
-def _render_output(call: _Call, tool, out: ToolOutput) -> list[int]:
-    """A tool's output as token ids: documents as the protocol's documents block (``render_documents``,
-    neutralised, cut to ``tool.max_tokens``), text neutralised inside the documents tags, token ids as
-    they are."""
-    proto, tags = call.proto, call.tags
-    if out.documents is not None or (out.text is None and out.token_ids is None):
-        return list(render_documents(tags, [list(out.documents or [])], call.tokenizer, tool.max_tokens,
-                                     error=None, queries=None, style=proto.prompt, rules=proto.rules))
-    if out.text is not None:
-        body = neutralise(out.text, special_strings(call.tokenizer))
-        ids = list(call.tokenizer.encode(body, add_special_tokens=False))[: tool.max_tokens]
-        frame = [list(call.tokenizer.encode(t, add_special_tokens=False)) for t in (tags.docs_open, tags.docs_close)]
-        return [*frame[0], *ids, *frame[1]]
-    return [int(t) for t in out.token_ids]
 
 
 def _finish(call: _Call, t: Trajectory, reward_fn: Callable[[Trajectory], Any]) -> None:

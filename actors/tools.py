@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from sonar.actors.prompts import TOOL_TAGS
+from sonar.actors.prompts import TOOL_TAGS, neutralise, render_documents, special_strings
 from sonar.cluster.wire.plugins import Registry
 from sonar.retrieval.base import Hit, search_async
 
@@ -78,6 +78,10 @@ class Tool(Protocol):
     async def call(self, args: list[str], context: ToolContext) -> ToolOutput:
         """Run the call."""
 
+    # Optional: ``demonstration(hits: list[Hit]) -> list[str] | None``, the arguments an SFT demonstration
+    # calls the tool with after its last search (whose hits it is given); None: no call. The driver's
+    # demonstrations (``actors/demos.py``) then teach the call's format as they teach the search's.
+
 
 TOOLS = Registry("tool")
 """``protocol.tools`` entries -> ``make(config) -> Tool``; built-ins and plug-ins through ``TOOLS.get``."""
@@ -113,6 +117,10 @@ class VisitTool:
     def parse(self, body: str) -> list[str]:
         key = body.strip().strip('"').strip()
         return [key] if key else []
+
+    def demonstration(self, hits: list[Hit]) -> list[str] | None:
+        """SFT demonstrations open their last search's first document, by its title."""
+        return [hits[0].title] if hits else None
 
     async def call(self, args: list[str], context: ToolContext) -> ToolOutput:
         key = args[0]
@@ -158,8 +166,25 @@ def build_tools(config) -> list:
 
 
 def tool_tags(config) -> list[str]:
-    """The call tags of the run's built-in tools other than search (what the tiny tokenizer adds)."""
-    return [t for name in config.protocol.tools if name in TOOL_TAGS for t in TOOL_TAGS[name]]
+    """The call tags of the run's tools other than search, built-in or plug-in (what the tiny word-level
+    tokenizer adds as special tokens, ``actors.model.materialise_policy``)."""
+    return [tag for tool in build_tools(config) for tag in (tool.open_tag, tool.close_tag)]
+
+
+def render_output(tool, out: ToolOutput, tokenizer, tags, proto) -> list[int]:
+    """A tool's output as token ids, the one rendering rollouts and demonstrations share: documents as the
+    protocol's documents block (``prompts.render_documents``: neutralised, each cut to ``tool.max_tokens``;
+    none: the block's "no results"), text neutralised inside the documents tags and cut to
+    ``tool.max_tokens``, token ids as they are."""
+    if out.documents is not None or (out.text is None and out.token_ids is None):
+        return list(render_documents(tags, [list(out.documents or [])], tokenizer, tool.max_tokens,
+                                     style=proto.prompt, rules=proto.rules))
+    if out.text is not None:
+        body = neutralise(out.text, special_strings(tokenizer))
+        ids = list(tokenizer.encode(body, add_special_tokens=False))[: tool.max_tokens]
+        frame = [list(tokenizer.encode(t, add_special_tokens=False)) for t in (tags.docs_open, tags.docs_close)]
+        return [*frame[0], *ids, *frame[1]]
+    return [int(t) for t in out.token_ids]
 
 
 def first_tool_call(text: str, tools: list, before: tuple[str, ...]) -> tuple[Any, str] | None:

@@ -31,6 +31,10 @@ def main(cfg: Config, resume: bool) -> int:
     from sonar.retrieval.corpus import CorpusError
     from sonar.retrieval.indexer import IndexBuildError
 
+    if cfg.retrieval.backend not in ("tantivy", "elasticsearch"):
+        print(f"sonar: index error: retrieval.backend={cfg.retrieval.backend!r} has no index Sonar builds (only "
+              "tantivy and elasticsearch do); the service or code behind it holds its own", file=sys.stderr)
+        return 2
     try:
         rep = run_index(cfg, resume=resume)
     except (IndexBuildError, CorpusError, FileNotFoundError) as e:

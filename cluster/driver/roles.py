@@ -233,8 +233,10 @@ def prepare_demonstrations(cfg: Config, run: Run, policy: str) -> list[bytes]:
     from sonar.retrieval.factory import build_retriever
 
     retriever = build_retriever(cfg.retrieval, prepare_corpus(cfg, run), indexes_dir(cfg))
+    from sonar.actors.tools import build_tools
+
     demos = make_demonstrations(world_of(cfg).train, get_protocol(cfg.protocol.name), load_tokenizer(policy),
-                                retriever, cfg.protocol, cfg.retrieval.k)
+                                retriever, cfg.protocol, cfg.retrieval.k, tools=build_tools(cfg))
     return [encode_group([d]) for d in demos]
 
 

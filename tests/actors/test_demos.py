@@ -173,3 +173,31 @@ def test_chat_template_prompt(world, tok, bm25):
     assert prompt[0] == tok.bos_token_id
     assert tok.decode(prompt) == f"<bos> user : question : {q.question} assistant :"
     assert t.segments[1].kind == SegmentKind.MODEL
+
+
+@pytest.mark.parametrize("pname", PROTOS)
+def test_a_tool_with_a_demonstration_is_called_after_the_last_search_and_masked(world, bm25, pname):
+    """With visit among the tools, each demonstration opens its last search's first document (by title)
+    before it answers: the call is trained (MODEL), the document is not (RETRIEVAL), and it is a ToolCall."""
+    from sonar.actors.tools import VisitTool, tool_tags
+    from sonar.cluster.wire.config import Config
+
+    cfg = replace(Config(), protocol=replace(Config().protocol, name=pname, tools=["search", "visit"]))
+    tok = build_tokenizer(world.vocab(), extra_tags=tool_tags(cfg))
+    assert tok.convert_tokens_to_ids("<visit>") == len(tok) - 2  # after every word: other ids unchanged
+    plain = build_tokenizer(world.vocab())
+    assert {t: plain.convert_tokens_to_ids(t) for t in all_special_tokens()} == \
+        {t: tok.convert_tokens_to_ids(t) for t in all_special_tokens()}
+    proto = _proto(pname, tools=["search", "visit"], visit_max_tokens=64)
+    q = world.train[0]
+    (d,) = make_demonstrations([q], get_protocol(pname), tok, bm25, proto, k=3, tools=[VisitTool(cfg)])
+    kinds = [s.kind for s in d.segments]
+    assert kinds[-3:] == [SegmentKind.MODEL, SegmentKind.RETRIEVAL, SegmentKind.MODEL]  # visit, document, answer
+    visit_text = tok.decode(list(d.segments[-3].token_ids), skip_special_tokens=False)
+    first = bm25.batch_search(search_steps(q, get_protocol(pname), proto)[-1][0], 3)[0][0]
+    assert visit_text.startswith("<visit>") and visit_text.endswith("</visit>")
+    (call,) = d.tool_calls
+    assert (call.tool, call.refs, call.error) == ("visit", [first.doc_id], None)
+    assert call.output_tokens == len(d.segments[-2]) and d.searches  # the searches are unchanged beside it
+    (back,) = [decode_trajectory(encode_trajectory(d))]
+    assert back.tool_calls == d.tool_calls
