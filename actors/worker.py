@@ -170,8 +170,11 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ wiring
     def ready(self) -> dict:
+        from sonar.cluster.wire.paths import code_origin
+
         return {"worker_id": self.worker_id, "pid": os.getpid(), "version": self.engine.version,
-                "num_params": sum(int(np.prod(s.shape)) for s in self.engine.parameter_specs())}
+                "num_params": sum(int(np.prod(s.shape)) for s in self.engine.parameter_specs()),
+                "code": code_origin()}
 
     def replace_retrieval_replica(self, slot: int, handle) -> int:
         """The driver replaced retrieval replica ``slot`` (dead for good) with ``handle``: every retriever

@@ -603,4 +603,7 @@ class Learner:
             import ray
 
             ray.get([p.ping.remote() for p in self._peers])
-        return {"version": self.version, "pid": os.getpid(), "step": self.global_step, "ranks": self.world_size}
+        from sonar.cluster.wire.paths import code_origin
+
+        return {"version": self.version, "pid": os.getpid(), "step": self.global_step, "ranks": self.world_size,
+                "code": code_origin()}

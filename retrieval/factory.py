@@ -70,6 +70,15 @@ def index_dir_for(cfg, corpus_path: str, index_root: str) -> Path:
     return Path(index_root) / corpus_fingerprint(corpus_path)
 
 
+@RETRIEVERS.register("http")
+def make_http(cfg, corpus_path, index_root) -> Retriever:
+    """A retrieval server with Search-R1's ``/retrieve`` API (``retrieval.http``, ``retrieval/http_backend.py``);
+    the corpus lives behind it, so ``corpus_path`` and ``index_root`` are not read."""
+    from sonar.retrieval.http_backend import HTTPRetriever
+
+    return HTTPRetriever.from_config(cfg)
+
+
 def build_retriever(cfg, corpus_path: str, index_root: str, *, progress: bool = False,
                     resilient: bool = True, wrap_backend: RetrieverWrap | None = None,
                     plugins: dict | None = None) -> Retriever:

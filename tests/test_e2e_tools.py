@@ -53,3 +53,45 @@ def test_the_policy_visits_what_it_searched_and_visits_are_not_searches(visit_ru
     assert all(x.get(K.ROLLOUT_REWARD_PART.format(part="reward_error"), 0.0) == 0.0 for x in rows)
     saved = (Path(s["run_dir"]) / "config.yaml").read_text()
     assert "def short_answer_reward" in saved  # the run's config records the plug-in's code
+
+
+@pytest.fixture(scope="module")
+def http_run(tmp_path_factory, shared_ray):
+    """The smoke sizing with retrieval.backend=http against a Search-R1-shaped server on 127.0.0.1 that
+    answers from Sonar's own tantivy index of the world's corpus (so the run has real documents)."""
+    from sonar.cluster.driver.loop import train
+    from sonar.cluster.driver.roles import indexes_dir, prepare_corpus
+    from sonar.cluster.wire.config import load_config
+    from sonar.retrieval.factory import build_retriever
+    from tests.retrieval.test_http_backend import SearchR1Server
+
+    root = tmp_path_factory.mktemp("http")
+    base = [f"run.root={root}", f"run.run_dir={root / 'http'}", "world.num_heldout_eval=8", "tracking.log_model=false",
+            "stages.0.steps=10", "stages.1.steps=2", "stages.2.steps=1", "eval.before=false"]
+    local = load_config([smoke_sizing(root), "smoke"], base)
+    index = build_retriever(local.retrieval, prepare_corpus(local, None), indexes_dir(local))
+    server = SearchR1Server()
+
+    def answer(q, k, scores):  # the wire Search-R1's server speaks: {"document": {id, contents}, "score"}
+        return [{"document": {"id": h.doc_id, "contents": f'"{h.title}"\n{h.text}'}, "score": h.score}
+                for h in index.batch_search([q], k)[0]]
+    server.answer = answer
+    try:
+        cfg = load_config(["smoke"], [*base, "retrieval.backend=http", f"retrieval.http.url={server.url}"])
+        summary = train(cfg)
+    finally:
+        server.close()
+    return cfg, summary, server
+
+
+def test_a_run_searches_through_a_search_r1_retrieval_server(http_run):
+    cfg, s, server = http_run
+    assert s["learner_steps"] == 13 and s["replay"]["balanced"]
+    sent = [q for b in server.bodies for q in b["queries"]]
+    assert sent and all(b["return_scores"] is True and b["topk"] == cfg.retrieval.k for b in server.bodies)
+    from pathlib import Path
+
+    (path,) = Path(s["run_dir"]).glob("predictions-after_search.jsonl")
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    ids = [d for r in recs for sc in r["searches"] for q in sc["doc_ids"] for d in q]
+    assert ids and all(sc["error"] is None for r in recs for sc in r["searches"])  # documents came back

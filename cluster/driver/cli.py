@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     _sigterm_as_interrupt()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
+    from sonar.cluster.driver.jobs import reexec_from_checkout
+
+    reexec_from_checkout(argv)  # under `ray job submit --working-dir <checkout>`: run the checkout's code
     if argv and argv[0] == "score":
         from sonar.actors.scoring import main as score_main
 

@@ -147,8 +147,9 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
                            engine_wrap=hooks.engine_wrap, on_event=hooks.on_pool)
         pool.start(cfg.rollout.num_workers)
         try:
-            ray.get(learner.ping.remote(), timeout=cfg.cluster.step_timeout_s)
-            pool.ready()  # a worker that dies while starting is restarted; one still starting at the deadline raises
+            learner_info = ray.get(learner.ping.remote(), timeout=cfg.cluster.step_timeout_s)
+            workers_info = pool.ready()  # a worker that dies while starting is restarted; one still starting at the deadline raises
+            log_code_origins(learner_info.get("code"), [w.get("code") for w in workers_info])
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(
                 f"the learner and {cfg.rollout.num_workers} rollout workers did not start within cluster.step_timeout_s="
@@ -195,6 +196,21 @@ def prepare_corpus(cfg: Config, run: Run) -> str:
         write_corpus_jsonl(world, tmp)
         tmp.replace(path)
     return str(path)
+
+
+def log_code_origins(learner: str | None, workers: list) -> None:
+    """One line saying which Sonar the driver, the learner and the rollout workers import (a job from a
+    checkout runs the checkout's: ``cluster/driver/jobs.py``); a warning naming the roles that differ."""
+    from sonar.cluster.wire.paths import code_origin
+
+    mine = code_origin()
+    others = {"learner": learner, **{f"rollout worker {i}": w for i, w in enumerate(workers)}}
+    code = lambda origin: str(origin).split(" from ")[0]  # version and fingerprint; the copies' folders differ
+    differ = {name: c for name, c in others.items() if code(c) != code(mine)}
+    if differ:
+        log.warning("code: the driver runs %s but %s", mine, "; ".join(f"{n} runs {c}" for n, c in differ.items()))
+    else:
+        log.info("code: driver, learner and %d rollout workers run %s", len(workers), code(mine))
 
 
 def prepare_policy(cfg: Config, run: Run) -> str:

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import re
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -216,11 +217,30 @@ class ElasticConfig:
 
 
 @dataclass(frozen=True)
+class HttpRetrievalConfig:
+    """A retrieval server over HTTP (``retrieval.backend=http``), Search-R1's ``/retrieve`` API
+    (``retrieval/http_backend.py``). Credentials come from the environment only."""
+
+    url: str = "http://127.0.0.1:8000/retrieve"
+    """The endpoint (http or https; ``user:password@`` in it is refused: use ``token_env``). Search-R1's
+    ``retrieval_launch.sh`` serves ``http://127.0.0.1:8000/retrieve``."""
+    timeout_s: float = 10.0
+    """Client timeout of one HTTP request, in seconds (> 0); ``retrieval.timeout_s`` bounds a whole
+    search call through the service, retries included."""
+    max_batch: int = 64
+    """Queries per request at most (>= 1); a larger call is split into several requests, in order."""
+    token_env: Optional[str] = None
+    """Name of the env var holding a bearer token sent as ``Authorization: Bearer``; None: no header."""
+
+
+@dataclass(frozen=True)
 class RetrievalConfig:
     """Search backend, reranker, cache and the shared service."""
 
     backend: str = "tantivy"
-    """tantivy | elasticsearch"""
+    """tantivy (embedded BM25) | elasticsearch | http (a retrieval server with Search-R1's ``/retrieve`` API,
+    ``retrieval.http``) | a plug-in ``module:attr`` / ``file.py:attr``: ``make(config, corpus, index_root)
+    -> Retriever`` (``cluster/wire/plugins.py``). Read by ``retrieval/factory.py``."""
     corpus: Optional[str] = None
     """JSONL corpus {id, title, text}; None uses the synthetic world's corpus."""
     index_dir: Optional[str] = None
@@ -272,6 +292,8 @@ class RetrievalConfig:
     busy, queued requests keep merging, so batches grow with load."""
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     """Connection and index settings, read when ``backend`` is elasticsearch (``title_boost``: always)."""
+    http: HttpRetrievalConfig = field(default_factory=HttpRetrievalConfig)
+    """The retrieval server, read when ``backend`` is http."""
 
 
 @dataclass(frozen=True)
@@ -903,7 +925,7 @@ RANGES: dict[str, str] = {
     "protocol.max_turns": ">= 0", "protocol.max_queries_per_step": ">= 1", "protocol.docs_per_query": ">= 1",
     "protocol.max_new_tokens_per_turn": ">= 1", "protocol.max_total_tokens": ">= 1",
     "protocol.max_doc_tokens": ">= 1",
-    "protocol.visit_max_calls": ">= 1",
+    "protocol.visit_max_calls": ">= 1", "retrieval.http.timeout_s": "> 0", "retrieval.http.max_batch": ">= 1",
     "protocol.visit_max_tokens": ">= 1",
     "retrieval.k": ">= 1", "retrieval.rerank_candidates": ">= 1", "retrieval.cache_size": ">= 0",
     "retrieval.max_query_chars": ">= 1", "retrieval.timeout_s": "> 0", "retrieval.max_retries": ">= 0",
@@ -1219,6 +1241,16 @@ def _check_retrieval(cfg: Config) -> None:
     if e.cloud_id is not None and (not e.cloud_id.strip() or ":" not in e.cloud_id):
         raise ValueError(f"retrieval.elastic.cloud_id={e.cloud_id!r} is not an Elastic Cloud id "
                          "('<deployment name>:<base64 data>'; None: use retrieval.elastic.hosts)")
+    h = r.http
+    parts = urllib.parse.urlsplit(h.url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"retrieval.http.url={redact(h.url)!r} is not an http(s) URL with a host")
+    if parts.username or parts.password:
+        raise ValueError(f"retrieval.http.url={redact(h.url)!r} holds credentials: put a token in an env var and "
+                         "name it in retrieval.http.token_env")
+    if h.token_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", h.token_env):
+        raise ValueError(f"retrieval.http.token_env={h.token_env!r} is not an environment variable name (it names "
+                         "the variable holding the token; the token itself never enters the config)")
     if e.store_vectors and r.rerank != "dense":
         raise ValueError(f"retrieval.elastic.store_vectors=True needs retrieval.rerank='dense' (the vectors are "
                          f"the dense reranker's), got retrieval.rerank={r.rerank!r}")

@@ -20,9 +20,12 @@ wherever ``ray start`` ran) is the shipped one.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Mapping
 
@@ -86,6 +89,27 @@ def resolve_relative(path: str | None, environ: Mapping[str, str], cwd: str | os
     if not path:
         return path
     return str(_abs(path, path_base(environ, cwd)[0]))
+
+
+CODE_FOLDERS = ("actors", "learner", "retrieval", "cluster")
+"""The production code whose fingerprint ``code_origin`` reports (tests and benchmarks are not shipped in
+every copy)."""
+
+
+@functools.lru_cache(maxsize=1)
+def code_origin() -> str:
+    """Which Sonar this process runs: ``sonar <__version__> (<fingerprint>) from <package directory>``, the
+    fingerprint a hash of the package's production ``.py`` files (``CODE_FOLDERS`` and the top-level
+    modules). Every role reports it at start-up (``roles.log_code_origins`` compares all but the
+    directory, which differs between a job's working dir and its actors' copy), so a job whose actors run
+    other code than the driver is seen at once."""
+    pkg = sys.modules["sonar"]  # imported: this module is sonar.cluster.wire.paths
+    root = Path(pkg.__file__).resolve().parent
+    files = sorted([*root.glob("*.py"), *(f for d in CODE_FOLDERS for f in (root / d).rglob("*.py"))])
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return f"sonar {getattr(pkg, '__version__', '?')} ({digest.hexdigest()[:12]}) from {root}"
 
 
 def presets() -> dict[str, Path]:

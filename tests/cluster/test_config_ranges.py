@@ -42,6 +42,7 @@ BAD: dict[str, list] = {
     "protocol.max_total_tokens": ["0", "-512"],
     "protocol.max_doc_tokens": ["0"],
     "protocol.visit_max_calls": ["0"], "protocol.visit_max_tokens": ["0"],
+    "retrieval.http.timeout_s": ["0"], "retrieval.http.max_batch": ["0"],
     "retrieval.k": ["0"],
     "retrieval.rerank_candidates": ["0"],
     "retrieval.cache_size": ["-1"],

@@ -48,3 +48,37 @@ def test_the_sigterm_handler_installed_before_ray_init_is_back_after_it():
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def test_a_job_driver_reruns_from_a_checkout_it_did_not_import(tmp_path):
+    """checkout_to_run: only as a job's entrypoint, only in a Sonar checkout, only when that checkout is not
+    the imported package, and once (the re-exec sets CHECKOUT_ENV)."""
+    from sonar.cluster.driver.jobs import CHECKOUT_ENV, checkout_to_run, is_checkout
+
+    other = tmp_path / "copy"
+    other.mkdir()
+    for rel in ("pyproject.toml", "__init__.py", "cluster/driver/cli.py"):
+        (other / rel).parent.mkdir(parents=True, exist_ok=True)
+        (other / rel).write_text((ROOT / rel).read_text())
+    job = _job({"working_dir": "gcs://x.zip"})
+    assert is_checkout(ROOT) and is_checkout(other) and not is_checkout(tmp_path)
+    assert checkout_to_run(job, other, ROOT) == other.resolve()
+    assert checkout_to_run({}, other, ROOT) is None  # not a job
+    assert checkout_to_run(job, ROOT, ROOT) is None  # already the imported copy
+    assert checkout_to_run(job, tmp_path, ROOT) is None  # a project folder, not a checkout
+    assert checkout_to_run({**job, CHECKOUT_ENV: "/x/sonar"}, other, ROOT) is None  # re-executed already
+
+
+def test_a_checkout_driver_ships_its_package_unless_the_job_names_py_modules(caplog):
+    from sonar.cluster.driver.jobs import CHECKOUT_ENV
+
+    env = driver_runtime_env({**_job({"working_dir": "gcs://x.zip"}), CHECKOUT_ENV: "/tmp/s/sonar"})
+    assert env["py_modules"] == ["/tmp/s/sonar"]
+    assert _merge_runtime_env({"working_dir": "gcs://x.zip"}, env, override=False) is not None
+    with caplog.at_level("WARNING", logger="sonar"):
+        env = driver_runtime_env({**_job({"py_modules": ["gcs://mine.zip"]}), CHECKOUT_ENV: "/tmp/s/sonar"})
+    assert "py_modules" not in env and "not shipped" in caplog.text
+    assert "py_modules" not in driver_runtime_env(_job({}))  # a plain job: nothing shipped
