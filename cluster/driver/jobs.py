@@ -9,7 +9,7 @@
   Python in the job would import the installed copy and a user's edits would not run. So when the CLI
   starts as a job's entrypoint in a Sonar checkout that is not the copy it imported
   (``checkout_to_run``), it re-executes itself once with ``sonar`` resolving to the checkout (a staging
-  folder holding a ``sonar`` link to it, first on ``PYTHONPATH``; ``reexec_from_checkout``), and the
+  folder ``sonar`` of links to its entries, first on ``PYTHONPATH``; ``reexec_from_checkout``), and the
   runtime env it passes to ``ray.init`` ships that folder as ``py_modules`` (Ray uploads it, honouring
   the checkout's ``.gitignore``, and puts it first on every actor's ``PYTHONPATH``, ahead of the
   installed package). Every role reports which copy it runs (``roles.log_code_origins``). A job whose
@@ -55,6 +55,8 @@ def job_runtime_env(environ: Mapping[str, str]) -> dict:
     return env if isinstance(env, dict) else {}
 
 
+STAGE_MARKER = ".sonar-py-module"
+"""A file only the staged package holds (``reexec_from_checkout``)."""
 CHECKOUT_ENV = "SONAR_CHECKOUT_PACKAGE"
 """Set by ``reexec_from_checkout``: the staged ``sonar`` folder (a link to the job's checkout) that this
 driver imports and ships to its actors as ``py_modules``."""
@@ -78,6 +80,7 @@ def driver_runtime_env(environ: Mapping[str, str]) -> dict:
                         "actors; they import what those name", job["py_modules"], staged)
         else:
             env["py_modules"] = [staged]
+            log.info("runtime env: shipping the checkout's Sonar to every actor as py_modules (%s)", staged)
     return env
 
 
@@ -117,7 +120,13 @@ def reexec_from_checkout(argv: list[str]) -> None:
     if checkout is None:
         return
     stage = Path(tempfile.mkdtemp(prefix="sonar-checkout-")) / "sonar"  # py_modules ships it as "sonar"
-    stage.symlink_to(checkout, target_is_directory=True)
+    stage.mkdir()
+    for child in checkout.iterdir():  # links, not copies: the package is the checkout itself
+        (stage / child.name).symlink_to(child, target_is_directory=child.is_dir())
+    # Ray names an uploaded folder by its content's hash: without a file of its own this folder would hash
+    # like the working dir (the same files), and the actors would unpack the working dir's package, which
+    # has no sonar/ level, instead of this one.
+    (stage / STAGE_MARKER).write_text(f"py_modules copy of {checkout}\n")
     env = dict(os.environ)
     env[CHECKOUT_ENV] = str(stage)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(stage.parent), env.get("PYTHONPATH")) if p)
