@@ -367,7 +367,8 @@ class RolloutWorker:
         from sonar.actors.rollout import PromptItem
 
         self.engine.apply_staged()
-        items = [PromptItem(prompt_id=q["qid"], question=q["question"], golds=list(q["golds"])) for q in questions]
+        items = [PromptItem(prompt_id=q["qid"], question=q["question"], golds=list(q["golds"]), meta=dict(q.get("meta") or {}))
+                 for q in questions]
         return asyncio.run(greedy_records(
             items, engine=self.engine, retriever=self.eval_retriever, tokenizer=self.tokenizer, tags=self.tags,
             proto=self.cfg.protocol, k=self.cfg.retrieval.k, reward=stage.reward, batch_size=self.cfg.eval.batch_size,

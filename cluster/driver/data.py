@@ -38,13 +38,13 @@ def stage_questions(cfg: Config, stage: StageConfig) -> list:
 
 
 def eval_questions(cfg: Config) -> list[dict]:
-    """Held-out questions ``{qid, question, golds}``: ``eval.data``'s, else the world's first
+    """Held-out questions ``{qid, question, golds, meta}``: ``eval.data``'s, else the world's first
     ``world.num_heldout_eval`` held-out questions."""
     if cfg.eval.data is not None:
         qs = _load(tuple(data_paths(cfg.eval.data)), cfg.eval.format, tuple(sorted(cfg.eval.fields.items())))
     else:
         qs = world_of(cfg).heldout[: cfg.world.num_heldout_eval or None]
-    return [{"qid": q.qid, "question": q.question, "golds": list(q.golds)} for q in qs]
+    return [{"qid": q.qid, "question": q.question, "golds": list(q.golds), "meta": dict(q.meta)} for q in qs]
 
 
 def cursor_prompts(cfg: Config, resume_stage: int, resume_step: int) -> int:

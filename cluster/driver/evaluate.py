@@ -162,7 +162,7 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
     """Evaluate the policy at ``checkpoint`` on each of ``data_files``; returns {name: summary}, names
     from :func:`dataset_names`.
 
-    ``fmt``: the files' format (``actors.datasets.FORMATS`` or an alias; ``--format``), for files whose
+    ``fmt``: the files' format (``actors.datasets.FORMATS``, an alias or a dataset plug-in; ``--format``), for files whose
     format detection cannot tell; "auto" detects per file. Every file is loaded (and a malformed one
     refused, naming file, line and field) and the policy's files checked before the policy is loaded
     or anything written. Raises DatasetError / EvalError (user errors, nothing written) or EvalFailed
@@ -170,7 +170,8 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
     from tqdm import tqdm
 
     from sonar.actors import evaluation
-    from sonar.actors.datasets import load_dataset
+    from sonar.actors.datasets import load_datasets
+    from sonar.actors.tools import build_tools
     from sonar.actors.engine import HFEngine
     from sonar.actors.prompts import get_protocol
     from sonar.actors.rollout import PromptItem
@@ -178,7 +179,9 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
     from sonar.retrieval.factory import build_retriever
 
     names = dataset_names(data_files)
-    datasets = [(name, path, load_dataset(path, fmt=fmt)) for name, path in zip(names, data_files)]
+    # a format, "auto" or a dataset plug-in (``--format file.py:load``), or eval.fields' mapping
+    datasets = [(name, path, load_datasets([path], fmt=fmt, fields=dict(cfg.eval.fields)))
+                for name, path in zip(names, data_files)]
     try:
         model_dir = resolve_model_dir(checkpoint)
     except FileNotFoundError as e:
@@ -210,12 +213,13 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
                          **{f"eval.data.{name}": str(path) for name, path, _ in datasets}})
         for name, path, items in datasets:
             current = (name, path)
-            prompts = [PromptItem(prompt_id=it.qid, question=it.question, golds=list(it.golds)) for it in items]
+            prompts = [PromptItem(prompt_id=it.qid, question=it.question, golds=list(it.golds), meta=dict(it.meta))
+                       for it in items]
             with tqdm(total=len(prompts), desc=f"eval {name}", unit="q") as bar:
                 records = asyncio.run(evaluation.greedy_records(
                     prompts, engine=engine, retriever=retriever, tokenizer=tokenizer, tags=tags, proto=cfg.protocol,
                     k=cfg.retrieval.k, reward=cfg.stages[-1].reward, batch_size=cfg.eval.batch_size,
-                    progress=bar.update))
+                    progress=bar.update, tools=build_tools(cfg)))
             pred = out / f"predictions-{name}.jsonl"
             tmp = pred.with_suffix(".jsonl.tmp")
             with open(tmp, "w") as fh:

@@ -190,3 +190,18 @@ def test_search_only_runs_render_what_they_did_before_tools():
     assert [list(t.token_ids()) for g in a for t in g] == [list(t.token_ids()) for g in b for t in g]
     assert all(t.tool_calls == [] for g in a for t in g)
     assert TOOLS.names() == ("search", "visit")
+
+
+def test_several_tools_in_one_trajectory_each_with_its_own_budget():
+    spec = f"{PLUGINS}:make_calculator"
+    cfg = validate(resolve_paths(_cfg(tools=["search", "visit", spec], visit_max_calls=1)))
+    tools = build_tools(cfg)
+    assert [t.name for t in tools] == ["visit", "calc"]
+    script = ["<search> capital of france </search>", "<visit> doc:capital of france </visit>",
+              "<calc> 2 + 3 </calc>", "<calc> 5 + 5 </calc>", "<answer> paris </answer>"]
+    groups, stats = _run(lambda c, t: script[t], tools, ProtocolConfig(tools=list(cfg.protocol.tools)))
+    t = groups[0][0]
+    assert [(c.tool, c.turn) for c in t.tool_calls] == [("visit", 1), ("calc", 2), ("calc", 3)]
+    assert len(t.searches) == 1 and t.finish_reason == FinishReason.ANSWERED
+    assert stats.tool_calls == {"visit": 1, "calc": 2}
+    assert not t.loss_mask()[sum(len(s) for s in t.segments[:6]):sum(len(s) for s in t.segments[:7])].any()

@@ -37,10 +37,12 @@ def test_stage_questions_come_from_the_files_else_the_world():
 
 def test_eval_questions_from_eval_data_else_the_worlds_heldout():
     cfg = files_cfg(f"eval.data={DEV}")
-    assert eval_questions(cfg) == [{"qid": "hd01", "question": "Who is the mayor of Velmora?", "golds": ["Ada Pell"]},
-                                   {"qid": "hd02", "question": "In what year did the founder of Brightloom found it?",
-                                    "golds": ["1921"]},
-                                   {"qid": "hd03", "question": "Where was Odile Marr born?", "golds": ["Velmora"]}]
+    got = eval_questions(cfg)
+    assert [{k: q[k] for k in ("qid", "question", "golds")} for q in got] == [
+        {"qid": "hd01", "question": "Who is the mayor of Velmora?", "golds": ["Ada Pell"]},
+        {"qid": "hd02", "question": "In what year did the founder of Brightloom found it?", "golds": ["1921"]},
+        {"qid": "hd03", "question": "Where was Odile Marr born?", "golds": ["Velmora"]}]
+    assert all(isinstance(q["meta"], dict) for q in got)  # the records' small fields, for reward plug-ins
     plain = load_config([CONFIG_DIR / "smoke.yaml"])
     qs = eval_questions(plain)
     held = world_of(plain).heldout[:plain.world.num_heldout_eval]

@@ -64,7 +64,8 @@ def test_wheel_runs_config_commands_with_presets_from_outside_the_checkout(wheel
     assert yaml.safe_load(_run([sonar, "config", "show", "--config", "configs/smoke.yaml"], cwd=away, env=env)) == shown
     assert "config ok (tiny)" in _run([sonar, "config", "validate"], cwd=away, env=env)  # the default, from the wheel
     listed = _run([sonar, "config", "list"], cwd=away, env=env)
-    assert {"tiny", "smoke"} <= {ln.split()[0] for ln in listed.splitlines()}
+    assert {"tiny", "smoke"} <= {ln.split()[0] for ln in listed.splitlines() if ln.strip()}
+    assert "plug-in fields" in listed
     assert not (away / "runs").exists()
 
 
