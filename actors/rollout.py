@@ -21,6 +21,13 @@ Shape of one call (``rollout_groups``): every item becomes ``group_size`` trajec
    ``render_documents(...)`` is appended as a RETRIEVAL segment (neutralised there, so a document can
    never produce a tag id or spell a tag; it is never parsed either way). Multi-query formats echo each query above its documents.
 
+4. ``_tools_and_inject``: a turn whose first action is a call of another tool (``tools``, ``actors/tools.py``:
+   visit, a plug-in's; parsed before the protocol's actions, ``tools.first_tool_call``) runs it, all
+   such calls of the turn concurrently, each bounded by its tool's timeout; the output is a RETRIEVAL
+   segment (``tools.render_output``) and the call a ``ToolCall``. Each tool has its own budget
+   (``Tool.max_calls``; a call past it ends the trajectory, MAX_TURNS), apart from ``max_turns``; a
+   tool's failure is data (``ToolCall.error``), as a search's is. With no other tool nothing changes.
+
 ``_finish`` then labels and rewards each trajectory.
 
 With ``per_trajectory=True`` (``rollout.per_trajectory``) the same three steps run per trajectory
