@@ -31,7 +31,17 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO_ROOT / "bench" / "results"
+
+
+def default_out(cwd: Path | None = None) -> Path:
+    """Where results go without ``--out``: ``bench/results`` of the checkout ``sonar bench`` runs in (the
+    committed results), else ``./sonar-bench-results`` in the current directory; never a folder inside
+    an installed package."""
+    cwd = Path.cwd() if cwd is None else Path(cwd)
+    if (cwd / "bench" / "run.py").is_file() and (cwd / "pyproject.toml").is_file():
+        return cwd / "bench" / "results"
+    return cwd / "sonar-bench-results"
+
 SUMMARY_KEYS = ("median", "min", "max", "n")
 RESULT_KEYS = ("name", "config", "hardware", "versions", "commit", "timestamp", "metrics")
 
@@ -242,7 +252,7 @@ def validate_result(doc: dict) -> None:
 
 
 def write_result(name: str, config: dict, metrics: dict, plot_fn: Callable[[Path], None] | None,
-                 out_dir: str | Path = DEFAULT_OUT, extra: dict | None = None, allow_dirty: bool | None = None) -> Path:
+                 out_dir: str | Path | None = None, extra: dict | None = None, allow_dirty: bool | None = None) -> Path:
     """Write ``<out_dir>/<name>-<host>-<commit>.json`` and, if ``plot_fn`` is given, the PNG beside it.
 
     ``metrics``: metric name -> ``summarise(...)`` output, or -> a non-empty ``{key: summarise(...)}``
@@ -255,7 +265,7 @@ def write_result(name: str, config: dict, metrics: dict, plot_fn: Callable[[Path
     JSON records ``allow_dirty`` and the ``dirty_files`` either way.
     """
     prov = check_provenance(allow_dirty)
-    out = Path(out_dir)
+    out = Path(out_dir) if out_dir is not None else default_out()
     out.mkdir(parents=True, exist_ok=True)
     path = result_path(name, out)
     png = path.with_suffix(".png")
@@ -328,7 +338,8 @@ def base_parser(name: str, description: str) -> argparse.ArgumentParser:
                    help="write results even if the tree has uncommitted or untracked source changes "
                         "(the JSON then says allow_dirty: true and lists the files)")
     p.add_argument("--quick", action="store_true", help="smoke-test sizes (under a minute): checks it runs")
-    p.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--out", default=str(default_out()),
+                   help="output directory (default: bench/results in a Sonar checkout, else ./sonar-bench-results)")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed repeats per point (default: the benchmark's own; 1 with --quick)")
     return p

@@ -1,23 +1,17 @@
-"""Confidence intervals from seeds, without scipy: Student's t for an integer number of degrees of freedom.
+"""Confidence intervals from seeds: Student's t (scipy's).
 
 A benchmark run once per seed gives n independent numbers per setting (the seeds are the unit of
 replication, never the steps of one run: those are autocorrelated). The 95 % interval of their mean is
-``mean +- t(0.975, n - 1) * sd / sqrt(n)`` with ``sd`` the sample standard deviation (ddof 1).
-
-The t quantile comes from the closed form of the two-sided t distribution function for integer df
-(Abramowitz & Stegun 26.7.3 / 26.7.4), with theta = atan(t / sqrt(df)):
-
-- df odd:  A(t|df) = (2/pi) * (theta + sin(theta) * (cos(theta) + 2/3 cos^3(theta) + ...
-  + [2*4*...*(df-3)] / [1*3*...*(df-2)] cos^(df-2)(theta)))    (df = 1: 2*theta/pi)
-- df even: A(t|df) = sin(theta) * (1 + 1/2 cos^2(theta) + 1*3/(2*4) cos^4(theta) + ...
-  + [1*3*...*(df-3)] / [2*4*...*(df-2)] cos^(df-2)(theta))
-
-``A(t|df) = P(|T| <= t)``, increasing in t, inverted by bisection to 1e-12.
+``mean +- t(0.975, n - 1) * sd / sqrt(n)`` with ``sd`` the sample standard deviation (ddof 1). The t
+distribution is ``scipy.stats.t`` (tests/bench/test_bench_stats.py pins it to the closed forms for 1 and 2
+degrees of freedom and to the printed table).
 """
 from __future__ import annotations
 
 import math
 from typing import Iterable
+
+from scipy.stats import t as _student_t
 
 
 def t_two_sided_cdf(t: float, df: int) -> float:
@@ -26,40 +20,16 @@ def t_two_sided_cdf(t: float, df: int) -> float:
         raise ValueError(f"df={df} must be an integer >= 1")
     if t < 0:
         raise ValueError(f"t={t} must be >= 0")
-    if math.isinf(t):
-        return 1.0
-    df = int(df)
-    theta = math.atan(t / math.sqrt(df))
-    c, s = math.cos(theta), math.sin(theta)
-    if df % 2 == 1:
-        if df == 1:
-            return 2.0 * theta / math.pi
-        term, total = c, c
-        for k in range(3, df, 2):  # term_k = term_{k-2} * (k-1)/k * cos^2
-            term *= (k - 1) / k * c * c
-            total += term
-        return 2.0 / math.pi * (theta + s * total)
-    term, total = 1.0, 1.0
-    for k in range(2, df, 2):  # term_k = term_{k-2} * (k-1)/k * cos^2
-        term *= (k - 1) / k * c * c
-        total += term
-    return s * total
+    return float(2.0 * _student_t.cdf(t, int(df)) - 1.0) if not math.isinf(t) else 1.0
 
 
 def t_quantile(level: float, df: int) -> float:
     """The t with ``P(|T| <= t) = level`` (e.g. level 0.95 -> the 0.975 quantile)."""
     if not (0.0 < level < 1.0):
         raise ValueError(f"level={level} must be in (0, 1)")
-    lo, hi = 0.0, 1.0
-    while t_two_sided_cdf(hi, df) < level:
-        hi *= 2.0
-    while hi - lo > 1e-12 * max(1.0, hi):
-        mid = 0.5 * (lo + hi)
-        if t_two_sided_cdf(mid, df) < level:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
+    if df < 1 or int(df) != df:
+        raise ValueError(f"df={df} must be an integer >= 1")
+    return float(_student_t.ppf(0.5 + level / 2.0, int(df)))
 
 
 def mean_ci(samples: Iterable[float], level: float = 0.95) -> dict:

@@ -77,3 +77,13 @@ def test_async_vs_sync_compare_pairs_seeds_and_checks_equal_reward():
     assert out["1"]["equal_reward"]["heldout_em"]["async_within_sync_ci95"] is False
     assert out["2"]["goal"] == {"speedup_ge_2": False, "equal_heldout_em": True, "stale_le_10pct": True}
     assert out["1"]["goal"]["stale_le_10pct"] is False
+
+
+def test_results_default_to_the_checkouts_bench_results_else_the_current_directory(tmp_path):
+    from pathlib import Path
+
+    from sonar.bench.common import default_out
+
+    root = Path(__file__).resolve().parents[2]
+    assert default_out(root) == root / "bench" / "results"
+    assert default_out(tmp_path) == tmp_path / "sonar-bench-results"  # e.g. a wheel install run from anywhere
