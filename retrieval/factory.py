@@ -3,7 +3,8 @@
 Composition, innermost first::
 
     backend            TantivyRetriever (index built if needed) | ElasticRetriever (imported lazily)
-    [resilient]        ResilientRetriever around the Elasticsearch backend (retries, breaker)
+                       | HTTPRetriever (a Search-R1 retrieval server; no index, no corpus) | a plug-in
+    [resilient]        ResilientRetriever around every backend but tantivy (retries, breaker)
     [wrap_backend]     a hook for code outside production, e.g. the benchmarks' latency simulator
     [reranker]         DenseReranker (passage vectors built if needed) | CrossEncoderReranker
     [cache]            CachedRetriever when cfg.cache_size > 0
@@ -79,7 +80,7 @@ def make_http(cfg, corpus_path, index_root) -> Retriever:
     return HTTPRetriever.from_config(cfg)
 
 
-def build_retriever(cfg, corpus_path: str, index_root: str, *, progress: bool = False,
+def build_retriever(cfg, corpus_path: str | None, index_root: str, *, progress: bool = False,
                     resilient: bool = True, wrap_backend: RetrieverWrap | None = None,
                     plugins: dict | None = None) -> Retriever:
     """Build the retriever ``cfg`` (a ``RetrievalConfig``) describes over ``corpus_path``.

@@ -77,7 +77,8 @@ def http_run(tmp_path_factory, shared_ray):
                 for h in index.batch_search([q], k)[0]]
     server.answer = answer
     try:
-        cfg = load_config(["smoke"], [*base, "retrieval.backend=http", f"retrieval.http.url={server.url}"])
+        cfg = load_config(["smoke"], [*base, "retrieval.backend=http", f"retrieval.http.url={server.url}",
+                                      "retrieval.http.max_batch=4"])
         summary = train(cfg)
     finally:
         server.close()
@@ -89,9 +90,12 @@ def test_a_run_searches_through_a_search_r1_retrieval_server(http_run):
     assert s["learner_steps"] == 63 and s["replay"]["balanced"]
     sent = [q for b in server.bodies for q in b["queries"]]
     assert sent and all(b["return_scores"] is True and b["topk"] == cfg.retrieval.k for b in server.bodies)
+    assert all(1 <= len(b["queries"]) <= 4 for b in server.bodies)  # retrieval.http.max_batch
     from pathlib import Path
 
     (path,) = Path(s["run_dir"]).glob("predictions-after_search.jsonl")
     recs = [json.loads(line) for line in path.read_text().splitlines()]
     ids = [d for r in recs for sc in r["searches"] for q in sc["doc_ids"] for d in q]
     assert ids and all(sc["error"] is None for r in recs for sc in r["searches"])  # documents came back
+    asked = {q for r in recs for sc in r["searches"] for q in sc["queries"]}
+    assert asked and asked <= set(sent)  # each held-out search reached the server (a repeat: from the cache)

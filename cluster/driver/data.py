@@ -1,12 +1,12 @@
 """Where a run's questions come from: the synthetic world (the default) or dataset files.
 
 ``stages.N.data`` names the files an RL stage trains on and ``eval.data`` the held-out questions;
-both need ``retrieval.corpus`` (checked at load). Files are read by ``actors/datasets.py:load_datasets``
-in every format it knows. The driver counts a stage's questions (the replay's prompt cursor walks
-indices into them), writes them to ``<run>/prompts-stage<N>.jsonl`` (the indices of
-``trained_prompts.jsonl`` point into that list) and widens the tiny policy's word vocabulary to the
-files and the corpus; each rollout worker loads the same files itself (``RolloutWorker._train_questions``),
-so only indices travel.
+both need ``retrieval.corpus`` (checked at load; not with ``retrieval.backend=http``, whose server
+holds it). Files are read by ``actors/datasets.py:load_datasets`` in every format it knows. The
+driver counts a stage's questions (the replay's prompt cursor walks indices into them), writes them to
+``<run>/prompts-stage<N>.jsonl`` (the indices of ``trained_prompts.jsonl`` point into that list) and
+widens the tiny policy's word vocabulary to the files and the corpus; each rollout worker loads the
+same files itself (``RolloutWorker._train_questions``), so only indices travel.
 
 SFT stages cannot take files: a demonstration follows a gold search plan (``actors/demos.py``), which
 the world has and dataset files do not (HotpotQA's supporting facts name paragraphs, not queries);

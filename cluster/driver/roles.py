@@ -71,8 +71,9 @@ class Roles:
     files_node: str | None = None
     """The learner's Ray node id when the driver cannot see its ``run.dir`` and ``cluster.upload_files``
     streams its checkpoints and export here (``files.py``); None: the files are shared."""
-    corpus: str = ""
-    """The corpus the retrieval replicas serve (``prepare_corpus``): a replacement replica opens it too."""
+    corpus: str | None = ""
+    """The corpus the retrieval replicas serve (``prepare_corpus``; None for an http server's): a
+    replacement replica opens it too."""
     replica_replacements: dict = field(default_factory=dict)
     """Replica slot -> replacements so far (``replace_replica``, bounded by ``cluster.max_replica_replacements``)."""
 
@@ -179,9 +180,13 @@ def unshared_learner_node(cfg: Config, roles: Roles, run: Run) -> str | None:
     return None if check_run_dir(cfg, node, run.dir) else node
 
 
-def prepare_corpus(cfg: Config, run: Run) -> str:
+def prepare_corpus(cfg: Config, run: Run) -> str | None:
+    """``retrieval.corpus``, else the synthetic world's written to ``<run.root>/corpus``; None for
+    ``retrieval.backend=http`` without one: the server holds its corpus and Sonar builds no index."""
     if cfg.retrieval.corpus:
         return cfg.retrieval.corpus
+    if cfg.retrieval.backend == "http":
+        return None
     import hashlib
 
     from sonar.actors.world import write_corpus_jsonl
@@ -261,7 +266,7 @@ def indexes_dir(cfg: Config) -> str:
     return str(Path(cfg.run.root).resolve() / "index")
 
 
-def start_retrieval(cfg: Config, run: Run, corpus: str, wrap_backend: Callable | None = None) -> list:
+def start_retrieval(cfg: Config, run: Run, corpus: str | None, wrap_backend: Callable | None = None) -> list:
     """The retrieval replicas; each builds ``build_retriever(..., wrap_backend=wrap_backend)``."""
     from sonar.retrieval.factory import build_retriever
     from sonar.retrieval.server import start_retrieval_service
@@ -272,7 +277,7 @@ def start_retrieval(cfg: Config, run: Run, corpus: str, wrap_backend: Callable |
     return start_replicas(cfg, corpus, cfg.retrieval.replicas, wrap_backend)
 
 
-def start_replicas(cfg: Config, corpus: str, n: int, wrap_backend: Callable | None = None) -> list:
+def start_replicas(cfg: Config, corpus: str | None, n: int, wrap_backend: Callable | None = None) -> list:
     """``n`` retrieval replica actors over the index of ``corpus`` (built already), each answering
     ``health()`` when this returns; their handles."""
     from sonar.retrieval.factory import build_retriever

@@ -223,7 +223,7 @@ class HttpRetrievalConfig:
 
     url: str = "http://127.0.0.1:8000/retrieve"
     """The endpoint (http or https; ``user:password@`` in it is refused: use ``token_env``). Search-R1's
-    ``retrieval_launch.sh`` serves ``http://127.0.0.1:8000/retrieve``."""
+    ``retrieval_server.py`` listens on port 8000 and its training scripts point at this URL."""
     timeout_s: float = 10.0
     """Client timeout of one HTTP request, in seconds (> 0); ``retrieval.timeout_s`` bounds a whole
     search call through the service, retries included."""
@@ -231,6 +231,9 @@ class HttpRetrievalConfig:
     """Queries per request at most (>= 1); a larger call is split into several requests, in order."""
     token_env: Optional[str] = None
     """Name of the env var holding a bearer token sent as ``Authorization: Bearer``; None: no header."""
+    return_scores: bool = True
+    """Ask for scores (``{"document", "score"}`` hits, as Search-R1's own client does); false: the server
+    answers bare documents, every hit scores 0.0. Either way the hits keep the server's order."""
 
 
 @dataclass(frozen=True)
@@ -1557,9 +1560,10 @@ def _check_data(cfg: Config, where: str, data, fmt: str, fields: Optional[dict] 
             if path and Path(path).is_absolute() and not_checked(f"{where}.data[{j}]={path!r}: not on this machine"):
                 continue  # on the cluster's storage, read where the run starts
             raise ValueError(f"{where}.data[{j}]={path!r}: no such file")
-    if not cfg.retrieval.corpus:
+    if not cfg.retrieval.corpus and cfg.retrieval.backend != "http":  # an http server holds its own corpus
         raise ValueError(f"{where}.data={data!r} with retrieval.corpus=None: questions from files need the "
-                         "passages that answer them (a JSONL corpus); the synthetic world's corpus cannot")
+                         "passages that answer them (a JSONL corpus, or retrieval.backend=http and a server "
+                         "that holds them); the synthetic world's corpus cannot")
 
 
 def _check_cluster(cfg: Config) -> None:
