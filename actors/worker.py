@@ -174,7 +174,7 @@ class RolloutWorker:
 
         return {"worker_id": self.worker_id, "pid": os.getpid(), "version": self.engine.version,
                 "num_params": sum(int(np.prod(s.shape)) for s in self.engine.parameter_specs()),
-                "code": code_origin() + " DEBUG " + str(os.environ.get("PYTHONPATH")) + " " + str(__import__("sys").path[:5])}
+                "code": code_origin()}
 
     def replace_retrieval_replica(self, slot: int, handle) -> int:
         """The driver replaced retrieval replica ``slot`` (dead for good) with ``handle``: every retriever

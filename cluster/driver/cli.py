@@ -64,12 +64,13 @@ CONFIG_HELP = ("YAML file or preset name (`sonar config list`), repeatable, merg
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    """The imported package's ``__version__`` and folder: under a job from a checkout, the checkout's
+    (``cluster/driver/jobs.py``), which the installed distribution's metadata would not say."""
+    from pathlib import Path
 
-    try:
-        return version("sonar-rl")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
+    import sonar
+
+    return f"{sonar.__version__} from {Path(sonar.__file__).resolve().parent}"
 
 
 def config_command(args) -> int:
@@ -144,7 +145,8 @@ def _sigterm_as_interrupt() -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `sonar` command line (score, chaos and bench parse their own arguments)."""
-    p = argparse.ArgumentParser(prog="sonar")
+    # RawDescriptionHelpFormatter: argparse would wrap the --version line (a folder path) at the terminal width
+    p = argparse.ArgumentParser(prog="sonar", formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"sonar {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train (default: the tiny preset)")

@@ -6,15 +6,22 @@
   the keys the job leaves unset: the user's values win, nothing conflicts.
 * **Code that travels.** ``pyproject.toml`` maps the package ``sonar`` to the repository root, so the
   folder ``ray job submit --working-dir .`` uploads holds the package's *contents*, not a ``sonar/``:
-  Python in the job would import the installed copy and a user's edits would not run. So when the CLI
-  starts as a job's entrypoint in a Sonar checkout that is not the copy it imported
-  (``checkout_to_run``), it re-executes itself once with ``sonar`` resolving to the checkout (a staging
-  folder ``sonar`` of links to its entries, first on ``PYTHONPATH``; ``reexec_from_checkout``), and the
-  runtime env it passes to ``ray.init`` ships that folder as ``py_modules`` (Ray uploads it, honouring
-  the checkout's ``.gitignore``, and puts it first on every actor's ``PYTHONPATH``, ahead of the
-  installed package). Every role reports which copy it runs (``roles.log_code_origins``). A job whose
-  own runtime env sets ``py_modules`` keeps it (Ray refuses the key twice): a warning says the actors
-  then import what it names.
+  Ray's job supervisor starts the entrypoint in that folder with it first on ``PYTHONPATH``
+  (``ray/_private/runtime_env/working_dir.py``), where ``import sonar`` finds no ``sonar/`` and falls
+  through to the installed copy, so a user's edits would not run. So when the CLI starts as a job's
+  entrypoint (``JOB_CONFIG_ENV``, which only the job supervisor sets) in a Sonar checkout that is not the
+  copy it imported (``checkout_to_run``), it re-executes itself once (``CHECKOUT_ENV`` guards it) with
+  ``sonar`` resolving to the checkout: a staging folder ``sonar`` of links to the checkout's entries
+  (``stage_checkout``), its parent first on ``PYTHONPATH``, so ``PathFinder`` finds it before the
+  editable install's finder (appended to ``sys.meta_path``) or site-packages. The runtime env it passes
+  to ``ray.init`` ships that folder as ``py_modules``: Ray zips it under its basename, ``sonar/``
+  (``include_parent_dir``), honouring the checkout's ``.gitignore`` (so ``.venv`` and ``runs`` stay
+  home), and puts the unpacked folder first on every actor's ``PYTHONPATH``; actors inherit the job's
+  runtime env, and vLLM's and DeepSpeed's processes inherit the actor's environment. The driver logs
+  which Sonar it runs, and every role reports its own (``roles.log_code_origins``). A job whose runtime
+  env sets ``py_modules`` too keeps them: Ray refuses a key that both the job and ``ray.init`` set, so
+  the driver passes the job's entries followed by the checkout and asks Ray to let ``ray.init``'s list
+  stand for both (``merge_override``: only ``py_modules`` overlaps; Sonar's env vars never do).
 * **SIGTERM.** ``ray job stop`` sends SIGTERM to the driver's process tree, then SIGKILL once
   ``RAY_JOB_STOP_WAIT_TIME_S`` (3 s by default, read by the head's job supervisor) have passed
   (``ray/dashboard/modules/job/job_supervisor.py``). ``ray.init`` installs its own SIGTERM handler
@@ -65,7 +72,8 @@ driver imports and ships to its actors as ``py_modules``."""
 def driver_runtime_env(environ: Mapping[str, str]) -> dict:
     """What the driver passes to ``ray.init``: ``SONAR_ENV_VARS`` less the keys the job's runtime env sets
     (Ray refuses a key set by both; the job's value is the one the user asked for), and, when this driver
-    runs a job's checkout (``CHECKOUT_ENV``), that checkout as ``py_modules`` unless the job sets its own."""
+    runs a job's checkout (``CHECKOUT_ENV``), that checkout as ``py_modules``, after the job's own entries
+    when it names some (``merge_override`` then lets this list replace the job's)."""
     job = job_runtime_env(environ)
     user = job.get("env_vars") or {}
     mine = {k: v for k, v in SONAR_ENV_VARS.items() if k not in user}
@@ -75,13 +83,38 @@ def driver_runtime_env(environ: Mapping[str, str]) -> dict:
     env: dict = {"env_vars": mine} if mine else {}
     staged = environ.get(CHECKOUT_ENV)
     if staged:
-        if job.get("py_modules"):
-            log.warning("runtime env: the job sets py_modules %s, so the checkout's Sonar (%s) is not shipped to the "
-                        "actors; they import what those name", job["py_modules"], staged)
-        else:
-            env["py_modules"] = [staged]
-            log.info("runtime env: shipping the checkout's Sonar to every actor as py_modules (%s)", staged)
+        theirs = list(job.get("py_modules") or [])
+        env["py_modules"] = [*theirs, staged]
+        log.info("runtime env: shipping the checkout's Sonar to every actor as py_modules (%s)%s", staged,
+                 f", after the job's own {theirs}" if theirs else "")
     return env
+
+
+OVERRIDE_ENV = "RAY_OVERRIDE_JOB_RUNTIME_ENV"
+"""Read by ``ray.init`` (``ray/_private/worker.py``): "1" lets its runtime env win a key the job's also sets."""
+
+
+@contextlib.contextmanager
+def merge_override(env: Mapping, environ: Mapping[str, str] | None = None):
+    """Around ``ray.init(runtime_env=env)``: when ``env`` sets a key the job's runtime env sets too (only
+    ``py_modules``, which ``driver_runtime_env`` builds from the job's own list), ``OVERRIDE_ENV`` is "1"
+    for the call, so Ray takes ``env``'s list rather than refusing the merge; put back afterwards."""
+    import os
+
+    job = job_runtime_env(os.environ if environ is None else environ)
+    clash = (set(env) - {"env_vars"}) & set(job)
+    before = os.environ.get(OVERRIDE_ENV)
+    if clash:
+        assert clash == {"py_modules"}, f"runtime env keys set by both the job and Sonar: {sorted(clash)}"
+        os.environ[OVERRIDE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if clash:
+            if before is None:
+                os.environ.pop(OVERRIDE_ENV, None)
+            else:
+                os.environ[OVERRIDE_ENV] = before
 
 
 def is_checkout(path: Path) -> bool:
@@ -107,31 +140,53 @@ def checkout_to_run(environ: Mapping[str, str], cwd: Path, imported: Path) -> Pa
     return cwd
 
 
+NOT_STAGED = {".git", STAGE_MARKER}
+"""Checkout entries the staged package leaves out: git's own store is no code (Ray would upload it whole:
+its ``.gitignore`` does not list it)."""
+
+
+def stage_checkout(checkout: Path, parent: Path) -> Path:
+    """``parent/sonar``: a folder of links to ``checkout``'s entries (less ``NOT_STAGED``) and a marker
+    file. With ``parent`` first on ``PYTHONPATH``, ``import sonar`` is the checkout; as ``py_modules`` Ray
+    ships it as ``sonar/``, its ``.gitignore`` (a link too) honoured."""
+    stage = parent / "sonar"
+    stage.mkdir()
+    for child in sorted(checkout.iterdir()):  # links, not copies: the package is the checkout itself
+        if child.name not in NOT_STAGED:
+            (stage / child.name).symlink_to(child, target_is_directory=child.is_dir())
+    # Ray names an uploaded folder by its content's hash, paths taken relative to the folder: without a file
+    # of its own this folder would hash like the working dir (the same files), and the actors would unpack
+    # the working dir's package, which has no sonar/ level, instead of this one.
+    (stage / STAGE_MARKER).write_text(f"py_modules copy of {checkout}\n")
+    return stage
+
+
 def reexec_from_checkout(argv: list[str]) -> None:
     """Under ``ray job submit --working-dir <checkout>``: re-execute ``python -m sonar <argv>`` so that
-    ``import sonar`` is the checkout (module docstring); returns only when there is nothing to do."""
+    ``import sonar`` is the checkout (module docstring); returns only when there is nothing to do. The
+    re-executed driver says which Sonar it runs (version, fingerprint, folder)."""
     import os
     import sys
     import tempfile
 
     import sonar
 
-    checkout = checkout_to_run(os.environ, Path.cwd(), Path(sonar.__file__).parent)
+    imported = Path(sonar.__file__).parent
+    if os.environ.get(CHECKOUT_ENV) and os.environ.get(JOB_CONFIG_ENV):
+        from sonar.cluster.wire.paths import code_origin
+
+        log.info("job: the driver runs %s (the job's working dir, staged at %s)", code_origin(),
+                 os.environ[CHECKOUT_ENV])
+        return
+    checkout = checkout_to_run(os.environ, Path.cwd(), imported)
     if checkout is None:
         return
-    stage = Path(tempfile.mkdtemp(prefix="sonar-checkout-")) / "sonar"  # py_modules ships it as "sonar"
-    stage.mkdir()
-    for child in checkout.iterdir():  # links, not copies: the package is the checkout itself
-        (stage / child.name).symlink_to(child, target_is_directory=child.is_dir())
-    # Ray names an uploaded folder by its content's hash: without a file of its own this folder would hash
-    # like the working dir (the same files), and the actors would unpack the working dir's package, which
-    # has no sonar/ level, instead of this one.
-    (stage / STAGE_MARKER).write_text(f"py_modules copy of {checkout}\n")
+    stage = stage_checkout(checkout, Path(tempfile.mkdtemp(prefix="sonar-checkout-")))
     env = dict(os.environ)
     env[CHECKOUT_ENV] = str(stage)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(stage.parent), env.get("PYTHONPATH")) if p)
-    log.info("job: running the working dir's Sonar (%s) instead of the installed %s", checkout,
-             Path(sonar.__file__).parent)
+    log.info("job: running the working dir's Sonar (%s) instead of the installed %s: re-executing", checkout,
+             imported)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", "sonar", *argv], env)

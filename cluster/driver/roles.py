@@ -97,10 +97,12 @@ def init_ray(cfg: Config) -> bool:
     if ray.is_initialized():
         return False
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    from sonar.cluster.driver.jobs import driver_runtime_env, keep_sigterm_handler
+    from sonar.cluster.driver.jobs import driver_runtime_env, keep_sigterm_handler, merge_override
 
     env = driver_runtime_env(os.environ)  # merged with a job's --runtime-env-json, never conflicting
-    with keep_sigterm_handler():  # ray.init's own SIGTERM handler would turn `ray job stop` into FAILED
+    # keep_sigterm_handler: ray.init's own SIGTERM handler would turn `ray job stop` into FAILED;
+    # merge_override: a job's own py_modules, which env names before the checkout's, are not refused.
+    with keep_sigterm_handler(), merge_override(env):
         if address:
             ray.init(address=address, runtime_env=env, log_to_driver=True)
         else:
@@ -205,17 +207,23 @@ def prepare_corpus(cfg: Config, run: Run) -> str | None:
 
 def log_code_origins(learner: str | None, workers: list) -> None:
     """One line saying which Sonar the driver, the learner and the rollout workers import (a job from a
-    checkout runs the checkout's: ``cluster/driver/jobs.py``); a warning naming the roles that differ."""
+    checkout runs the checkout's: ``cluster/driver/jobs.py``) and from which folders; a warning naming the
+    roles that differ. Version and fingerprint are compared, not the folders: a job's actors run Ray's
+    unpacked copy of the driver's checkout."""
     from sonar.cluster.wire.paths import code_origin
 
     mine = code_origin()
     others = {"learner": learner, **{f"rollout worker {i}": w for i, w in enumerate(workers)}}
-    code = lambda origin: str(origin).split(" from ")[0]  # version and fingerprint; the copies' folders differ
+    code = lambda origin: str(origin).split(" from ")[0]
+    where = lambda origin: str(origin).split(" from ", 1)[-1]
     differ = {name: c for name, c in others.items() if code(c) != code(mine)}
     if differ:
         log.warning("code: the driver runs %s but %s", mine, "; ".join(f"{n} runs {c}" for n, c in differ.items()))
     else:
-        log.info("code: driver, learner and %d rollout workers run %s", len(workers), code(mine))
+        folders = sorted({where(c) for name, c in others.items() if name != "learner"})
+        log.info("code: driver, learner and %d rollout workers run %s (driver from %s; learner from %s; "
+                 "rollout workers from %s)", len(workers), code(mine), where(mine), where(learner),
+                 ", ".join(folders) or "-")
 
 
 def prepare_policy(cfg: Config, run: Run) -> str:

@@ -96,20 +96,26 @@ CODE_FOLDERS = ("actors", "learner", "retrieval", "cluster")
 every copy)."""
 
 
-@functools.lru_cache(maxsize=1)
-def code_origin() -> str:
-    """Which Sonar this process runs: ``sonar <__version__> (<fingerprint>) from <package directory>``, the
-    fingerprint a hash of the package's production ``.py`` files (``CODE_FOLDERS`` and the top-level
-    modules). Every role reports it at start-up (``roles.log_code_origins`` compares all but the
-    directory, which differs between a job's working dir and its actors' copy), so a job whose actors run
-    other code than the driver is seen at once."""
-    pkg = sys.modules["sonar"]  # imported: this module is sonar.cluster.wire.paths
-    root = Path(pkg.__file__).resolve().parent
+def code_fingerprint(root: Path) -> str:
+    """A hash of the package's production ``.py`` files under ``root`` (``CODE_FOLDERS`` and the top-level
+    modules), names and contents: equal for two copies of the same code wherever they lie."""
     files = sorted([*root.glob("*.py"), *(f for d in CODE_FOLDERS for f in (root / d).rglob("*.py"))])
     digest = hashlib.sha256()
     for f in files:
         digest.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
-    return f"sonar {getattr(pkg, '__version__', '?')} ({digest.hexdigest()[:12]}) from {root}"
+    return digest.hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=1)
+def code_origin() -> str:
+    """Which Sonar this process runs: ``sonar <__version__> (<fingerprint>) from <package directory>``
+    (``code_fingerprint``; the directory with links resolved, so a job's staged checkout names the
+    checkout). Every role reports it at start-up (``roles.log_code_origins`` compares all but the
+    directory, which differs between a job's working dir and its actors' copy), so a job whose actors run
+    other code than the driver is seen at once."""
+    pkg = sys.modules["sonar"]  # imported: this module is sonar.cluster.wire.paths
+    root = Path(pkg.__file__).resolve().parent
+    return f"sonar {getattr(pkg, '__version__', '?')} ({code_fingerprint(root)}) from {root}"
 
 
 def presets() -> dict[str, Path]:

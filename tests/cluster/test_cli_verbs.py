@@ -1,5 +1,6 @@
 """`sonar --version`, `sonar config show|validate|list`, one override syntax (in-process: no Ray, no run)."""
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 import yaml
@@ -12,7 +13,12 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0
-    assert capsys.readouterr().out.strip() == f"sonar {version('sonar-rl')}"
+    import sonar
+
+    # the imported package's version and folder (under a job from a checkout: the checkout's, not the
+    # installed distribution's); it is the distribution's version when they are one copy
+    assert sonar.__version__ == version("sonar-rl")
+    assert capsys.readouterr().out.strip() == f"sonar {sonar.__version__} from {Path(sonar.__file__).resolve().parent}"
 
 
 def test_config_show_prints_the_resolved_yaml_with_overrides(capsys, tmp_path, monkeypatch):

@@ -9,147 +9,17 @@ processes it started, never `ray stop`).
 3. A fresh submission of the same run name with ``run.resume=latest`` resumes the stopped run's
    checkpoint (not the first run's, of another name under the same root) and finishes.
 """
-import itertools
-import json
-import os
 import re
-import shutil
-import signal
-import socket
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-import psutil
 import pytest
 
+from tests.cluster.ray_head import (BIN, _alive_actors, _env, _mlflow_status, _run_of, _submit,  # noqa: F401
+                                    ray_head)  # (ray_head: the fixture)
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
-
-BIN = Path(sys.executable).parent
-_SUBMISSIONS = itertools.count()
-# Small everywhere: one worker, a short SFT, one step per RL stage, a 4-question eval and no "before" eval.
-SHORT = ["rollout.num_workers=1", "world.num_heldout_eval=4", "eval.before=false", "eval.no_search=false",
-         "stages.0.steps=4", "stages.1.steps=1", "stages.2.steps=1"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("MLFLOW_", "RAY_ADDRESS", "SONAR_RUN_ROOT", "RAY_JOB"))}
-    env.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1",
-                "RAY_USAGE_STATS_ENABLED": "0", "PATH": f"{BIN}:{env.get('PATH', '')}", **extra})
-    return env
-
-
-@pytest.fixture
-def ray_head(tmp_path):
-    """A Ray head on 127.0.0.1 under its own temp dir; yields (dashboard URL, temp dir). Teardown ends
-    the `ray start --block` process (it stops what it started), then any process still naming this
-    head's temp dir, by pid."""
-    temp = tempfile.mkdtemp(prefix="sj", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
-    port, dash = _free_port(), _free_port()
-    # The head's dashboard agent takes the job submissions: its HTTP port is fixed (52365) by default, so
-    # another Ray on the machine (a test's local cluster) could hold it and leave the job server with
-    # "No available agent". Free ports for every listener the agents open.
-    agent_ports = [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-                   f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}"]
-    # Ray's default graceful-stop window for `ray job stop` (RAY_JOB_STOP_WAIT_TIME_S unset: 3 s, then
-    # SIGKILL): the driver must mark its run KILLED inside it (_env drops any RAY_JOB* of this process).
-    env = _env()
-    assert "RAY_JOB_STOP_WAIT_TIME_S" not in env
-    head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
-         "--num-cpus=4", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
-         f"--temp-dir={temp}", "--disable-usage-stats", *agent_ports],
-        env=env, stdout=open(tmp_path / "ray-head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{dash}"
-    try:
-        from ray.job_submission import JobSubmissionClient
-
-        def client():
-            try:
-                return JobSubmissionClient(url)
-            except Exception:
-                return None
-        wait_until(lambda: head.poll() is not None or client(), 180, "the Ray head's job server answering",
-                   poll_s=0.5)
-        assert head.poll() is None, "ray start --head exited"
-        yield url, temp
-    finally:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
-        ours = []
-        for p in psutil.process_iter(["pid", "cmdline"]):
-            if any(temp in a for a in (p.info["cmdline"] or [])):
-                ours.append(p)
-        for p in ours:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(ours, timeout=30)
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-NO_AGENT = "No available agent to submit job, please try again later"
-"""The job server's answer while the head's dashboard agent has not registered yet (seconds after
-`ray start` on a loaded machine): the job was not created, and Ray asks to try again."""
-
-
-def _submit(url: str, wd: Path, root: Path, args: list[str], wait: bool = True) -> str:
-    runtime_env = {"env_vars": {"SONAR_RUN_ROOT": str(root), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}}
-
-    def attempt():
-        sid = f"sonar-{next(_SUBMISSIONS)}-{os.getpid()}"
-        cmd = [str(BIN / "ray"), "job", "submit", "--address", url, "--submission-id", sid, "--working-dir",
-               str(wd), "--runtime-env-json", json.dumps(runtime_env), *([] if wait else ["--no-wait"]), "--",
-               sys.executable, "-m", "sonar", "train", "--config", "smoke", "--config", "job.yaml", *SHORT, *args]
-        p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900)
-        return None if p.returncode != 0 and NO_AGENT in p.stdout + p.stderr else (sid, p)
-    sid, p = wait_until(attempt, 180, "the head's job agent accepting a submission", poll_s=1.0)
-    head_log = root.parent.parent / "ray-head.log"
-    assert p.returncode == 0, (f"{' '.join(args)}: exit {p.returncode}\n{p.stdout[-6000:]}\n{p.stderr[-3000:]}\n"
-                               f"ray head: {head_log.read_text()[-3000:] if head_log.exists() else ''}")
-    return sid
-
-
-def _run_of(logs: str) -> tuple[Path, str]:
-    """(run directory, MLflow run id) the driver logged."""
-    found = re.findall(r"run directory (\S+) \(MLflow run (\w+)\)", logs)
-    assert found, f"no 'run directory' line in the job's log:\n{logs[-4000:]}"
-    return Path(found[-1][0]), found[-1][1]
-
-
-def _mlflow_status(root: Path, run_id: str) -> str | None:
-    """The MLflow status of ``run_id``, from whichever sqlite store under ``root`` holds it (a resume
-    may continue the run it resumes)."""
-    from mlflow.tracking import MlflowClient
-
-    for db in root.rglob("mlflow.db"):
-        try:
-            return MlflowClient(tracking_uri=f"sqlite:///{db}").get_run(run_id).info.status
-        except Exception:
-            continue
-    return None
-
-
-def _alive_actors(url: str, job_id: str) -> list:
-    from ray.util.state import list_actors
-
-    return [a.class_name for a in list_actors(address=url, filters=[("state", "=", "ALIVE")], limit=1000)
-            if a.job_id == job_id]
 
 
 def test_submit_stop_and_resume_through_ray_jobs(ray_head, tmp_path):

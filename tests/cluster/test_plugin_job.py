@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.test_job_submit import _run_of, _submit, ray_head  # noqa: F401  (ray_head: the fixture)
+from tests.cluster.ray_head import _run_of, _submit, ray_head  # noqa: F401  (ray_head: the fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
