@@ -389,8 +389,12 @@ def load_dataset(path: str | Path, fmt: str = "auto", source: str | None = None)
     return items
 
 
-def _dotted(rec: Any, key: str) -> Any:
-    """``rec[a][b]`` for ``key`` "a.b" (a list index where a part is a number); KeyError if absent."""
+def dotted_field(rec: Any, key: str) -> Any:
+    """``rec[a][b]`` for ``key`` "a.b" (a list index where a part is a number; a literal key "a.b" of
+    ``rec`` wins); KeyError if absent. The one reader of dotted record keys (``stages.N.fields``,
+    ``sonar score --pred-field``)."""
+    if isinstance(rec, dict) and key in rec:
+        return rec[key]
     cur = rec
     for part in key.split("."):
         if isinstance(cur, dict) and part in cur:
@@ -418,7 +422,7 @@ def load_mapped(path: str | Path, fields: dict, source: str | None = None) -> li
         got = {}
         for ours, theirs in fields.items():
             try:
-                got[ours] = _dotted(rec, theirs)
+                got[ours] = dotted_field(rec, theirs)
             except KeyError:
                 if ours == "qid":
                     continue

@@ -165,16 +165,17 @@ def make_demonstrations(questions: Sequence, tags: TagSet, tokenizer, retriever,
     tool_calls: list[list[ToolCall]] = [[] for _ in questions]
     for tool in tools:
         demo = getattr(tool, "demonstration", None)
-        for i, hits in last_hits.items() if callable(demo) else ():
-            args = demo(hits)
-            if not args:
-                continue
-            ctx = ToolContext(retriever, {h.doc_id: h for h in hits}, tokenizer, tags, k)
-            out = asyncio.run(tool.call(list(args), ctx))
+        calls = [(i, hits, demo(hits)) for i, hits in last_hits.items()] if callable(demo) else []
+        calls = [(i, hits, list(args)) for i, hits, args in calls if args]
+
+        async def run_all(tool=tool, calls=calls):  # one event loop for the tool's calls of every demonstration
+            return await asyncio.gather(*(tool.call(args, ToolContext(retriever, {h.doc_id: h for h in hits},
+                                                                      tokenizer, tags, k)) for _, hits, args in calls))
+        for (i, _, args), out in zip(calls, asyncio.run(run_all()) if calls else []):
             block = render_output(tool, out, tokenizer, tags, proto)
             segments[i].append(_model_segment(enc.tool_call(tool, args)))
             segments[i].append(Segment(SegmentKind.RETRIEVAL, np.asarray(block, np.int32)))
-            tool_calls[i].append(ToolCall(turn=len(plans[i]) + len(tool_calls[i]), tool=tool.name, args=list(args),
+            tool_calls[i].append(ToolCall(turn=len(plans[i]) + len(tool_calls[i]), tool=tool.name, args=args,
                                           refs=list(out.refs), error=out.error, output_tokens=len(block)))
     out = []
     for i, q in enumerate(questions):

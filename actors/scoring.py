@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from sonar.actors.datasets import dotted_field
 from sonar.actors.evaluation import SCORES, question_scores
 
 _MISSING = object()
@@ -71,17 +72,10 @@ class ScoreReport:
 
 
 def _get(rec: Any, dotted: str) -> Any:
-    if isinstance(rec, dict) and dotted in rec:
-        return rec[dotted]
-    cur = rec
-    for part in dotted.split("."):
-        if isinstance(cur, dict) and part in cur:
-            cur = cur[part]
-        elif isinstance(cur, list) and part.isdigit() and int(part) < len(cur):
-            cur = cur[int(part)]
-        else:
-            return _MISSING
-    return cur
+    try:
+        return dotted_field(rec, dotted)
+    except KeyError:
+        return _MISSING
 
 
 def _json_limit(e: Exception) -> str:

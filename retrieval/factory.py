@@ -25,7 +25,7 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from sonar.cluster.wire.plugins import Registry, is_plugin, remember
+from sonar.cluster.wire.plugins import INDEXED_RETRIEVERS, Registry, is_plugin, remember
 from sonar.retrieval.base import Retriever, check_retriever
 from sonar.retrieval.corpus import corpus_fingerprint
 
@@ -39,7 +39,7 @@ RETRIEVERS = Registry("retriever")
 the built-in backends below and a user's plug-in (``module:attr`` / ``file.py:attr``) alike. ``INDEXED``
 backends own an index that ``ensure_index`` builds from the corpus; any other backend is the user's
 service or code, and only the layers above the backend (resilience, reranker, cache) are Sonar's."""
-INDEXED = ("tantivy", "elasticsearch")
+INDEXED = INDEXED_RETRIEVERS
 
 
 @RETRIEVERS.register("tantivy")

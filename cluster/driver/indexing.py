@@ -31,14 +31,15 @@ def main(cfg: Config, resume: bool) -> int:
     from sonar.retrieval.corpus import CorpusError
     from sonar.retrieval.indexer import IndexBuildError
 
-    if cfg.retrieval.backend == "http":
-        print(f"sonar: index error: retrieval.backend='http' has no index Sonar builds: the retrieval server at "
-              f"retrieval.http.url={cfg.retrieval.http.url!r} searches its own (build its index with the server's "
-              "tools, e.g. Search-R1's index_builder.py); nothing to do here", file=sys.stderr)
-        return 2
-    if cfg.retrieval.backend not in ("tantivy", "elasticsearch"):
-        print(f"sonar: index error: retrieval.backend={cfg.retrieval.backend!r} has no index Sonar builds (only "
-              "tantivy and elasticsearch do); the service or code behind it holds its own", file=sys.stderr)
+    from sonar.cluster.wire.plugins import INDEXED_RETRIEVERS
+
+    backend = cfg.retrieval.backend
+    if backend not in INDEXED_RETRIEVERS:
+        where = (f"the retrieval server at retrieval.http.url={cfg.retrieval.http.url!r} searches its own (build "
+                 "its index with the server's tools, e.g. Search-R1's index_builder.py)" if backend == "http"
+                 else "the service or code behind it holds its own")
+        print(f"sonar: index error: retrieval.backend={backend!r} has no index Sonar builds (only "
+              f"{' and '.join(INDEXED_RETRIEVERS)} do): {where}; nothing to do here", file=sys.stderr)
         return 2
     try:
         rep = run_index(cfg, resume=resume)

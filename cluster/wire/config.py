@@ -1153,12 +1153,11 @@ def resolve_plugins(cfg: Config) -> Config:
     if not found:
         return cfg
     sources = dict(cfg.plugins)
-    for kind, fld, value in found:
-        if _plugins.is_plugin(value):
-            read = None if value.rpartition(":")[0] in sources else _plugins.read_source(value, fld)
-            if read is not None:
-                sources[read[0]] = read[1]
-            _plugins.check(kind, value, fld, sources, PLUGIN_ARITY[kind])
+    for kind, fld, value in found:  # every value here is a plug-in (plugin_values)
+        read = None if value.rpartition(":")[0] in sources else _plugins.read_source(value, fld)
+        if read is not None:
+            sources[read[0]] = read[1]
+        _plugins.check(kind, value, fld, sources, PLUGIN_ARITY[kind])
     _plugins.remember(sources)
     return cfg if sources == dict(cfg.plugins) else dataclasses.replace(cfg, plugins=sources)
 
@@ -1221,7 +1220,7 @@ keeps equal; the wire imports nothing of actors)."""
 
 def _check_retrieval(cfg: Config) -> None:
     _check_choices(cfg, "retrieval")
-    if cfg.retrieval.rerank == "dense" and cfg.retrieval.backend not in ("tantivy", "elasticsearch"):
+    if cfg.retrieval.rerank == "dense" and cfg.retrieval.backend not in _plugins.INDEXED_RETRIEVERS:
         raise ValueError(f"retrieval.rerank='dense' with retrieval.backend={cfg.retrieval.backend!r}: the dense "
                          "reranker reads passage vectors of a local index (tantivy or elasticsearch); use "
                          "rerank=cross or none")

@@ -54,6 +54,9 @@ BUILTIN_NAMES: dict[str, tuple[str, ...]] = {
 }
 """The built-in entries of each registry, as the config validates them (``dataset``: the config's
 ``DATA_FORMATS``). Each registry's entries are pinned to these by tests/cluster/test_plugins.py."""
+INDEXED_RETRIEVERS = ("tantivy", "elasticsearch")
+"""The built-in retrievers that search an index Sonar builds from ``retrieval.corpus`` (``sonar index``, the
+dense reranker's passage vectors); every other backend (http, a plug-in) holds its own."""
 
 
 FIELDS: dict[str, tuple[str, str]] = {

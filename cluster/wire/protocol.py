@@ -339,23 +339,21 @@ def _traj_from_obj(d: Any, where: str = "trajectory", version: int = SCHEMA_VERS
     if not isinstance(d["segments"], list):
         raise ProtocolError(f"{where}.segments: expected a list, got {type(d['segments']).__name__}")
     d["segments"] = [_segment_from_obj(s, f"{where}.segments[{i}]") for i, s in enumerate(d["segments"])]
-    if not isinstance(d["searches"], list):
-        raise ProtocolError(f"{where}.searches: expected a list, got {type(d['searches']).__name__}")
-    searches = []
-    for i, c in enumerate(d["searches"]):
-        _check_keys(c, _SEARCH_KEYS, f"{where}.searches[{i}]")
-        _check_values(c, _SEARCH_FIELDS, f"{where}.searches[{i}]")
-        searches.append(SearchCall(**c))
-    d["searches"] = searches
-    if not isinstance(d["tool_calls"], list):
-        raise ProtocolError(f"{where}.tool_calls: expected a list, got {type(d['tool_calls']).__name__}")
-    calls = []
-    for i, c in enumerate(d["tool_calls"]):
-        _check_keys(c, _TOOL_KEYS, f"{where}.tool_calls[{i}]")
-        _check_values(c, _TOOL_FIELDS, f"{where}.tool_calls[{i}]")
-        calls.append(ToolCall(**c))
-    d["tool_calls"] = calls
+    d["searches"] = _records_from_obj(d["searches"], SearchCall, _SEARCH_KEYS, _SEARCH_FIELDS, f"{where}.searches")
+    d["tool_calls"] = _records_from_obj(d["tool_calls"], ToolCall, _TOOL_KEYS, _TOOL_FIELDS, f"{where}.tool_calls")
     return Trajectory(**d)
+
+
+def _records_from_obj(items: Any, cls: type, keys: frozenset, fields: dict, where: str) -> list:
+    """A list of ``cls`` records (``SearchCall``, ``ToolCall``), each map's keys and types checked first."""
+    if not isinstance(items, list):
+        raise ProtocolError(f"{where}: expected a list, got {type(items).__name__}")
+    out = []
+    for i, c in enumerate(items):
+        _check_keys(c, keys, f"{where}[{i}]")
+        _check_values(c, fields, f"{where}[{i}]")
+        out.append(cls(**c))
+    return out
 
 
 _SEARCH_KEYS = frozenset(_SEARCH_FIELDS)
