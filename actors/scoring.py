@@ -197,11 +197,8 @@ def _row_names(paths: Sequence[Path]) -> list[str]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``sonar score FILE [FILE ...] [--pred-field F] [--gold-field G] [--metrics M,...]``: print the table.
-
-    Returns the exit status (0, or 2 on an unreadable/malformed file, reported on stderr).
-    """
+def build_parser() -> argparse.ArgumentParser:
+    """The ``sonar score`` command line (its own: ``sonar`` hands it the arguments after ``score``)."""
     ap = argparse.ArgumentParser(prog="sonar score", description="ACC_R / EM / F1 of prediction files")
     ap.add_argument("files", nargs="+", type=Path, help="predictions JSONL (or JSON list), one per dataset")
     ap.add_argument("--pred-field", default=None,
@@ -214,6 +211,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--paper", choices=sorted(PAPER_METRICS), default=None,
                     help="the columns that paper's own evaluation prints (r1_searcher: em_r1,acc_r,f1_r1 as its "
                          "metric_calc_rule.py; search_r1 / rag_r1: em as their qa_em.py)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``sonar score FILE [FILE ...] [--pred-field F] [--gold-field G] [--metrics M,...]``: print the table.
+
+    Returns the exit status (0, or 2 on an unreadable/malformed file, reported on stderr).
+    """
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.paper and args.metrics:
         ap.error(f"--paper {args.paper} chooses the columns; drop --metrics {args.metrics!r} (or --paper)")

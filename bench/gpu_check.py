@@ -580,18 +580,20 @@ CHECKS = {"nccl_broadcast": check_nccl_broadcast, "learner_step": check_learner_
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--only", nargs="+", choices=list(CHECKS), default=list(CHECKS))
+    p.add_argument("--only", nargs="+", choices=list(CHECKS), default=list(CHECKS),
+                   help="the checks to run, in this order (default: all)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats of the broadcast and IPC checks")
     p.add_argument("--steps", type=int, default=3, help="timed learner steps per variant")
-    p.add_argument("--rows", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--rows", type=int, default=16, help="trajectories per learner step of the step checks")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per trajectory of the step checks")
     p.add_argument("--chunk", type=int, default=1024, help="learner.logits_chunk_tokens of the chunked variant")
-    p.add_argument("--hidden", type=int, default=896)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=VOCAB)
+    p.add_argument("--hidden", type=int, default=896, help="hidden width of the step checks' model")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of the step checks' model")
+    p.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary rows of the models and states (default: Qwen2.5's)")
     p.add_argument("--state-layers", type=int, default=QWEN05B["layers"],
                    help="decoder layers of the 0.5B-shaped state (24: 494M parameters)")
-    p.add_argument("--group-timeout-s", type=float, default=120.0)
+    p.add_argument("--group-timeout-s", type=float, default=120.0,
+                   help="seconds the broadcast group's rendezvous and each send may take")
     p.add_argument("--rl-tokens", type=int, default=32_768, help="tokens of the zero2_rl_step check's batch")
     p.add_argument("--wheels", default=None, help="a folder of carried wheels (bench/gpu_wheels.sh) for zero2_rl_step")
     p.add_argument("--cpu-smoke", action="store_true",

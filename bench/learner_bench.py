@@ -257,8 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=None, help="the chunked setting's learner.logits_chunk_tokens")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per trajectory")
     p.add_argument("--groups", type=int, default=None, help="groups of 4 trajectories per step")
-    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="learner.zero_stage of every setting (default 0)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the learner runs (auto: cuda when torch sees a GPU, else cpu)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per rank count, all settings")
     args = p.parse_args(argv)
     cfg = dict(QUICK if args.quick else FULL)

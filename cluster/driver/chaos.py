@@ -267,11 +267,12 @@ def run_chaos(cfg: Config, steps: int, kill_every: int, seed: int = 0, compare: 
     return report
 
 
-def main(argv: list[str]) -> int:
-    from sonar.cluster.wire.config import DEFAULT_CONFIG, ConfigError, load_config
+def build_parser() -> argparse.ArgumentParser:
+    """The ``sonar chaos`` command line (its own: ``sonar`` hands it the arguments after ``chaos``)."""
+    from sonar.cluster.wire.paths import CONFIG_HELP
 
     p = argparse.ArgumentParser(prog="sonar chaos", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", action="append", help="YAML override file(s), merged in order")
+    p.add_argument("--config", action="append", help=CONFIG_HELP)
     p.add_argument("--steps", type=int, required=True, help="RL learner steps under faults (the schedule's length)")
     p.add_argument("--kill-every", type=int, default=30, help="RL learner steps between two rollout-worker kills (0: none)")
     p.add_argument("--replica-at", type=int, default=None, help="RL step of the retrieval replica's kill (default steps/4; 0: none)")
@@ -281,6 +282,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0, help="run.seed, and the choice of the worker killed")
     p.add_argument("--compare", action="store_true", help="also run a clean run of the same seed and steps")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    from sonar.cluster.wire.config import DEFAULT_CONFIG, ConfigError, load_config
+
+    p = build_parser()
     args = p.parse_args(argv)
     bad = [f"--{n}={v}" for n, v, ok in (("steps", args.steps, args.steps >= 1),
                                         ("kill-every", args.kill_every, args.kill_every >= 0),

@@ -3,6 +3,7 @@
     sonar train [--config C ...] [key=value ...]        # default: the tiny preset; C: a file or a preset name
     sonar config show|validate [--config C ...] [key=value ...]
     sonar config list                                  # the shipped presets
+    sonar config fields [PREFIX ...]                   # every field: type, default, range, description
     sonar index [--config C ...] [--resume] [key=value ...]   # build the retrieval index (no Ray)
     sonar --version
     sonar eval --config C --checkpoint DIR --data FILE [--data FILE2 ...] [--format F] [key=value ...]
@@ -19,6 +20,7 @@ import signal
 import sys
 
 from sonar.cluster.wire.config import DEFAULT_CONFIG, ConfigError, load_config
+from sonar.cluster.wire.paths import CONFIG_HELP
 
 
 def _env_defaults() -> None:
@@ -59,10 +61,6 @@ def memory_plan_text(cfg) -> str:
     return describe(cfg)
 
 
-CONFIG_HELP = ("YAML file or preset name (`sonar config list`), repeatable, merged in order; "
-               "default: the tiny preset")
-
-
 def _version() -> str:
     """The imported package's ``__version__`` and folder: under a job from a checkout, the checkout's
     (``cluster/driver/jobs.py``), which the installed distribution's metadata would not say."""
@@ -74,7 +72,7 @@ def _version() -> str:
 
 
 def config_command(args) -> int:
-    """``sonar config show|validate|list``: nothing is started, no directory is written."""
+    """``sonar config show|validate|list|fields|recipes``: nothing is started, no directory is written."""
     from sonar.cluster.wire.config import to_yaml
     from sonar.cluster.wire.paths import preset_summary, presets
 
@@ -88,6 +86,8 @@ def config_command(args) -> int:
             return 2
         print("\n".join(markdown(n, _load_recipe(n)) for n in names), end="")
         return 0
+    if args.config_cmd == "fields":
+        return _print_fields(args.prefixes)
     if args.config_cmd == "list":
         found = presets()
         width = max((len(n) for n in found), default=0)
@@ -122,6 +122,28 @@ def config_command(args) -> int:
     return 0
 
 
+def _print_fields(prefixes: list[str]) -> int:
+    """``sonar config fields [PREFIX ...]``: each field's key, type, default and range, then its whole
+    description, all read from the schema (the range from the field's metadata, the description from its
+    docstring), so this listing cannot drift from what is checked."""
+    import json
+    import textwrap
+
+    from sonar.cluster.wire.config import describe_fields
+
+    rows = describe_fields(prefixes)
+    if not rows:
+        print(f"sonar: no config field is or starts with {', '.join(prefixes)} (sections: run, world, model, "
+              "protocol, retrieval, rollout, learner, critic, replay, stages.N, eval, tracking, cluster)",
+              file=sys.stderr)
+        return 2
+    for key, typ, default, rng, doc in rows:
+        print(f"{key}: {typ} = {json.dumps(default)}" + (f"  ({rng})" if rng is not None else ""))
+        if doc:
+            print(textwrap.fill(doc, width=100, initial_indent="    ", subsequent_indent="    "))
+    return 0
+
+
 def _load_recipe(name: str):
     """A recipe preset as shipped (its files on the cluster's storage noted, not refused)."""
     from sonar.cluster.wire.config import load_config
@@ -148,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     # RawDescriptionHelpFormatter: argparse would wrap the --version line (a folder path) at the terminal width
     p = argparse.ArgumentParser(prog="sonar", formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"sonar {_version()}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, help="the command (sonar VERB --help: its options)")
     t = sub.add_parser("train", help="train (default: the tiny preset)")
     t.add_argument("--config", action="append", help=CONFIG_HELP)
     t.add_argument("overrides", nargs="*", help="key=value overrides")
@@ -162,12 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default=None, help="output directory")
     e.add_argument("overrides", nargs="*", help="key=value overrides")
     c = sub.add_parser("config", help="print, check or list configs without running anything")
-    c_sub = c.add_subparsers(dest="config_cmd", required=True)
+    c_sub = c.add_subparsers(dest="config_cmd", required=True, help="what to do with the config")
     for verb, text in (("show", "print the resolved config as YAML"),
                        ("validate", "load and check the config; exit 0, or 2 naming the field")):
         v = c_sub.add_parser(verb, help=text)
         v.add_argument("--config", action="append", help=CONFIG_HELP)
         v.add_argument("overrides", nargs="*", help="key=value overrides")
+    fl = c_sub.add_parser("fields", help="every config field: type, default, valid range and description")
+    fl.add_argument("prefixes", nargs="*", metavar="PREFIX",
+                    help="only the fields whose key is or starts with PREFIX (a section such as learner, or "
+                         "stages.N.algo); default: all")
     c_sub.add_parser("list", help="the shipped presets (`--config NAME`) with their first comment line, and the plug-in fields")
     rc = c_sub.add_parser("recipes", help="the paper recipes field by field beside the released scripts (Markdown)")
     rc.add_argument("names", nargs="*", help="r1_searcher, search_r1, rag_r1 (default: all)")

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import re
+import typing
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,18 +40,68 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric field (of each element, for a list of numbers): ``lo`` to ``hi``,
+    each bound inclusive unless ``*_open``; an infinite bound is no bound. Declared once, beside its
+    field (:func:`ranged`); ``_check_ranges`` refuses a value outside it at load, and ``str`` is how the
+    refusal says it: ``>= 1``, ``> 0``, ``<= 0`` or an interval ``(0, 1]``."""
+
+    lo: float = -math.inf
+    """Lower bound (-inf: none)."""
+    hi: float = math.inf
+    """Upper bound (inf: none)."""
+    lo_open: bool = False
+    """The lower bound itself is refused (``> lo``)."""
+    hi_open: bool = False
+    """The upper bound itself is refused (``< hi``)."""
+
+    def __post_init__(self):
+        if not (self.lo < self.hi and (math.isfinite(self.lo) or math.isfinite(self.hi))):
+            raise ValueError(f"Range(lo={self.lo}, hi={self.hi}): need lo < hi and at least one finite bound")
+
+    @property
+    def is_interval(self) -> bool:
+        """Both bounds finite (printed ``[a, b]``, and said "in [a, b]")."""
+        return math.isfinite(self.lo) and math.isfinite(self.hi)
+
+    def __contains__(self, v: float) -> bool:
+        return (v > self.lo if self.lo_open else v >= self.lo) and (v < self.hi if self.hi_open else v <= self.hi)
+
+    def __str__(self) -> str:
+        if not math.isfinite(self.hi):
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        if not math.isfinite(self.lo):
+            return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+        return f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+
+def ranged(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
+           ge: Optional[float] = None, gt: Optional[float] = None,
+           le: Optional[float] = None, lt: Optional[float] = None) -> Any:
+    """A numeric field with its valid range (``ge``/``gt`` the lower bound, ``le``/``lt`` the upper), kept
+    in the field's metadata: the one place the range is written. OmegaConf ignores the metadata; the
+    default and ``default_factory`` are a plain ``dataclasses.field``'s."""
+    if ge is not None and gt is not None or le is not None and lt is not None:
+        raise TypeError("ranged(): give at most one of ge/gt and one of le/lt")
+    lo, hi = ge if ge is not None else gt, le if le is not None else lt
+    rng = Range(lo=-math.inf if lo is None else float(lo), hi=math.inf if hi is None else float(hi),
+                lo_open=gt is not None, hi_open=lt is not None)
+    return field(default=default, default_factory=default_factory, metadata={"range": rng})
+
+
+@dataclass(frozen=True)
 class WorldConfig:
     """The embedded synthetic world: entities, one passage each, 1- and 2-hop questions."""
 
-    seed: int = 0
+    seed: int = ranged(0, ge=0)
     """World seed; the corpus, questions and the train/held-out split are a function of it."""
-    num_entities: int = 520
+    num_entities: int = ranged(520, ge=18)  # 18: actors/world.py:_MIN_PER_KIND summed (a test keeps them equal)
     """Entities (persons, companies, cities, countries) with made-up names."""
-    heldout_fraction: float = 0.15
+    heldout_fraction: float = ranged(0.15, gt=0, lt=1)
     """Fraction of *entities* whose questions are held out (split by entity, so no fact leaks)."""
-    num_heldout_eval: int = 200
+    num_heldout_eval: int = ranged(200, ge=0)
     """Held-out questions used by the before/after evaluation (0 = all)."""
-    parallel_share: Optional[float] = None
+    parallel_share: Optional[float] = ranged(None, ge=0, lt=1)
     """Share of parallel questions (two entities looked up in one step, e.g. "were a and b born in the
     same city ?") in the training and in the held-out questions, in [0, 1). None: today's world (about
     3 % held-out, limited by the scarce "yes" pairs). Set, the world adds parallel types and, where
@@ -73,20 +124,20 @@ class ModelConfig:
     """Local HF model directory (weights + tokenizer), or a Hub id ``org/name`` that is not a local path
     (fetched by ``actors/model.py:resolve_model_path``; only from the cache when HF_HUB_OFFLINE is set).
     None builds the tiny model below."""
-    hidden_size: int = 128
+    hidden_size: int = ranged(128, ge=1)
     """Tiny model only (ignored when ``path`` is set): hidden width, divisible by ``num_heads``.
     Read by ``actors/model.py:build_policy``, as are the fields below."""
-    num_layers: int = 2
+    num_layers: int = ranged(2, ge=1)
     """Tiny model only: decoder layers (>= 1)."""
-    num_heads: int = 4
+    num_heads: int = ranged(4, ge=1)
     """Tiny model only: attention heads, also the key/value heads (no grouped-query attention)."""
-    intermediate_size: int = 384
+    intermediate_size: int = ranged(384, ge=1)
     """Tiny model only: width of the SwiGLU MLP (>= 1)."""
-    max_position_embeddings: int = 1024
+    max_position_embeddings: int = ranged(1024, ge=1)
     """Tiny model only: the longest sequence in tokens; must be >= ``protocol.max_total_tokens``."""
     tie_word_embeddings: bool = True
     """Tiny model only: the output head shares the input embedding matrix (one tensor on the wire)."""
-    seed: int = 0
+    seed: int = ranged(0, ge=0)
     """Init seed of the random model (identical on every process that builds it)."""
     tags: str = "auto"
     """How the protocol tags (``<search>``, ``</answer>``...) reach the policy: text | special | auto.
@@ -140,19 +191,19 @@ class ProtocolConfig:
     "My previous action is invalid..." is injected as an untrained segment and the rollout continues;
     the turn counts against ``max_turns``) | end (the trajectory ends, finish reason malformed, as
     R1-Searcher does). Read by the rollout loop."""
-    max_turns: int = 4
+    max_turns: int = ranged(4, ge=0)
     """Search steps allowed before the answer (R1-Searcher allows 8, RAG-R1 5); invalid actions answered
     with a message count too."""
-    max_queries_per_step: int = 3
+    max_queries_per_step: int = ranged(3, ge=1)
     """Per-step query budget (RAG-R1 multi-query); extra queries are dropped and counted."""
-    docs_per_query: int = 1
+    docs_per_query: int = ranged(1, ge=1)
     """Documents injected per query (R1-Searcher's default is 3)."""
-    max_new_tokens_per_turn: int = 48
+    max_new_tokens_per_turn: int = ranged(48, ge=1)
     """Tokens the policy may generate in one turn (>= 1); each row is also capped by what is left of
     ``max_total_tokens``. Read by the rollout loop (``actors/rollout.py``)."""
-    max_total_tokens: int = 512
+    max_total_tokens: int = ranged(512, ge=1)
     """Budget for the whole trajectory, prompt and documents included."""
-    max_doc_tokens: int = 96
+    max_doc_tokens: int = ranged(96, ge=1)
     """Each injected document is truncated to this many tokens."""
     tools: List[str] = field(default_factory=lambda: ["search"])
     """The tools a trajectory may call (``actors/tools.py``): search (the protocol's own query tags, batched
@@ -162,10 +213,10 @@ class ProtocolConfig:
     ``module:attr`` / ``file.py:attr``, a ``make(config) -> Tool`` (``cluster/wire/plugins.py``). search
     must be listed (the papers' protocols are search protocols); the papers' presets list only it, so
     their prompts and rendered text are unchanged."""
-    visit_max_calls: int = 2
+    visit_max_calls: int = ranged(2, ge=1)
     """Visits one trajectory may make (>= 1, with ``visit`` in ``tools``); a visit past it ends the
     trajectory with finish reason max_turns, as a search past ``max_turns`` does."""
-    visit_max_tokens: int = 160
+    visit_max_tokens: int = ranged(160, ge=1)
     """A visited document is truncated to this many tokens (>= 1)."""
     tool_options: Dict[str, Any] = field(default_factory=dict)
     """Free-form settings of plug-in tools, by tool name (``tool_options.<name>.<key>``); a tool's
@@ -191,28 +242,28 @@ class ElasticConfig:
     """CA bundle file for https hosts; None: the system's certificate store."""
     verify_certs: bool = True
     """Verify the server's TLS certificate (turn off only for a local test cluster)."""
-    request_timeout_s: float = 10.0
+    request_timeout_s: float = ranged(10.0, gt=0)
     """Client timeout of one HTTP request, in seconds (> 0). ``retrieval.timeout_s`` bounds a whole
     search call through the service, retries included."""
-    bm25_k1: float = 1.2
+    bm25_k1: float = ranged(1.2, ge=0)
     """BM25 term-frequency saturation (>= 0), set in the index's similarity when it is created."""
-    bm25_b: float = 0.75
+    bm25_b: float = ranged(0.75, ge=0, le=1)
     """BM25 length normalisation in [0, 1], set in the index's similarity when it is created."""
-    title_boost: float = 2.0
+    title_boost: float = ranged(2.0, gt=0)
     """Weight of a title match relative to a text match (> 0). Read by both backends: the
     Elasticsearch ``multi_match`` and the tantivy query (``retrieval/factory.py``)."""
     store_vectors: bool = False
     """With ``retrieval.rerank=dense``: ``sonar index`` stores the MiniLM passage vectors in the index as a
     ``dense_vector`` field and the search path reranks server-side (a ``script_score`` rescore of the BM25
     top ``rerank_candidates``); no client-side vectors of the whole corpus are computed or loaded."""
-    shards: int = 1
+    shards: int = ranged(1, ge=1)
     """``number_of_shards`` of an index Sonar creates (>= 1); an existing index keeps its own."""
-    replicas: int = 0
+    replicas: int = ranged(0, ge=0)
     """``number_of_replicas`` of an index Sonar creates (>= 0); 0 suits a one-node cluster."""
     cloud_id: Optional[str] = None
     """Elastic Cloud deployment id; when set it replaces ``hosts`` (authenticate with the API key or the
     user/password env vars above; their values are never logged)."""
-    bulk_batch_size: int = 500
+    bulk_batch_size: int = ranged(500, ge=1)
     """Documents per bulk request of ``sonar index`` (>= 1); the resume point is recorded after each."""
 
 
@@ -224,10 +275,10 @@ class HttpRetrievalConfig:
     url: str = "http://127.0.0.1:8000/retrieve"
     """The endpoint (http or https; ``user:password@`` in it is refused: use ``token_env``). Search-R1's
     ``retrieval_server.py`` listens on port 8000 and its training scripts point at this URL."""
-    timeout_s: float = 10.0
+    timeout_s: float = ranged(10.0, gt=0)
     """Client timeout of one HTTP request, in seconds (> 0); ``retrieval.timeout_s`` bounds a whole
     search call through the service, retries included."""
-    max_batch: int = 64
+    max_batch: int = ranged(64, ge=1)
     """Queries per request at most (>= 1); a larger call is split into several requests, in order."""
     token_env: Optional[str] = None
     """Name of the env var holding a bearer token sent as ``Authorization: Bearer``; None: no header."""
@@ -248,49 +299,49 @@ class RetrievalConfig:
     """JSONL corpus {id, title, text}; None uses the synthetic world's corpus."""
     index_dir: Optional[str] = None
     """Where the tantivy index (and passage vectors) live; None: <run.root>/index/<corpus hash>."""
-    k: int = 1
+    k: int = ranged(1, ge=1)
     """Hits requested per query (>= ``protocol.docs_per_query``; the extra hits replace documents that
     another query of the same step already returned). Read by the rollout worker and ``sonar eval``."""
     rerank: str = "none"
     """none | dense | cross"""
-    rerank_candidates: int = 20
+    rerank_candidates: int = ranged(20, ge=1)
     """First-stage depth N for reranking (top-N BM25, then top-k dense)."""
     rerank_model: Optional[str] = None
     """Encoder directory for dense/cross rerank; None uses the packaged MiniLM."""
-    cache_size: int = 4096
+    cache_size: int = ranged(4096, ge=0)
     """LRU entries; 0 disables the cache."""
-    max_query_chars: int = 512
+    max_query_chars: int = ranged(512, ge=1)
     """Longer queries are truncated (counted in retrieval/truncated)."""
-    timeout_s: float = 10.0
+    timeout_s: float = ranged(10.0, gt=0)
     """Bound on one search call through the retrieval service, in seconds (> 0); on expiry the turn's
     searches fail with error ``timeout`` (data, not a crash). Read by the rollout workers' client;
     held-out evaluation waits up to ``cluster.step_timeout_s`` instead (a measurement must not depend
     on load), and SFT demonstrations are searched in process, without the service."""
-    max_retries: int = 2
+    max_retries: int = ranged(2, ge=0)
     """Elasticsearch only: retries of a call that failed with a retryable error (timeout, 5xx, 429,
     connection) in ``ResilientRetriever``; 0 disables. The in-process tantivy backend is not wrapped."""
-    backoff_s: float = 0.1
+    backoff_s: float = ranged(0.1, ge=0)
     """Elasticsearch only: delay before the first retry, in seconds (>= 0); it doubles per retry, is
     capped at 2 s and jittered."""
-    breaker_failures: int = 5
+    breaker_failures: int = ranged(5, ge=1)
     """Consecutive failures that open the circuit breaker."""
-    breaker_reset_s: float = 5.0
+    breaker_reset_s: float = ranged(5.0, ge=0)
     """Elasticsearch only: seconds an open breaker fails calls at once before one probe call may try."""
-    replicas: int = 1
+    replicas: int = ranged(1, ge=1)
     """RetrievalServer Ray actors shared by all rollout workers (>= 1); each worker's client sends a call
     to the least-loaded healthy replica. The driver starts them (``cluster/driver/roles.py``)."""
-    num_cpus_per_replica: float = 1.0
+    num_cpus_per_replica: float = ranged(1.0, ge=0)
     """Ray CPUs each retrieval replica asks for (>= 0): what its batching thread, the BM25 index (or the
     Elasticsearch client) and a CPU reranker use. Counted by the local cluster's CPU total and by the
     autoscaler, which adds a CPU node for replicas that do not fit (``cluster/clusters/``); 0 places
     them anywhere without taking a CPU slot."""
-    batch_window_ms: float = 2.0
+    batch_window_ms: float = ranged(2.0, ge=0)
     """Service micro-batching: how long a replica collects requests after the oldest one arrived before
     it calls the backend, in ms (>= 0; 0: send what is queued at once)."""
-    max_batch: int = 64
+    max_batch: int = ranged(64, ge=1)
     """Service micro-batching: queries merged into one backend call at most (>= 1); a larger request is
     sent alone, never split."""
-    max_concurrency: int = 16
+    max_concurrency: int = ranged(16, ge=1)
     """Backend calls a replica keeps in flight at most (>= 1; its thread pool's size). While every slot is
     busy, queued requests keep merging, so batches grow with load."""
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
@@ -303,18 +354,18 @@ class RetrievalConfig:
 class RolloutConfig:
     """Rollout workers and sampling."""
 
-    num_workers: int = 2
+    num_workers: int = ranged(2, ge=1)
     """Rollout worker actors (>= 1), each holding its own engine copy of the policy (driver roles)."""
-    group_size: int = 8
+    group_size: int = ranged(8, ge=1)
     """Samples per prompt (a GRPO group)."""
-    groups_per_request: int = 2
+    groups_per_request: int = ranged(2, ge=1)
     """Groups a worker generates together in one batched pass."""
-    batches_in_flight: int = 1
+    batches_in_flight: int = ranged(1, ge=1)
     """Batches a worker keeps going at once: while one waits on retrieval, another generates."""
-    temperature: float = 1.0
+    temperature: float = ranged(1.0, ge=0)
     """Sampling temperature of training rollouts (>= 0; > 0 for an RL stage). The learner divides its
     logits by the same value, so its logprobs are comparable with the recorded ones. Evaluation is greedy."""
-    top_p: float = 1.0
+    top_p: float = ranged(1.0, gt=0, le=1)
     """Nucleus sampling of training rollouts, in (0, 1]: per row and step, the sampler keeps the most
     likely tokens until their probability under ``softmax(logits / temperature)`` reaches ``top_p``
     (the token that crosses it included) and draws from that set renormalised. The *recorded* logprob
@@ -331,7 +382,7 @@ class RolloutConfig:
     continuous_batching: bool = False
     """hf engine: concurrent generate calls of a worker's lanes share decode steps, rows join and leave
     the running batch every step, weights swap between steps (actors/engine_continuous.py)."""
-    max_batch_rows: int = 64
+    max_batch_rows: int = ranged(64, ge=1)
     """Rows an engine decodes together at most (a continuous engine's live rows)."""
     per_trajectory: bool = False
     """How a batch's trajectories take their turns (actors/rollout.py). False: in lockstep, one batched
@@ -339,9 +390,9 @@ class RolloutConfig:
     slowest turn before it searches. True: every trajectory is its own coroutine (veRL's agent loop),
     one engine call and one search per turn of its own, so no row waits for another's turn; needs an
     engine that batches concurrent calls (``continuous_batching`` or the vllm engine)."""
-    num_cpus_per_worker: float = 1.0
+    num_cpus_per_worker: float = ranged(1.0, ge=0)
     """Ray CPUs reserved per rollout worker (placement; torch runs one thread per worker)."""
-    num_gpus_per_worker: float = 0.0
+    num_gpus_per_worker: float = ranged(0.0, ge=0)
     """Ray GPUs reserved per rollout worker (placement; the vLLM engine runs on the GPU Ray assigns)."""
     weight_update: str = "pause"
     """vllm engine: how a weight push lands while rows are being generated. pause: no new rows start,
@@ -352,7 +403,7 @@ class RolloutConfig:
     straight into the model (two bucket buffers, no staged copy), so under pause the learner's push waits
     for the rows in flight to finish (reported as ``wait_s``, not as transfer time) and
     ``cluster.step_timeout_s`` must cover that drain; interrupt waits for nothing. Read by actors/engine_vllm.py."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = ranged(1, ge=1)
     """vllm engine: GPUs one engine shards the policy over (>= 1); each shard is a rank of the weight
     broadcast. > 1 needs rollout.num_gpus_per_worker >= it (whole GPUs)."""
     vllm_dtype: str = "auto"
@@ -360,10 +411,10 @@ class RolloutConfig:
     precision (bfloat16 when learner.precision is bf16, or auto with learner.num_gpus > 0; float32
     otherwise: ``engine_dtype``), because sampling logprobs match the learner's recomputation only in the
     learner's precision. (vLLM's own "auto" would run a float32 checkpoint in bfloat16 on CPU.)"""
-    vllm_kv_cache_gib: float = 1.0
+    vllm_kv_cache_gib: float = ranged(1.0, ge=0)
     """vllm engine: KV-cache size per engine, in GiB (>= 0; RAM on CPU, GPU memory on GPU). 0: vLLM sizes
     it from rollout.vllm_gpu_memory_utilization -- on CPU that fraction of the whole node's RAM."""
-    vllm_gpu_memory_utilization: float = 0.9
+    vllm_gpu_memory_utilization: float = ranged(0.9, gt=0, le=1)
     """vllm engine, with rollout.vllm_kv_cache_gib=0: fraction of the device's memory (in (0, 1]) vLLM
     takes for weights and KV cache. Leave room for one more copy of the weights: the buffers the
     broadcast is received into live beside the model."""
@@ -373,24 +424,24 @@ class RolloutConfig:
     vllm_enforce_eager: bool = True
     """vllm engine: no torch.compile / CUDA graphs. True on CPU (compilation costs minutes there and
     gains little for small models); set False on GPU, where CUDA graphs speed up decoding."""
-    min_workers: Optional[int] = None
+    min_workers: Optional[int] = ranged(None, ge=1)
     """Elastic pool: the fewest rollout workers the driver shrinks to (>= 1; None: ``num_workers``).
     The pool starts at ``num_workers``; with min_workers < max_workers the driver's pool controller
     (``cluster/driver/pool.py``) resizes it at learner-step boundaries (async mode only)."""
-    max_workers: Optional[int] = None
+    max_workers: Optional[int] = ranged(None, ge=1)
     """Elastic pool: the most rollout workers the driver grows to (>= num_workers; None: ``num_workers``,
     a fixed pool). The driver asks the Ray autoscaler for the bundles of this target
     (``ray.autoscaler.sdk.request_resources``) before it starts a worker."""
-    pool_window_s: float = 30.0
+    pool_window_s: float = ranged(30.0, gt=0)
     """Elastic pool: seconds of learner steps the controller looks back over before a decision (> 0)."""
-    pool_grow_wait_share: float = 0.3
+    pool_grow_wait_share: float = ranged(0.3, gt=0, le=1)
     """Elastic pool: add a worker when the learner spent more than this share of the window waiting for
     groups (``learner/wait_s`` over wall time), in (0, 1]."""
-    pool_shrink_full_share: float = 0.8
+    pool_shrink_full_share: float = ranged(0.8, gt=0, le=1)
     """Elastic pool: remove a worker when the replay was full at more than this share of the window's
     learner steps, in (0, 1]. Full: depth >= ``replay.capacity_groups`` - ``learner.groups_per_step``
     right after the learner took its batch (blocked producers refill it at once)."""
-    pool_cooldown_s: float = 30.0
+    pool_cooldown_s: float = ranged(30.0, ge=0)
     """Elastic pool: seconds after a resize before the next decision (>= 0); the window restarts too."""
 
 
@@ -408,11 +459,11 @@ class AlgoConfig:
     """grpo / ppo: divide the group-centred rewards by the unbiased group std + 1e-6 (TRL, veRL). None: the
     algorithm's default (True for grpo and ppo, False for dr_grpo); True with dr_grpo or a REINFORCE++ variant
     is refused (Dr.GRPO never divides; REINFORCE++ whitens over the batch, group_norm always divides)."""
-    clip_low: float = 0.2
+    clip_low: float = ranged(0.2, ge=0, lt=1)
     """Lower PPO clip: the ratio's lower bound is 1 - clip_low, clip_low in [0, 1)."""
-    clip_high: float = 0.28
+    clip_high: float = ranged(0.28, ge=0)
     """Asymmetric PPO clip: ratio in [1-clip_low, 1+clip_high] (clip-higher)."""
-    dual_clip: Optional[float] = None
+    dual_clip: Optional[float] = ranged(None, gt=1)
     """Dual-clip PPO (Ye et al. 2020; veRL's ``clip_ratio_c``, 3.0 there), > 1: for a negative advantage
     the token's loss is at most -A * dual_clip, so a ratio above dual_clip gives no gradient (a token
     the policy now favours far more than the behaviour did cannot be pushed down without bound).
@@ -421,22 +472,22 @@ class AlgoConfig:
     """token_mean | seq_mean_token_mean | seq_sum_norm (sum / loss_norm_const). None: the algorithm's default,
     seq_sum_norm for dr_grpo (its constant normaliser is half of Dr.GRPO), token_mean for the others. An
     explicit value is honoured for every algorithm (e.g. to ablate Dr.GRPO's aggregation)."""
-    loss_norm_const: float = 512.0
+    loss_norm_const: float = ranged(512.0, gt=0)
     """seq_sum_norm only: the constant (in tokens, > 0) a sequence's summed token losses are divided by,
     as Dr.GRPO does with the generation budget."""
-    kl_coef: float = 0.0
+    kl_coef: float = ranged(0.0, ge=0)
     """Coefficient of the KL to the reference policy (the weights at the start of the stage, frozen);
     0 disables it and no reference copy is kept. Applied per ``kl_mode``."""
     kl_estimator: str = "k3"
     """k1 | k2 | k3"""
-    kl_clamp: Optional[float] = 10.0
+    kl_clamp: Optional[float] = ranged(10.0, gt=0)
     """k3 only: the per-token estimate is clamped to [-kl_clamp, kl_clamp] (> 0) in the loss and the
     reward penalty, as veRL's ``low_var_kl`` does (``torch.clamp(kld, min=-10, max=10)``): at
     ref - logp = 11.9 the unclamped k3 is 147,254 with gradient -147,265; clamped it is 10 with none.
     None: unclamped (only the exponent's +-20 guard). The logged approx/mismatch KL are never clamped."""
     kl_mode: str = "loss"
     """loss | reward"""
-    entropy_coef: float = 0.0
+    entropy_coef: float = ranged(0.0, ge=0)
     """Entropy bonus (>= 0): the policy loss becomes pg_loss + kl term - entropy_coef x the entropy of
     the policy's token distributions (at the sampling temperature), aggregated over the trained tokens
     like the policy loss (``loss_agg``), its gradient flowing through the logits, as veRL's
@@ -449,21 +500,21 @@ class AlgoConfig:
     ``cluster.mode=async``, none when sync, resolved at load (what ``sonar config show`` prints): the
     paper recipes train on-policy as released and take the correction when ``configs/async.yaml`` makes
     them asynchronous."""
-    tis_cap: float = 2.0
+    tis_cap: float = ranged(2.0, gt=0)
     """Importance weight cap (> 0): ``tis`` truncates the weight exp(proximal - behaviour) to it;
     ``decoupled`` drops the tokens whose weight exceeds it."""
-    vtrace_rho_bar: float = 1.0
+    vtrace_rho_bar: float = ranged(1.0, gt=0)
     """vtrace only: truncation rho_bar of the per-token importance weight (> 0)."""
-    vtrace_c_bar: float = 1.0
+    vtrace_c_bar: float = ranged(1.0, gt=0)
     """vtrace only: truncation c_bar of the trace coefficients (> 0; IMPALA takes c_bar <= rho_bar)."""
     dynamic_sampling: Optional[bool] = None
     """Drop groups whose rewards are all equal (DAPO); counted in learner/groups_zero_signal. None: the
     algorithm's default, True for grpo and dr_grpo (such a group has zero advantage), False for the REINFORCE++
     variants (upstream keeps every sample: they still enter the batch whitening) and for ppo (its critic
     learns from every sample; a group of one is always "all equal")."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = ranged(1, ge=1)
     """Passes over each rollout batch (>= 1), as OpenRLHF's ``max_epochs`` / veRL's ``ppo_epochs``."""
-    mini_batches: int = 1
+    mini_batches: int = ranged(1, ge=1)
     """Optimizer steps per pass (>= 1): the batch's trajectories are split, in batch order, into this many
     mini-batches (OpenRLHF: rollout samples / train_batch_size; R1-Searcher: 4). The "old" logprobs of the
     PPO ratio are the learner's own, computed once per batch before the first update (no gradient) and held
@@ -484,17 +535,17 @@ class CriticConfig:
     """separate: a second model initialised from the policy directory, its LM head replaced by a scalar
     head (what veRL and RAG-R1 run); head: a scalar head on the policy's own trunk, reading its hidden
     states without gradient (the value loss trains only the head; no second model in memory)."""
-    lr: float = 3e-3
+    lr: float = ranged(3e-3, gt=0)
     """Constant AdamW learning rate of the critic (> 0), its own optimizer. RAG-R1 runs the critic at 10x
     the actor's (1e-5 vs 1e-6); 3e-3 is 10x the default RL stage lr of the tiny policy."""
-    gamma: float = 1.0
+    gamma: float = ranged(1.0, ge=0, le=1)
     """GAE discount in [0, 1] (RAG-R1: 1.0)."""
-    lam: float = 1.0
+    lam: float = ranged(1.0, ge=0, le=1)
     """GAE lambda in [0, 1] (RAG-R1: 1.0)."""
-    value_clip: float = 0.5
+    value_clip: float = ranged(0.5, ge=0)
     """epsilon_v of the clipped value loss (>= 0; 0 disables the clip): the prediction may move at most
     this far from V_old before its error stops counting (veRL's ``cliprange_value`` default, 0.5)."""
-    warmup_steps: int = 0
+    warmup_steps: int = ranged(0, ge=0)
     """The first this-many steps of each ppo stage train only the critic; the policy is not updated
     (veRL's ``trainer.critic_warmup``; RAG-R1: 0)."""
     whiten: bool = True
@@ -513,45 +564,45 @@ class CriticConfig:
 class LearnerConfig:
     """The DeepSpeed learner."""
 
-    weight_decay: float = 0.0
+    weight_decay: float = ranged(0.0, ge=0)
     """AdamW decoupled weight decay (>= 0)."""
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.99])
+    betas: List[float] = ranged(default_factory=lambda: [0.9, 0.99], ge=0, lt=1)
     """AdamW [beta1, beta2], each in [0, 1)."""
-    warmup_steps: int = 5
+    warmup_steps: int = ranged(5, ge=0)
     """Linear warmup at the start of every stage, in learner steps (>= 0; one per batch, each of
     ``algo.ppo_epochs`` x ``algo.mini_batches`` optimizer steps at the same lr): step s of the stage runs at
     lr * (s + 1) / warmup_steps until s reaches it."""
     lr_decay: str = "constant"
     """constant | cosine | linear (after warmup, over the stage length)"""
-    grad_clip: float = 1.0
+    grad_clip: float = ranged(1.0, ge=0)
     """Clip of the global gradient L2 norm (>= 0; 0 disables), DeepSpeed's ``gradient_clipping``."""
-    zero_stage: int = 0
+    zero_stage: int = ranged(0, ge=0, le=3)
     """DeepSpeed ZeRO stage, 0-3 (3 partitions the parameters; the weight push gathers them first)."""
     precision: str = "auto"
     """auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16"""
-    groups_per_step: int = 8
+    groups_per_step: int = ranged(8, ge=1)
     """Whole groups per learner step (one rollout batch; ``algo.mini_batches`` split it into optimizer steps)."""
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int = ranged(8192, ge=1)
     """Micro-batches are packed by token budget (padded length x rows)."""
     gradient_checkpointing: bool = False
     """Recompute activations during the backward pass: less activation memory for one more forward."""
-    logits_chunk_tokens: int = 1024
+    logits_chunk_tokens: int = ranged(1024, ge=0)
     """Token logprobs and entropy computed from the final hidden states in chunks of this many tokens
     (>= 0; 0: unchunked, the model's full [tokens, vocab] float32 logits of a micro-batch at once). Each
     chunk's logits are recomputed in the backward pass (``learner/algo/chunked.py``), so at most this many
     tokens' logits exist at once: 1024 x 151,936 float32 is 0.6 GiB, against 18.5 GiB unchunked for a
     32,768-token micro-batch. Same results as unchunked up to float rounding."""
-    broadcast_every: int = 1
+    broadcast_every: int = ranged(1, ge=1)
     """Push weights to the rollout workers every k learner steps."""
     dist_backend: str = "auto"
     """auto (nccl on GPU, gloo on CPU) | gloo | nccl"""
-    num_gpus: float = 0.0
+    num_gpus: float = ranged(0.0, ge=0)
     """Ray GPUs for each learner rank (at most 1: one GPU per rank; more GPUs means more ranks,
     ``learner.num_ranks``); > 0 with CUDA present trains on the GPU (then ``precision=auto`` means bf16
     and ``dist_backend=auto`` means nccl)."""
-    num_cpus: float = 1.0
+    num_cpus: float = ranged(1.0, ge=0)
     """Ray CPUs reserved for each learner rank (placement)."""
-    num_ranks: int = 1
+    num_ranks: int = ranged(1, ge=1)
     """Data-parallel DeepSpeed ranks of the learner (>= 1): one Ray actor per rank (one GPU each, or a
     gloo process on CPU) in one placement group, one torch.distributed group; ZeRO shards across them
     and every step's batch is split across them by token budget. Rank 0 talks to the driver."""
@@ -571,16 +622,16 @@ class LearnerConfig:
 class ReplayConfig:
     """The replay queue between rollout workers and the learner."""
 
-    capacity_groups: int = 16
+    capacity_groups: int = ranged(16, ge=1)
     """Backpressure: workers wait when this many groups are queued."""
-    max_policy_lag: int = 2
+    max_policy_lag: int = ranged(2, ge=0)
     """Staleness bound in learner versions (0 = fully on-policy)."""
     stale_policy: str = "drop"
     """drop (and count) | downweight (keep, weight gamma**(lag - bound))"""
-    stale_downweight: float = 0.5
+    stale_downweight: float = ranged(0.5, ge=0, le=1)
     """stale_policy=downweight: gamma in (0, 1]; a group past the bound keeps the loss weight
     gamma ** (lag - max_policy_lag)."""
-    max_inflight_groups: int = -1
+    max_inflight_groups: int = ranged(-1, ge=-1)
     """Async admission budget: a worker may claim prompts only while groups claimed-but-not-put plus
     groups queued stay within this. -1: (max_policy_lag + 1) * learner.groups_per_step, at least
     rollout.groups_per_request (AReaL's staleness-aware admission); 0: unlimited (only capacity_groups
@@ -596,9 +647,9 @@ class RewardConfig:
     name: str = "answer_em"
     """answer_em | answer_f1 | cover_em (R1-Searcher's ACC_R) | search_r1 | rag_r1 (both: EM of the answer,
     no format term, as Search-R1's and RAG-R1's ``qa_em.py``) | r1_stage1 | r1_stage2 (R1-Searcher)."""
-    format_weight: float = 0.1
+    format_weight: float = ranged(0.1, ge=0)
     """Weight (>= 0) of the format term added to answer_em / answer_f1 / cover_em."""
-    format_penalty: float = -2.0
+    format_penalty: float = ranged(-2.0, le=0)
     """R1-Searcher stage 2 (<= 0): added to the F1 when the format is broken. -2 as the paper, its README
     and the Qwen reward server; the Llama stage-2 server uses -1."""
     variant: str = "paper"
@@ -616,15 +667,15 @@ class StageConfig:
     """Label of the stage in the driver's log lines."""
     kind: str = "rl"
     """sft | rl"""
-    steps: int = 60
+    steps: int = ranged(60, ge=0)
     """Learner steps in this stage."""
-    lr: float = 3e-4
+    lr: float = ranged(3e-4, gt=0)
     """Peak AdamW learning rate of this stage (> 0), the only source of the learning rate: warmup and
     decay (``learner.warmup_steps`` / ``learner.lr_decay``) shape it over the stage's steps. The default
     suits RL; SFT wants about 10x more (configs/tiny.yaml: 3e-3)."""
-    batch_size: int = 64
+    batch_size: int = ranged(64, ge=1)
     """SFT only: demonstrations per step."""
-    difficulty: List[float] = field(default_factory=lambda: [0.0, 1.0])
+    difficulty: List[float] = ranged(default_factory=lambda: [0.0, 1.0], ge=0, le=1)
     """RL only: train a group only if its measured success rate (mean EM of its samples) lies in
     [lo, hi]; e.g. [0.0, 0.75] keeps R1-Searcher's medium and hard prompts. Filtered groups are counted."""
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -658,7 +709,7 @@ class EvalConfig:
     """Evaluate held-out EM before RL (after SFT) as well as after."""
     no_search: bool = True
     """Also evaluate with search disabled (every search returns no documents)."""
-    batch_size: int = 64
+    batch_size: int = ranged(64, ge=1)
     """Questions per batched greedy rollout call (>= 1), in training evaluation and ``sonar eval``."""
     data: Optional[Union[str, List[str]]] = None
     """Held-out evaluation questions from dataset file(s) (as ``stages.N.data``; needs ``retrieval.corpus``);
@@ -698,38 +749,38 @@ class ClusterConfig:
 
     address: Optional[str] = None
     """Ray address to join; None: RAY_ADDRESS if set, else a local cluster on 127.0.0.1."""
-    num_cpus: Optional[int] = None
+    num_cpus: Optional[int] = ranged(None, ge=1)
     """CPUs of the local cluster (None: detect)."""
-    max_worker_restarts: int = 2
+    max_worker_restarts: int = ranged(2, ge=0)
     """Restarts allowed per rollout worker before the run fails (>= 0). Every driver call to a worker
     goes through one place (``RolloutPool.call``): a dead worker is restarted, its claimed prompts
     requeued and the broadcast group rebuilt; past this many restarts the run fails naming the worker."""
-    max_replica_restarts: int = 2
+    max_replica_restarts: int = ranged(2, ge=0)
     """Ray restarts of each retrieval replica after its process dies (the actor's ``max_restarts``, >= 0);
     the driver pings the replicas every RL step. One whose restarts are used up is replaced
     (``max_replica_replacements``); past those, the run fails, naming the replicas, once none is left alive."""
-    max_replica_replacements: int = 2
+    max_replica_replacements: int = ranged(2, ge=0)
     """New actors the driver starts in the place of each retrieval replica that is dead for good (its
     ``max_replica_restarts`` used up, >= 0; 0: none), handing the workers' clients the new handle; each new
     one has its own Ray restarts. Counted in ``retrieval/replicas_replaced``. Bounded so that a replica
     that cannot live (a broken index) ends the run instead of being replaced for ever."""
-    retrieval_wait_s: float = 120.0
+    retrieval_wait_s: float = ranged(120.0, gt=0)
     """While no retrieval replica is healthy, a search waits up to this many seconds for one to come
     back (> 0) instead of failing at once; a search that still fails is an infrastructure failure."""
     requeue_failed_searches: bool = True
     """A group in which a search failed for infrastructure reasons (timeout, connection, dead replica,
     internal error) is not trained: its prompt is requeued (counted as ``replay/requeued``). False:
     such searches stay data (a "no results" document), as before."""
-    auto_resume: int = 1
+    auto_resume: int = ranged(1, ge=0)
     """How many times the driver restarts the run's roles from the last complete checkpoint of this
     run when the learner dies (>= 0; 0: a dead learner fails the run)."""
-    health_timeout_s: float = 60.0
+    health_timeout_s: float = ranged(60.0, gt=0)
     """A worker silent for this long is reported dead."""
-    step_timeout_s: float = 600.0
+    step_timeout_s: float = ranged(600.0, gt=0)
     """A learner step that takes longer fails the run loudly (no silent hang); also the bound on one
     search of the held-out evaluation (see ``retrieval.timeout_s``) and, unless
     ``broadcast_timeout_s`` is set, on every wait of a weight push."""
-    broadcast_timeout_s: Optional[float] = None
+    broadcast_timeout_s: Optional[float] = ranged(None, gt=0)
     """The weight-broadcast group's timeout, seconds (> 0; None: ``step_timeout_s``): the bound on its
     rendezvous and on every wait of a push. A dead receiver or learner raises at the call within it, so
     a worker that dies while the group forms or mid-push costs at most this long before the group forms
@@ -755,7 +806,7 @@ class ClusterConfig:
     the run at start naming the directory; true streams the learner's checkpoints and HF export to the
     driver's ``run.dir`` through the Ray object store after each save (a resume then needs the files where
     the learner runs: put ``run.root`` on shared storage for ``run.resume``/``cluster.auto_resume``)."""
-    gpu_memory_gib: Optional[float] = None
+    gpu_memory_gib: Optional[float] = ranged(None, gt=0)
     """Memory of each GPU in GiB (> 0), what the memory plan checked at load must fit
     (``cluster/wire/memory.py``: per learner GPU and per vLLM GPU). None: ``$SONAR_GPU_MEMORY_GIB`` (the
     shipped cluster files set it from their GPU node type), else 80 (an H100/A100-80G, said in the plan
@@ -768,7 +819,7 @@ class RunConfig:
 
     name: str = "tiny"
     """Prefix of the run directory and the MLflow run name."""
-    seed: int = 0
+    seed: int = ranged(0, ge=0)
     """Seed of what is random at run time: the learner's torch RNG, the SFT batch order, the prompt
     order of the replay cursor and the rollout workers' sampling seeds. The world (``world.seed``) and
     the random model's init (``model.seed``) have their own."""
@@ -783,12 +834,12 @@ class RunConfig:
     """Checkpoint path, run directory, or 'latest': the newest checkpoint under ``root`` of a run of this
     ``name`` (and of ``tracking.experiment`` when it is set; read from each run's saved config.yaml), so
     experiments sharing one root never resume each other's runs."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = ranged(0, ge=0)
     """Learner steps between checkpoints (0: only at the end of each stage)."""
-    keep_checkpoints: int = 0
+    keep_checkpoints: int = ranged(0, ge=0)
     """Complete checkpoints kept in the run directory: after each save the oldest beyond this many are
     deleted (never the newest complete one, never one being written). 0: keep all."""
-    log_every: int = 1
+    log_every: int = ranged(1, ge=1)
     """SFT stages: send the learner's metrics to MLflow every this many steps (>= 1). RL steps are
     always logged (the run summary reads every one)."""
 
@@ -919,113 +970,84 @@ def inflight_budget(cfg: "Config") -> int:
     return b
 
 
-RANGES: dict[str, str] = {
-    "run.seed": ">= 0", "run.checkpoint_every": ">= 0", "run.keep_checkpoints": ">= 0", "run.log_every": ">= 1",
-    "world.seed": ">= 0", "world.num_entities": ">= 18", "world.heldout_fraction": "(0, 1)",
-    "world.num_heldout_eval": ">= 0", "world.parallel_share": "[0, 1)",
-    "model.hidden_size": ">= 1", "model.num_layers": ">= 1", "model.num_heads": ">= 1",
-    "model.intermediate_size": ">= 1", "model.max_position_embeddings": ">= 1", "model.seed": ">= 0",
-    "protocol.max_turns": ">= 0", "protocol.max_queries_per_step": ">= 1", "protocol.docs_per_query": ">= 1",
-    "protocol.max_new_tokens_per_turn": ">= 1", "protocol.max_total_tokens": ">= 1",
-    "protocol.max_doc_tokens": ">= 1",
-    "protocol.visit_max_calls": ">= 1", "retrieval.http.timeout_s": "> 0", "retrieval.http.max_batch": ">= 1",
-    "protocol.visit_max_tokens": ">= 1",
-    "retrieval.k": ">= 1", "retrieval.rerank_candidates": ">= 1", "retrieval.cache_size": ">= 0",
-    "retrieval.max_query_chars": ">= 1", "retrieval.timeout_s": "> 0", "retrieval.max_retries": ">= 0",
-    "retrieval.backoff_s": ">= 0", "retrieval.breaker_failures": ">= 1", "retrieval.breaker_reset_s": ">= 0",
-    "retrieval.replicas": ">= 1", "retrieval.num_cpus_per_replica": ">= 0", "retrieval.batch_window_ms": ">= 0", "retrieval.max_batch": ">= 1",
-    "retrieval.max_concurrency": ">= 1",
-    "retrieval.elastic.request_timeout_s": "> 0", "retrieval.elastic.bm25_k1": ">= 0",
-    "retrieval.elastic.bm25_b": "[0, 1]", "retrieval.elastic.title_boost": "> 0",
-    "retrieval.elastic.shards": ">= 1", "retrieval.elastic.replicas": ">= 0",
-    "retrieval.elastic.bulk_batch_size": ">= 1",
-    "rollout.num_workers": ">= 1", "rollout.group_size": ">= 1", "rollout.groups_per_request": ">= 1",
-    "rollout.batches_in_flight": ">= 1", "rollout.temperature": ">= 0", "rollout.top_p": "(0, 1]",
-    "rollout.max_batch_rows": ">= 1", "rollout.num_cpus_per_worker": ">= 0", "rollout.num_gpus_per_worker": ">= 0",
-    "rollout.tensor_parallel_size": ">= 1", "rollout.vllm_kv_cache_gib": ">= 0",
-    "rollout.vllm_gpu_memory_utilization": "(0, 1]",
-    "rollout.min_workers": ">= 1", "rollout.max_workers": ">= 1", "rollout.pool_window_s": "> 0",
-    "rollout.pool_grow_wait_share": "(0, 1]", "rollout.pool_shrink_full_share": "(0, 1]",
-    "rollout.pool_cooldown_s": ">= 0",
-    "learner.weight_decay": ">= 0", "learner.betas": "[0, 1)", "learner.warmup_steps": ">= 0",
-    "learner.grad_clip": ">= 0", "learner.zero_stage": "[0, 3]", "learner.groups_per_step": ">= 1",
-    "learner.micro_batch_tokens": ">= 1", "learner.logits_chunk_tokens": ">= 0", "learner.broadcast_every": ">= 1", "learner.num_gpus": ">= 0",
-    "learner.num_cpus": ">= 0", "learner.num_ranks": ">= 1",
-    "critic.lr": "> 0", "critic.gamma": "[0, 1]", "critic.lam": "[0, 1]", "critic.value_clip": ">= 0",
-    "critic.warmup_steps": ">= 0",
-    "replay.capacity_groups": ">= 1", "replay.max_policy_lag": ">= 0", "replay.stale_downweight": "[0, 1]",
-    "replay.max_inflight_groups": ">= -1",
-    "stages.N.steps": ">= 0", "stages.N.lr": "> 0", "stages.N.batch_size": ">= 1", "stages.N.difficulty": "[0, 1]",
-    "stages.N.reward.format_weight": ">= 0", "stages.N.reward.format_penalty": "<= 0",
-    "stages.N.algo.clip_low": "[0, 1)", "stages.N.algo.clip_high": ">= 0", "stages.N.algo.loss_norm_const": "> 0",
-    "stages.N.algo.kl_coef": ">= 0", "stages.N.algo.entropy_coef": ">= 0", "stages.N.algo.kl_clamp": "> 0", "stages.N.algo.dual_clip": "> 1", "stages.N.algo.tis_cap": "> 0", "stages.N.algo.vtrace_rho_bar": "> 0",
-    "stages.N.algo.vtrace_c_bar": "> 0", "stages.N.algo.ppo_epochs": ">= 1", "stages.N.algo.mini_batches": ">= 1",
-    "eval.batch_size": ">= 1",
-    "cluster.num_cpus": ">= 1", "cluster.max_worker_restarts": ">= 0", "cluster.max_replica_restarts": ">= 0",
-    "cluster.max_replica_replacements": ">= 0",
-    "cluster.retrieval_wait_s": "> 0", "cluster.auto_resume": ">= 0", "cluster.health_timeout_s": "> 0",
-    "cluster.step_timeout_s": "> 0", "cluster.broadcast_timeout_s": "> 0", "cluster.gpu_memory_gib": "> 0",
-}
-"""The valid range of every numeric field (int or float, and each element of a list of numbers),
-checked at load by :func:`_check_ranges` before any other check: ``> a``, ``>= a``, ``<= a`` or an
-interval ``[a, b]`` / ``(a, b)`` / ``[a, b)`` / ``(a, b]``. Every float must also be finite (no NaN,
-no inf); None (an Optional field left unset) is not checked. Keys are dotted paths; ``stages.N.`` is
-any stage. tests/cluster/test_config_ranges.py fails on a numeric field without a row here (and on a
-row without a bad value in its table). ``world.num_entities`` >= 18: the world's minimum per entity
-kind (``actors/world.py:_MIN_PER_KIND``, which a test keeps equal)."""
-
-_RANGE_RE = re.compile(r"^\s*(?:(>=|>|<=)\s*(-?[\d.]+)|([\[(])\s*(-?[\d.]+)\s*,\s*(-?[\d.]+)\s*([\])]))\s*$")
+def schema_fields(cls: Optional[type] = None, prefix: str = ""):
+    """(dotted key, ``dataclasses.Field``, owning class) of every leaf field of the schema, in schema order:
+    a section (a dataclass field) is walked, a list of dataclasses (``stages``) as ``stages.N.``."""
+    cls = Config if cls is None else cls
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        if dataclasses.is_dataclass(t):
+            yield from schema_fields(t, f"{prefix}{f.name}.")
+        elif typing.get_origin(t) is list and args and dataclasses.is_dataclass(args[0]):
+            yield from schema_fields(args[0], f"{prefix}{f.name}.N.")
+        else:
+            yield prefix + f.name, f, cls
 
 
-def _parse_range(spec: str) -> tuple[float, bool, float, bool]:
-    """``spec`` -> (low, low inclusive, high, high inclusive)."""
-    m = _RANGE_RE.match(spec)
-    if not m:
-        raise AssertionError(f"RANGES: cannot parse {spec!r}")
-    op, a, lb, lo, hi, rb = m.groups()
-    if op == ">=":
-        return float(a), True, math.inf, False
-    if op == ">":
-        return float(a), False, math.inf, False
-    if op == "<=":
-        return -math.inf, False, float(a), True
-    return float(lo), lb == "[", float(hi), rb == "]"
+def field_docs() -> dict[tuple[str, str], str]:
+    """(class name, field name) -> the field's docstring, whitespace collapsed: the string under each
+    field in this file, its one description (read from the source: Python keeps no attribute
+    docstrings). Empty when the source is not shipped."""
+    import ast
+
+    try:
+        tree = ast.parse(Path(__file__).read_text())
+    except OSError:
+        return {}
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            for st, nxt in zip(node.body, node.body[1:]):
+                if (isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and isinstance(nxt, ast.Expr)
+                        and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                    out[(node.name, st.target.id)] = " ".join(nxt.value.value.split())
+    return out
 
 
-_PARSED_RANGES = {k: _parse_range(v) for k, v in RANGES.items()}
+def describe_fields(prefixes: Sequence[str] = ()) -> list[tuple[str, str, Any, Optional[Range], str]]:
+    """(dotted key, type, default, range or None, description) of every leaf field whose key starts with
+    one of ``prefixes`` (all when empty): what ``sonar config fields`` prints."""
+    docs = field_docs()
+    out = []
+    for key, f, cls in schema_fields():
+        if prefixes and not any(key == p or key.startswith(p.rstrip(".") + ".") for p in prefixes):
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        out.append((key, str(f.type), default, f.metadata.get("range"), docs.get((cls.__name__, f.name), "")))
+    return out
 
 
 def _numeric(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_ranges(cfg: Any, path: str = "", key: str = "") -> None:
-    """Every numeric field of the config (recursively, every stage) against :data:`RANGES`: a value out
-    of its range, NaN or inf raises ValueError naming the dotted field and the value."""
+def _check_ranges(cfg: Any, path: str = "") -> None:
+    """Every numeric field of the config (recursively, every stage) against the range its field declares
+    (``ranged``): a value out of its range, NaN or inf raises ValueError naming the dotted field and the
+    value. Runs before every other check, so those may assume each number is finite and in its range."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        p, k = f"{path}{f.name}", f"{key}{f.name}"
+        p, rng = f"{path}{f.name}", f.metadata.get("range")
         if dataclasses.is_dataclass(value):
-            _check_ranges(value, p + ".", k + ".")
+            _check_ranges(value, p + ".")
         elif isinstance(value, (list, tuple)) and value and dataclasses.is_dataclass(value[0]):
             for i, item in enumerate(value):
-                _check_ranges(item, f"{p}[{i}].", k + ".N.")
+                _check_ranges(item, f"{p}[{i}].")
         elif isinstance(value, (list, tuple)) and value and all(_numeric(v) for v in value):
             for i, v in enumerate(value):
-                _check_range(f"{p}[{i}]", k, v)
+                _check_range(f"{p}[{i}]", rng, v)
         elif _numeric(value):
-            _check_range(p, k, value)
+            _check_range(p, rng, value)
 
 
-def _check_range(path: str, key: str, value: float) -> None:
+def _check_range(path: str, rng: Optional[Range], value: float) -> None:
+    """One number: finite if a float (whether or not a range is declared), and inside ``rng``."""
     if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{path}={value} must be a finite number" + (f" {RANGES[key]}" if key in RANGES else ""))
-    if key not in _PARSED_RANGES:
-        return
-    lo, lo_in, hi, hi_in = _PARSED_RANGES[key]
-    if not ((value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi)):
-        spec = RANGES[key]
-        raise ValueError(f"{path}={value} must be {'in ' if spec[0] in '[(' else ''}{spec}")
+        raise ValueError(f"{path}={value} must be a finite number" + (f" {rng}" if rng is not None else ""))
+    if rng is not None and value not in rng:
+        raise ValueError(f"{path}={value} must be {'in ' if rng.is_interval else ''}{rng}")
 
 
 _NOTES: "contextvars.ContextVar[Optional[list]]" = contextvars.ContextVar("sonar_config_notes", default=None)
@@ -1048,6 +1070,8 @@ def not_checked(what: str) -> bool:
 def validate(cfg: Config, notes: Optional[list] = None) -> Config:
     """Every check, one function per section; each raises ValueError naming the fields and values.
 
+    First every number against the range declared beside its field (:func:`_check_ranges`), so the
+    section checks hold only what a range cannot say (a relation between values, a choice, a file).
     A check that relates two sections lives with the field it constrains (e.g. ``replay.capacity_groups``
     against ``learner.groups_per_step`` in :func:`_check_replay`). ``notes``: a list to collect what could
     not be checked here (files on the cluster's storage) instead of failing on it (``not_checked``)."""
@@ -1057,7 +1081,6 @@ def validate(cfg: Config, notes: Optional[list] = None) -> Config:
         _check_ranges(cfg)
         cfg = resolve_plugins(cfg)
         _check_plugins(cfg)
-        _check_world(cfg)
         _check_model(cfg)
         _check_protocol(cfg)
         _check_retrieval(cfg)
@@ -1162,22 +1185,14 @@ def resolve_plugins(cfg: Config) -> Config:
     return cfg if sources == dict(cfg.plugins) else dataclasses.replace(cfg, plugins=sources)
 
 
-def _check_world(cfg: Config) -> None:
-    w = cfg.world
-    if w.heldout_fraction <= 0 or w.heldout_fraction >= 1:
-        raise ValueError(f"world.heldout_fraction={w.heldout_fraction} must be in (0, 1)")
-    if w.parallel_share is not None and not 0 <= w.parallel_share < 1:
-        raise ValueError(f"world.parallel_share={w.parallel_share} must be in [0, 1) or None")
-
-
 def _check_model(cfg: Config) -> None:
     _check_choices(cfg, "model")
     m = cfg.model
     if m.tags == "text" and not m.path:
         raise ValueError("model.tags='text' needs model.path (a stock tokenizer): the tiny word-level model's "
                          "tokenizer has every tag as one token of its own vocabulary; use model.tags='auto' or 'special'")
-    if m.path is None and (m.num_heads < 1 or m.hidden_size % m.num_heads):
-        raise ValueError(f"model.hidden_size={m.hidden_size} must be a multiple of model.num_heads={m.num_heads} (>= 1)")
+    if m.path is None and m.hidden_size % m.num_heads:  # num_heads >= 1: its range
+        raise ValueError(f"model.hidden_size={m.hidden_size} must be a multiple of model.num_heads={m.num_heads}")
 
 
 def _check_protocol(cfg: Config) -> None:
@@ -1193,8 +1208,6 @@ def _check_protocol(cfg: Config) -> None:
                          "(its budget is protocol.max_turns)")
     if len(set(tools)) != len(tools):
         raise ValueError(f"protocol.tools={tools!r} names a tool twice")
-    if p.max_queries_per_step < 1 or p.max_turns < 0:
-        raise ValueError(f"protocol.max_queries_per_step={p.max_queries_per_step} / protocol.max_turns={p.max_turns} out of range")
     if p.max_total_tokens > cfg.model.max_position_embeddings and cfg.model.path is None:
         raise ValueError(
             f"protocol.max_total_tokens={p.max_total_tokens} > model.max_position_embeddings={cfg.model.max_position_embeddings}")
@@ -1229,17 +1242,7 @@ def _check_retrieval(cfg: Config) -> None:
         raise ValueError(f"retrieval.rerank_candidates={r.rerank_candidates} < retrieval.k={r.k}")
     if r.k < cfg.protocol.docs_per_query:
         raise ValueError(f"retrieval.k={r.k} < protocol.docs_per_query={cfg.protocol.docs_per_query}")
-    if r.replicas < 1:
-        raise ValueError(f"retrieval.replicas={r.replicas} must be >= 1: the retrieval service's Ray actors serve "
-                         "every rollout worker (there is no in-process mode)")
-    if not r.num_cpus_per_replica >= 0:
-        raise ValueError(f"retrieval.num_cpus_per_replica={r.num_cpus_per_replica} must be >= 0")
-    if not r.timeout_s > 0:
-        raise ValueError(f"retrieval.timeout_s={r.timeout_s} must be > 0")
     e = r.elastic
-    if e.shards < 1 or e.replicas < 0 or e.bulk_batch_size < 1:
-        raise ValueError(f"retrieval.elastic.shards={e.shards} must be >= 1, retrieval.elastic.replicas={e.replicas} "
-                         f">= 0 and retrieval.elastic.bulk_batch_size={e.bulk_batch_size} >= 1")
     if e.cloud_id is not None and (not e.cloud_id.strip() or ":" not in e.cloud_id):
         raise ValueError(f"retrieval.elastic.cloud_id={e.cloud_id!r} is not an Elastic Cloud id "
                          "('<deployment name>:<base64 data>'; None: use retrieval.elastic.hosts)")
@@ -1261,22 +1264,11 @@ def _check_retrieval(cfg: Config) -> None:
 def _check_rollout(cfg: Config) -> None:
     _check_choices(cfg, "rollout")
     r = cfg.rollout
-    if r.num_workers < 1:
-        raise ValueError(f"rollout.num_workers={r.num_workers} must be >= 1")
-    if r.group_size < 1 or r.groups_per_request < 1 or r.batches_in_flight < 1:
-        raise ValueError(f"rollout.group_size={r.group_size}, rollout.groups_per_request={r.groups_per_request} and "
-                         f"rollout.batches_in_flight={r.batches_in_flight} must be >= 1")
-    if not (0.0 <= r.temperature):
-        raise ValueError(f"rollout.temperature={r.temperature} must be >= 0")
-    if not (0.0 < r.top_p <= 1.0):
-        raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
     if r.continuous_batching and r.engine != "hf":
         raise ValueError(f"rollout.continuous_batching=True needs rollout.engine='hf', got {r.engine!r} "
                          "(the vLLM engine batches continuously by itself)")
     _check_vllm(cfg)
     _check_gpu_placement(cfg)
-    if r.max_batch_rows < 1:
-        raise ValueError(f"rollout.max_batch_rows={r.max_batch_rows} must be >= 1")
     lo, hi = pool_bounds(cfg)
     if not lo <= r.num_workers <= hi:
         raise ValueError(f"rollout.min_workers={r.min_workers}, rollout.num_workers={r.num_workers}, "
@@ -1296,18 +1288,12 @@ def _check_vllm(cfg: Config) -> None:
     config.json and its architectures; whether vLLM implements them is known only after importing vLLM,
     which the engine checks before it starts)."""
     r = cfg.rollout
-    if r.tensor_parallel_size < 1:
-        raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must be >= 1")
     if r.tensor_parallel_size > 1 and r.engine != "vllm":
         raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs rollout.engine='vllm', "
                          f"got {r.engine!r}")
     if r.tensor_parallel_size > 1 and r.num_gpus_per_worker < r.tensor_parallel_size:
         raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} > rollout.num_gpus_per_worker="
                          f"{r.num_gpus_per_worker}: each tensor-parallel rank needs a GPU of its own")
-    if not (math.isfinite(r.vllm_kv_cache_gib) and r.vllm_kv_cache_gib >= 0):
-        raise ValueError(f"rollout.vllm_kv_cache_gib={r.vllm_kv_cache_gib} must be a finite number >= 0")
-    if not 0.0 < r.vllm_gpu_memory_utilization <= 1.0:
-        raise ValueError(f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization} must be in (0, 1]")
     if r.engine != "vllm" or not cfg.model.path:
         return
     conf = Path(cfg.model.path).expanduser() / "config.json"
@@ -1349,16 +1335,6 @@ def _check_gpu_placement(cfg: Config) -> None:
 def _check_learner(cfg: Config) -> None:
     _check_choices(cfg, "learner")
     L = cfg.learner
-    if L.groups_per_step < 1:
-        raise ValueError(f"learner.groups_per_step={L.groups_per_step} must be >= 1")
-    if L.zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"learner.zero_stage={L.zero_stage} must be 0, 1, 2 or 3")
-    if L.broadcast_every < 1:
-        raise ValueError(f"learner.broadcast_every={L.broadcast_every} must be >= 1")
-    if L.logits_chunk_tokens < 0:
-        raise ValueError(f"learner.logits_chunk_tokens={L.logits_chunk_tokens} must be >= 0 (0: unchunked)")
-    if L.num_ranks < 1:
-        raise ValueError(f"learner.num_ranks={L.num_ranks} must be >= 1")
     if L.num_gpus > 1:
         raise ValueError(f"learner.num_gpus={L.num_gpus} is per rank and at most 1: one DeepSpeed rank drives one "
                          f"GPU; for {L.num_gpus:g} GPUs set learner.num_ranks={int(math.ceil(L.num_gpus))} and "
@@ -1378,16 +1354,6 @@ def _check_learner(cfg: Config) -> None:
 
 def _check_critic(cfg: Config) -> None:
     _check_choices(cfg, "critic")
-    c = cfg.critic
-    if not (math.isfinite(c.lr) and c.lr > 0):
-        raise ValueError(f"critic.lr={c.lr} must be > 0")
-    for name, v in (("gamma", c.gamma), ("lam", c.lam)):
-        if not 0.0 <= v <= 1.0:
-            raise ValueError(f"critic.{name}={v} must be in [0, 1]")
-    if not (math.isfinite(c.value_clip) and c.value_clip >= 0):
-        raise ValueError(f"critic.value_clip={c.value_clip} must be >= 0 (0: no clip)")
-    if c.warmup_steps < 0:
-        raise ValueError(f"critic.warmup_steps={c.warmup_steps} must be >= 0")
     for i, st in enumerate(cfg.stages):
         if st.kind == "rl" and st.algo.name == "ppo" and st.algo.dynamic_sampling and cfg.rollout.group_size == 1:
             raise ValueError(f"stages[{i}].algo.name='ppo' with stages[{i}].algo.dynamic_sampling=True and "
@@ -1402,13 +1368,12 @@ def _check_replay(cfg: Config) -> None:
         raise ValueError(
             f"replay.capacity_groups={q.capacity_groups} < learner.groups_per_step={L.groups_per_step}: "
             "the learner could never fill a batch")
-    if q.max_inflight_groups < -1 or 0 < q.max_inflight_groups < max(L.groups_per_step, r.groups_per_request):
+    if 0 < q.max_inflight_groups < max(L.groups_per_step, r.groups_per_request):  # >= -1: its range
         raise ValueError(f"replay.max_inflight_groups={q.max_inflight_groups} must be -1 (auto), 0 (unlimited) "
                          f"or >= max(learner.groups_per_step={L.groups_per_step}, "
                          f"rollout.groups_per_request={r.groups_per_request}): a smaller budget could never fill a step")
-    if q.max_policy_lag < 0:
-        raise ValueError(f"replay.max_policy_lag={q.max_policy_lag} must be >= 0")
-    if q.stale_policy == "downweight" and not (0.0 < q.stale_downweight <= 1.0):
+    # its range is [0, 1] (0 is harmless under drop); under downweight 0 would zero every stale group's loss
+    if q.stale_policy == "downweight" and q.stale_downweight == 0:
         raise ValueError(f"replay.stale_downweight={q.stale_downweight} must be in (0, 1] "
                          "with replay.stale_policy='downweight'")
 
@@ -1423,25 +1388,15 @@ def _check_stages(cfg: Config) -> None:
                 plug = " nor a plug-in 'module:attr' / 'file.py:attr'" if key in PLUGIN_FIELDS else ""
                 raise ValueError(f"stages[{i}].{key}={value!r} is not one of {list(allowed)}{plug}")
         _check_reward(i, stage.reward)
-        if stage.steps < 0:
-            raise ValueError(f"stages[{i}].steps={stage.steps} must be >= 0")
-        if not stage.lr > 0:
-            raise ValueError(f"stages[{i}].lr={stage.lr} must be > 0")
         d = stage.difficulty
-        if len(d) != 2 or not 0.0 <= d[0] <= d[1] <= 1.0:
+        if len(d) != 2 or d[0] > d[1]:  # each bound in [0, 1]: its range
             raise ValueError(f"stages[{i}].difficulty={list(d)} must be [lo, hi] with 0 <= lo <= hi <= 1")
         a = stage.algo
-        if a.clip_low < 0 or a.clip_low >= 1 or a.clip_high < 0:
-            raise ValueError(
-                f"stages[{i}].algo.clip_low={a.clip_low} / clip_high={a.clip_high}: need 0<=clip_low<1, clip_high>=0")
         if a.name == "dr_grpo" and a.std_normalize:
             raise ValueError(f"stages[{i}].algo.name='dr_grpo' with stages[{i}].algo.std_normalize=True: Dr.GRPO has no std normalisation")
         if a.name in REINFORCE_PP_FAMILY and a.std_normalize:
             raise ValueError(f"stages[{i}].algo.name={a.name!r} with stages[{i}].algo.std_normalize=True: REINFORCE++ "
                              "whitens over the batch (group_norm divides by the group std itself); leave it unset")
-        if a.ppo_epochs < 1 or a.mini_batches < 1:
-            raise ValueError(f"stages[{i}].algo.ppo_epochs={a.ppo_epochs} / stages[{i}].algo.mini_batches="
-                             f"{a.mini_batches}: both must be >= 1")
         rows = cfg.learner.groups_per_step * cfg.rollout.group_size
         if stage.kind == "rl" and a.mini_batches > rows:
             raise ValueError(f"stages[{i}].algo.mini_batches={a.mini_batches} > learner.groups_per_step x "
@@ -1461,10 +1416,6 @@ def _check_stages(cfg: Config) -> None:
 
 def _check_reward(i: int, r: RewardConfig) -> None:
     """A stage's reward (its name and variant are checked against ``_STAGE_CHOICES`` first)."""
-    if not (math.isfinite(r.format_weight) and r.format_weight >= 0):
-        raise ValueError(f"stages[{i}].reward.format_weight={r.format_weight} must be a finite number >= 0")
-    if not (math.isfinite(r.format_penalty) and r.format_penalty <= 0):
-        raise ValueError(f"stages[{i}].reward.format_penalty={r.format_penalty} must be a finite number <= 0")
     if r.variant != "paper" and r.name not in ("r1_stage1", "r1_stage2"):
         raise ValueError(f"stages[{i}].reward.variant={r.variant!r} applies to R1-Searcher's rewards only; "
                          f"stages[{i}].reward.name={r.name!r} has no released variant (use 'paper')")
@@ -1474,8 +1425,6 @@ def _check_reward(i: int, r: RewardConfig) -> None:
 
 
 def _check_eval(cfg: Config) -> None:
-    if cfg.eval.batch_size < 1:
-        raise ValueError(f"eval.batch_size={cfg.eval.batch_size} must be >= 1")
     _check_data(cfg, "eval", cfg.eval.data, cfg.eval.format, cfg.eval.fields)
     _check_world_questions(cfg)
 
@@ -1568,11 +1517,6 @@ def _check_data(cfg: Config, where: str, data, fmt: str, fields: Optional[dict] 
 def _check_cluster(cfg: Config) -> None:
     _check_choices(cfg, "cluster")
     c = cfg.cluster
-    for name in ("max_worker_restarts", "max_replica_restarts", "max_replica_replacements", "auto_resume"):
-        if getattr(c, name) < 0:
-            raise ValueError(f"cluster.{name}={getattr(c, name)} must be >= 0")
-    if not c.retrieval_wait_s > 0:
-        raise ValueError(f"cluster.retrieval_wait_s={c.retrieval_wait_s} must be > 0")
     if c.bind_host not in ("auto", "loopback"):
         import ipaddress
 
@@ -1606,12 +1550,6 @@ def _check_run(cfg: Config) -> None:
     if not Path(cfg.run.root).is_absolute():
         raise ValueError(f"run.root={cfg.run.root!r} must be absolute once loaded (load_config resolves it; "
                          f"pass a config through load_config or resolve_paths)")
-    if cfg.run.log_every < 1:
-        raise ValueError(f"run.log_every={cfg.run.log_every} must be >= 1")
-    if cfg.run.checkpoint_every < 0:
-        raise ValueError(f"run.checkpoint_every={cfg.run.checkpoint_every} must be >= 0 (0: only at stage ends)")
-    if cfg.run.keep_checkpoints < 0:
-        raise ValueError(f"run.keep_checkpoints={cfg.run.keep_checkpoints} must be >= 0 (0: keep all)")
 
 
 _SCHEMA = None

@@ -118,6 +118,11 @@ def code_origin() -> str:
     return f"sonar {getattr(pkg, '__version__', '?')} ({code_fingerprint(root)}) from {root}"
 
 
+CONFIG_HELP = ("YAML file or preset name (`sonar config list`), repeatable, merged in order; "
+               "default: the tiny preset")
+"""Help of every verb's ``--config`` (``sonar train|eval|config|index|chaos``): one text, so they agree."""
+
+
 def presets() -> dict[str, Path]:
     """Shipped presets by name (``tiny`` -> ``.../configs/tiny.yaml``), sorted."""
     return {p.stem: p for p in sorted(CONFIG_DIR.glob("*.yaml"))}

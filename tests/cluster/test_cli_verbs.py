@@ -51,6 +51,25 @@ def test_config_list_names_every_preset_with_its_first_comment(capsys):
     assert any(ln.startswith("tiny") and "the embedded default" in ln for ln in lines)
 
 
+def test_config_fields_prints_each_field_with_its_range_and_whole_description(capsys):
+    from sonar.cluster.wire.config import describe_fields
+
+    assert main(["config", "fields", "run.log_every", "stages.N.algo.clip_low"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("run.log_every: int = 1  (>= 1)\n    SFT stages: send the learner's metrics")
+    assert "always logged (the run summary reads every one)." in " ".join(out.split())  # its last words: all of it
+    assert "stages.N.algo.clip_low: float = 0.2  ([0, 1))\n" in out
+    assert main(["config", "fields"]) == 0
+    heads = {ln.split(":")[0]: ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith(" ")}
+    ranges = {key: rng for key, _, _, rng, _ in describe_fields() if rng is not None}
+    assert len(ranges) > 80 and "learner.betas" in ranges
+    for key, rng in ranges.items():  # every range as declared, on its field's line
+        assert heads[key].endswith(f"  ({rng})"), heads[key]
+    assert "model.path" in heads and "(" not in heads["model.path"].split("=")[1]  # no range, none printed
+    assert main(["config", "fields", "no_such_section"]) == 2
+    assert "no config field is or starts with no_such_section" in capsys.readouterr().err
+
+
 def test_bench_takes_bare_overrides_and_set_as_a_deprecated_alias(monkeypatch, capsys):
     import sonar.bench.common as common
 
@@ -62,21 +81,67 @@ def test_bench_takes_bare_overrides_and_set_as_a_deprecated_alias(monkeypatch, c
     assert p.parse_args([]).overrides == []
 
 
-def test_every_option_of_every_verb_has_help_text():
-    """`sonar <verb> --help` explains every option and positional (score, chaos and bench parse their own)."""
+def _undocumented(p, path):
+    """(command, option) for every option or positional of parser ``p`` and its subcommands without help."""
     import argparse
 
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                yield from _undocumented(sub, path + [name])
+        elif not isinstance(a, (argparse._HelpAction, argparse._VersionAction)) and not (a.help or "").strip():
+            yield " ".join(path), a.dest
+
+
+class _Parsed(Exception):
+    """Raised instead of parsing: carries the parser a benchmark's ``main`` built."""
+
+
+def _bench_parser(name: str, monkeypatch):
+    """The parser ``sonar bench NAME`` builds (each benchmark builds its own inside ``main``): caught at
+    its first ``parse_args``, before anything runs."""
+    import argparse
+    import importlib
+
+    from sonar.bench.run import find_module
+
+    def caught(self, *args, **kwargs):
+        raise _Parsed(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", caught)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_intermixed_args", caught)
+    with pytest.raises(_Parsed) as e:
+        importlib.import_module(find_module(name)).main([])
+    monkeypatch.undo()
+    return e.value.args[0]
+
+
+def test_every_option_of_every_verb_has_help_text(monkeypatch):
+    """`sonar <verb> --help` explains every option and positional: the verbs of ``cli.build_parser`` and
+    the three that parse their own arguments (score, chaos, and each ``sonar bench NAME``)."""
+    from sonar.actors.scoring import build_parser as score_parser
+    from sonar.bench.run import available
+    from sonar.cluster.driver.chaos import build_parser as chaos_parser
     from sonar.cluster.driver.cli import build_parser
 
-    def walk(p, path):
-        for a in p._actions:
-            if isinstance(a, argparse._SubParsersAction):
-                for name, sub in a.choices.items():
-                    yield from walk(sub, path + [name])
-            elif not isinstance(a, (argparse._HelpAction, argparse._VersionAction)) and not a.help:
-                yield " ".join(path), a.dest
+    parsers = {"sonar": build_parser(), "sonar score": score_parser(), "sonar chaos": chaos_parser()}
+    names = available()
+    assert "learner" in names and "end-to-end" in names  # the benchmarks were found
+    parsers.update({f"sonar bench {n}": _bench_parser(n, monkeypatch) for n in names})
+    assert {p.prog for k, p in parsers.items() if k.startswith("sonar bench ")} == {f"sonar bench {n}" for n in names}
+    missing = [m for prog, p in parsers.items() for m in _undocumented(p, [prog])]
+    assert missing == []
 
-    assert list(walk(build_parser(), ["sonar"])) == []
+
+def test_the_help_walk_sees_an_option_without_help():
+    import argparse
+
+    p = argparse.ArgumentParser(prog="x")
+    p.add_argument("--a", help="documented")
+    p.add_argument("--b")
+    sub = p.add_subparsers(dest="cmd", help="verbs")
+    sub.add_parser("v").add_argument("c", help=" ")
+    assert list(_undocumented(p, ["x"])) == [("x", "b"), ("x v", "c")]
 
 
 def test_worker_lines_carry_no_colour_codes_when_the_output_is_not_a_terminal(monkeypatch):

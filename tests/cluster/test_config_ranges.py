@@ -1,9 +1,12 @@
-"""Every numeric config field has its valid range checked at load (issue 14, "refuse at load").
+"""Every numeric config field has its valid range checked at load (issue 14, "refuse at load"), and the
+range lives in one place: the field's metadata, declared beside it (``ranged(1, ge=1)`` in
+``cluster/wire/config.py``; issue 25).
 
-``BAD`` holds, for each numeric field of the schema, values outside its range; each must be refused by
-``load_config`` with a ValueError naming the dotted field and the value. The table is complete: a
-numeric field (found by walking the dataclasses) without a row fails ``test_the_table_covers_every_numeric_field``,
-so a new field cannot land without a range check.
+The cases are derived from that metadata: for every ranged field, values just outside each bound (and
+NaN and inf for a float) must be refused by ``load_config`` naming the dotted field and the value, and
+each inclusive bound must pass the range check. A numeric field (found by this file's own walk of the
+dataclasses) without a declared range fails ``test_every_numeric_field_declares_a_range``, so a new
+field cannot land without one. ``EXACT`` pins the whole message users see for several fields.
 """
 from __future__ import annotations
 
@@ -16,125 +19,6 @@ import pytest
 
 from sonar.cluster.wire import config as C
 from sonar.cluster.wire.config import Config, load_config
-
-# field -> bad values: a raw override value (the message must hold ``<field>=<value as the field's type>``),
-# or (raw, expected substring) for list fields, whose message names the element.
-BAD: dict[str, list] = {
-    "run.seed": ["-1"],
-    "run.checkpoint_every": ["-1"],
-    "run.keep_checkpoints": ["-1"],
-    "run.log_every": ["0", "-3"],
-    "world.seed": ["-1"],
-    "world.num_entities": ["0", "17"],
-    "world.heldout_fraction": ["0", "1", "nan", "-0.1"],
-    "world.num_heldout_eval": ["-1"],
-    "world.parallel_share": ["1", "-0.1", "nan"],
-    "model.hidden_size": ["0"],
-    "model.num_layers": ["0"],
-    "model.num_heads": ["0", "-4"],
-    "model.intermediate_size": ["0"],
-    "model.max_position_embeddings": ["0"],
-    "model.seed": ["-1"],
-    "protocol.max_turns": ["-1"],
-    "protocol.max_queries_per_step": ["0"],
-    "protocol.docs_per_query": ["0"],
-    "protocol.max_new_tokens_per_turn": ["0"],
-    "protocol.max_total_tokens": ["0", "-512"],
-    "protocol.max_doc_tokens": ["0"],
-    "protocol.visit_max_calls": ["0"], "protocol.visit_max_tokens": ["0"],
-    "retrieval.http.timeout_s": ["0"], "retrieval.http.max_batch": ["0"],
-    "retrieval.k": ["0"],
-    "retrieval.rerank_candidates": ["0"],
-    "retrieval.cache_size": ["-1"],
-    "retrieval.max_query_chars": ["0"],
-    "retrieval.timeout_s": ["0", "-1", "nan", "inf"],
-    "retrieval.max_retries": ["-1"],
-    "retrieval.backoff_s": ["-0.1", "nan"],
-    "retrieval.breaker_failures": ["0"],
-    "retrieval.breaker_reset_s": ["-1", "inf"],
-    "retrieval.replicas": ["0"], "retrieval.num_cpus_per_replica": ["-1"],
-    "retrieval.batch_window_ms": ["-1", "nan"],
-    "retrieval.max_batch": ["0"],
-    "retrieval.max_concurrency": ["0"],
-    "retrieval.elastic.request_timeout_s": ["0", "nan"],
-    "retrieval.elastic.bm25_k1": ["-0.5", "inf"],
-    "retrieval.elastic.bm25_b": ["-0.1", "1.5", "nan"],
-    "retrieval.elastic.title_boost": ["0", "nan"],
-    "retrieval.elastic.shards": ["0"],
-    "retrieval.elastic.replicas": ["-1"],
-    "retrieval.elastic.bulk_batch_size": ["0"],
-    "rollout.num_workers": ["0"],
-    "rollout.group_size": ["0"],
-    "rollout.groups_per_request": ["0"],
-    "rollout.batches_in_flight": ["0"],
-    "rollout.temperature": ["-1", "nan", "inf"],
-    "rollout.top_p": ["0", "1.01", "nan"],
-    "rollout.max_batch_rows": ["0"],
-    "rollout.num_cpus_per_worker": ["-1", "nan"],
-    "rollout.num_gpus_per_worker": ["-1", "inf"],
-    "rollout.tensor_parallel_size": ["0"],
-    "rollout.vllm_kv_cache_gib": ["-1", "inf"],
-    "rollout.vllm_gpu_memory_utilization": ["0", "1.5", "nan"],
-    "learner.weight_decay": ["-0.01", "nan"],
-    "learner.betas": [("[0.9, 1.0]", "learner.betas[1]=1.0"), ("[-0.1, 0.99]", "learner.betas[0]=-0.1"),
-                      ("[nan, 0.99]", "learner.betas[0]=nan")],
-    "learner.warmup_steps": ["-1"],
-    "learner.grad_clip": ["-1", "nan", "inf"],
-    "learner.zero_stage": ["-1", "4"],
-    "learner.groups_per_step": ["0"],
-    "learner.micro_batch_tokens": ["0", "-8192"],
-    "learner.logits_chunk_tokens": ["-1"],
-    "learner.broadcast_every": ["0"],
-    "learner.num_gpus": ["-1", "nan"],
-    "learner.num_cpus": ["-1", "inf"],
-    "learner.num_ranks": ["0", "-2"],
-    "critic.lr": ["0", "-1", "nan"],
-    "critic.gamma": ["-0.1", "1.1", "nan"],
-    "critic.lam": ["-0.1", "1.1", "nan"],
-    "critic.value_clip": ["-0.5", "nan"],
-    "critic.warmup_steps": ["-1"],
-    "replay.capacity_groups": ["0"],
-    "replay.max_policy_lag": ["-1"],
-    "replay.stale_downweight": ["-0.5", "1.5", "nan"],
-    "replay.max_inflight_groups": ["-2"],
-    "stages.N.steps": ["-1"],
-    "stages.N.lr": ["0", "-1", "nan", "inf"],
-    "stages.N.batch_size": ["0"],
-    "stages.N.difficulty": [("[-0.1, 1.0]", "stages[0].difficulty[0]=-0.1"),
-                            ("[0.0, 1.5]", "stages[0].difficulty[1]=1.5"),
-                            ("[0.0, nan]", "stages[0].difficulty[1]=nan")],
-    "stages.N.reward.format_weight": ["-0.1", "nan"],
-    "stages.N.reward.format_penalty": ["0.5", "-inf"],
-    "stages.N.algo.clip_low": ["-0.1", "1", "nan"],
-    "stages.N.algo.clip_high": ["-0.1", "nan"],
-    "stages.N.algo.loss_norm_const": ["0", "nan"],
-    "stages.N.algo.kl_coef": ["-0.001", "nan"],
-    "stages.N.algo.entropy_coef": ["-0.001", "nan"],
-    "stages.N.algo.kl_clamp": ["0", "-10", "nan"],
-    "stages.N.algo.dual_clip": ["1", "0.5", "nan"],
-    "stages.N.algo.tis_cap": ["0", "nan"],
-    "stages.N.algo.vtrace_rho_bar": ["0", "inf"],
-    "stages.N.algo.vtrace_c_bar": ["0", "nan"],
-    "stages.N.algo.ppo_epochs": ["0"],
-    "stages.N.algo.mini_batches": ["0"],
-    "eval.batch_size": ["0", "-1"],
-    "rollout.min_workers": ["0"],
-    "rollout.max_workers": ["0"],
-    "rollout.pool_window_s": ["0", "nan"],
-    "rollout.pool_grow_wait_share": ["0", "1.5"],
-    "rollout.pool_shrink_full_share": ["0", "1.5"],
-    "rollout.pool_cooldown_s": ["-1", "inf"],
-    "cluster.num_cpus": ["0"],
-    "cluster.max_worker_restarts": ["-1"],
-    "cluster.max_replica_restarts": ["-1"],
-    "cluster.max_replica_replacements": ["-1"],
-    "cluster.retrieval_wait_s": ["0", "nan"],
-    "cluster.auto_resume": ["-1"],
-    "cluster.health_timeout_s": ["0", "nan"],
-    "cluster.step_timeout_s": ["0", "-1", "inf"],
-    "cluster.broadcast_timeout_s": ["0", "-5", "inf"],
-    "cluster.gpu_memory_gib": ["0", "-80", "nan", "inf"],
-}
 
 
 def _numeric_fields(cls=Config, prefix: str = "") -> dict[str, type]:
@@ -159,6 +43,8 @@ def _numeric_fields(cls=Config, prefix: str = "") -> dict[str, type]:
 
 
 NUMERIC = _numeric_fields()
+RANGES = {key: rng for key, _, _, rng, _ in C.describe_fields() if rng is not None}
+DEFAULTS = {key: default for key, _, default, _, _ in C.describe_fields()}
 
 
 def test_the_walk_finds_the_schema_numeric_fields():
@@ -168,39 +54,92 @@ def test_the_walk_finds_the_schema_numeric_fields():
     assert "model.tie_word_embeddings" not in NUMERIC  # a bool is not a number here
 
 
-def test_the_table_covers_every_numeric_field():
-    missing = sorted(set(NUMERIC) - set(BAD))
-    assert not missing, (f"numeric config fields without a bad-value row in {__file__}::BAD (add the field's "
-                         f"range to config.RANGES and a row here): {missing}")
-    stale = sorted(set(BAD) - set(NUMERIC))
-    assert not stale, f"rows for fields the schema no longer has: {stale}"
+def test_every_numeric_field_declares_a_range():
+    missing = sorted(set(NUMERIC) - set(RANGES))
+    assert not missing, f"numeric config fields without a range (declare it: `= ranged(default, ge=...)`): {missing}"
+    stray = sorted(set(RANGES) - set(NUMERIC))
+    assert not stray, f"ranges on fields that are not numbers: {stray}"
 
 
-def test_every_numeric_field_has_a_declared_range():
-    assert sorted(set(NUMERIC) - set(C.RANGES)) == [], "numeric fields without a range in config.RANGES"
-    assert sorted(set(C.RANGES) - set(NUMERIC)) == [], "config.RANGES rows for fields the schema lacks"
+def _outside(key: str) -> list:
+    """Values just outside each finite bound of ``key``'s range (an open bound itself), NaN and inf."""
+    rng, typ = RANGES[key], NUMERIC[key]
+    step = 1 if typ is int else 0.01
+    out = []
+    if math.isfinite(rng.lo):
+        out.append(rng.lo if rng.lo_open else rng.lo - step)
+    if math.isfinite(rng.hi):
+        out.append(rng.hi if rng.hi_open else rng.hi + step)
+    out = [typ(v) for v in out]
+    return out + ([math.nan, math.inf, -math.inf] if typ is float else [])
+
+
+def _override(key: str, value) -> tuple[str, str]:
+    """(``key=value`` override, the dotted path the error names) for ``value`` in ``key``; a list field
+    gets its default with the first element replaced."""
+    at = key.replace("stages.N.", "stages.0.")
+    path = key.replace("stages.N.", "stages[0].")
+    raw = repr(value) if math.isfinite(value) else str(value)  # nan / inf / -inf: OmegaConf reads them
+    if isinstance(DEFAULTS[key], list):
+        rest = ", ".join(repr(v) for v in DEFAULTS[key][1:])
+        return f"{at}=[{raw}, {rest}]", f"{path}[0]"
+    return f"{at}={raw}", path
 
 
 def _cases():
-    for key, values in BAD.items():
-        for v in values:
-            raw, expected = v if isinstance(v, tuple) else (v, None)
-            yield pytest.param(key, raw, expected, id=f"{key}={raw}")
+    for key in RANGES:
+        for v in _outside(key):
+            yield pytest.param(key, v, id=f"{key}={v}")
 
 
-def _shown(key: str, raw: str) -> str:
-    """``<dotted field>=<value>`` as the error prints it (stage fields as ``stages[0].x``)."""
-    path = key.replace("stages.N.", "stages[0].")
-    value = float(raw) if NUMERIC[key] is float else int(raw)
-    return f"{path}={value}"
+def test_the_derived_cases_cover_both_kinds_of_bound():
+    assert _outside("run.log_every") == [0]
+    assert _outside("rollout.top_p")[:2] == [0.0, 1.01] and math.isnan(_outside("rollout.top_p")[2])
+    assert _outside("learner.zero_stage") == [-1, 4]
+    assert _outside("stages.N.reward.format_penalty")[0] == 0.01
+    assert _override("learner.betas", 1.0) == ("learner.betas=[1.0, 0.99]", "learner.betas[0]")
+    assert _override("stages.N.lr", math.nan) == ("stages.0.lr=nan", "stages[0].lr")
 
 
-@pytest.mark.parametrize("key, raw, expected", list(_cases()))
-def test_an_out_of_range_value_is_refused_naming_the_field_and_value(key, raw, expected):
-    override = f"{key.replace('stages.N.', 'stages.0.')}={raw}"
+@pytest.mark.parametrize("key, value", list(_cases()))
+def test_an_out_of_range_value_is_refused_naming_the_field_and_value(key, value):
+    override, path = _override(key, value)
     with pytest.raises(ValueError) as e:
         load_config([], [override])
-    assert (expected or _shown(key, raw)) in str(e.value), (override, str(e.value))
+    msg = str(e.value)
+    assert msg.startswith(f"{path}={value} must be ") and msg.endswith(str(RANGES[key])), (override, msg)
+
+
+@pytest.mark.parametrize("key", list(RANGES))
+def test_each_inclusive_bound_passes_the_range_check(key):
+    rng, typ = RANGES[key], NUMERIC[key]
+    bounds = [b for b, is_open in ((rng.lo, rng.lo_open), (rng.hi, rng.hi_open)) if math.isfinite(b) and not is_open]
+    for b in bounds:
+        C._check_range(key, rng, typ(b))
+
+
+EXACT = [  # (overrides, the whole message): the wording users see
+    (["run.log_every=0"], "run.log_every=0 must be >= 1"),
+    (["world.num_entities=17"], "world.num_entities=17 must be >= 18"),
+    (["world.heldout_fraction=1"], "world.heldout_fraction=1.0 must be in (0, 1)"),
+    (["rollout.top_p=0"], "rollout.top_p=0.0 must be in (0, 1]"),
+    (["retrieval.replicas=0"], "retrieval.replicas=0 must be >= 1"),
+    (["learner.zero_stage=4"], "learner.zero_stage=4 must be in [0, 3]"),
+    (["replay.max_inflight_groups=-2"], "replay.max_inflight_groups=-2 must be >= -1"),
+    (["stages.0.lr=nan"], "stages[0].lr=nan must be a finite number > 0"),
+    (["stages.0.reward.format_penalty=0.5"], "stages[0].reward.format_penalty=0.5 must be <= 0"),
+    (["stages.0.algo.dual_clip=1"], "stages[0].algo.dual_clip=1.0 must be > 1"),
+    (["learner.betas=[0.9, 1.0]"], "learner.betas[1]=1.0 must be in [0, 1)"),
+    (["stages.0.difficulty=[0.0, 1.5]"], "stages[0].difficulty[1]=1.5 must be in [0, 1]"),
+    (["cluster.gpu_memory_gib=inf"], "cluster.gpu_memory_gib=inf must be a finite number > 0"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", EXACT, ids=[o[0] for o, _ in EXACT])
+def test_the_refusal_is_the_message_users_know(overrides, message):
+    with pytest.raises(ValueError) as e:
+        load_config([], overrides)
+    assert str(e.value) == message
 
 
 @pytest.mark.parametrize("overrides", [
@@ -215,11 +154,26 @@ def test_values_on_the_boundary_of_their_range_load(overrides):
     load_config([], overrides)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    # what a range cannot say: a relation between two values, checked after the ranges
+    (["stages.0.difficulty=[0.8, 0.2]"], "stages[0].difficulty=[0.8, 0.2] must be [lo, hi] with 0 <= lo <= hi <= 1"),
+    (["replay.stale_policy=downweight", "replay.stale_downweight=0"],
+     "replay.stale_downweight=0.0 must be in (0, 1] with replay.stale_policy='downweight'"),
+    (["learner.num_gpus=2"], "learner.num_gpus=2.0 is per rank and at most 1"),
+    (["model.hidden_size=130"], "model.hidden_size=130 must be a multiple of model.num_heads=4"),
+])
+def test_the_checks_a_range_cannot_make_still_run(overrides, message):
+    with pytest.raises(ValueError) as e:
+        load_config([], overrides)
+    assert str(e.value).startswith(message), str(e.value)
+
+
 def test_world_minimum_matches_the_world_builder():
-    """``world.num_entities`` >= 18 in RANGES is the world's own minimum (the wire imports no actors)."""
+    """``world.num_entities`` >= 18 is the world's own minimum (the wire imports no actors)."""
     from sonar.actors.world import _MIN_PER_KIND
 
-    assert C.RANGES["world.num_entities"] == f">= {sum(_MIN_PER_KIND.values())}"
+    rng = RANGES["world.num_entities"]
+    assert (rng.lo, rng.lo_open) == (sum(_MIN_PER_KIND.values()), False)
 
 
 def test_a_float_without_a_declared_range_must_still_be_finite():
@@ -233,22 +187,36 @@ def test_a_float_without_a_declared_range_must_still_be_finite():
         C._check_ranges(X(a=math.nan))
 
 
-@pytest.mark.parametrize("spec, ok, bad", [
-    (">= 1", [1, 2.5], [0.999, 0]),
-    ("> 0", [1e-12], [0, -1]),
-    ("<= 0", [0, -3], [1e-9]),
-    ("[0, 1)", [0, 0.5], [1, -1e-9]),
-    ("(0, 1]", [1, 1e-9], [0, 1.1]),
-    ("[0, 3]", [0, 3], [-1, 4]),
+@pytest.mark.parametrize("bounds, spec, ok, bad", [
+    ({"ge": 1}, ">= 1", [1, 2.5], [0.999, 0]),
+    ({"gt": 0}, "> 0", [1e-12], [0, -1]),
+    ({"le": 0}, "<= 0", [0, -3], [1e-9]),
+    ({"ge": 0, "lt": 1}, "[0, 1)", [0, 0.5], [1, -1e-9]),
+    ({"gt": 0, "le": 1}, "(0, 1]", [1, 1e-9], [0, 1.1]),
+    ({"ge": 0, "le": 3}, "[0, 3]", [0, 3], [-1, 4]),
+    ({"ge": -1}, ">= -1", [-1, 0], [-2]),
 ])
-def test_range_specs_parse_to_their_intervals(monkeypatch, spec, ok, bad):
-    monkeypatch.setitem(C.RANGES, "x", spec)
-    monkeypatch.setitem(C._PARSED_RANGES, "x", C._parse_range(spec))
+def test_a_declared_range_is_checked_and_said_as_declared(bounds, spec, ok, bad):
+    @dataclasses.dataclass(frozen=True)
+    class X:
+        x: float = C.ranged(0.0, **bounds)
+
+    rng = dataclasses.fields(X)[0].metadata["range"]
+    assert str(rng) == spec
     for v in ok:
-        C._check_range("x", "x", v)
+        C._check_ranges(X(x=v))
     for v in bad:
         with pytest.raises(ValueError, match=rf"^x={v} must be (in )?{re.escape(spec)}$"):
-            C._check_range("x", "x", v)
+            C._check_ranges(X(x=v))
+
+
+def test_a_range_is_declared_with_one_bound_per_side():
+    with pytest.raises(TypeError):
+        C.ranged(1, ge=0, gt=0)
+    with pytest.raises(ValueError, match="need lo < hi"):
+        C.ranged(1, ge=2, le=1)
+    with pytest.raises(ValueError, match="at least one finite bound"):
+        C.ranged(1)
 
 
 # -- YAML files: every way a file can be wrong is one line of ConfigError naming the file ----------------
