@@ -43,17 +43,17 @@ Think tags are advisory. A turn may start inside a think block opened in an earl
 stray ``think_close`` is accepted and a query or answer inside an open think block is acted on.
 A second ``think_open`` inside an open think block is ``NESTED``.
 
-Trajectory-level format (several turns) is :func:`format_ok`: zero or more ``Search`` then one
-``Answer`` without trailing text, no ``Malformed``. An answer without any search is a valid
-``Answer`` and a valid format; rewards that want a search (R1-Searcher stage 1) read the number of
-search calls from the trajectory (:func:`searched` for action lists).
+Trajectory-level format (several turns) is the trajectory's finish reason, set by the rollout loop
+(``answered``: zero or more searches, then an answer; ``actors/rewards.py`` reads it). An answer
+without any search is a valid format; rewards that want a search (R1-Searcher stage 1) read the
+number of search calls from the trajectory.
 """
 from __future__ import annotations
 
 import functools
 import re
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Union
 
 from sonar.actors.prompts import TagSet
 
@@ -191,29 +191,3 @@ def _search(body: str, tags: TagSet, max_queries: int) -> Search | Malformed:
     if not queries:
         return Malformed(EMPTY_QUERY)
     return Search(queries[:max_queries], dropped=max(0, len(queries) - max_queries))
-
-
-# ---------------------------------------------------------------- trajectory-level helpers
-def format_ok(actions: Sequence[Action], require_search: bool = False) -> bool:
-    """Whole-trajectory format: ``Search* Answer`` with no trailing text after the answer.
-
-    ``require_search=True`` also demands at least one search (R1-Searcher stage-1 style).
-    """
-    if not actions:
-        return False
-    *head, last = actions
-    if not isinstance(last, Answer) or last.trailing:
-        return False
-    if not all(isinstance(a, Search) for a in head):
-        return False
-    return bool(head) or not require_search
-
-
-def searched(actions: Sequence[Action]) -> bool:
-    """At least one well-formed search step."""
-    return any(isinstance(a, Search) for a in actions)
-
-
-def is_terminal(action: Action) -> bool:
-    """Answer and Malformed end the trajectory; Search continues it."""
-    return not isinstance(action, Search)

@@ -183,12 +183,6 @@ def dirty_files(root: str | Path | None = None) -> list[str] | None:
     return sorted(out)
 
 
-def git_dirty(root: str | Path | None = None) -> bool | None:
-    """True when any source file differs from the commit, untracked files included (see ``dirty_files``)."""
-    files = dirty_files(root)
-    return None if files is None else bool(files)
-
-
 def allow_dirty_requested() -> bool:
     return os.environ.get(ALLOW_DIRTY_ENV, "").strip().lower() in ("1", "true", "yes")
 

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import CriticConfig, LearnerConfig
 from sonar.learner.algo.gae import explained_variance, gae, masked_whiten, outcome_token_rewards, value_loss
-from sonar.learner.batching import Batch, rank_packs
+from sonar.learner.batching import Batch, microbatch_loss_scale, rank_packs
 from sonar.learner.collectives import dp_sum, sum_disjoint_rows_
 
 CRITIC_FILE = "critic.pt"
@@ -213,7 +213,7 @@ class Critic:
             v = self.values(mb.input_ids, mb.attention_mask)
             mb_mask = self.mask(mb)
             out = value_loss(v, old, ret, mb_mask, self.cfg.value_clip, tokens=tokens)
-            scale = (float(dp[1]) if real else 0.0) if dp[1] > 1 else 1.0
+            scale = (microbatch_loss_scale(dp_world_size=dp[1]) if real else 0.0) if dp[1] > 1 else 1.0
             self.stepper.backward(out.loss * scale if dp[1] > 1 else out.loss, boundary=i == len(packs) - 1)
             if real:
                 loss_total += float(out.loss.detach())

@@ -23,11 +23,11 @@ from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import (AlgoConfig, LearnerConfig, ReplayConfig, algo_dynamic_sampling,
                                        algo_std_normalize)
 from sonar.cluster.wire.protocol import Trajectory
-from sonar.learner.algo.advantages import compute_advantages, dynamic_sampling_mask
+from sonar.learner.algo.advantages import compute_advantages, dynamic_sampling_mask, zero_signal_groups
 from sonar.learner.algo.chunked import chunked_logprobs
 from sonar.learner.algo.losses import LossInputs, entropy_from_logits, kl_estimate, policy_loss, sft_loss, token_logprobs
 from sonar.learner.algo.staleness import apply_staleness, importance_weight_histogram, lag_histogram
-from sonar.learner.batching import Batch, collate, rank_packs
+from sonar.learner.batching import Batch, collate, microbatch_loss_scale, rank_packs
 from sonar.learner.collectives import dp_sum, sum_disjoint_rows_
 from sonar.learner.critic import gae_advantages, trunk_of
 from sonar.learner.steppers import DeepSpeedStepper, Stepper, TorchStepper  # noqa: F401  (re-exported)
@@ -107,7 +107,7 @@ def _rank_micro_batches(batch: Batch, token_budget: int, device,
     denominators, so the ranks' gradients sum to the batch gradient; DeepSpeed averages them over the
     ranks, hence the factor ``world_size``."""
     packs = rank_packs(batch.lengths.tolist(), token_budget, dp)
-    scale = 1.0 if dp[1] == 1 else float(dp[1])
+    scale = microbatch_loss_scale(dp_world_size=dp[1])  # DeepSpeed runs with gradient_accumulation_steps=1
     return [batch.select(rows).to(device) for rows, _ in packs], [scale if real else 0.0 for _, real in packs]
 
 
@@ -201,7 +201,7 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
     if trajs and algo_dynamic_sampling(algo):
         gidx = torch.tensor(_group_index(trajs))
         keep = dynamic_sampling_mask(rewards, gidx)
-        m[K.LEARNER_GROUPS_ZERO_SIGNAL] = float(len(set(gidx.tolist())) - len(set(gidx[keep].tolist())))
+        m[K.LEARNER_GROUPS_ZERO_SIGNAL] = float(zero_signal_groups(rewards, gidx))
         trajs = [t for t, k in zip(trajs, keep.tolist()) if k]
     if not trajs:
         m.update({K.LEARNER_SKIPPED_STEP: 1.0, K.LEARNER_STEP_TIME: time.perf_counter() - t0,

@@ -27,7 +27,6 @@ from typing import Callable
 
 from sonar.cluster.wire.plugins import INDEXED_RETRIEVERS, Registry, is_plugin, remember
 from sonar.retrieval.base import Retriever, check_retriever
-from sonar.retrieval.corpus import corpus_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +61,6 @@ def make_elasticsearch(cfg, corpus_path, index_root, *, report=None) -> Retrieve
 
         ensure_index(cfg, corpus_path, index_root, resume=False)
     return ElasticRetriever.from_config(cfg.elastic)
-
-
-def index_dir_for(cfg, corpus_path: str, index_root: str) -> Path:
-    """``cfg.index_dir`` or ``<index_root>/<fingerprint of corpus_path>``."""
-    if cfg.index_dir:
-        return Path(cfg.index_dir)
-    return Path(index_root) / corpus_fingerprint(corpus_path)
 
 
 @RETRIEVERS.register("http")

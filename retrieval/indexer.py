@@ -54,7 +54,8 @@ class IndexReport:
     """The directory of the index and/or its vectors (tantivy; elasticsearch with client-side vectors)."""
 
 
-def _index_dir_for(cfg, corpus_path: str, index_root: str) -> Path:
+def index_dir_for(cfg, corpus_path: str, index_root: str) -> Path:
+    """``retrieval.index_dir``, or ``<index_root>/<fingerprint of corpus_path>``: where the index is built."""
     if cfg.index_dir:
         return Path(cfg.index_dir)
     return Path(index_root) / corpus_fingerprint(corpus_path)
@@ -102,7 +103,7 @@ def ensure_index(cfg, corpus_path: str, index_root: str, *, resume: bool = False
     if cfg.rerank == "dense" and not (cfg.backend == "elasticsearch" and cfg.elastic.store_vectors):
         idx_dir = Path(rep.index_dir) if rep.index_dir else None
         if idx_dir is None:  # elasticsearch with client-side vectors: beside the corpus fingerprint
-            idx_dir = _index_dir_for(cfg, corpus_path, index_root) if Path(corpus_path).is_file() else \
+            idx_dir = index_dir_for(cfg, corpus_path, index_root) if Path(corpus_path).is_file() else \
                 locate_vectors_dir_parent(cfg, corpus_path, index_root)
         vdir = str(passage_vectors(cfg, corpus_path, idx_dir, encoder, progress).directory)
         rep = replace(rep, index_dir=str(idx_dir))
@@ -151,7 +152,7 @@ def _tantivy(cfg, corpus_path: str, index_root: str, resume: bool, progress: boo
                            index_dir=str(found))
     import json
 
-    idx_dir = _index_dir_for(cfg, corpus_path, index_root)
+    idx_dir = index_dir_for(cfg, corpus_path, index_root)
     try:
         was_partial = json.loads((idx_dir / MARKER).read_text()).get("status") == "building"
     except (OSError, ValueError):

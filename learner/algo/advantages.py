@@ -118,17 +118,6 @@ def group_advantages(rewards: Tensor, group_index: Tensor, std_normalize: bool =
     return adv.to(rewards.dtype)
 
 
-def dr_grpo_advantages(rewards: Tensor, group_index: Tensor) -> Tensor:
-    """Dr.GRPO ("GRPO done right"): group-centred rewards, no std and no length normalisation.
-
-    The length part lives in the loss aggregation: Dr.GRPO pairs with
-    ``AlgoConfig.loss_agg="seq_sum_norm"``, i.e. sum of token losses / (B * loss_norm_const) with a
-    *constant* (e.g. the generation budget), instead of dividing each sequence by its own length,
-    which would shrink the per-token gradient of long wrong answers (and so favour long ones).
-    """
-    return group_advantages(rewards, group_index, std_normalize=False)
-
-
 def dynamic_sampling_mask(rewards: Tensor, group_index: Tensor) -> Tensor:
     """DAPO dynamic sampling: True [N] for samples whose group has non-identical rewards.
 

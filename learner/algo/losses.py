@@ -54,8 +54,8 @@ class AggDenominators:
     each piece must divide by the global counts, not its own: then the pieces' losses *sum* to the
     full-batch loss and their gradients sum to the full-batch gradient (per-piece token_mean would
     give short micro-batches' tokens more weight). Compute once over the full batch with
-    ``from_mask`` (all-reduce the three counts across DP ranks with SUM, e.g. via ``as_tensor``)
-    and pass the same object to every piece. See ``learner.batching.microbatch_loss_scale`` for the
+    ``from_mask`` and pass the same object to every piece (every learner rank holds the whole batch,
+    so each computes the global counts itself: ``train_step``, nothing is all-reduced). See ``learner.batching.microbatch_loss_scale`` for the
     factor engines that *average* over micro-batches / ranks need.
     """
 
@@ -77,15 +77,6 @@ class AggDenominators:
 
     def __add__(self, other: "AggDenominators") -> "AggDenominators":
         return AggDenominators(self.tokens + other.tokens, self.seqs + other.seqs, self.rows + other.rows)
-
-    def as_tensor(self, device: torch.device | str | None = None) -> Tensor:
-        """[3] float64 (tokens, seqs, rows), e.g. to all_reduce(SUM) across DP ranks."""
-        return torch.tensor([self.tokens, self.seqs, self.rows], dtype=torch.float64, device=device)
-
-    @classmethod
-    def from_tensor(cls, t: Tensor) -> "AggDenominators":
-        tokens, seqs, rows = (float(v) for v in t.detach().cpu().tolist())
-        return cls(tokens, seqs, rows)
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: str, norm_const: float = 1.0,

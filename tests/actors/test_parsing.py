@@ -9,7 +9,7 @@ import random
 import pytest
 
 from sonar.actors import parsing as P
-from sonar.actors.parsing import Answer, Malformed, Search, format_ok, is_terminal, parse_turn, searched
+from sonar.actors.parsing import Answer, Malformed, Search, parse_turn
 from sonar.actors.prompts import PROTOCOLS, all_special_tokens, neutralise
 
 SEP = ","
@@ -149,26 +149,3 @@ def test_total_and_prefix_invariant(name):
                 assert cut == Answer(act.text, trailing=False)
             else:
                 assert cut == act
-
-
-FORMAT_CASES = [
-    ("search then answer", [Search(["a"]), Answer("x")], True, True),
-    ("answer without search", [Answer("x")], True, False),
-    ("two searches then answer", [Search(["a"]), Search(["b", "c"], 1), Answer("x")], True, True),
-    ("trailing text", [Search(["a"]), Answer("x", trailing=True)], False, False),
-    ("malformed end", [Search(["a"]), Malformed(P.UNTERMINATED_ANSWER)], False, False),
-    ("no answer (max turns)", [Search(["a"]), Search(["b"])], False, False),
-    ("answer not last", [Answer("x"), Search(["a"])], False, False),
-    ("empty", [], False, False),
-]
-
-
-@pytest.mark.parametrize("case_id,actions,ok,ok_with_search", FORMAT_CASES, ids=[c[0] for c in FORMAT_CASES])
-def test_format_ok(case_id, actions, ok, ok_with_search):
-    assert format_ok(actions) is ok
-    assert format_ok(actions, require_search=True) is ok_with_search
-
-
-def test_helpers():
-    assert searched([Search(["a"]), Answer("x")]) and not searched([Answer("x")])
-    assert not is_terminal(Search(["a"])) and is_terminal(Answer("x")) and is_terminal(Malformed(P.NO_TAGS))

@@ -65,7 +65,7 @@ def test_ignored_files_and_result_outputs_do_not_count(repo):
     (repo / "runs").mkdir()
     (repo / "runs" / "log.txt").write_text("ignored\n")
     (repo / "bench" / "results" / "other-host-abc.json").write_text("{}\n")
-    assert common.dirty_files(repo) == [] and common.git_dirty(repo) is False
+    assert common.dirty_files(repo) == []
 
 
 def test_allow_dirty_writes_and_records_the_files(repo, tmp_path):

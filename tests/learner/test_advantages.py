@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from sonar.learner.algo.advantages import (compute_advantages, dr_grpo_advantages, dynamic_sampling_mask,
+from sonar.learner.algo.advantages import (compute_advantages, dynamic_sampling_mask,
                                           group_advantages, reinforce_pp_advantages, whiten, zero_signal_groups)
 
 torch.set_num_threads(1)
@@ -114,9 +114,11 @@ def test_group_advantages_vs_loop(seed, std):
 
 
 def test_dr_grpo_is_centring_only():
+    """Dr.GRPO through the learner's dispatch: r - group mean, no std division (one trained token per row)."""
     r = torch.tensor([3.0, 1.0, 0.0, 2.0, 2.0])
     g = torch.tensor([0, 0, 0, 1, 1])
-    torch.testing.assert_close(dr_grpo_advantages(r, g), torch.tensor([5 / 3, -1 / 3, -4 / 3, 0.0, 0.0]))
+    adv = compute_advantages("dr_grpo", r, g, torch.ones(5, 1))
+    torch.testing.assert_close(adv[:, 0], torch.tensor([5 / 3, -1 / 3, -4 / 3, 0.0, 0.0]))
 
 
 def test_dynamic_sampling_mask_and_count():

@@ -414,7 +414,6 @@ def test_data_parallel_shards_give_global_loss_and_gradient(mode, off):
     denoms = [AggDenominators.from_mask(c["mask"][s]) for s in shards]
     glob = denoms[0] + denoms[1]
     assert glob == AggDenominators.from_mask(c["mask"])
-    glob = AggDenominators.from_tensor(denoms[0].as_tensor() + denoms[1].as_tensor())
     losses, grads = [], []
     for s in shards:
         lp = c["lp"].detach()[s].clone().requires_grad_(True)

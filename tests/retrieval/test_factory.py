@@ -10,7 +10,8 @@ from sonar.cluster.wire.config import ElasticConfig, RetrievalConfig
 from sonar.retrieval.base import Retriever
 from sonar.retrieval.cache import CachedRetriever
 from sonar.retrieval.corpus import corpus_fingerprint
-from sonar.retrieval.factory import build_retriever, index_dir_for
+from sonar.retrieval.factory import build_retriever
+from sonar.retrieval.indexer import index_dir_for
 from sonar.retrieval.tantivy_index import MARKER, TantivyRetriever
 
 DOCS = [
