@@ -403,6 +403,8 @@ class RewardInput:
 
     @property
     def model_text(self) -> str:
+        """The policy's own tokens decoded (no retrieved documents). No built-in reward reads it: it is
+        the plug-in reward API (README, "Your own reward"), which tests exercise."""
         return self.text.model
 
 

@@ -14,15 +14,6 @@ from typing import Iterable
 from scipy.stats import t as _student_t
 
 
-def t_two_sided_cdf(t: float, df: int) -> float:
-    """P(|T| <= t) for Student's t with ``df`` (integer >= 1) degrees of freedom, t >= 0."""
-    if df < 1 or int(df) != df:
-        raise ValueError(f"df={df} must be an integer >= 1")
-    if t < 0:
-        raise ValueError(f"t={t} must be >= 0")
-    return float(2.0 * _student_t.cdf(t, int(df)) - 1.0) if not math.isinf(t) else 1.0
-
-
 def t_quantile(level: float, df: int) -> float:
     """The t with ``P(|T| <= t) = level`` (e.g. level 0.95 -> the 0.975 quantile)."""
     if not (0.0 < level < 1.0):

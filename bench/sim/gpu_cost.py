@@ -141,7 +141,11 @@ def chunks_of(output_len: int) -> int:
 
 
 def published_points(runs: Sequence[Run] = RUNS) -> np.ndarray:
-    """``[n, 3]`` array of (rows, ctx tokens, ms per step) derived from the published runs (module docstring)."""
+    """``[n, 3]`` array of (rows, ctx tokens, ms per step) derived from the published runs (module docstring).
+
+    With :func:`fit`, the derivation of the shipped coefficients: nothing at run time calls them (the
+    simulator reads the constants), they are kept so the constants can be re-derived and a test checks
+    that the shipped ones are this fit."""
     out = []
     for run in runs:
         n = [chunks_of(o) for o in run.output_lens]
