@@ -191,6 +191,10 @@ def vtrace_returns(log_rhos: Tensor, discounts: Tensor, rewards: Tensor, values:
         pg_adv_s = min(rho_pg_bar, exp(log_rho_s)) (r_s + gamma_s v_{s+1} - V_s),
     with V_T = v_T = bootstrap_value. RLlib hard-codes c_bar = 1 (``clip_c_threshold`` here);
     a threshold of None means no clipping. Outputs carry no gradient.
+
+    Training calls :func:`vtrace_token_advantages`, not this; this general form runs the same
+    ``_vtrace_core`` with values and a bootstrap, which is what RLlib's reference takes, so the tests
+    check the core that training uses against RLlib through it.
     """
     if not (log_rhos.shape == discounts.shape == rewards.shape == values.shape) or log_rhos.dim() != 2 \
             or bootstrap_value.shape != log_rhos.shape[:1]:
