@@ -5,9 +5,9 @@ of ``sonar.cluster.wire.metrics``. MLflow by its conventions:
 
 - Where: ``tracking.uri``, else ``MLFLOW_TRACKING_URI``, else one sqlite store per project,
   ``<run.root>/mlflow.db`` (artifacts in ``<run.root>/mlartifacts``), shared by every run, resume and
-  ``sonar eval`` so they sit side by side in one UI. ``sonar eval`` of a training run's checkpoint uses
-  that run's store (its ``mlflow.json``) unless a store is named, and nests under that run. The experiment: ``tracking.experiment``, else
-  ``MLFLOW_EXPERIMENT_NAME``, else "sonar". A server's token comes from ``MLFLOW_TRACKING_TOKEN``
+  ``sonar eval`` so they sit side by side in one UI; ``sonar eval`` of a training run's checkpoint uses
+  that run's store (its ``mlflow.json``) unless a store is named, and nests under that run. The
+  experiment: ``tracking.experiment``, else ``MLFLOW_EXPERIMENT_NAME``, else "sonar". A server's token comes from ``MLFLOW_TRACKING_TOKEN``
   (never from the config, never logged).
 - A resume continues the MLflow run of the run it resumes (``<run_dir>/mlflow.json`` names it); a
   param whose value changed on resume (MLflow params are write-once) becomes a ``sonar.param_changed.*`` tag.
