@@ -499,6 +499,11 @@ def make_sink(cfg: Any, run_dir: str | Path, run_name: str, *, tags: Mapping[str
     if not t.enabled:
         return RayDashboardSink(NullSink())
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    import mlflow  # noqa: F401 - its handler installed now, restamped before the store is first opened
+
+    from sonar.cluster.wire.logs import restamp
+
+    restamp(("mlflow",))
     train = find_run_file(parent_of) if parent_of is not None else None
     user_uri = t.uri or os.environ.get("MLFLOW_TRACKING_URI", "").strip()
     experiment = resolve_experiment(t.experiment)

@@ -5,7 +5,9 @@ A log line reads ``2026-12-02 18:33:03 INFO sonar: ...`` whoever configured the 
 vLLM's loggers, which install their own handlers with their own date formats (MLflow ``2026/12/02
 18:33:03``, vLLM ``12-02 18:33:03``), through :func:`restamp` once they are imported. Ray's own lines
 (``ray.*`` loggers) use Python's default ``2026-12-02 18:33:03,123``, the same fields with milliseconds;
-:func:`restamp` aligns those too where this process owns them (the driver).
+:func:`restamp` aligns those too where this process owns them (the driver). Not reached: the processes
+vLLM itself spawns (its engine core) configure their logging at their own import and keep vLLM's date,
+and lines Ray's workers print are forwarded as they were written.
 
 A folder name cannot hold ``:`` on every file system, so run and eval directories use :data:`RUN_STAMP`
 (``20261202-183303``), which sorts the same way.
