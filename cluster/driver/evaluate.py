@@ -160,7 +160,8 @@ def unknown_share(tokenizer, questions: list[str]) -> float:
 def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str | None = None,
              fmt: str = "auto") -> dict:
     """Evaluate the policy at ``checkpoint`` on each of ``data_files``; returns {name: summary}, names
-    from :func:`dataset_names`.
+    from :func:`dataset_names`. ``out_dir``: where everything is written; default ``<run>/eval-<stamp>`` when
+    ``checkpoint`` lies in a training run (its ``mlflow.json``), else ``<run.root>/eval-<stamp>``.
 
     ``fmt``: the files' format (``actors.datasets.FORMATS``, an alias or a dataset plug-in; ``--format``), for files whose
     format detection cannot tell; "auto" detects per file. Every file is loaded (and a malformed one
