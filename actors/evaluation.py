@@ -123,10 +123,19 @@ def eval_metrics(split: str, summary: dict[str, float]) -> dict[str, float]:
     return {_METRIC_KEYS[name].format(split=split): float(summary[name]) for name in SUMMARY_FIELDS if name in summary}
 
 
+def percent(mean: float) -> str:
+    """A score's mean in [0, 1] as every Sonar command prints it: a percentage with one decimal
+    (``0.8667`` -> ``"86.7"``), as the papers' tables and ``metric_calc_rule.py`` report it. ``sonar eval``,
+    ``sonar score`` and the end-of-run summary all print through this; the files and MLflow keep the
+    fractions."""
+    return f"{round(100 * float(mean), 1):.1f}"
+
+
 def markdown(table: dict[str, dict[str, float]]) -> str:
-    """One row per split or dataset, the columns of ``SUMMARY_FIELDS``."""
+    """One row per split or dataset, the columns of ``SUMMARY_FIELDS``: the scores as :func:`percent`
+    (as ``sonar score`` prints them), the per-question means with three decimals."""
     lines = ["| dataset | " + " | ".join(SUMMARY_FIELDS) + " |", "|---" * (len(SUMMARY_FIELDS) + 1) + "|"]
     for name, row in table.items():
-        cells = [str(row["n"])] + [f"{row[c]:.3f}" for c in SUMMARY_FIELDS[1:]]
+        cells = [str(row["n"])] + [percent(row[c]) if c in SCORES else f"{row[c]:.3f}" for c in SUMMARY_FIELDS[1:]]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

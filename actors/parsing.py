@@ -55,6 +55,7 @@ import re
 from dataclasses import dataclass
 from typing import Union
 
+from sonar.actors.multiquery import plan_step
 from sonar.actors.prompts import TagSet
 
 # ---------------------------------------------------------------- reasons (stable metric keys)
@@ -183,11 +184,7 @@ def parse_turn(text: str, tags: TagSet, max_queries: int) -> Search | Answer | M
 
 
 def _search(body: str, tags: TagSet, max_queries: int) -> Search | Malformed:
-    if tags.query_sep:
-        queries = [q.strip() for q in body.split(tags.query_sep)]
-        queries = [q for q in queries if q]
-    else:
-        queries = [body.strip()] if body.strip() else []
-    if not queries:
+    kept, dropped = plan_step(body.split(tags.query_sep) if tags.query_sep else [body], max_queries)
+    if not kept:
         return Malformed(EMPTY_QUERY)
-    return Search(queries[:max_queries], dropped=max(0, len(queries) - max_queries))
+    return Search(kept, dropped=dropped)

@@ -80,6 +80,7 @@ from typing import Any, Callable
 import numpy as np
 
 from sonar.actors.engine import Engine, Generation, SamplingParams, cut_at_stop
+from sonar.actors.multiquery import dedupe_step
 from sonar.actors.parsing import parse_turn
 from sonar.actors.prompts import TagSet, render_documents, render_invalid, render_prompt, stop_plan
 from sonar.actors.tools import ToolContext, ToolOutput, first_tool_call, render_output
@@ -530,22 +531,14 @@ def _inject(call: _Call, s: _State, queries: list[str], dropped: int, results: d
     the SearchCall is kept); a block that exactly fills the budget finishes the trajectory too.
     """
     proto = call.proto
-    seen: set[str] = set()
     # RAG-R1's own code shows each query its own top documents, repeats included (generation_mq.py:492-507)
-    dedupe = proto.rules != "upstream"
+    step = dedupe_step([results.get(q, []) if error is None else [] for q in queries], proto.docs_per_query,
+                       distinct=proto.rules != "upstream")
     per_query_docs: list[list[tuple[str, str]]] = []
     doc_ids: list[list[str]] = []
-    for q in queries:
-        chosen: list[Hit] = []
-        if error is None:
-            for h in results.get(q, []):
-                if dedupe and h.doc_id in seen:
-                    continue
-                seen.add(h.doc_id)
-                chosen.append(h)
-                s.seen[h.doc_id] = h
-                if len(chosen) >= proto.docs_per_query:
-                    break
+    for chosen in step:
+        for h in chosen:
+            s.seen[h.doc_id] = h  # what the visit tool may open
         per_query_docs.append([(h.title, h.text) for h in chosen])
         doc_ids.append([h.doc_id for h in chosen])
     s.traj.searches.append(SearchCall(turn=turn, queries=list(queries), doc_ids=doc_ids, latency_ms=latency_ms,

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from sonar.actors.datasets import dotted_field
-from sonar.actors.evaluation import SCORES, question_scores
+from sonar.actors.evaluation import SCORES, percent, question_scores
 
 _MISSING = object()
 DEFAULT_METRICS = ("acc_r", "em", "f1")
@@ -67,8 +67,8 @@ class ScoreReport:
     path: str = ""
 
     def percent(self, metric: str) -> float:
-        """``round(100 * mean, 1)``, as ``metric_calc_rule.py`` reports it."""
-        return round(getattr(self, metric) * 100, 1)
+        """``round(100 * mean, 1)``, as ``metric_calc_rule.py`` reports it (:func:`~sonar.actors.evaluation.percent`)."""
+        return float(percent(getattr(self, metric)))
 
 
 def _get(rec: Any, dotted: str) -> Any:
@@ -173,11 +173,11 @@ def markdown_table(reports: dict[str, ScoreReport], metrics: Sequence[str] = DEF
         raise ValueError(f"metrics={list(metrics)}: each must be one of {list(SCORES)}")
     lines = ["| dataset | n | " + " | ".join(metrics) + " |", "|---|---:|" + "---:|" * len(metrics)]
     for name, r in reports.items():
-        lines.append(f"| {name} | {r.n} | " + " | ".join(f"{r.percent(m):.1f}" for m in metrics) + " |")
+        lines.append(f"| {name} | {r.n} | " + " | ".join(percent(getattr(r, m)) for m in metrics) + " |")
     if len(reports) > 1:
         rs = list(reports.values())
-        avg = [round(100 * sum(getattr(r, m) for r in rs) / len(rs), 1) for m in metrics]
-        lines.append(f"| average (macro) | {sum(r.n for r in rs)} | " + " | ".join(f"{a:.1f}" for a in avg) + " |")
+        avg = [sum(getattr(r, m) for r in rs) / len(rs) for m in metrics]
+        lines.append(f"| average (macro) | {sum(r.n for r in rs)} | " + " | ".join(percent(a) for a in avg) + " |")
     return "\n".join(lines) + "\n"
 
 

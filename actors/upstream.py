@@ -44,6 +44,7 @@ import re
 
 from sonar.actors.parsing import (EMPTY_QUERY, NO_ACTION, NO_TAGS, UNTERMINATED_ANSWER, Answer, Malformed,
                                   Search)
+from sonar.actors.multiquery import plan_step
 from sonar.actors.prompts import TagSet
 
 RULES = ("sonar", "upstream")
@@ -101,9 +102,6 @@ def _search_r1(text: str, tags: TagSet, max_queries: int) -> Search | Answer | M
     if m.group("answer") is not None:
         return Answer(m.group("answer").strip())
     body = m.group("search").strip()
-    if tags.query_sep:
-        queries = [q.strip() for q in body.split(tags.query_sep)]
-        queries = [q for q in queries if q]
-    else:
-        queries = [body] if body else []
-    return Search(queries[:max_queries], dropped=max(0, len(queries) - max_queries))
+    # the same planning as Sonar's rules (actors/multiquery.py); an empty step stays a Search here
+    queries, dropped = plan_step(body.split(tags.query_sep) if tags.query_sep else [body], max_queries)
+    return Search(queries, dropped=dropped)

@@ -355,9 +355,10 @@ def bench_settings(args: argparse.Namespace, quick: dict, full: dict) -> dict:
     """A private copy of the benchmark's QUICK or FULL settings with ``--repeats`` applied; sets up
     INFO logging (the benchmarks report progress through the log)."""
     import copy
-    import logging
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from sonar.cluster.wire.logs import configure_logging
+
+    configure_logging()  # the same log lines as the sonar command's (cluster/wire/logs.py)
     cfg = copy.deepcopy(quick if args.quick else full)
     if args.repeats:
         cfg["repeats"] = args.repeats

@@ -12,7 +12,7 @@ group draws one question from a pool (with replacement, so questions recur acros
 sample writes one of the question's 5 query variants (weights .5/.25/.12/.08/.05), so identical
 queries occur inside a batch and across batches as they do in training. ``single`` sends that stream
 one query per call, ``batched`` 64 per call, ``multiquery`` one RAG-R1 step per call (3 variants of a
-question -> plan_step -> batch_search(k=step_depth) -> dedupe_step). ``cache`` runs put a fresh
+question -> plan_step -> batch_search(k=K) -> dedupe_step, training's functions). ``cache`` runs put a fresh
 CachedRetriever in front at the start of every repeat (its hit rate is the stream's own repetition).
 
 Dense rerank: BM25 top-20, then MiniLM cosine -> top-3. The passage vectors of the 200k corpus are
@@ -113,7 +113,7 @@ def timed_calls(fn, calls) -> np.ndarray:
 
 
 def run_workload(retriever, kind: str, stream: list[str], steps: list[list[str]], cfg: dict):
-    from sonar.retrieval.multiquery import dedupe_step, plan_step, step_depth
+    from sonar.actors.multiquery import dedupe_step, plan_step
 
     if kind == "single":
         calls = [[q] for q in stream[: cfg["single_calls"]]]
@@ -126,9 +126,9 @@ def run_workload(retriever, kind: str, stream: list[str], steps: list[list[str]]
     else:
         calls = steps[: cfg["mq_steps"]]
 
-        def step(qs):
+        def step(qs):  # as training runs a step (actors/multiquery.py): budget 3, k hits, 1 document a query
             kept, _ = plan_step(qs, 3)
-            return dedupe_step(retriever.batch_search(kept, step_depth(1, len(kept))), 1)
+            return dedupe_step(retriever.batch_search(kept, K), 1)
 
         lat = timed_calls(step, calls)
         n_q = sum(len(c) for c in calls)

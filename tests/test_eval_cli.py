@@ -366,3 +366,47 @@ def test_a_dataset_the_policy_cannot_read_is_warned_about_with_its_unknown_share
     msgs = [r.getMessage() for r in caplog.records]
     assert any("dataset foreign: 100.0 % of its question tokens are unknown" in m for m in msgs), msgs
     assert any(m.startswith(f"sonar eval: writing predictions and the table to {tmp_path / 'out'}") for m in msgs)
+
+
+@pytest.mark.slow  # spawns a CLI
+def test_eval_cli_of_a_training_run_writes_beside_it_nests_in_its_store_and_logs_one_format(setup, tmp_path):
+    """``sonar eval --checkpoint <training run>`` from a project with another run.root: the results go to
+    <run>/eval-<stamp> (the path printed), the MLflow run into the training run's store nested under it
+    (no store where the command ran), the scores print in percent, and the log lines -- Sonar's and
+    MLflow's -- carry cluster/wire/logs.py's one date format."""
+    import re
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from sonar.cluster.driver import tracking
+    from sonar.cluster.wire.config import load_config
+
+    cfg, tmp = setup
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    train_dir = project / "train-run"
+    shutil.copytree(tmp / "hf", train_dir / "model")
+    train = tracking.make_sink(load_config([], [f"run.root={project}", "tracking.system_metrics=false"]),
+                               train_dir, "train-run")
+    train.finish()
+    out = subprocess.run([sys.executable, "-m", "sonar", "eval", "--config", "configs/smoke.yaml",
+                          "--checkpoint", str(train_dir), "--data", str(tmp / "heldout.jsonl"),
+                          f"run.root={elsewhere}", "eval.batch_size=8", "tracking.system_metrics=false"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (ev_dir,) = sorted(train_dir.glob("eval-*"))
+    assert re.fullmatch(r"eval-\d{8}-\d{6}", ev_dir.name)  # logs.RUN_STAMP
+    assert f"predictions and table in {ev_dir}" in out.stdout and (ev_dir / "eval.md").is_file()
+    assert not (elsewhere / "mlflow.db").exists()
+    (run,) = [r for r in MlflowClient(tracking_uri=train.uri).search_runs([train.experiment_id])
+              if r.info.run_id != train.run_id]
+    assert run.info.run_name == ev_dir.name and run.data.tags["mlflow.parentRunId"] == train.run_id
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith("| heldout |")]
+    cells = row.strip("| ").split(" | ")
+    assert all(re.fullmatch(r"\d{1,3}\.\d", c) for c in cells[2:7]), row  # em..f1_r1 in percent
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"  # logs.LOG_DATEFMT
+    (where,) = [line for line in out.stderr.splitlines() if "sonar eval: writing predictions" in line]
+    assert re.match(rf"{stamp} INFO sonar\.eval: sonar eval: writing predictions and the table to {re.escape(str(ev_dir))}",
+                    where), where
+    dated = [line for line in out.stderr.splitlines() if re.match(r"\d{2,4}[-/]\d\d[-/ ]", line)]
+    assert dated and all(re.match(rf"{stamp} [A-Z]+ \S+: ", line) for line in dated), dated

@@ -6,7 +6,8 @@ import sys
 import pytest
 
 PURE = ["sonar.cluster.wire.protocol", "sonar.cluster.wire.config", "sonar.cluster.wire.replay",
-        "sonar.cluster.wire.weights", "sonar.cluster.wire.transport", "sonar.cluster.wire.metrics", "sonar.actors.parsing", "sonar.actors.rewards",
+        "sonar.cluster.wire.weights", "sonar.cluster.wire.transport", "sonar.cluster.wire.metrics", "sonar.cluster.wire.logs", "sonar.actors.parsing",
+        "sonar.actors.multiquery", "sonar.actors.rewards",
         "sonar.actors.prompts", "sonar.actors.world", "sonar.learner.algo.advantages", "sonar.learner.algo.losses",
         "sonar.learner.algo.staleness", "sonar.learner.batching", "sonar.learner.deepspeed_config",
         "sonar.retrieval.base", "sonar.retrieval.resilient"]

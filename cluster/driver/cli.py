@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--format", default="auto", dest="fmt",
                    help="format of the --data files when detection cannot tell: flashrag, hotpotqa, 2wiki, musique, "
                         "bamboogle, r1_searcher, verl (aliases: search_r1, rag_r1, parquet, ...); default auto")
-    e.add_argument("--out", default=None, help="output directory")
+    e.add_argument("--out", default=None, help="output directory (default: <run>/eval-<stamp> for a checkpoint of a "
+                   "training run, else <run.root>/eval-<stamp>; the path is printed)")
     e.add_argument("overrides", nargs="*", help="key=value overrides")
     c = sub.add_parser("config", help="print, check or list configs without running anything")
     c_sub = c.add_subparsers(dest="config_cmd", required=True, help="what to do with the config")
@@ -211,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     _env_defaults()
     _sigterm_as_interrupt()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from sonar.cluster.wire.logs import configure_logging
+
+    configure_logging()  # the one log line format (cluster/wire/logs.py), libraries restamped as they load
     argv = list(sys.argv[1:] if argv is None else argv)
     from sonar.cluster.driver.jobs import reexec_from_checkout
 

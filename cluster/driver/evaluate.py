@@ -27,11 +27,11 @@ import asyncio
 import json
 import logging
 import re
-import time
 import traceback
 from pathlib import Path
 
 from sonar.cluster.wire.config import Config, flatten, to_dict, to_yaml
+from sonar.cluster.wire.logs import run_stamp
 
 log = logging.getLogger("sonar.eval")
 
@@ -160,7 +160,8 @@ def unknown_share(tokenizer, questions: list[str]) -> float:
 def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str | None = None,
              fmt: str = "auto") -> dict:
     """Evaluate the policy at ``checkpoint`` on each of ``data_files``; returns {name: summary}, names
-    from :func:`dataset_names`.
+    from :func:`dataset_names`. ``out_dir``: where everything is written; default ``<run>/eval-<stamp>`` when
+    ``checkpoint`` lies in a training run (its ``mlflow.json``), else ``<run.root>/eval-<stamp>``.
 
     ``fmt``: the files' format (``actors.datasets.FORMATS``, an alias or a dataset plug-in; ``--format``), for files whose
     format detection cannot tell; "auto" detects per file. Every file is loaded (and a malformed one
@@ -197,10 +198,14 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
     tags = get_protocol(cfg.protocol.name)
     corpus = cfg.retrieval.corpus or _default_corpus(cfg)
     retriever = build_retriever(cfg.retrieval, corpus, str(Path(cfg.run.root).resolve() / "index"))
-    out = Path(out_dir or Path(cfg.run.root) / f"eval-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    # A training run's checkpoint: its results beside its run (<run>/eval-<stamp>); any other policy
+    # directory: under run.root (./runs of the current directory unless configured).
+    train_dir = tracking.find_run_dir(model_dir)
+    out = Path(out_dir or (train_dir or Path(cfg.run.root)) / f"eval-{run_stamp()}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
-    # The project's MLflow store, tagged with (and nested under) the training run of the checkpoint.
+    # The training run's MLflow store when the checkpoint is one's (unless a store is named), else the
+    # project's; tagged with (and nested under) the training run of the checkpoint.
     run_name = out.name if out.name.startswith("eval-") else f"eval-{out.name}"  # never "eval-eval-..."
     sink = tracking.make_sink(cfg, out, run_name, tags={"sonar.eval.checkpoint": str(model_dir)},
                               parent_of=model_dir)

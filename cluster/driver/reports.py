@@ -247,11 +247,13 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
     (run.dir / "eval_summary.json").write_text(json.dumps(eval_table(run.results), indent=2, default=str))
     run.sink.log_artifact(str(run.dir / "eval_summary.json"))
     run.sink.log_artifact(str(run.dir / "summary.json"))
-    rows = [("held-out EM (search) before RL", summary["em_before_search"]),
-            ("held-out EM (search) after RL", summary["em_after_search"]),
-            ("held-out F1 (search) before / after", f"{_fmt(summary['f1_before_search'])} / {_fmt(summary['f1_after_search'])}"),
-            ("held-out ACC_R, R1-Searcher cover-EM (search) after RL", summary["acc_r_after_search"]),
-            ("held-out EM (no search) after RL", summary["em_after_no_search"]),
+    # Scores as `sonar eval` and `sonar score` print them (percent, one decimal); summary.json keeps fractions.
+    pct = lambda key: _pct(summary[key])  # noqa: E731
+    rows = [("held-out EM (search) before RL", pct("em_before_search")),
+            ("held-out EM (search) after RL", pct("em_after_search")),
+            ("held-out F1 (search) before / after", f"{pct('f1_before_search')} / {pct('f1_after_search')}"),
+            ("held-out ACC_R, R1-Searcher cover-EM (search) after RL", pct("acc_r_after_search")),
+            ("held-out EM (no search) after RL", pct("em_after_no_search")),
             ("searches per question", summary["searches_per_question"]),
             ("trajectories/s (RL)", summary["trajectories_per_s"]),
             ("learner tokens/s", summary["tokens_per_s"]), ("policy lag (max)", summary["policy_lag_max"]),
@@ -264,4 +266,11 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
 
 def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def _pct(v) -> str:
+    """A score mean as a percentage (``actors.evaluation.percent``), "n/a" where the run has none."""
+    from sonar.actors.evaluation import percent
+
+    return f"{percent(v)} %" if isinstance(v, (int, float)) else "n/a" if v is None else str(v)
 

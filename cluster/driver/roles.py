@@ -94,6 +94,9 @@ def init_ray(cfg: Config) -> bool:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
+    from sonar.cluster.wire.logs import restamp
+
+    restamp(("ray",))  # the driver's ray.* lines with Sonar's log date (cluster/wire/logs.py)
     if ray.is_initialized():
         return False
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")

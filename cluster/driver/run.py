@@ -19,6 +19,7 @@ import yaml
 from sonar.cluster.driver import tracking
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, flatten, to_dict, to_yaml
+from sonar.cluster.wire.logs import run_stamp
 
 log = logging.getLogger("sonar")
 
@@ -159,7 +160,7 @@ def start_run(cfg: Config) -> Run:
     if resume_from is not None and cfg.tracking.enabled and not cfg.tracking.uri:
         # The resumed run's own store: its run was left RUNNING if its driver was killed.
         tracking.mark_dead_runs_in_run_dir(Path(resume_from).parent.parent)
-    name = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    name = f"{cfg.run.name}-{run_stamp()}-{os.getpid()}"
     run_dir = Path(cfg.run.run_dir or Path(cfg.run.root) / name).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))

@@ -5,8 +5,9 @@ of ``sonar.cluster.wire.metrics``. MLflow by its conventions:
 
 - Where: ``tracking.uri``, else ``MLFLOW_TRACKING_URI``, else one sqlite store per project,
   ``<run.root>/mlflow.db`` (artifacts in ``<run.root>/mlartifacts``), shared by every run, resume and
-  ``sonar eval`` so they sit side by side in one UI. The experiment: ``tracking.experiment``, else
-  ``MLFLOW_EXPERIMENT_NAME``, else "sonar". A server's token comes from ``MLFLOW_TRACKING_TOKEN``
+  ``sonar eval`` so they sit side by side in one UI; ``sonar eval`` of a training run's checkpoint uses
+  that run's store (its ``mlflow.json``) unless a store is named, and nests under that run. The
+  experiment: ``tracking.experiment``, else ``MLFLOW_EXPERIMENT_NAME``, else "sonar". A server's token comes from ``MLFLOW_TRACKING_TOKEN``
   (never from the config, never logged).
 - A resume continues the MLflow run of the run it resumes (``<run_dir>/mlflow.json`` names it); a
   param whose value changed on resume (MLflow params are write-once) becomes a ``sonar.param_changed.*`` tag.
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 from sonar.cluster.wire import metrics as K
-from sonar.cluster.wire.redact import redact
+from sonar.cluster.wire.redact import has_userinfo, redact
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +207,9 @@ class MLflowSink:
                  system_metrics: bool = False, registered_model_name: str = ""):
         import mlflow
 
+        from sonar.cluster.wire.logs import restamp
+
+        restamp(("mlflow",))  # MLflow's handler (installed at import) with Sonar's log date, not "%Y/%m/%d"
         self._mlflow = mlflow
         self.uri = uri or f"sqlite:///{Path(run_dir).resolve() / STORE_FILE}"
         self.async_logging = async_logging
@@ -446,14 +450,40 @@ def run_file(directory: str | Path) -> dict | None:
         return None
 
 
-def find_run_file(path: str | Path, levels: int = 4) -> dict | None:
-    """The ``mlflow.json`` of the run directory ``path`` lies in (``path`` or up to ``levels`` parents:
-    ``<run>/model``, ``<run>/checkpoints/<tag>/hf``, ...), or None."""
+def find_run_dir(path: str | Path, levels: int = 4) -> Path | None:
+    """The run directory ``path`` lies in: ``path`` or the nearest of its ``levels`` parents holding an
+    ``mlflow.json`` (``<run>/model``, ``<run>/checkpoints/<tag>/hf``, ...), or None."""
     p = Path(path).resolve()
     for d in [p, *p.parents][:levels + 1]:
-        if (info := run_file(d)) is not None:
-            return info
+        if run_file(d) is not None:
+            return d
     return None
+
+
+def find_run_file(path: str | Path, levels: int = 4) -> dict | None:
+    """The ``mlflow.json`` of the run directory ``path`` lies in (:func:`find_run_dir`), or None."""
+    d = find_run_dir(path, levels)
+    return run_file(d) if d is not None else None
+
+
+def store_root(uri: str) -> Path | None:
+    """The folder of a default project store (``sqlite:///<root>/mlflow.db``), None for any other store."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and uri.endswith("/" + STORE_FILE):
+        return Path(uri[len(prefix):]).parent
+    return None
+
+
+def _experiment_name(uri: str, experiment_id: str | None) -> str | None:
+    """The name of experiment ``experiment_id`` in the store ``uri``; None when it cannot be read."""
+    if not experiment_id:
+        return None
+    try:
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(tracking_uri=uri).get_experiment(experiment_id).name
+    except Exception:  # noqa: BLE001 - a store that cannot answer: the configured experiment is used
+        return None
 
 
 def make_sink(cfg: Any, run_dir: str | Path, run_name: str, *, tags: Mapping[str, str] | None = None,
@@ -461,28 +491,47 @@ def make_sink(cfg: Any, run_dir: str | Path, run_name: str, *, tags: Mapping[str
     """The run's sink from ``cfg.tracking`` (a ``Config``): where and which experiment by the standard
     environment variables and the project store under ``cfg.run.root`` (module docstring); ``resume_dir``:
     the directory of a run being resumed, whose MLflow run this one continues when it is in the same
-    store. ``parent_of``: a path inside a training run's directory (``sonar eval``'s checkpoint): this run
-    is tagged with that run's id (``sonar.train_run_id``) and nested under it when both are in one store
-    and experiment. Records ``<run_dir>/mlflow.json``. Wrapped so the key metrics also reach Ray's dashboard."""
+    store. ``parent_of``: a path inside a training run's directory (``sonar eval``'s checkpoint): unless
+    ``tracking.uri`` or ``MLFLOW_TRACKING_URI`` names a store, this run goes to the store (and, unless one
+    is named, the experiment) that run's ``mlflow.json`` records; it is tagged with that run's id
+    (``sonar.train_run_id``) and nested under it when both are in one store and experiment. Records ``<run_dir>/mlflow.json``. Wrapped so the key metrics also reach Ray's dashboard."""
     t = cfg.tracking
     if not t.enabled:
         return RayDashboardSink(NullSink())
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    uri = resolve_uri(t.uri, cfg.run.root)
+    import mlflow  # noqa: F401 - its handler installed now, restamped before the store is first opened
+
+    from sonar.cluster.wire.logs import restamp
+
+    restamp(("mlflow",))
+    train = find_run_file(parent_of) if parent_of is not None else None
+    user_uri = t.uri or os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    experiment = resolve_experiment(t.experiment)
+    root = cfg.run.root
+    if train and not user_uri and train.get("tracking_uri") and not has_userinfo(train["tracking_uri"]):
+        # Nobody chose a store: the training run's own (its run.root may not be this one's), so the
+        # evaluation is nested under it rather than alone in a new store under the current directory.
+        # A recorded URI with "***" in it lost its credentials to redaction and cannot be reopened.
+        uri = train["tracking_uri"]
+        root = store_root(uri) or root
+        if not (t.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME", "").strip()):
+            experiment = _experiment_name(uri, train.get("experiment_id")) or experiment
+    else:
+        uri = resolve_uri(t.uri, cfg.run.root)
     resume_id = None
     if resume_dir is not None and (prev := run_file(resume_dir)) and prev.get("tracking_uri") == redact(uri):
         resume_id = prev.get("run_id")
     tags = dict(tags or {})
-    if parent_of is not None and (train := find_run_file(parent_of)) and train.get("tracking_uri") == redact(uri):
+    if train and train.get("tracking_uri") == redact(uri):
         tags["sonar.train_run_id"] = train["run_id"]
         with contextlib.suppress(Exception):
             from mlflow.tracking import MlflowClient
 
-            exp = MlflowClient(tracking_uri=uri).get_experiment_by_name(resolve_experiment(t.experiment))
+            exp = MlflowClient(tracking_uri=uri).get_experiment_by_name(experiment)
             if exp is not None and exp.experiment_id == train.get("experiment_id"):
                 tags["mlflow.parentRunId"] = train["run_id"]  # shown nested under the training run
-    sink = MLflowSink(run_dir, uri, resolve_experiment(t.experiment), run_name,
-                      artifact_location=default_artifact_location(uri, cfg.run.root), resume_run_id=resume_id,
+    sink = MLflowSink(run_dir, uri, experiment, run_name,
+                      artifact_location=default_artifact_location(uri, root), resume_run_id=resume_id,
                       tags={**run_tags(cfg), **tags}, async_logging=t.async_logging,
                       system_metrics=t.system_metrics, registered_model_name=t.registered_model_name)
     sink.write_run_file(run_dir)

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from sonar.actors.evaluation import (SCORES, SUMMARY_FIELDS, eval_metrics, greedy_records, markdown, question_scores,
-                                     summarize)
+from sonar.actors.evaluation import (SCORES, SUMMARY_FIELDS, eval_metrics, greedy_records, markdown, percent,
+                                     question_scores, summarize)
 from sonar.actors.rollout import PromptItem
 from sonar.cluster.wire.config import ProtocolConfig, RewardConfig
 
@@ -54,7 +54,20 @@ def test_eval_metrics_use_the_wire_keys():
     assert m["eval/after_search/acc_r"] == m["eval/after_search/em_r1"] == m["eval/after_search/f1_r1"] == 1.0
     assert m["eval/after_search/searches_per_question"] == 1.0
     assert len(m) == len(SUMMARY_FIELDS) and all(k.startswith("eval/after_search/") for k in m)
-    assert "| a | 1 | 1.000 | 1.000 | 1.000 | 1.000 | 1.000 | 1.000 | 10.000 |" in markdown({"a": s})
+    # the scores in percent (as sonar score prints them), the per-question means as they are
+    assert "| a | 1 | 100.0 | 100.0 | 100.0 | 100.0 | 100.0 | 1.000 | 10.000 |" in markdown({"a": s})
+
+
+def test_one_percent_format_for_eval_and_score():
+    from sonar.actors.scoring import ScoreReport, markdown_table
+
+    assert [percent(x) for x in (0.0, 1.0, 0.8667, 1 / 16, 0.00049)] == ["0.0", "100.0", "86.7", "6.2", "0.0"]
+    row = {"n": 16, "em": 1 / 16, "f1": 0.8667, "acc_r": 0.5, "em_r1": 0.25, "f1_r1": 0.125,
+           "searches_per_q": 1.5, "tokens_per_q": 20.0, "latency_s_per_q": 0.25}
+    eval_cells = markdown({"d": row}).splitlines()[2].strip("| ").split(" | ")
+    score_cells = markdown_table({"d": ScoreReport(16, 1 / 16, 0.8667, 0.5, 0.25, 0.125)},
+                                 ["em", "f1", "acc_r", "em_r1", "f1_r1"]).splitlines()[2].strip("| ").split(" | ")
+    assert eval_cells[2:7] == score_cells[2:7] == ["6.2", "86.7", "50.0", "25.0", "12.5"]
 
 
 def test_greedy_records_batches_in_order_with_scores_and_traces():

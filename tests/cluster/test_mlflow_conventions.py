@@ -164,6 +164,27 @@ def test_eval_is_nested_under_the_training_run_in_the_same_store(tmp_path):
     assert tags["sonar.train_run_id"] == train.run_id and tags["mlflow.parentRunId"] == train.run_id
 
 
+def test_eval_of_a_run_elsewhere_goes_to_that_runs_store_and_experiment(tmp_path, monkeypatch):
+    # sonar eval started from another directory (another run.root): no new store there, the training
+    # run's store and experiment instead, nested under it.
+    train_root, here = tmp_path / "project" / "runs", tmp_path / "elsewhere" / "runs"
+    (train_root / "train" / "model").mkdir(parents=True)
+    train = tracking.make_sink(_cfg(train_root, "tracking.experiment=mine"), train_root / "train", "train")
+    train.finish()
+    (here / "eval").mkdir(parents=True)
+    ev = tracking.make_sink(_cfg(here), here / "eval", "eval", parent_of=train_root / "train" / "model")
+    ev.finish()
+    assert ev.uri == train.uri and not (here / "mlflow.db").exists()
+    run = _client(ev.uri).get_run(ev.run_id)
+    assert run.info.experiment_id == train.experiment_id
+    assert run.data.tags["mlflow.parentRunId"] == train.run_id
+    # a store the user names wins: then the run is only tagged, not moved
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'named.db'}")
+    named = tracking.make_sink(_cfg(here), here / "eval", "eval", parent_of=train_root / "train" / "model")
+    named.finish()
+    assert named.uri == f"sqlite:///{tmp_path / 'named.db'}" and "mlflow.parentRunId" not in \
+        _client(named.uri).get_run(named.run_id).data.tags
+
 def test_system_metrics_are_sampled_beside_the_run(tmp_path, monkeypatch):
     import mlflow
 

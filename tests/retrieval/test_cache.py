@@ -1,12 +1,13 @@
 """CachedRetriever (LRU, in-batch and in-flight coalescing, counters, thread safety) and the pure
-multi-query step helpers (retrieval.multiquery), which run in front of the cache in a RAG-R1 step."""
+multi-query step functions (actors.multiquery: training's and the retrieval benchmark's), which run in
+front of the cache in a RAG-R1 step."""
 import threading
 
 import pytest
 
 from sonar.retrieval.base import Hit, RetrievalError, Retriever
 from sonar.retrieval.cache import CachedRetriever
-from sonar.retrieval.multiquery import dedupe_step, plan_step, step_depth
+from sonar.actors.multiquery import dedupe_step, plan_step
 from tests.waiting import DEADLINE_S, wait_until
 
 
@@ -198,12 +199,13 @@ def H(doc_id):
     return Hit(doc_id, doc_id, "", 1.0)
 
 
-def test_plan_step_budget_duplicates_empty():
-    kept, dropped = plan_step(["a b", "A  b", "", "c", "d", "e"], budget=2)
-    assert kept == ["a b", "c"]
-    assert dropped == ["A  b", "", "d", "e"]
-    assert plan_step([], 3) == ([], [])
-    with pytest.raises(ValueError):
+def test_plan_step_strips_drops_empty_and_counts_over_budget():
+    # training's planning: pieces stripped, empty ones gone (not counted), the first `budget` kept and
+    # the rest counted; a repeated query is kept (it is searched once and shown new documents)
+    kept, dropped = plan_step([" a b ", "A  b", "", "  ", "c", "a b", "e"], budget=3)
+    assert kept == ["a b", "A  b", "c"] and dropped == 2
+    assert plan_step(["x", ""], 3) == (["x"], 0) and plan_step([], 3) == ([], 0)
+    with pytest.raises(ValueError, match="budget=0"):
         plan_step(["x"], 0)
 
 
@@ -216,25 +218,28 @@ def test_dedupe_step_skips_documents_shown_earlier():
     out = dedupe_step(results, per_query=2)
     assert [[h.doc_id for h in r] for r in out] == [["d1", "d2"], ["d4", "d5"], []]
     assert dedupe_step([[H("x"), H("x"), H("y")]], 2)[0] == [H("x"), H("y")]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="per_query=0"):
         dedupe_step(results, 0)
 
 
-def test_step_depth_guarantees_fill():
-    assert step_depth(1, 3) == 3 and step_depth(2, 0) == 2
-    # worst case: every query's list starts with the docs earlier queries took
-    n, per = 3, 2
-    k = step_depth(per, n)
-    results = [[H(f"d{i}") for i in range(k)] for _ in range(n)]
-    out = dedupe_step(results, per)
-    assert all(len(r) == per for r in out)
-    assert len({h.doc_id for r in out for h in r}) == n * per
+def test_dedupe_step_upstream_shows_each_query_its_own_top_hits():
+    # protocol.rules=upstream (RAG-R1's released code): repeats across and within queries kept
+    results = [[H("d1"), H("d2"), H("d3")], [H("d1"), H("d1"), H("d4")]]
+    out = dedupe_step(results, per_query=2, distinct=False)
+    assert [[h.doc_id for h in r] for r in out] == [["d1", "d2"], ["d1", "d1"]]
+
+
+def test_a_repeated_query_backfills_from_its_deeper_hits():
+    # k above docs_per_query is what lets a later (or repeated) query show new documents
+    same = [H("d1"), H("d2"), H("d3"), H("d4")]
+    out = dedupe_step([same, same], per_query=2)
+    assert [[h.doc_id for h in r] for r in out] == [["d1", "d2"], ["d3", "d4"]]
 
 
 def test_multiquery_step_through_cache():
     inner = CountingInner()
     c = CachedRetriever(inner, 100)
     kept, dropped = plan_step(["alpha", "beta", "alpha", "gamma"], budget=2)
-    res = dedupe_step(c.batch_search(kept, step_depth(1, len(kept))), per_query=1)
-    assert [r[0].doc_id for r in res] == ["alpha#0", "beta#0"] and dropped == ["alpha", "gamma"]
+    res = dedupe_step(c.batch_search(kept, 2), per_query=1)
+    assert [r[0].doc_id for r in res] == ["alpha#0", "beta#0"] and dropped == 2
     assert inner.calls == [(["alpha", "beta"], 2)]

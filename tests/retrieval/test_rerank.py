@@ -203,3 +203,33 @@ def test_concurrent_vector_builders_encode_once(tmp_path, corpus, encoder):
     for t in threads:
         t.join()
     assert len(out) == 3 and encoder.texts_encoded - before == len(DOCS)
+
+
+def test_the_packaged_minilm_is_the_published_one_and_a_tampered_copy_is_refused(tmp_path, monkeypatch):
+    import hashlib
+
+    from sonar.retrieval import rerank
+
+    packaged = rerank.packaged_minilm_dir()
+    rerank.verify_minilm_files(packaged)  # the installed wheel's files are the recorded ones
+    copy = tmp_path / "minilm"
+    copy.mkdir()
+    for f in packaged.iterdir():
+        if f.is_file():
+            (copy / f.name).symlink_to(f)
+    (copy / "vocab.txt").unlink()
+    vocab = bytearray((packaged / "vocab.txt").read_bytes())
+    vocab[100] ^= 1  # one bit: same size, another digest
+    (copy / "vocab.txt").write_bytes(bytes(vocab))
+    monkeypatch.setattr(rerank, "packaged_minilm_dir", lambda: copy)
+    with pytest.raises(rerank.ModelFileError) as ei:
+        rerank.DenseEncoder()  # the default encoder: checked before transformers loads it
+    msg = str(ei.value)
+    assert str(copy / "vocab.txt") in msg and hashlib.sha256(vocab).hexdigest() in msg
+    assert rerank.MINILM_FILES["vocab.txt"][1] in msg
+    (copy / "vocab.txt").write_bytes(bytes(vocab[:-1]))  # truncated: named by its size
+    with pytest.raises(rerank.ModelFileError, match=r"vocab\.txt: 231507 bytes, expected 231508 bytes"):
+        rerank.verify_minilm_files(copy)
+    (copy / "vocab.txt").unlink()
+    with pytest.raises(rerank.ModelFileError, match=r"vocab\.txt: missing"):
+        rerank.verify_minilm_files(copy)
