@@ -12,7 +12,10 @@ STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"
 def test_mlflows_handler_writes_sonars_date_after_restamp():
     import mlflow  # noqa: F401 - installs its handler on the "mlflow" logger
 
-    (handler,) = logging.getLogger("mlflow").handlers
+    # MLflow's own handler, picked by its formatter: a test run earlier in this process may have added
+    # others to the "mlflow" logger (the logger is process-wide), so "the only handler" is not assumed.
+    (handler,) = [h for h in logging.getLogger("mlflow").handlers
+                  if type(h.formatter).__module__ == "mlflow.utils.logging_utils"]
     record = logging.LogRecord("mlflow.store", logging.INFO, __file__, 1, "hello", None, None)
     handler.formatter.datefmt = "%Y/%m/%d %H:%M:%S"  # MLflow's own (logging_utils.LOGGING_DATETIME_FORMAT)
     assert re.match(r"\d{4}/\d\d/\d\d ", handler.format(record))
