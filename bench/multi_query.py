@@ -61,6 +61,7 @@ from typing import Callable
 
 import numpy as np
 
+from sonar.actors.evaluation import percent  # the one score format (issue 25)
 from sonar.bench.common import REPO_ROOT, base_parser, bench_settings, setup_env, summarise, write_result
 from sonar.cluster.wire import metrics as K
 
@@ -308,8 +309,8 @@ def run_seed(bcfg: dict, seed: int, run_root: str) -> list[dict]:
     for r in runs:
         del r["_eval"]
         recs = r["records"]
-        log.info("%s %s seed %d: EM %.3f, %.4f s/question, %.2f turns (SFT %.0f s)", NAME, r["label"], seed,
-                 np.mean([x["em"] for x in recs]), np.mean([x["wall_s"] for x in recs]),
+        log.info("%s %s seed %d: EM %s %%, %.4f s/question, %.2f turns (SFT %.0f s)", NAME, r["label"], seed,
+                 percent(np.mean([x["em"] for x in recs])), np.mean([x["wall_s"] for x in recs]),
                  np.mean([x["turns"] for x in recs]), r["sft_s"])
     return runs
 
@@ -440,7 +441,8 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
     v = extra["verdict"]
     share = extra["parallel_share"]["value"]
     fig.suptitle(f"multi-query vs single-query (SFT-only policies, {extra['seeds']} seeds, {extra['questions']} held-out "
-                 f"questions, world parallel share {'natural' if share is None else f'{share:.3f}'}): EM single {v['em_single']['mean']:.3f}, multi {v['em_multi']['mean']:.3f}", fontsize=9)
+                 f"questions, world parallel share {'natural' if share is None else f'{share:.3f}'}): EM single {percent(v['em_single']['mean'])} %, "
+                 f"multi {percent(v['em_multi']['mean'])} %", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 

@@ -37,7 +37,10 @@ NAME = "sensitivity"
 LAG = 2
 FULL = {"axes": {"learner_delay_ms": [0, 250, 1000], "decode_sigma": [0.7, 0.3, 1.2], "groups_per_step": [8, 4, 16]},
         "seeds": [0], "overrides": ["sim.decode_cost=gpu_7b"]}
-QUICK = {"axes": {"learner_delay_ms": [0, 200]}, "seeds": [0], "overrides": ["sim.decode_cost=gpu_7b"]}
+QUICK = {"axes": {"learner_delay_ms": [200]}, "seeds": [0], "overrides": ["sim.decode_cost=gpu_7b"]}
+"""``--quick``: the base point only (one sync and one async run), with one knob set away from its default,
+so the run checks the plumbing (a knob's override reaches the runs and the learner share counts it); the
+one-at-a-time grid itself is pure (``points``) and tested without runs."""
 KNOBS = {"learner_delay_ms": "sim.learner_delay_ms", "decode_sigma": "sim.decode_sigma",
          "groups_per_step": "learner.groups_per_step"}
 """Axis name -> the config key it sets."""

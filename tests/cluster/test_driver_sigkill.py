@@ -1,6 +1,7 @@
 """Deaths by SIGKILL of the real process, in the middle of an RL stage, through the driver's own loop
 (``loop.train`` with a ``Hooks.on_step`` that kills after a given RL step: no sleeps, the step itself
-is the event). The run must finish with the role restarted (or resumed), the accounting balanced, no
+is the event). A worker and a replica die in one run (both are restarted in place); the learner in
+another (it restarts every role). The run must finish with the role restarted (or resumed), the accounting balanced, no
 prompt trained twice, and no trajectory trained on a failed search."""
 import json
 import os
@@ -49,14 +50,44 @@ def _metrics(run_dir: Path):
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
 
 
-def test_sigkilled_worker_is_restarted_and_the_run_completes(tmp_path):
-    import ray
+class Kills:
+    """on_step hook: several ``KillAfter`` hooks in one run (each at its own step); and, after the last
+    RL step of stage 1, retrieval replica 0's pid (``replica_pids``: a restarted replica has a new one)."""
 
+    def __init__(self, *hooks, last: int):
+        self.hooks, self.last, self.replica_pids = hooks, last, []
+
+    def __call__(self, roles, run, stage_index, steps):
+        import ray
+
+        for hook in self.hooks:
+            hook(roles, run, stage_index, steps)
+        if stage_index == 1 and steps == self.last:
+            self.replica_pids.append(ray.get(roles.retrieval[0].health.remote(), timeout=120)["pid"])
+        return False
+
+
+@pytest.fixture(scope="module")
+def worker_and_replica_killed(tmp_path_factory):
+    """One run, two deaths that are restarted in place: rollout worker 1 SIGKILLed after RL step 2 and
+    retrieval replica 0 after step 3 (of 6). The learner's death is a run of its own below: it restarts
+    every role from a checkpoint, which would hide what these two restarts leave behind."""
     from sonar.cluster.driver.loop import train
     from sonar.cluster.driver.roles import Hooks
 
-    hook = KillAfter(2, lambda roles: roles.workers[1].ready)
-    summary = train(_cfg(tmp_path, "cluster.max_worker_restarts=1"), Hooks(on_step=hook))
+    tmp_path = tmp_path_factory.mktemp("sigkill")
+    worker = KillAfter(2, lambda roles: roles.workers[1].ready)
+    replica = KillAfter(3, lambda roles: roles.retrieval[0].health)
+    hook = Kills(worker, replica, last=6)
+    summary = train(_cfg(tmp_path, "cluster.max_worker_restarts=1", "cluster.max_replica_restarts=1"),
+                    Hooks(on_step=hook))
+    return summary, worker, replica, hook
+
+
+def test_sigkilled_worker_is_restarted_and_the_run_completes(worker_and_replica_killed):
+    import ray
+
+    summary, hook, _, _ = worker_and_replica_killed
     assert len(hook.killed) == 1
     assert summary["faults"]["worker_restarts"] == 1
     # the new worker took part in the final push: every worker holds the learner's weights
@@ -69,28 +100,11 @@ def test_sigkilled_worker_is_restarted_and_the_run_completes(tmp_path):
     assert not ray.is_initialized()
 
 
-def test_sigkilled_replica_is_restarted_and_failed_searches_are_not_trained(tmp_path):
-    from sonar.cluster.driver.loop import train
-    from sonar.cluster.driver.roles import Hooks
+def test_sigkilled_replica_is_restarted_and_failed_searches_are_not_trained(worker_and_replica_killed):
     from sonar.cluster.wire import metrics as K
 
-    seen_pids = []
-
-    def replica(roles):
-        return roles.retrieval[0].health
-
-    class Probe(KillAfter):
-        def __call__(self, roles, run, stage_index, steps):
-            import ray
-
-            out = super().__call__(roles, run, stage_index, steps)
-            if self.killed and stage_index == 1 and steps == stage_last:
-                seen_pids.append(ray.get(roles.retrieval[0].health.remote(), timeout=120)["pid"])
-            return out
-
-    stage_last = 6
-    hook = Probe(2, replica)
-    summary = train(_cfg(tmp_path, "cluster.max_replica_restarts=1"), Hooks(on_step=hook))
+    summary, _, hook, probe = worker_and_replica_killed
+    seen_pids = probe.replica_pids
     assert len(hook.killed) == 1 and seen_pids and seen_pids[0] != hook.killed[0], "the replica was not restarted"
     assert summary["replay"]["balanced"]
     recs, seen = _records(Path(summary["run_dir"]))

@@ -232,3 +232,21 @@ def test_importance_weight_histogram_counts_every_trained_token():
                 AlgoConfig(dynamic_sampling=False), LearnerConfig(micro_batch_tokens=30), ReplayConfig(), 1.0, 0)
     hist = {k: v for k, v in m.items() if k.startswith("learner/is_weight/hist/")}
     assert len(hist) == 7 and sum(hist.values()) == m["learner/trained_tokens"]
+
+
+def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_afterwards():
+    """The learner's DeepSpeed import skips the autotuner's ``import mlflow`` (2-3 s of every learner's
+    start-up); MLflow is importable again once DeepSpeed is in (a fresh process: nothing loaded before)."""
+    import subprocess
+
+    code = ("import sys\n"
+            "from sonar.learner.deepspeed_config import import_deepspeed_without_shm_jit as f\n"
+            "ds = f()\n"
+            "from deepspeed.autotuning import autotuner\n"
+            "assert 'mlflow' not in sys.modules and autotuner.has_mlflow is False, 'mlflow was imported'\n"
+            "import mlflow\n"
+            "assert sys.modules['mlflow'] is mlflow and mlflow.__version__\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
