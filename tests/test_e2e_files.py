@@ -25,7 +25,7 @@ def files_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "sonar", "train", *COMMAND, f"run.root={root}",
-                          f"run.run_dir={root / 'files'}", "tracking.log_model=false"],
+                          f"run.run_dir={root / 'files'}", "tracking.log_model=false", "rollout.num_workers=1"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     return root / "files"

@@ -28,7 +28,7 @@ def ppo_run(tmp_path_factory, shared_ray):
     cfg = load_config([smoke_sizing(root), CONFIG_DIR / "rag_r1_tiny.yaml"], [
         f"run.root={root}", f"run.run_dir={root / 'ppo'}", "world.num_heldout_eval=8", "eval.no_search=false",
         "stages.0.steps=10", "stages.0.batch_size=16", "stages.1.steps=3", "learner.groups_per_step=8",
-        "tracking.log_model=false"])
+        "tracking.log_model=false", "rollout.num_workers=1"])
     assert cfg.stages[1].algo.name == "ppo" and cfg.rollout.group_size == 1
     return cfg, train(cfg)
 

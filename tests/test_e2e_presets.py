@@ -16,7 +16,8 @@ from sonar.cluster.wire import metrics as K
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 SHRINK = ["world.num_heldout_eval=8", "stages.0.steps=10", "stages.0.batch_size=16", "rollout.group_size=4",
-          "learner.groups_per_step=2", "replay.capacity_groups=4", "tracking.log_model=false"]
+          "learner.groups_per_step=2", "replay.capacity_groups=4", "tracking.log_model=false",
+          "rollout.num_workers=1"]  # one worker: these runs check a preset's stages, not the pool
 
 
 def _run(tmp_path_factory, preset: str, extra: list[str]):

@@ -23,6 +23,7 @@ def visit_run(tmp_path_factory, shared_ray):
     root = tmp_path_factory.mktemp("visit")
     cfg = load_config([smoke_sizing(root)], [
         f"run.root={root}", f"run.run_dir={root / 'visit'}", "world.num_heldout_eval=8", "tracking.log_model=false",
+        "rollout.num_workers=1",
         "protocol.tools=[search,visit]", "protocol.visit_max_calls=1",
         "stages=[{name: sft, kind: sft, steps: 60, lr: 3.0e-3, batch_size: 32},"
         f" {{name: rl, kind: rl, steps: 2, lr: 3.0e-4, reward: {{name: '{PLUGINS}:short_answer_reward'}}}}]"])
@@ -67,7 +68,7 @@ def http_run(tmp_path_factory, shared_ray):
 
     root = tmp_path_factory.mktemp("http")
     base = [f"run.root={root}", f"run.run_dir={root / 'http'}", "world.num_heldout_eval=8", "tracking.log_model=false",
-            "stages.0.steps=60", "stages.1.steps=2", "stages.2.steps=1", "eval.before=false"]
+            "stages.0.steps=60", "stages.1.steps=2", "stages.2.steps=1", "eval.before=false", "rollout.num_workers=1"]
     local = load_config([smoke_sizing(root), "smoke"], base)
     index = build_retriever(local.retrieval, prepare_corpus(local, None), indexes_dir(local))
     server = SearchR1Server()

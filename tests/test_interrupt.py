@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_ctrl_c_marks_run_killed_and_leaves_no_processes(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "sonar", "train", "--config", str(ROOT / "configs" / "smoke.yaml"),
-           f"run.root={tmp_path}", f"run.run_dir={run_dir}", "stages.0.steps=100000"]
+           f"run.root={tmp_path}", f"run.run_dir={run_dir}", "stages.0.steps=100000", "rollout.num_workers=1"]
     # A terminal's Ctrl-C: SIGINT handled by default in the child even if this test process inherited it
     # ignored (a CI job started in the background), which Python would otherwise pass on.
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

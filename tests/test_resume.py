@@ -34,7 +34,7 @@ def read_jsonl(path):
 def test_kill_and_resume_trains_every_prompt_once(tmp_path):
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
     common = ["--config", str(ROOT / "configs" / "smoke.yaml"), f"run.root={tmp_path}", "eval.before=false",
-              "eval.no_search=false", "world.num_heldout_eval=4", "run.checkpoint_every=3"]
+              "eval.no_search=false", "world.num_heldout_eval=4", "run.checkpoint_every=3", "rollout.num_workers=1"]
     proc = subprocess.Popen([sys.executable, "-m", "sonar", "train", *common, f"run.run_dir={a_dir}",
                              "stages.1.steps=1000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
