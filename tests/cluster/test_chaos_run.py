@@ -7,7 +7,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1800)]
 
 
-def test_chaos_run_by_learner_steps_loses_nothing_and_trains_nothing_twice(tmp_path, capsys):
+def test_chaos_run_by_learner_steps_loses_nothing_and_trains_nothing_twice(tmp_path, capsys, shared_ray):
     from sonar.cluster.driver.chaos import run_chaos
     from sonar.cluster.wire.config import CONFIG_DIR, load_config
 

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture()
-def roles_for(tmp_path):
+def roles_for(tmp_path, shared_ray):
     made = []
 
     def make(restarts: int):

@@ -68,7 +68,7 @@ class Kills:
 
 
 @pytest.fixture(scope="module")
-def worker_and_replica_killed(tmp_path_factory):
+def worker_and_replica_killed(tmp_path_factory, shared_ray):
     """One run, two deaths that are restarted in place: rollout worker 1 SIGKILLed after RL step 2 and
     retrieval replica 0 after step 3 (of 6). The learner's death is a run of its own below: it restarts
     every role from a checkpoint, which would hide what these two restarts leave behind."""
@@ -117,7 +117,7 @@ def test_sigkilled_replica_is_restarted_and_failed_searches_are_not_trained(work
     assert all(r.get(K.ROLLOUT_FINISH.format(reason="retrieval_error"), 0) == 0 for r in rows)
 
 
-def test_sigkilled_learner_is_resumed_from_the_last_checkpoint(tmp_path):
+def test_sigkilled_learner_is_resumed_from_the_last_checkpoint(tmp_path, shared_ray):
     from sonar.cluster.driver.loop import train
     from sonar.cluster.driver.roles import Hooks
 

@@ -81,7 +81,7 @@ def _check_finished_run(summary: dict, kill: KillAt) -> None:
     assert not ray.is_initialized()
 
 
-def test_a_worker_killed_while_the_group_forms_is_restarted_and_the_run_finishes(tmp_path):
+def test_a_worker_killed_while_the_group_forms_is_restarted_and_the_run_finishes(tmp_path, shared_ray):
     """The first formation (the roles just started): the learner's endpoint is open when worker 1 dies.
     The learner's and worker 0's rendezvous time out (``cluster.broadcast_timeout_s``), worker 1 is replaced,
     the group forms again with it, and the run trains and finishes."""
@@ -94,7 +94,7 @@ def test_a_worker_killed_while_the_group_forms_is_restarted_and_the_run_finishes
     _check_finished_run(summary, kill)
 
 
-def test_a_worker_killed_while_the_group_forms_with_no_restart_left_fails_the_run_naming_it(tmp_path):
+def test_a_worker_killed_while_the_group_forms_with_no_restart_left_fails_the_run_naming_it(tmp_path, shared_ray):
     from sonar.cluster.driver.loop import train
     from sonar.cluster.driver.roles import Hooks
     from sonar.cluster.driver.rollout_pool import WorkerFailed
@@ -106,7 +106,7 @@ def test_a_worker_killed_while_the_group_forms_with_no_restart_left_fails_the_ru
     assert len(kill.killed) == 1 and kill.pool.generation == 1
 
 
-def test_a_worker_killed_mid_push_is_restarted_and_the_next_push_reaches_every_worker(tmp_path):
+def test_a_worker_killed_mid_push_is_restarted_and_the_next_push_reaches_every_worker(tmp_path, shared_ray):
     """The first push while the RL stage's rollout loops run: the learner has started sending when worker 1
     dies. That push reports nothing (its step's row has no ``weights/sync_s``); worker 1 is replaced, the
     loops paused, the group formed again, the weights pushed, the loops resumed; every later push

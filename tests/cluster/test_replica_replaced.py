@@ -49,7 +49,7 @@ class KillReplicaForGood:
         return False
 
 
-def test_a_replica_dead_for_good_is_replaced_and_the_workers_search_through_the_new_one(tmp_path):
+def test_a_replica_dead_for_good_is_replaced_and_the_workers_search_through_the_new_one(tmp_path, shared_ray):
     import ray
 
     from sonar.cluster.driver.loop import train
