@@ -18,7 +18,9 @@ def vllm_run(tmp_path_factory, shared_ray):
     root = tmp_path_factory.mktemp("runs")
     cfg = load_config([CONFIG_DIR / "smoke.yaml"], [
         f"run.root={root}", f"run.run_dir={root / 'smoke-vllm'}", "rollout.engine=vllm",
-        "rollout.vllm_kv_cache_gib=0.25", "tracking.enabled=false"])
+        "rollout.vllm_kv_cache_gib=0.25", "tracking.enabled=false",
+        # what the assertions need: SFT to train and push, RL steps, one held-out pass through vLLM
+        "stages.0.steps=10", "eval.before=false", "eval.no_search=false", "world.num_heldout_eval=8"])
     return cfg, train(cfg)
 
 

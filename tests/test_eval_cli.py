@@ -93,7 +93,7 @@ def scripted_policy(tokenizer, chain: dict[str, str], default: str):
 
 
 @pytest.mark.ray
-def test_training_eval_and_sonar_eval_give_the_same_numbers(setup, tmp_path):
+def test_training_eval_and_sonar_eval_give_the_same_numbers(setup, tmp_path, shared_ray):
     """One evaluation path: the same held-out questions through training's evaluation (a Ray rollout
     worker searching through the retrieval service, sharded and summarised by ``reports.evaluate``)
     and through ``sonar eval`` (in-process, ``run_eval``) give the same records and the same summary.
