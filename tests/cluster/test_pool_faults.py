@@ -21,11 +21,12 @@ STEP_TIMEOUT_S = 90
 """``cluster.step_timeout_s`` of these runs: it bounds an actor's start (on 2 busy cores the roles took
 about 45 s to start)."""
 
-BROADCAST_TIMEOUT_S = 30
+BROADCAST_TIMEOUT_S = 15
 """``cluster.broadcast_timeout_s``: the group's timeout, which the ranks left at a rendezvous (or a
-collective) with a dead peer wait out before the group forms again. A healthy rendezvous of these tiny
-groups takes about a second, a push of the 0.45M-parameter model well under one; 30 s leaves room for
-a loaded machine without the 90 s of ``step_timeout_s`` being waited out twice per test."""
+collective) with a dead peer wait out before the group forms again (once in each restart test: it is
+most of what they wait). A healthy rendezvous of these tiny groups takes about a second, a push of the
+0.45M-parameter model well under one; 15 s leaves room for a loaded machine without the 90 s of
+``step_timeout_s`` being waited out twice per test."""
 
 
 def _cfg(tmp_path, *extra):
