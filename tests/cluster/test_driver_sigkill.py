@@ -1,8 +1,8 @@
 """Deaths by SIGKILL of the real process, in the middle of an RL stage, through the driver's own loop
 (``loop.train`` with a ``Hooks.on_step`` that kills after a given RL step: no sleeps, the step itself
-is the event). A worker and a replica die in one run (both are restarted in place); the learner in
-another (it restarts every role). The run must finish with the role restarted (or resumed), the accounting balanced, no
-prompt trained twice, and no trajectory trained on a failed search."""
+is the event). A worker and a replica die in one run (both are restarted in place), the learner in
+another (it restarts every role). The run must finish with the role restarted (or resumed), the
+accounting balanced, no prompt trained twice, and no trajectory trained on a failed search."""
 import json
 import os
 import signal
