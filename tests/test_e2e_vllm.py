@@ -20,7 +20,9 @@ def vllm_run(tmp_path_factory, shared_ray):
         f"run.root={root}", f"run.run_dir={root / 'smoke-vllm'}", "rollout.engine=vllm",
         "rollout.vllm_kv_cache_gib=0.25", "tracking.enabled=false",
         # what the assertions need: SFT to train and push, RL steps, one held-out pass through vLLM
-        "stages.0.steps=10", "eval.before=false", "eval.no_search=false", "world.num_heldout_eval=8"])
+        "stages.0.steps=10", "eval.before=false", "eval.no_search=false", "world.num_heldout_eval=8",
+        # a hang guard, not a measure: two vLLM engines started for 10+ minutes on 2 cores at load 8-10
+        "cluster.step_timeout_s=1500"])
     return cfg, train(cfg)
 
 
