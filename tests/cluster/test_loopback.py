@@ -143,7 +143,6 @@ def test_learner_deepspeed_group_and_broadcast_store_listen_on_loopback_only(tmp
 
 @pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.timeout(1800)
 def test_a_local_runs_roles_listen_on_loopback_only(tmp_path):
     """The roles of a local run (``start_roles``: Ray on 127.0.0.1, the learner actor with DeepSpeed,
     a rollout worker, the broadcast group connected and the weights pushed): no listening socket of the

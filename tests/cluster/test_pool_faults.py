@@ -15,7 +15,7 @@ import pytest
 
 from tests.waiting import wait_actor_dead
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.ray]  # slow: the 1,800 s hang guard (tests/conftest.py)
 
 STEP_TIMEOUT_S = 90
 """``cluster.step_timeout_s`` of these runs: it bounds an actor's start (on 2 busy cores the roles took

@@ -10,7 +10,7 @@ import pytest
 
 from tests.waiting import wait_actor_dead
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.ray]  # slow: the 1,800 s hang guard (tests/conftest.py)
 
 
 def _cfg(tmp_path, *extra):
