@@ -28,6 +28,7 @@ BENCHMARKS = {
     "multi-query": "RAG-R1's multi-query vs single-query search: per-question time, turns, retrievals at equal EM",
     "sensitivity": "async speedup as the learner share, the tail sigma and the batch size vary (one at a time)",
     "engines": "tokens/s of the rollout engines (transformers static and continuous, vLLM) at 1, 8 and 64 rows",
+    "default-run": "what `sonar train` on the default preset gives, per training seed: the README's results table",
     "learner": "tokens/s and peak memory of a learner step: vocab 200 vs 151,936, chunked logits vs not, 1 vs 2 ranks",
 }
 USAGE = "usage: sonar bench NAME [--quick] [--out DIR] [options of NAME]   (sonar bench NAME -h for them)"

@@ -1,4 +1,4 @@
-"""The three training benchmarks' ``--quick`` runs (async-vs-sync, rollout-scaling, end-to-end), slow.
+"""The four training benchmarks' ``--quick`` runs (async-vs-sync, rollout-scaling, end-to-end, default-run), slow.
 
 Each runs through the real driver pieces (local Ray, DeepSpeed learner, rollout workers, replay,
 retrieval service, gloo broadcast) at smoke size and must write a result that follows the shared
@@ -128,3 +128,31 @@ def test_end_to_end_quick(tmp_path, shared_ray):
     assert sum(m[k]["median"] for k in parts) == pytest.approx(m["rl/critical/wall_s"]["median"], rel=1e-6)
     assert m["rl/critical/wall_s"]["median"] * m["rl/steps"]["median"] <= m["rl/loop_seconds"]["median"] + 1e-6
     assert m["rl/critical/compute_s"]["median"] > 0
+
+
+def test_default_run_quick(tmp_path):
+    """``sonar bench default-run --quick``: one real ``sonar train`` process (its own local Ray), whose
+    summary the JSON records per seed; the README renderer reads that JSON and refuses it for the README
+    (a quick run is not the README's measurement)."""
+    from sonar.bench import default_run
+
+    assert run.main(["default-run", "--quick", "--out", str(tmp_path), "--run-root", str(tmp_path / "runs")]) == 0
+    doc = load_result(tmp_path, "default-run")
+    (rec,) = doc["extra"]["runs"]
+    assert rec["seed"] == 0 and rec["argv"][:4] == ["sonar", "train", "--config", "smoke"]
+    assert rec["balanced"] and rec["max_policy_lag"] == 1 and 0 <= rec["policy_lag_max"] <= 1
+    assert rec["learner_steps"] == 5 + 3 + 2 and rec["eval_n"]["after_search"] == 8
+    for k in ("em_before_search", "em_after_search", "f1_after_search", "acc_r_after_search", "em_after_no_search"):
+        assert 0.0 <= rec[k] <= 1.0, k
+    # The memory sampler saw the command's whole process tree (its Ray cluster and actors), not one process.
+    assert rec["peak_pss_gb"] > 0.5 and rec["command_wall_s"] > rec["wall_s"] > 0
+    assert doc["config"]["preset_file"] == "configs/smoke.yaml"
+    assert doc["config"]["preset_sha256"] == default_run.preset_sha256(default_run.REPO_ROOT / "configs/smoke.yaml")
+    table = default_run.render_table(doc, "x.json")
+    assert table.count("\n| ") == len(default_run.ROWS) + 1 and "| seed 0 |" in table  # header + one row each
+    with pytest.raises(ValueError, match="not a full default-run result"):
+        default_run.write_readme(next(tmp_path.glob("default-run-*.json")), tmp_path / "README.md")
+    (tmp_path / "runs" / "seed0" / "other" ).mkdir()
+    (tmp_path / "runs" / "seed0" / "other" / "summary.json").write_text("{}")
+    with pytest.raises(RuntimeError, match="expected one finished run"):
+        default_run.read_run(tmp_path / "runs" / "seed0")
