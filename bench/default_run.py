@@ -12,8 +12,9 @@ command, its Ray cluster and actors, and this benchmark's own process, about 0.1
 The README's results table and its run-time sentence are rendered from the JSON by this module
 (``sonar bench default-run --readme [JSON]`` rewrites them between their markers), and
 ``tests/bench/test_readme_results.py`` checks that the README says what the JSON it names says, that
-the JSON comes from a clean commit of this history, and that ``configs/tiny.yaml`` has not changed
-since (its SHA-256 is recorded): change the preset and the test asks for a new run.
+the JSON comes from a clean commit of this history, and that ``configs/tiny.yaml``'s settings have not
+changed since (the SHA-256 of its parsed YAML is recorded): change the preset and the test asks for a
+new run.
 
 Each seed's run gets a fresh ``run.root`` (its world, index and MLflow store are built as on a first
 ``make run``); ``--run-root DIR`` keeps them, else they go to a temporary folder removed afterwards.
@@ -252,7 +253,11 @@ def readme_json(text: str) -> str:
 
 
 def preset_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    """SHA-256 of the preset's settings (the parsed YAML as canonical JSON): comments may change, values not."""
+    import yaml
+
+    settings = yaml.safe_load(Path(path).read_text())
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def write_readme(json_path: Path, readme: Path = README) -> None:
