@@ -26,7 +26,8 @@ from the first call to the last reply, reported as items/s and ms/item (item = o
   the floor of any one-by-one call.
 - ``rayqueue/put_one``, ``rayqueue/get_one``, ``rayqueue/put_batch``, ``rayqueue/get_batch``:
   ``ray.util.queue.Queue`` with ``put``/``get`` against ``put_nowait_batch``/``get_nowait_batch``, the
-  comparison the GUIDE quotes (4 ms per put/get pair against 0.3 ms per item batched).
+  comparison behind the replay's batched get (about 4 ms per put/get pair against 0.3 ms per item
+  batched on a 2-core machine).
 
 Payload sizes matter because Ray inlines arguments under 100 KB and moves larger ones through the
 object store: the queue is measured with groups of 8 x 512 tokens (29 KB) and 8 x 8k tokens (376 KB).

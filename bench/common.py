@@ -13,8 +13,8 @@ one rule ("each metric, or each entry of a one-level group, has median/min/max")
 measures.
 
 Why the environment is set here: with 2 cores, torch's default of 2 threads per process makes small
-ops 10-100x slower once a second process is busy, and Ray binds eth0 unless told otherwise
-(see /work/shared/GUIDE.md, Machine notes). ``setup_env()`` must run before torch or ray are imported.
+ops 10-100x slower once a second process is busy, and Ray binds the machine's first network interface
+unless told to use 127.0.0.1. ``setup_env()`` must run before torch or ray are imported.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ Variants, timed by the driver from issuing the calls to the last reply (what the
 - ``per_tensor``: one Ray control call per rank; each rank then loops over the tensors, one
   ``broadcast`` per tensor. Isolates the cost of many small collectives from Ray overhead.
 - ``per_tensor_ray``: one Ray call per tensor per rank (OpenRLHF-style: the driver announces each
-  parameter, then it is broadcast). Shows the Ray overhead the GUIDE warns about.
+  parameter, then it is broadcast). Shows the cost of one Ray round trip per tensor.
 - ``ray_put``: the naive path: the learner ``ray.put``s its state dict and each worker ``ray.get``s it
   (plasma object store on the same node; no broadcast group at all).
 

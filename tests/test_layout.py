@@ -444,3 +444,19 @@ def test_architecture_lists_every_production_module():
     missing = sorted(str(p.relative_to(ROOT)) for p in production_modules().values()
                      if p.name not in ("__init__.py", "__main__.py") and p.name not in text)
     assert not missing, f"ARCHITECTURE.md does not list: {missing}"
+
+
+def test_nothing_cites_a_file_outside_the_repository():
+    """Documents, comments and presets say the fact, not "see" a development machine's notes: a path like
+    ``/work/shared/GUIDE.md`` or ``../shared`` means nothing in a user's clone."""
+    import subprocess
+
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    files = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.yaml", "*.toml", "Makefile", ".ci/*"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    this = Path(__file__).relative_to(ROOT).as_posix()
+    bad = [f"{f}:{i}" for f in files if f != this
+           for i, line in enumerate((ROOT / f).read_text(errors="replace").splitlines(), 1)
+           if "/work/shared" in line or "../shared" in line or "GUIDE.md" in line]
+    assert not bad, f"cites a file outside the repository: {bad}"
