@@ -86,13 +86,20 @@ def read_run(root: Path) -> dict:
     rec["eval_n"] = {k: row.get("n") for k, row in evals.items()}
     rec["faults"] = summary.get("faults")
     rec["max_policy_lag"] = _max_policy_lag(found[0].parent / "config.yaml")
-    rec["curves"] = _curves(found[0].parent / "metrics.jsonl")
+    rec["curves"] = _curves(found[0].parent / "metrics.jsonl", _sft_stages(found[0].parent / "config.yaml"))
     return rec
 
 
-def _curves(metrics_jsonl: Path) -> dict:
-    """Per logged step (``metrics.jsonl``: one row per learner step): the SFT loss and the RL rollout
-    reward mean, as ``[step, value]`` pairs (every row; the default run logs about 800)."""
+def _sft_stages(config_yaml: Path) -> set[int]:
+    import yaml
+
+    stages = (yaml.safe_load(config_yaml.read_text()) or {}).get("stages", [])
+    return {i for i, st in enumerate(stages) if st.get("kind") == "sft"}
+
+
+def _curves(metrics_jsonl: Path, sft_stages: set[int]) -> dict:
+    """Per logged step (``metrics.jsonl``: one row per learner step): the SFT stages' loss and the RL
+    rollout reward mean, as ``[step, value]`` pairs (every row; the default run logs about 800)."""
     from sonar.cluster.wire import metrics as K
 
     out: dict[str, list] = {"sft_loss": [], "rl_reward": []}
@@ -100,7 +107,7 @@ def _curves(metrics_jsonl: Path) -> dict:
         row = json.loads(line)
         if K.ROLLOUT_REWARD_MEAN in row:
             out["rl_reward"].append([row["step"], round(float(row[K.ROLLOUT_REWARD_MEAN]), 4)])
-        elif K.LEARNER_LOSS in row and row.get("step") is not None:
+        elif K.LEARNER_LOSS in row and row.get("stage") in sft_stages:
             out["sft_loss"].append([row["step"], round(float(row[K.LEARNER_LOSS]), 4)])
     return out
 
@@ -287,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--readme", nargs="?", const="", metavar="JSON",
                    help="run nothing: rewrite README.md's results table and run time from JSON "
                         "(default: the newest default-run result under --out)")
+    p.renders_only = "readme"  # --readme writes README.md from a committed JSON: any tree may do that
     args = p.parse_args(argv)
     if args.readme is not None:
         write_readme(Path(args.readme) if args.readme else newest_result(Path(args.out)))

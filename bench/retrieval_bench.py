@@ -26,7 +26,7 @@ the protocol cost alone -- HTTP, JSON, client -- per call and per query) and on 
 (``es/500docs/*``, dominated by noida's scan: ``es/scan_ms_per_doc_per_query``); tantivy on the same
 fixtures is the in-process reference (``tantivy_fixture/*``).
 
-Run: ``python -m bench.retrieval_bench [--quick]``. Corpus and index are cached under ``--work-dir``.
+Run: ``sonar bench retrieval [--quick]``. Corpus and index are cached under ``--work-dir``.
 """
 from __future__ import annotations
 

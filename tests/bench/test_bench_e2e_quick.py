@@ -142,6 +142,8 @@ def test_default_run_quick(tmp_path):
     assert rec["seed"] == 0 and rec["argv"][:4] == ["sonar", "train", "--config", "smoke"]
     assert rec["balanced"] and rec["max_policy_lag"] == 1 and 0 <= rec["policy_lag_max"] <= 1
     assert rec["learner_steps"] == 5 + 3 + 2 and rec["eval_n"]["after_search"] == 8
+    assert [x for x, _ in rec["curves"]["sft_loss"]] == [1, 2, 3, 4, 5]  # the SFT stage's rows only
+    assert all(x > 5 for x, _ in rec["curves"]["rl_reward"]) and len(rec["curves"]["rl_reward"]) <= 3 + 2
     for k in ("em_before_search", "em_after_search", "f1_after_search", "acc_r_after_search", "em_after_no_search"):
         assert 0.0 <= rec[k] <= 1.0, k
     # The memory sampler saw the command's whole process tree (its Ray cluster and actors), not one process.
@@ -152,7 +154,7 @@ def test_default_run_quick(tmp_path):
     assert table.count("\n| ") == len(default_run.ROWS) + 1 and "| seed 0 |" in table  # header + one row each
     with pytest.raises(ValueError, match="not a full default-run result"):
         default_run.write_readme(next(tmp_path.glob("default-run-*.json")), tmp_path / "README.md")
-    (tmp_path / "runs" / "seed0" / "other" ).mkdir()
+    (tmp_path / "runs" / "seed0" / "other").mkdir()
     (tmp_path / "runs" / "seed0" / "other" / "summary.json").write_text("{}")
     with pytest.raises(RuntimeError, match="expected one finished run"):
         default_run.read_run(tmp_path / "runs" / "seed0")
