@@ -114,6 +114,26 @@ def test_codec_quick_without_ray(tmp_path):
     assert {"codec/tokens=512/encode_mb_per_s", "codec/tokens=2k/decode_mb_per_s"} <= set(doc["metrics"])
 
 
+@pytest.mark.slow
+def test_retrieval_quick(tmp_path):
+    """``sonar bench retrieval --quick`` (no Ray; a noida-db server on 127.0.0.1 for the Elasticsearch part):
+    every workload and the Elasticsearch protocol numbers are there. Its empty-index fixture once broke
+    on the corpus reader's refusal of empty files and the result was written without them."""
+    assert run.main(["retrieval", "--quick", "--out", str(tmp_path), "--work-dir", str(tmp_path / "work")]) == 0
+    doc = load_result(tmp_path, "retrieval")
+    m = doc["metrics"]
+    for stage in ("bm25", "dense"):
+        for kind in ("single", "batched", "multiquery"):
+            for cache in ("cache", "nocache"):
+                assert m[f"{stage}/{kind}/{cache}/qps"]["median"] > 0, (stage, kind, cache)
+    assert doc["extra"]["notes"]["elasticsearch"].startswith("noida-db on http://127.0.0.1:")
+    for n in (0, 100):
+        for kind in ("single", "batched"):
+            assert m[f"es/{n}docs/{kind}/qps"]["median"] > 0, (n, kind)
+    assert "es/scan_ms_per_doc_per_query" in m and m["tantivy_fixture/100docs/single/qps"]["median"] > 0
+    assert 0 < m["bm25/single/cache/hit_rate"]["median"] < 1  # the stream repeats queries, not all of them
+
+
 # ------------------------------------------------------------------------------------ slow: real Ray
 @pytest.fixture(scope="module")
 def ray_local(shared_ray):
