@@ -48,6 +48,9 @@ def test_the_json_is_a_full_measurement_of_todays_preset(doc):
 
 @pytest.mark.skipif(shutil.which("git") is None or not (D.REPO_ROOT / ".git").exists(), reason="not a git checkout")
 def test_the_json_comes_from_this_history(doc):
+    if subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=D.REPO_ROOT, capture_output=True,
+                      text=True).stdout.strip() == "true":
+        pytest.skip("a shallow clone does not hold the history to check")
     rc = subprocess.run(["git", "merge-base", "--is-ancestor", doc["commit"], "HEAD"], cwd=D.REPO_ROOT,
                         capture_output=True).returncode
     assert rc == 0, f"the README's measurement names commit {doc['commit']}, which is not an ancestor of HEAD"
