@@ -140,6 +140,9 @@ def test_each_repository_path_exists():
     spans = re.findall(r"`([^`\s]+)`", README)
     paths = {s.rstrip(".,:;") for s in spans if s.split("/", 1)[0] in TOP_FOLDERS and "/" in s
              and not re.search(r"[<>*{}$]|\.\.\.", s)}
+    # and the files the diagrams and command blocks name (`driver (cluster/driver/loop.py)`)
+    for block in re.findall(r"```[a-z]*\n(.*?)```", README, re.S):
+        paths |= set(re.findall(r"(?<![\w/.$<-])((?:%s)/[\w./-]*\w\.[a-z]+)" % "|".join(TOP_FOLDERS[:-1]), block))
     paths = {p.split(":", 1)[0] for p in paths}  # `cluster/driver/files.py:check` -> the file
     # a file (an extension) or a folder (a trailing slash); `retrieval/replicas_replaced` is a metric name
     paths = {p for p in paths if p.endswith("/") or "." in p.rsplit("/", 1)[-1]}

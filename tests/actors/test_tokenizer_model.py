@@ -161,3 +161,27 @@ def test_materialised_policy_is_what_every_role_loads(world, tok, tmp_path):
     assert not (tmp_path / "other").exists()
     with pytest.raises(ValueError, match="model.path"):
         materialise_policy(ModelConfig(path=str(tmp_path / "missing")), world, tmp_path / "x")
+
+
+def test_the_default_policys_size_is_the_one_the_documents_give():
+    """One number per fact (issue 25): the default run's policy (configs/tiny.yaml's world and model) has
+    the parameter count README.md gives in parentheses, and every document that rounds it (a size under
+    1M: the 4.3M model in actors/model.py is another one) says 0.45M."""
+    import re
+    from pathlib import Path
+
+    from sonar.cluster.wire.config import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(["tiny"], [])
+    model, _ = policy_and_tokenizer(cfg.model, W.build_world(cfg.world))
+    n = sum(p.numel() for p in model.parameters())
+    readme = (root / "README.md").read_text()
+    stated = re.search(r"a ([0-9.]+)M-parameter policy\s+\(([0-9,]+)\)", readme)
+    assert stated, "README.md no longer states the default policy's size as 'a 0.45M-parameter policy (N)'"
+    assert int(stated.group(2).replace(",", "")) == n, (stated.group(0), n)
+    rounded = f"{n / 1e6:.2f}M"
+    assert stated.group(1) + "M" == rounded
+    for doc in ("README.md", "configs/tiny.yaml", "actors/model.py"):
+        sizes = set(re.findall(r"(0\.[0-9]+)M[- ]param", (root / doc).read_text()))
+        assert sizes == {rounded[:-1]}, (doc, sizes)
