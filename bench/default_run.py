@@ -273,10 +273,11 @@ def write_readme(json_path: Path, readme: Path = README) -> None:
         raise ValueError(f"{json_path}: not a full default-run result from a clean tree "
                          f"(name {doc.get('name')!r}, quick {doc['config'].get('quick')}, dirty {doc.get('dirty')})")
     text = readme.read_text()
+    before = readme_json(text)
     text = splice(text, TABLE_BEGIN, TABLE_END, render_table(doc, json_path.name), "results table")
     text = splice(text, TIME_BEGIN, TIME_END, render_time(doc), "run-time phrase")
     readme.write_text(text)
-    print(f"[{NAME}] {readme} now shows {json_path.name}")
+    print(f"[{NAME}] {readme} now shows {json_path.name} (it showed {before})")
 
 
 def newest_result(out: Path) -> Path:

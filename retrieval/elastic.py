@@ -153,13 +153,6 @@ def create_index(client: Any, index: str, k1: float = 1.2, b: float = 0.75, stor
     return body
 
 
-def index_similarity(client: Any, index: str) -> dict[str, float]:
-    """The k1/b the server reports for ``index`` (GET _settings), e.g. {'k1': 1.2, 'b': 0.75}."""
-    settings = client.indices.get_settings(index=index)
-    sim = next(iter(settings.values()))["settings"]["index"]["similarity"][SIMILARITY]
-    return {"k1": float(sim["k1"]), "b": float(sim["b"])}
-
-
 class BulkIndexError(RuntimeError):
     """Some documents were not indexed. ``failures`` = [(doc_id, reason), ...]."""
 

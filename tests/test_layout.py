@@ -460,3 +460,48 @@ def test_nothing_cites_a_file_outside_the_repository():
            for i, line in enumerate((ROOT / f).read_text(errors="replace").splitlines(), 1)
            if "/work/shared" in line or "../shared" in line or "GUIDE.md" in line]
     assert not bad, f"cites a file outside the repository: {bad}"
+
+
+TESTS_ONLY_ALLOWED = {
+    ("cluster/wire/protocol.py", "encode_trajectory"): "the wire's one-trajectory codec beside encode_group: "
+                                                       "public API for users' tools and the schema tests",
+    ("cluster/wire/protocol.py", "decode_trajectory"): "its inverse",
+    ("actors/world.py", "write_questions_jsonl"): "exports the synthetic world's questions as FlashRAG JSONL, "
+                                                  "the format `sonar eval --data` reads (write_corpus_jsonl's pair)",
+}
+"""Public production names that only tests call, each with the reason it stays in production."""
+
+
+def unused_public_names(sources: dict[str, str]) -> list[tuple[str, str]]:
+    """(file, name) of every public top-level function or class that no production file uses: not
+    mentioned again in its own file and not in any other. Decorated ones count as used (a registry's
+    ``@REWARDS.register(...)`` is their use)."""
+    from collections import Counter
+
+    words = {rel: Counter(re.findall(r"\w+", text)) for rel, text in sources.items()}
+    out = []
+    for rel, text in sources.items():
+        for node in ast.parse(text).body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name.startswith("_"):
+                continue
+            if node.decorator_list:
+                continue
+            if words[rel][node.name] > 1 or any(node.name in w for r, w in words.items() if r != rel):
+                continue
+            out.append((rel, node.name))
+    return out
+
+
+def test_no_production_function_is_called_only_by_tests():
+    """Dead code and test-only helpers live in the tests, not in production (issue 25); the names that
+    stay (TESTS_ONLY_ALLOWED) say why."""
+    sources = {p.relative_to(ROOT).as_posix(): p.read_text() for p in production_modules().values()}
+    unused = unused_public_names(sources)
+    assert sorted(set(unused) - set(TESTS_ONLY_ALLOWED)) == [], "only tests (or nothing) use these"
+    assert sorted(set(TESTS_ONLY_ALLOWED) - set(unused)) == [], "production uses these now: drop them from the list"
+
+
+def test_the_unused_name_rule_sees_dead_code_and_spares_registered_and_used_names():
+    sources = {"a.py": "@R.register('x')\ndef plug():\n    pass\n\ndef dead():\n    pass\n\ndef used():\n    pass\n",
+               "b.py": "from a import used\nclass _Private:\n    pass\n\nclass Lonely:\n    pass\n"}
+    assert unused_public_names(sources) == [("a.py", "dead"), ("b.py", "Lonely")]

@@ -25,7 +25,6 @@ from sonar.retrieval.elastic import (
     bulk_index,
     create_index,
     index_body,
-    index_similarity,
     map_exception,
 )
 from sonar.retrieval.resilient import ResilientRetriever
@@ -231,6 +230,13 @@ def test_from_config_reads_secrets_from_named_env_vars_only(monkeypatch):
 # ------------------------------------------------------------------------------------ with a server
 
 @pytest.mark.es
+def index_similarity(client, index: str) -> dict[str, float]:
+    """The k1/b the server reports for ``index`` (GET _settings), e.g. {'k1': 1.2, 'b': 0.75}."""
+    settings = client.indices.get_settings(index=index)
+    sim = next(iter(settings.values()))["settings"]["index"]["similarity"][SIMILARITY]
+    return {"k1": float(sim["k1"]), "b": float(sim["b"])}
+
+
 def test_mapping_and_similarity_are_what_we_configured(indexed):
     r, body = indexed
     assert body["settings"]["index"]["similarity"][SIMILARITY] == {"type": "BM25", "k1": 0.9, "b": 0.4}
