@@ -163,10 +163,24 @@ def import_deepspeed_without_shm_jit():
     without MLflow: DeepSpeed's autotuner (``deepspeed/autotuning/autotuner.py``, imported by
     ``deepspeed/__init__``) tries ``import mlflow`` for its own logging, which is 2-3 s of a learner
     process's start-up on a CPU core (measured: a smoke learner's construction 9.6 s -> 6.8 s). Sonar never
-    runs the autotuner, and its learner logs nothing to MLflow (the driver does)."""
+    runs the autotuner, and its learner logs nothing to MLflow (the driver does).
+
+    Without CUDA, ``DS_ACCELERATOR=cpu`` (unless set): DeepSpeed's detection reaches the same answer but
+    says so in a WARNING line of its own format at import ("Setting accelerator to CPU. If you have GPU
+    ..."), the one line of a CPU run in another date format. Sonar runs on CUDA or CPU only. DeepSpeed's
+    logger then gets the one date format of Sonar's logs (``cluster/wire/logs.py``)."""
+    import os
+
+    import torch
+
+    from sonar.cluster.wire.logs import restamp
+
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
     with _unimportable("mlflow"):
         import deepspeed
     import deepspeed.comm.torch  # noqa: F401  (binds the module into sys.modules)
+    restamp(("DeepSpeed",))
 
     mod = sys.modules["deepspeed.comm.torch"]
     if hasattr(mod, "build_shm_op"):

@@ -304,7 +304,7 @@ class MLflowSink:
         import transformers
 
         meta = {"sonar_eval": dict(eval_table or {}), "sonar_config": dict(config or {})}
-        with _atomic_write():
+        with _atomic_write(), _no_hub_lookup_warnings():
             info = self._mlflow.transformers.log_model(
                 transformers_model=str(path), task="text-generation", name="model",
                 # explicit: MLflow's inference would import torchvision, which CPU installs lack
@@ -630,3 +630,30 @@ class RayDashboardSink:
     def log_model(self, path, eval_table=None, config=None): return self.inner.log_model(path, eval_table, config)
 
     def finish(self, status="FINISHED"): self.inner.finish(status)
+
+
+HUB_LOOKUP_WARNINGS = ("The model card could not be retrieved from the hub",
+                       "Unable to find license information for this model")
+"""What ``mlflow.transformers`` warns when it looks a model folder up on the Hugging Face Hub by its
+path (``_fetch_model_card``, ``_write_license_information``): Sonar logs a local folder, the trained
+policy, so the lookup cannot succeed and the two warnings say nothing about it."""
+
+
+class _DropHubLookupWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(HUB_LOOKUP_WARNINGS)
+
+
+@contextlib.contextmanager
+def _no_hub_lookup_warnings():
+    """``mlflow.transformers``'s Hub-lookup warnings dropped for the duration (nothing else it says); one
+    line of Sonar's says instead what the logged model carries."""
+    target = logging.getLogger("mlflow.transformers")
+    drop = _DropHubLookupWarnings()
+    target.addFilter(drop)
+    try:
+        yield
+    finally:
+        target.removeFilter(drop)
+    log.info("final policy logged as a local folder: no Hugging Face model card or license file (the license is "
+             "model.path's, the base model's; none for a randomly initialised policy)")

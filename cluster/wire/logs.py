@@ -1,9 +1,10 @@
 """The one timestamp format of everything Sonar writes to a log, and the one stamp of a run's folder name.
 
 A log line reads ``2026-12-02 18:33:03 INFO sonar: ...`` whoever configured the logger: Sonar's own
-(``sonar train``/``eval``/``index``, the benchmarks) through :func:`configure_logging`, and MLflow's and
-vLLM's loggers, which install their own handlers with their own date formats (MLflow ``2026/12/02
-18:33:03``, vLLM ``12-02 18:33:03``), through :func:`restamp` once they are imported. Ray's own lines
+(``sonar train``/``eval``/``index``, the benchmarks) through :func:`configure_logging`, and MLflow's,
+vLLM's and DeepSpeed's loggers, which install their own handlers with their own date formats (MLflow
+``2026/12/02 18:33:03``, vLLM ``12-02 18:33:03``, DeepSpeed ``2026-12-02 18:33:03,123``), through
+:func:`restamp` once they are imported (DeepSpeed's by the learner, ``learner/deepspeed_config.py``). Ray's own lines
 (``ray.*`` loggers) use Python's default ``2026-12-02 18:33:03,123``, the same fields with milliseconds;
 :func:`restamp` aligns those too where this process owns them (the driver). Not reached: the processes
 vLLM itself spawns (its engine core) configure their logging at their own import and keep vLLM's date,

@@ -213,13 +213,29 @@ def policy_dir(tmp_path_factory):
     return materialise_policy(cfg.model, build_world(cfg.world), tmp_path_factory.mktemp("policy"))
 
 
-def test_final_policy_is_a_registered_transformers_model_with_eval_and_config(tmp_path, policy_dir):
+def test_final_policy_is_a_registered_transformers_model_with_eval_and_config(tmp_path, policy_dir, caplog):
+    import logging
+
     import mlflow
 
     (tmp_path / "r").mkdir()
     sink = tracking.make_sink(_cfg(tmp_path, "tracking.registered_model_name=sonar-policy"), tmp_path / "r", "r")
     table = {"after_search": {"n": 12, "em": 0.75, "f1": 0.8}}
-    uri = sink.log_model(policy_dir, eval_table=table, config={"run": {"name": "tiny"}})
+    mlflow_said: list[str] = []
+    seen = logging.Handler(logging.DEBUG)  # MLflow's loggers do not propagate: listen on the logger itself
+    seen.emit = lambda record: mlflow_said.append(record.getMessage())
+    logging.getLogger("mlflow.transformers").addHandler(seen)
+    try:
+        with caplog.at_level(logging.INFO):
+            uri = sink.log_model(policy_dir, eval_table=table, config={"run": {"name": "tiny"}})
+    finally:
+        logging.getLogger("mlflow.transformers").removeHandler(seen)
+    # MLflow's Hub lookup of a local folder (model card, license) warns about nothing real: dropped, and
+    # Sonar's one line says what the model carries
+    assert not [m for m in mlflow_said if m.startswith(tracking.HUB_LOOKUP_WARNINGS)], mlflow_said
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("final policy logged as a local folder: no Hugging Face model card") for m in said)
+    assert not logging.getLogger("mlflow.transformers").filters  # the filter is gone afterwards
     sink.finish()
     assert uri == "models:/sonar-policy/1"
     client = _client(sink.uri)

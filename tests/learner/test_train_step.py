@@ -236,7 +236,9 @@ def test_importance_weight_histogram_counts_every_trained_token():
 
 def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_afterwards():
     """The learner's DeepSpeed import skips the autotuner's ``import mlflow`` (2-3 s of every learner's
-    start-up); MLflow is importable again once DeepSpeed is in (a fresh process: nothing loaded before)."""
+    start-up); MLflow is importable again once DeepSpeed is in (a fresh process: nothing loaded before).
+    On this CPU machine DeepSpeed prints no accelerator-detection warning, and its log lines carry
+    Sonar's date format."""
     import subprocess
 
     code = ("import sys\n"
@@ -246,7 +248,13 @@ def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_afterward
             "assert 'mlflow' not in sys.modules and autotuner.has_mlflow is False, 'mlflow was imported'\n"
             "import mlflow\n"
             "assert sys.modules['mlflow'] is mlflow and mlflow.__version__\n"
+            "import logging\n"
+            "from sonar.cluster.wire.logs import LOG_DATEFMT\n"
+            "assert all(h.formatter.datefmt == LOG_DATEFMT for h in logging.getLogger('DeepSpeed').handlers)\n"
             "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env={**env, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    # a CPU machine: no accelerator-detection WARNING in DeepSpeed's own date format
+    assert "Setting accelerator to CPU" not in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
