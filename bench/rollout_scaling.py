@@ -18,9 +18,11 @@ learner (``RolloutPool.form_group``: a new group of n + 1 ranks), start their as
 driver consumes: ``replay.get`` of ``groups_per_step`` groups, ``decode_group`` of each (what the
 learner would do before training), then a weight push. There is no training step: the consumer
 must keep up, or the number measured would be the learner's speed, not the rollout side's (the
-replay depth at the end of each window is recorded to show it kept up). After ``warmup_s`` the
-workers' cumulative stats are read, and again after ``window_s``; the differences over the window
-give everything below. Workers take ``rollout.num_cpus_per_worker=0.25`` so 8 fit the Ray CPU count.
+replay depth at the end of each window is recorded to show it kept up). After ``warmup_s``, and
+once every worker has put a batch, the workers' cumulative stats are read; again after ``window_s``,
+and once every worker has put another (so a loaded machine lengthens the window instead of leaving it
+empty; ``cluster.step_timeout_s`` bounds the wait); the differences over the window give everything
+below. Workers take ``rollout.num_cpus_per_worker=0.25`` so 8 fit the Ray CPU count.
 
 Reported per n (median/min/max over repeats):
 
@@ -130,6 +132,20 @@ class Consumer:
                 "push_s": self.push_s, "decode_s": self.decode_s}
 
 
+def _run_until(consumer: Consumer, roles, done, min_s: float, limit_s: float, what: str) -> list[dict]:
+    """Consume for ``min_s`` seconds, then on in 0.5 s steps until ``done(stats)`` holds; the workers'
+    stats at that moment. Fails naming ``what`` after ``limit_s`` more seconds (a hang guard)."""
+    consumer.run_for(min_s)
+    deadline = time.monotonic() + limit_s
+    while True:
+        stats = _stats(roles.workers)
+        if done(stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rollout-scaling: no {what} within cluster.step_timeout_s={limit_s:.0f} s")
+        consumer.run_for(0.5)
+
+
 def measure_point(cfg, roles, all_workers, n: int, warmup_s: float, window_s: float) -> dict:
     import ray
 
@@ -142,11 +158,17 @@ def measure_point(cfg, roles, all_workers, n: int, warmup_s: float, window_s: fl
     stage = next(s for s in cfg.stages if s.kind == "rl")
     ray.get([w.start.remote(roles.replay, 0, stage) for w in roles.workers])
     consumer = Consumer(roles, cfg.learner.groups_per_step)
+    limit = cfg.cluster.step_timeout_s
     try:
-        consumer.run_for(warmup_s)
-        s0, c0, t0 = _stats(roles.workers), consumer.snapshot(), time.monotonic()
-        consumer.run_for(window_s)
-        s1, c1, t1 = _stats(roles.workers), consumer.snapshot(), time.monotonic()
+        # The window is bounded by events as well as by seconds: it opens once every worker has put a batch
+        # (warm-up at least warmup_s) and closes once every worker has put another (at least window_s), so
+        # a busy machine gives a longer window, not an empty one.
+        s0 = _run_until(consumer, roles, lambda s: all(x["trajectories"] > 0 for x in s), warmup_s, limit,
+                        "every worker's first batch")
+        c0, t0 = consumer.snapshot(), time.monotonic()
+        s1 = _run_until(consumer, roles, lambda s: all(b["trajectories"] > a["trajectories"] for a, b in zip(s0, s)),
+                        window_s, limit, "a batch from every worker inside the window")
+        c1, t1 = consumer.snapshot(), time.monotonic()
         depth = ray.get(roles.replay.stats.remote())["depth_groups"]
     finally:
         roles.pool.end_stage()
