@@ -85,16 +85,13 @@ def read_run(root: Path) -> dict:
                      if k in summary["replay"]}
     rec["eval_n"] = {k: row.get("n") for k, row in evals.items()}
     rec["faults"] = summary.get("faults")
-    rec["max_policy_lag"] = _max_policy_lag(found[0].parent / "config.yaml")
-    rec["curves"] = _curves(found[0].parent / "metrics.jsonl", _sft_stages(found[0].parent / "config.yaml"))
-    return rec
-
-
-def _sft_stages(config_yaml: Path) -> set[int]:
     import yaml
 
-    stages = (yaml.safe_load(config_yaml.read_text()) or {}).get("stages", [])
-    return {i for i, st in enumerate(stages) if st.get("kind") == "sft"}
+    resolved = yaml.safe_load((found[0].parent / "config.yaml").read_text()) or {}  # the run's saved config
+    rec["max_policy_lag"] = resolved.get("replay", {}).get("max_policy_lag")
+    sft = {i for i, st in enumerate(resolved.get("stages", [])) if st.get("kind") == "sft"}
+    rec["curves"] = _curves(found[0].parent / "metrics.jsonl", sft)
+    return rec
 
 
 def _curves(metrics_jsonl: Path, sft_stages: set[int]) -> dict:
@@ -110,13 +107,6 @@ def _curves(metrics_jsonl: Path, sft_stages: set[int]) -> dict:
         elif K.LEARNER_LOSS in row and row.get("stage") in sft_stages:
             out["sft_loss"].append([row["step"], round(float(row[K.LEARNER_LOSS]), 4)])
     return out
-
-
-def _max_policy_lag(config_yaml: Path) -> int | None:
-    """The run's staleness bound (``replay.max_policy_lag``) from its saved resolved config."""
-    import yaml
-
-    return (yaml.safe_load(config_yaml.read_text()) or {}).get("replay", {}).get("max_policy_lag")
 
 
 def run_seed(cmd: list[str], root: Path) -> dict:
