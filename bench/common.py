@@ -382,6 +382,9 @@ def init_ray_local(num_cpus: int | None = None, object_store_bytes: int | None =
     kw = {"object_store_memory": object_store_bytes} if object_store_bytes else {}
     # address="local": always a private cluster. Without it ray.init joins any cluster that someone
     # started on this machine with `ray start` (and then refuses num_cpus).
-    ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False,
-             _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False, **kw)
+    from sonar.cluster.driver.roles import start_local_node
+
+    start_local_node(lambda: ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+                                      include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True,
+                                      configure_logging=False, **kw))
     return True

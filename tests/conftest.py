@@ -147,10 +147,12 @@ def ray_cluster():
     # marker list that happens to be set while the first user's fixtures run.
     unmarked = os.environ.pop(backend_guard.ENV, None)
     try:
-        cluster = Cluster(initialize_head=True, connect=False,
-                          head_node_args={"num_cpus": SHARED_RAY_CPUS, "include_dashboard": False,
-                                          "node_ip_address": "127.0.0.1",
-                                          "object_store_memory": SHARED_RAY_STORE_BYTES})
+        from sonar.cluster.driver.roles import start_local_node
+
+        cluster = start_local_node(lambda: Cluster(
+            initialize_head=True, connect=False,
+            head_node_args={"num_cpus": SHARED_RAY_CPUS, "include_dashboard": False, "node_ip_address": "127.0.0.1",
+                            "object_store_memory": SHARED_RAY_STORE_BYTES}))
     finally:
         if unmarked is not None:
             os.environ[backend_guard.ENV] = unmarked

@@ -88,6 +88,38 @@ class Roles:
         return self.pool.restarts
 
 
+NODE_START_TIMEOUT = "timed out during startup"
+"""Ray's error when the raylet has not registered with the GCS within the fixed 30 s that
+``ray._private.node.Node`` waits (not configurable in Ray 2.60); on a loaded machine it can run out."""
+
+
+def start_local_node(start: Callable, attempts: int = 3):
+    """Return ``start()``, which starts a Ray node in this process (``ray.init(address="local")``, a
+    ``ray.cluster_utils.Cluster``), retried when Ray's fixed wait for the raylet ran out. A failed attempt
+    leaves its GCS, raylet and reaper running with no handle returned: they are the descendants of this
+    process that were not there before it, and are killed by pid (never by name) before the next try."""
+    import psutil
+
+    me = psutil.Process()
+    for attempt in range(1, attempts + 1):
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            return start()
+        except Exception as e:
+            if NODE_START_TIMEOUT not in str(e) or attempt == attempts:
+                raise
+            left = [p for p in me.children(recursive=True) if p.pid not in before]
+            log.warning("Ray's node start timed out (attempt %d of %d: the raylet did not register in Ray's "
+                        "fixed 30 s; a loaded machine?): stopping the %d processes it started and retrying",
+                        attempt, attempts, len(left))
+            for p in left:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(left, timeout=30)
+
+
 def init_ray(cfg: Config) -> bool:
     """Join RAY_ADDRESS / cluster.address (ray job submit sets it) or start a local cluster on loopback."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -115,8 +147,9 @@ def init_ray(cfg: Config) -> bool:
             needed = (cfg.learner.num_cpus * cfg.learner.num_ranks
                       + cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker
                       + cfg.retrieval.replicas * cfg.retrieval.num_cpus_per_replica)
-            ray.init(address="local", num_cpus=cfg.cluster.num_cpus or int(max(4, os.cpu_count() or 1, needed + 0.999)),
-                     include_dashboard=False, _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=True)
+            num_cpus = cfg.cluster.num_cpus or int(max(4, os.cpu_count() or 1, needed + 0.999))
+            start_local_node(lambda: ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                                              _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=True))
     return True
 
 

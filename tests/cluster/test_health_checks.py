@@ -24,8 +24,10 @@ def ray_local():
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     started = False
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False, configure_logging=False)
+        from sonar.cluster.driver.roles import start_local_node  # retried past Ray's fixed 30 s node-start wait
+
+        start_local_node(lambda: ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+                                          log_to_driver=False, configure_logging=False))
         started = True
     yield ray
     if started:

@@ -317,8 +317,10 @@ def test_real_ray_gauges_are_created_and_set_in_a_local_driver():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False, configure_logging=False)
+        from sonar.cluster.driver.roles import start_local_node  # retried past Ray's fixed 30 s node-start wait
+
+        start_local_node(lambda: ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
+                                          log_to_driver=False, configure_logging=False))
     try:
         tags = {}
 

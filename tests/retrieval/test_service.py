@@ -159,8 +159,10 @@ def ray_local(shared_ray):
         if shared_ray:  # the session's cluster (tests/conftest.py), joined as a job of this module's own
             ray.init(address=shared_ray, log_to_driver=False, configure_logging=False)
         else:
-            ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-                     log_to_driver=False, configure_logging=False)
+            from sonar.cluster.driver.roles import start_local_node  # retried past Ray's fixed 30 s node-start wait
+
+            start_local_node(lambda: ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+                                              log_to_driver=False, configure_logging=False))
         started = True
     yield ray
     if started:

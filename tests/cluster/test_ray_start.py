@@ -1,0 +1,71 @@
+"""start_local_node: Ray's fixed 30 s wait for the raylet is retried, and a failed attempt's processes go.
+
+No Ray: the "node" is a child process that the start callable spawns, as ray.init's GCS and raylet are
+children of the process that calls it."""
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from sonar.cluster.driver.roles import NODE_START_TIMEOUT, start_local_node
+
+RAY_ERROR = ("The current node timed out during startup. This could happen because some of the raylet "
+             "failed to startup or the GCS has become overloaded.")  # ray/_private/node.py, Ray 2.60
+
+
+def _spawn(kept: list) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    kept.append(p)
+    return p
+
+
+def test_the_error_text_is_rays():
+    assert NODE_START_TIMEOUT in RAY_ERROR
+
+
+def test_a_timed_out_start_is_retried_after_its_processes_are_killed():
+    kept: list[subprocess.Popen] = []
+    calls = []
+
+    def start():
+        calls.append(_spawn(kept))
+        if len(calls) < 3:
+            raise Exception(RAY_ERROR)
+        return "node"
+
+    try:
+        assert start_local_node(start, attempts=3) == "node"
+        assert len(calls) == 3
+        # The two failed attempts' processes were killed and reaped (by start_local_node's wait, so Popen
+        # sees them gone), the successful one's is left running for its owner.
+        assert [p.poll() is not None for p in calls[:2]] == [True, True]
+        assert calls[2].poll() is None and psutil.pid_exists(calls[2].pid)
+    finally:
+        for p in kept:
+            p.kill()
+            p.wait()
+
+
+def test_other_errors_and_the_last_timeout_are_raised_and_keep_processes_that_were_there_before():
+    kept: list[subprocess.Popen] = []
+    try:
+        older = _spawn(kept)  # this process's child from before: never a failed attempt's
+
+        def fails(msg):
+            def start():
+                _spawn(kept)
+                raise RuntimeError(msg)
+            return start
+
+        with pytest.raises(RuntimeError, match="port in use"):
+            start_local_node(fails("port in use"), attempts=3)
+        assert len(kept) == 2 and kept[1].poll() is None  # not a timeout: one attempt, nothing killed
+        with pytest.raises(RuntimeError, match="timed out during startup"):
+            start_local_node(fails(RAY_ERROR), attempts=2)
+        assert len(kept) == 4 and kept[2].poll() is not None  # the first try's, killed before the second
+        assert older.poll() is None
+    finally:
+        for p in kept:
+            p.kill()
+            p.wait()
