@@ -96,19 +96,27 @@ NODE_START_TIMEOUT = "timed out during startup"
 def start_local_node(start: Callable, attempts: int = 3):
     """Return ``start()``, which starts a Ray node in this process (``ray.init(address="local")``, a
     ``ray.cluster_utils.Cluster``), retried when Ray's fixed wait for the raylet ran out. A failed attempt
-    leaves its GCS, raylet and reaper running with no handle returned: they are the descendants of this
-    process that were not there before it, and are killed by pid (never by name) before the next try."""
+    leaves its GCS, raylet and reaper running with no handle returned: they are the children of this
+    process that were not there before it (Ray starts each with Popen), and are killed with their own
+    children by pid (never by name) before the next try. Processes under an older child (a node added
+    before) are not touched."""
     import psutil
 
     me = psutil.Process()
     for attempt in range(1, attempts + 1):
-        before = {p.pid for p in me.children(recursive=True)}
+        before = {p.pid for p in me.children()}
         try:
             return start()
         except Exception as e:
             if NODE_START_TIMEOUT not in str(e) or attempt == attempts:
                 raise
-            left = [p for p in me.children(recursive=True) if p.pid not in before]
+            left = []
+            for child in me.children():
+                if child.pid not in before:
+                    try:
+                        left += [child, *child.children(recursive=True)]
+                    except psutil.NoSuchProcess:
+                        pass
             log.warning("Ray's node start timed out (attempt %d of %d: the raylet did not register in Ray's "
                         "fixed 30 s; a loaded machine?): stopping the %d processes it started and retrying",
                         attempt, attempts, len(left))

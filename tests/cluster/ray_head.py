@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from sonar.cluster.driver.roles import NODE_START_TIMEOUT
 from tests.waiting import wait_until
 
 BIN = Path(sys.executable).parent
@@ -58,42 +59,60 @@ def ray_head(tmp_path):
     # SIGKILL): the driver must mark its run KILLED inside it (_env drops any RAY_JOB* of this process).
     env = _env()
     assert "RAY_JOB_STOP_WAIT_TIME_S" not in env
-    head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
-         "--num-cpus=4", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
-         f"--temp-dir={temp}", "--disable-usage-stats", *agent_ports],
-        env=env, stdout=open(tmp_path / "ray-head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{dash}"
-    try:
-        from ray.job_submission import JobSubmissionClient
+    log_path = tmp_path / "ray-head.log"
 
-        def client():
-            try:
-                return JobSubmissionClient(url)
-            except Exception:
-                return None
-        wait_until(lambda: head.poll() is not None or client(), 180, "the Ray head's job server answering",
-                   poll_s=0.5)
-        assert head.poll() is None, "ray start --head exited"
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(
+            [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+             "--num-cpus=4", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
+             f"--temp-dir={temp}", "--disable-usage-stats", *agent_ports],
+            env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    from ray.job_submission import JobSubmissionClient
+
+    def client():
+        try:
+            return JobSubmissionClient(url)
+        except Exception:
+            return None
+    head = start()
+    try:
+        for attempt in range(3):
+            wait_until(lambda: head.poll() is not None or client(), 180, "the Ray head's job server answering",
+                       poll_s=0.5)
+            # Ray's fixed 30 s wait for the raylet to register (roles.NODE_START_TIMEOUT) can run out on a
+            # loaded machine: `ray start` then exits. Stop what it left and start the head again.
+            if head.poll() is None or NODE_START_TIMEOUT not in log_path.read_text() or attempt == 2:
+                break
+            _stop(head, temp)
+            head = start()
+        assert head.poll() is None, f"ray start --head exited:\n{log_path.read_text()[-3000:]}"
         yield url, temp
     finally:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
-        ours = []
-        for p in psutil.process_iter(["pid", "cmdline"]):
-            if any(temp in a for a in (p.info["cmdline"] or [])):
-                ours.append(p)
-        for p in ours:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(ours, timeout=30)
+        _stop(head, temp)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _stop(head: subprocess.Popen, temp: str) -> None:
+    """End the `ray start --block` process (it stops what it started), then any process still naming the
+    head's temp dir, by pid."""
+    head.send_signal(signal.SIGTERM)
+    try:
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
+    ours = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if any(temp in a for a in (p.info["cmdline"] or [])):
+            ours.append(p)
+    for p in ours:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(ours, timeout=30)
 
 
 NO_AGENT = "No available agent to submit job, please try again later"

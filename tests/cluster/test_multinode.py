@@ -40,10 +40,12 @@ def cluster():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"node_retrieval": 4}, "node_ip_address": "127.0.0.1", "include_dashboard": False})
-    c.add_node(num_cpus=2, resources={"node_learner": 1}, node_ip_address="127.0.0.2")
-    c.add_node(num_cpus=3, resources={"node_rollout": 3}, node_ip_address="127.0.0.3")
+    from sonar.cluster.driver.roles import start_local_node  # each node retried past Ray's fixed 30 s wait
+
+    c = start_local_node(lambda: Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"node_retrieval": 4}, "node_ip_address": "127.0.0.1", "include_dashboard": False}))
+    start_local_node(lambda: c.add_node(num_cpus=2, resources={"node_learner": 1}, node_ip_address="127.0.0.2"))
+    start_local_node(lambda: c.add_node(num_cpus=3, resources={"node_rollout": 3}, node_ip_address="127.0.0.3"))
     yield c
     c.shutdown()
 

@@ -69,3 +69,58 @@ def test_other_errors_and_the_last_timeout_are_raised_and_keep_processes_that_we
         for p in kept:
             p.kill()
             p.wait()
+
+
+SPAWNER = ("import subprocess, sys\n"
+           "for line in sys.stdin:\n"
+           "    g = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'], stdin=subprocess.PIPE)\n"
+           "    print(g.pid, flush=True)\n")
+"""A node: starts a worker (its child) for each line it reads, and prints the worker's pid."""
+
+
+def test_a_failed_attempts_children_go_with_their_own_children_and_an_older_childs_stay():
+    """A raylet's workers are its children: they go with it. A node added before (an older child) keeps
+    the processes it starts meanwhile, as a head's raylet starts workers while another node is added."""
+    kept: list[subprocess.Popen] = []
+    workers: list[psutil.Process] = []
+
+    def node() -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", SPAWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        kept.append(p)
+        return p
+
+    def worker_of(p: subprocess.Popen) -> psutil.Process:
+        p.stdin.write("start a worker\n")
+        p.stdin.flush()
+        workers.append(psutil.Process(int(p.stdout.readline())))
+        return workers[-1]
+
+    def gone(w: psutil.Process) -> bool:
+        try:
+            return w.status() == psutil.STATUS_ZOMBIE  # killed, not yet reaped by its dead parent's init
+        except psutil.NoSuchProcess:
+            return True
+    try:
+        older = node()
+        calls = []
+
+        def start():
+            calls.append(node())
+            worker_of(calls[-1])
+            if len(calls) == 1:
+                worker_of(older)  # the older node starts a worker while this attempt runs
+                raise Exception(RAY_ERROR)
+        start_local_node(start, attempts=2)
+        failed_worker, old_worker, new_worker = workers
+        assert calls[0].poll() is not None and gone(failed_worker)
+        assert older.poll() is None and not gone(old_worker)
+        assert calls[1].poll() is None and not gone(new_worker)
+    finally:
+        for w in workers:
+            try:
+                w.kill()
+            except psutil.NoSuchProcess:
+                pass
+        for p in kept:
+            p.kill()
+            p.wait()
