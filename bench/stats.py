@@ -44,3 +44,46 @@ def within(x: float, ci: dict) -> bool | None:
     if not (math.isfinite(ci["lo"]) and math.isfinite(ci["hi"])):
         return None
     return bool(ci["lo"] <= x <= ci["hi"])
+
+
+def tost_paired(diffs: Iterable[float], margin: float, alpha: float = 0.05) -> dict:
+    """Two one-sided t-tests (Schuirmann's TOST) that the mean of paired differences (one per seed, e.g.
+    async minus sync final held-out EM) lies inside ``(-margin, +margin)``.
+
+    H0: ``mean <= -margin`` or ``mean >= +margin``; H1: ``|mean| < margin``. With ``se = sd / sqrt(n)``
+    and ``df = n - 1``: ``p_lower = P(T >= (mean + margin) / se)``, ``p_upper = P(T <= (mean - margin) /
+    se)``, ``p = max(p_lower, p_upper)``; equivalence is shown at level ``alpha`` when ``p < alpha``, which is
+    the same as the ``1 - 2 alpha`` t-interval of the mean lying inside the margins (returned as ``lo``,
+    ``hi``). With ``sd = 0`` the tests are decided by the mean alone (p 0 or 1). Fewer than 2 differences
+    cannot show anything: ``equivalent`` is None.
+
+    Returns ``{n, mean, sd, se, df, margin, alpha, t_lower, t_upper, p_lower, p_upper, p, lo, hi, level,
+    equivalent}``."""
+    xs = [float(x) for x in diffs]
+    if not (math.isfinite(margin) and margin > 0):
+        raise ValueError(f"margin={margin} must be a finite number > 0")
+    if not (0.0 < alpha < 0.5):
+        raise ValueError(f"alpha={alpha} must be in (0, 0.5)")
+    if any(not math.isfinite(x) for x in xs):
+        raise ValueError(f"tost_paired: non-finite differences {xs}")
+    n = len(xs)
+    nan = float("nan")
+    out = {"n": n, "margin": float(margin), "alpha": float(alpha), "level": 1.0 - 2.0 * alpha}
+    if n < 2:
+        return {**out, "mean": xs[0] if xs else nan, "sd": nan, "se": nan, "df": n - 1, "t_lower": nan,
+                "t_upper": nan, "p_lower": nan, "p_upper": nan, "p": nan, "lo": nan, "hi": nan, "equivalent": None}
+    mean = sum(xs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+    se, df = sd / math.sqrt(n), n - 1
+    if se == 0.0:
+        inside = -margin < mean < margin
+        p = 0.0 if inside else 1.0
+        return {**out, "mean": mean, "sd": sd, "se": se, "df": df, "t_lower": nan, "t_upper": nan,
+                "p_lower": p if mean > -margin else 1.0, "p_upper": p if mean < margin else 1.0, "p": p,
+                "lo": mean, "hi": mean, "equivalent": inside}
+    t_lo, t_hi = (mean + margin) / se, (mean - margin) / se
+    p_lo, p_hi = float(_student_t.sf(t_lo, df)), float(_student_t.cdf(t_hi, df))
+    half = float(_student_t.ppf(1.0 - alpha, df)) * se
+    p = max(p_lo, p_hi)
+    return {**out, "mean": mean, "sd": sd, "se": se, "df": df, "t_lower": t_lo, "t_upper": t_hi, "p_lower": p_lo,
+            "p_upper": p_hi, "p": p, "lo": mean - half, "hi": mean + half, "equivalent": bool(p < alpha)}

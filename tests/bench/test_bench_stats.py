@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sonar.bench.stats import mean_ci, t_quantile, within
+from sonar.bench.stats import mean_ci, t_quantile, tost_paired, within
 
 
 @pytest.mark.parametrize("level", [0.1, 0.5, 0.9, 0.95, 0.999])
@@ -88,3 +88,64 @@ def test_results_default_to_the_checkouts_bench_results_else_the_current_directo
     root = Path(__file__).resolve().parents[2]
     assert default_out(root) == root / "bench" / "results"
     assert default_out(tmp_path) == tmp_path / "sonar-bench-results"  # e.g. a wheel install run from anywhere
+
+
+# ------------------------------------------------------------------ TOST (two one-sided tests)
+def _cdf_df2(t: float) -> float:  # Student's t with 2 degrees of freedom, closed form
+    return 0.5 + t / (2.0 * math.sqrt(2.0 + t * t))
+
+
+def test_tost_on_three_differences_matches_the_closed_form():
+    d = [0.01, -0.02, 0.0]
+    mean = -0.01 / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / 2)
+    se = sd / math.sqrt(3)
+    r = tost_paired(d, margin=0.05, alpha=0.05)
+    assert r["mean"] == pytest.approx(mean) and r["sd"] == pytest.approx(sd) and r["df"] == 2
+    assert r["t_lower"] == pytest.approx((mean + 0.05) / se) and r["t_upper"] == pytest.approx((mean - 0.05) / se)
+    assert r["p_lower"] == pytest.approx(1 - _cdf_df2((mean + 0.05) / se), abs=1e-12)
+    assert r["p_upper"] == pytest.approx(_cdf_df2((mean - 0.05) / se), abs=1e-12)
+    assert r["p"] == max(r["p_lower"], r["p_upper"])
+    # the 90 % interval: mean +- t(0.95, 2) se, t(0.95, 2) = 2.9199856 (table)
+    assert r["hi"] - r["mean"] == pytest.approx(2.9199856 * se, rel=1e-6) and r["level"] == pytest.approx(0.90)
+    assert r["equivalent"] is (r["p"] < 0.05)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_tost_decides_as_the_90_percent_interval_inside_the_margins(seed):
+    import random
+
+    rng = random.Random(seed)
+    n = rng.randint(2, 8)
+    d = [rng.gauss(rng.uniform(-0.05, 0.05), rng.uniform(0.001, 0.05)) for _ in range(n)]
+    r = tost_paired(d, margin=0.04)
+    assert r["equivalent"] == (-0.04 < r["lo"] and r["hi"] < 0.04)
+    assert r["n"] == n
+
+
+def test_tost_is_a_level_alpha_test_at_the_margin():
+    """Normal differences whose true mean sits on the margin: equivalence is (wrongly) shown in at most
+    alpha of the experiments (TOST's size is alpha at the boundary, less inside it for small n)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    hits = sum(bool(tost_paired(rng.normal(0.03, 0.02, 5), margin=0.03)["equivalent"]) for _ in range(4000))
+    assert hits / 4000 <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / 4000)
+    # and it has power: true mean 0, small spread, shown equivalent almost always
+    power = sum(bool(tost_paired(rng.normal(0.0, 0.01, 5), margin=0.03)["equivalent"]) for _ in range(1000))
+    assert power / 1000 > 0.95
+
+
+def test_tost_edge_cases_and_bad_input():
+    assert tost_paired([0.01], 0.05)["equivalent"] is None
+    assert tost_paired([], 0.05)["equivalent"] is None
+    same = tost_paired([0.01, 0.01, 0.01], 0.05)
+    assert same["equivalent"] is True and same["p"] == 0.0 and same["lo"] == same["hi"] == pytest.approx(0.01)
+    assert tost_paired([0.07, 0.07], 0.05)["equivalent"] is False
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="margin"):
+            tost_paired([0.0, 0.1], bad)
+    with pytest.raises(ValueError, match="alpha"):
+        tost_paired([0.0, 0.1], 0.05, alpha=0.5)
+    with pytest.raises(ValueError, match="non-finite"):
+        tost_paired([0.0, float("nan")], 0.05)
