@@ -26,11 +26,12 @@ section of bench.yaml, ``bench/sim/``, put into the production driver through it
 The SFT checkpoint is trained once and cached under ``<run.root>/bench-sft/<hash of the config parts
 and the code it depends on>``; SFT is not what is measured.
 
-Issue 11 (statistics and the fair baseline): one run per seed and setting (``--seeds``, default 0 1 2
-over sync, lag 1 and lag 2), 95 % t-intervals over seeds (``bench/stats.py``), speedups paired per seed on
-the RL-loop clock, with start-up, and on the whole command; beside each: trained and generated
-throughput, stale share, decode work per trained trajectory, and the equal-reward check (async's mean
-final held-out EM inside sync's seed interval), all under ``extra.comparison``; ``extra.cost_model``
+Issue 11 and 24 (statistics and the fair baseline): one run per seed and setting (``--seeds``, default 0-4
+over sync, lag 1 and lag 2, the order rotated per seed), 95 % t-intervals over seeds (``bench/stats.py``),
+speedups paired per seed on the RL-loop clock, with start-up, and on the whole command; beside each:
+trained and generated throughput, stale share, decode work per trained trajectory, and the equal-reward
+test: two one-sided t-tests (TOST, 90 % interval of the paired difference inside ``MARGINS``: 3 points of
+held-out EM, 0.05 of reward; ``--margin-em``, ``--margin-reward``), all under ``extra.comparison``; ``extra.cost_model``
 names the decode cost model. Sync is the fair baseline: its whole share submitted at once, one
 coroutine per trajectory in both modes (``rollout.per_trajectory``; ``actors/worker.py:generate_groups``).
 Older text below that speaks of repeats and 2 lanes predates this.
@@ -40,8 +41,8 @@ What makes the comparison fair:
 - Both modes run the same code path (``run_rl_stage``) from the same exported checkpoint, with the
   same seed (hence the same prompt order), steps, group size, workers, Ray CPUs, engine and engine
   capacity (``rollout.max_batch_rows`` slots per worker), one torch thread per process; settings are
-  interleaved within each repeat (sync, lag 1, lag 2, lag 4, sync, ...) so background load hits them
-  alike; speedups are paired per repeat.
+  interleaved within each seed, in an order rotated per seed (``run_order``: sync, lag 1, lag 2; then
+  lag 1, lag 2, sync; ...) so background load and its drift hit them alike; speedups are paired per seed.
 - The timed span is the driver's RL loop (``run.results["rl"][i]["seconds"]``): from the workers'
   start to the end of ``RolloutPool.end_stage``. Actor start-up, SFT and evaluation are outside it. Async is
   charged for stopping: ``RolloutPool.end_stage`` waits for each worker's in-flight batches.
@@ -98,7 +99,7 @@ from pathlib import Path
 import numpy as np
 
 from sonar.bench.common import REPO_ROOT, bench_settings, driver_bench_parser, setup_env, summarise, write_result
-from sonar.bench.stats import mean_ci, within
+from sonar.bench.stats import mean_ci, tost_paired, within
 from sonar.cluster.wire import metrics as K
 
 try:  # the cost-model label (bench/sim/gpu_cost.py); a tree without it labels the flat model itself
@@ -116,7 +117,7 @@ setup_env()
 
 NAME = "async-vs-sync"
 CONFIG = REPO_ROOT / "configs" / "bench.yaml"
-FULL = {"lags": [1, 2], "seeds": [0, 1, 2], "overrides": []}
+FULL = {"lags": [1, 2], "seeds": [0, 1, 2, 3, 4], "overrides": []}
 QUICK = {"lags": [2], "seeds": [0],
          "overrides": ["world.num_entities=120", "world.num_heldout_eval=8", "rollout.group_size=4",
                        "rollout.groups_per_request=2", "learner.groups_per_step=4", "replay.capacity_groups=8",
@@ -124,6 +125,20 @@ QUICK = {"lags": [2], "seeds": [0],
                        "sim.decode_ms_per_token=2.0",
                        "stages.0.steps=0", "stages.1.steps=3"]}
 log = logging.getLogger("sonar.bench")
+MARGINS = {"heldout_em": 0.03, "reward_last": 0.05}
+"""Equivalence margins (absolute) for async minus sync, paired per seed: 3 points of held-out EM and 0.05 of
+final rollout reward. What "equal" means here, stated before the runs: differences smaller than the gaps the
+papers report between methods (several EM points) and about the seed-to-seed spread of one setting."""
+ALPHA = 0.05
+"""Level of each one-sided test of the equivalence (TOST): a 90 % interval inside the margins."""
+
+
+def run_order(settings: list, index: int) -> list:
+    """The settings in the order seed number ``index`` runs them: rotated by one per seed (sync, lag 1,
+    lag 2; then lag 1, lag 2, sync; ...), so over as many seeds as settings each setting runs once in every
+    position and a drift of the machine's load over the benchmark does not favour one setting."""
+    k = index % len(settings) if settings else 0
+    return list(settings[k:]) + list(settings[:k])
 
 
 # ------------------------------------------------------------------------------------ settings
@@ -331,11 +346,14 @@ def _ci(values: list[float]) -> dict:
             "values": vals}
 
 
-def compare(per: dict[str, list[dict]], lags: list[int]) -> dict:
+def compare(per: dict[str, list[dict]], lags: list[int], margins: dict | None = None, alpha: float = ALPHA) -> dict:
     """Per lag, from the seeds (paired per seed: run i of sync against run i of the async setting):
     the speedup on both clocks with its 95 % t-interval over seeds, and beside it every figure a reader
     needs to weigh it (throughputs, stale share, decode work per trained trajectory), and the
-    equal-reward check: async's mean final held-out EM (and rollout reward) inside sync's seed interval."""
+    equal-reward checks for final held-out EM and rollout reward: the equivalence test (TOST at level
+    ``alpha`` on the paired differences async - sync, ``margins`` per metric, default ``MARGINS``), which is
+    what the goal reads, and the older, weaker check beside it (async's mean inside sync's seed interval)."""
+    margins = {**MARGINS, **(margins or {})}
     sync = per["sync"]
     out = {}
     for lag in lags:
@@ -355,12 +373,19 @@ def compare(per: dict[str, list[dict]], lags: list[int]) -> dict:
             inside = None
             if asy["mean"] is not None and sy.get("lo") is not None:
                 inside = within(asy["mean"], {"lo": sy["lo"], "hi": sy["hi"]})
+            diffs = [x["metrics"].get(k) - s["metrics"].get(k) for s, x in pairs
+                     if s["metrics"].get(k) is not None and x["metrics"].get(k) is not None
+                     and np.isfinite(s["metrics"][k]) and np.isfinite(x["metrics"][k])]
+            tost = tost_paired(diffs, margins[k], alpha)
             checks[k] = {"async_mean": asy["mean"], "sync_mean": sy["mean"], "sync_ci95": [sy.get("lo"), sy.get("hi")],
-                         "async_within_sync_ci95": inside}
+                         "async_within_sync_ci95": inside,
+                         "tost": {kk: (None if isinstance(v, float) and not np.isfinite(v) else v)
+                                  for kk, v in tost.items()}, "paired_differences": diffs}
         row["equal_reward"] = checks
         stale = row["stale_share"]["async"]["mean"]
         row["goal"] = {"speedup_ge_2": (row["speedup_rl_loop"]["mean"] or 0) >= 2.0,
-                       "equal_heldout_em": checks["heldout_em"]["async_within_sync_ci95"],
+                       "equal_heldout_em": checks["heldout_em"]["tost"]["equivalent"],
+                       "equal_reward_last": checks["reward_last"]["tost"]["equivalent"],
                        "stale_le_10pct": None if stale is None else stale <= 0.10}
         out[str(lag)] = row
     return out
@@ -382,8 +407,10 @@ def run(cfg_bench: dict) -> tuple[dict, dict]:
         settings = [("sync", None)] + [("async", lag) for lag in cfg_bench["lags"]]
         per: dict[str, list[dict]] = {setting_name(m, l): [] for m, l in settings}
         load = {"start": loadavg()}
-        for seed in seeds:  # settings interleaved within each seed, so background load hits them alike
-            for mode, lag in settings:
+        order: dict[str, list[str]] = {}
+        for i, seed in enumerate(seeds):  # settings interleaved within each seed, their order rotated per seed
+            order[str(seed)] = [setting_name(m, l) for m, l in run_order(settings, i)]
+            for mode, lag in run_order(settings, i):
                 name = setting_name(mode, lag)
                 t0 = time.time()
                 r = run_setting(overrides, mode, lag, model_path, run_root, f"{name}-s{seed}", seed=seed)
@@ -425,11 +452,14 @@ def run(cfg_bench: dict) -> tuple[dict, dict]:
     gen_phase = max(0.0, s["seconds_per_step"] - s["train_s_per_step"] - s["sync_s_per_step"])
     learner_stage = s["train_s_per_step"] + s["sync_s_per_step"]
     bound = s["seconds_per_step"] / max(gen_phase, learner_stage, 1e-9)
-    comparison = compare(per, cfg_bench["lags"])
+    comparison = compare(per, cfg_bench["lags"], cfg_bench.get("margins"))
     cost_model = sim_cost_label(sim)
     extra = {
         "speedup": speedup_medians,
         "seeds": seeds,
+        "run_order": order,
+        "equivalence": {"test": "TOST (two one-sided t-tests) on paired per-seed differences async - sync",
+                        "alpha": ALPHA, "margins": {**MARGINS, **(cfg_bench.get("margins") or {})}},
         "cost_model": cost_model,
         "target": "async at lag <= 2 >= 2x the sync trained-trajectory throughput, final held-out EM within the "
                   "seeds' 95 % interval of sync, stale waste <= 10 % of generated trajectories",
@@ -583,9 +613,14 @@ def main(argv: list[str] | None = None) -> int:
     p = driver_bench_parser(NAME, __doc__.splitlines()[0], "configs/bench.yaml")
     p.add_argument("--lags", type=int, nargs="+", help="async max_policy_lag values (default 1 2; quick: 2)")
     p.add_argument("--seeds", type=int, nargs="+",
-                   help="run.seed values, one run per seed and setting (default 0 1 2; quick: 0); the confidence "
+                   help="run.seed values, one run per seed and setting (default 0 1 2 3 4; quick: 0), each seed "
+                        "running the settings in a rotated order; the confidence "
                         "intervals are over seeds. --repeats N means seeds 0..N-1")
     p.add_argument("--steps", type=int, help="RL steps per setting (default: the config's)")
+    p.add_argument("--margin-em", type=float, default=MARGINS["heldout_em"],
+                   help="equivalence margin of final held-out EM, async - sync, absolute (default %(default)s)")
+    p.add_argument("--margin-reward", type=float, default=MARGINS["reward_last"],
+                   help="equivalence margin of final rollout reward, async - sync, absolute (default %(default)s)")
     p.add_argument("--engine", choices=["hf", "vllm", "bench"],
                    help="hf: the config's transformers engine (default); vllm: vLLM's AsyncLLM engine, real decode "
                         "cost, no simulated decode pacing; bench: the BENCHMARK engine (sim.engine=bench)")
@@ -598,6 +633,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg.pop("repeats", None)
     if args.lags:
         cfg["lags"] = args.lags
+    for name, v in (("--margin-em", args.margin_em), ("--margin-reward", args.margin_reward)):
+        if not (np.isfinite(v) and v > 0):
+            p.error(f"{name}={v} must be a finite number > 0")
+    cfg["margins"] = {"heldout_em": args.margin_em, "reward_last": args.margin_reward}
     if args.steps:
         cfg["overrides"].append(f"stages.1.steps={args.steps}")
     if args.engine == "bench":  # it simulates decode time itself and serialises its calls

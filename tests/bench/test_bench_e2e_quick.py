@@ -82,6 +82,9 @@ def test_async_vs_sync_quick(tmp_path, shared_ray):
         assert row[k]["sync"]["mean"] is not None and row[k]["async"]["mean"] is not None, k
     assert row["stale_share"]["sync"]["mean"] == 0.0 and 0.0 <= row["stale_share"]["async"]["mean"] < 1.0
     assert row["equal_reward"]["heldout_em"]["async_within_sync_ci95"] is None  # unknown with one seed
+    assert row["equal_reward"]["heldout_em"]["tost"]["equivalent"] is None and row["goal"]["equal_heldout_em"] is None
+    assert extra["run_order"] == {"0": ["sync", "async_lag2"]}  # seed index 0: the settings' own order
+    assert extra["equivalence"]["margins"] == {"heldout_em": 0.03, "reward_last": 0.05}
     for s in ("sync", "async_lag2"):
         (curve,) = extra["reward_curves"][s]
         assert len(curve["t"]) == len(curve["reward"]) == len(curve["generated_tokens"]) > 0

@@ -76,8 +76,32 @@ def test_async_vs_sync_compare_pairs_seeds_and_checks_equal_reward():
     assert er["sync_ci95"] == pytest.approx([0.81 - 0.0248414, 0.81 + 0.0248414], abs=1e-6)
     assert er["async_within_sync_ci95"] is True
     assert out["1"]["equal_reward"]["heldout_em"]["async_within_sync_ci95"] is False
-    assert out["2"]["goal"] == {"speedup_ge_2": False, "equal_heldout_em": True, "stale_le_10pct": True}
-    assert out["1"]["goal"]["stale_le_10pct"] is False
+    # TOST on the paired differences: lag 2 EM - sync EM = [0.01, 0, -0.01]: mean 0, se 0.01 / sqrt 3, 90 %
+    # interval 0 +- 2.9199856 * 0.00577 = +-0.0169, inside +-0.03; lag 1: [0.10, 0.09, 0.08], outside
+    t2 = er["tost"]
+    assert er["paired_differences"] == pytest.approx([0.01, 0.0, -0.01])
+    assert t2["hi"] == pytest.approx(2.9199856 * 0.01 / math.sqrt(3), rel=1e-5) and t2["equivalent"] is True
+    assert t2["margin"] == 0.03 and t2["alpha"] == 0.05
+    assert out["1"]["equal_reward"]["heldout_em"]["tost"]["equivalent"] is False
+    # the reward is 1.0 in every run: differences all 0, equivalent by the mean alone
+    assert out["2"]["equal_reward"]["reward_last"]["tost"]["equivalent"] is True
+    assert out["2"]["goal"] == {"speedup_ge_2": False, "equal_heldout_em": True, "equal_reward_last": True,
+                                "stale_le_10pct": True}
+    assert out["1"]["goal"]["stale_le_10pct"] is False and out["1"]["goal"]["equal_heldout_em"] is False
+    # a tighter margin than the lag-2 interval's half-width: not shown equivalent
+    assert compare(per, [2], {"heldout_em": 0.015})["2"]["goal"]["equal_heldout_em"] is False
+
+
+def test_async_vs_sync_rotates_the_run_order_per_seed():
+    from sonar.bench.async_vs_sync import run_order
+
+    settings = ["sync", "lag1", "lag2"]
+    orders = [run_order(settings, i) for i in range(6)]
+    assert orders[:3] == [["sync", "lag1", "lag2"], ["lag1", "lag2", "sync"], ["lag2", "sync", "lag1"]]
+    assert orders[3:] == orders[:3]
+    for pos in range(3):  # over 3 seeds, every setting runs once in every position (a Latin square)
+        assert sorted(o[pos] for o in orders[:3]) == sorted(settings)
+    assert run_order([], 4) == []
 
 
 def test_results_default_to_the_checkouts_bench_results_else_the_current_directory(tmp_path):
