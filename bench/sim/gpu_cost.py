@@ -38,8 +38,8 @@ That gives 183 (rows, ctx, ms) points: rows 1-64, ctx 443-16,695 tokens, 6.74-8.
 chunk of the 80-prompt run, 64 rows, which may still hold a late prefill). ``tests/bench/
 test_gpu_cost.py`` re-derives the points and re-fits.
 
-**What it ignores:** prefill (a row's prompt is charged as context only, never as prompt processing;
-with vLLM's chunked prefill a real step that carries prefill tokens is slower), preemption and
+**Prefill** (``Prefill7BCost``, fitted to the same file's TTFTs: ``prefill_points``) is a separate model;
+the decode model alone charges a row's prompt as context only. **What the decode model ignores:** preemption and
 swapping when the KV cache fills, CUDA-graph batch-size buckets (the measured ITLs step at bucket
 sizes; the line smooths them), sampling and detokenisation overheads beyond what the ITLs include
 (they are measured at the HTTP client, so they include streaming), and any GPU other than an H100
@@ -165,6 +165,80 @@ def fit(points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     X = np.column_stack([np.ones(len(points)), points[:, 0], points[:, 1] / 1000.0])
     coef, *_ = np.linalg.lstsq(X, points[:, 2], rcond=None)
     return coef, points[:, 2] - X @ coef
+
+
+# ------------------------------------------------------------------------------------ prefill
+PREFILL_TTFT_MS = (
+        461.8, 461.6, 461.5, 461.5, 0.0, 461.2, 498.7, 498.7, 498.6, 498.6, 546.8, 498.3,
+        498.3, 546.3, 546.4, 546.2, 546.6, 546.2, 546.2, 545.8, 592.4, 545.8, 592.2, 592.2,
+        644.9, 644.6, 644.5, 692.6, 692.4, 644.3, 644.3, 644.2, 644.2, 691.7, 691.7, 692.1,
+        692.0, 262.1, 0.0, 261.9, 262.0, 261.7, 308.3, 261.7, 261.4, 261.6, 261.5, 307.7,
+        307.7, 359.2, 359.2, 724.2, 724.1, 724.1, 775.3, 723.9, 0.0, 774.6, 774.5, 774.6,
+        407.8, 774.2, 357.7, 357.7, 357.7, 357.7, 357.6, 406.8, 0.0, 406.9, 0.0, 406.5,
+        406.3, 451.8, 451.7, 772.8, 777.7, 777.6, 777.6, 0.0)
+"""The 80-prompt file's ``ttfts`` (time to first token per request, s in the file), in ms rounded to 0.1;
+0.0 where the file says 0 (the six requests with no output, excluded). All requests were sent at once."""
+PREFILL_GAP_MS = 3.0
+"""Requests whose first tokens came within this of the previous one's were prefilled in the same batch."""
+PREFILL_T0_MS = 21.28
+"""Fitted: ms per prefill batch with no tokens (scheduling, sampling and the batch's fixed costs)."""
+PREFILL_MS_PER_1K = 14.81
+"""Fitted: ms per 1,000 prompt tokens prefilled. It equals the FLOP floor of an H100 SXM (2 x 7.25e9 FLOP
+per token at 989 TFLOPS bf16 dense: 14.7 ms per 1k), so the fit reads as "the batch's tokens at peak
+FLOPs, plus 21 ms per batch"; the 11 batches of 700-2,800 tokens hardly separate the two (per batch,
+19-35 ms per 1k tokens on average), the 12th has 113 tokens."""
+PREFILL_FIT_RMS_MS = 6.74
+"""Root-mean-square residual of the prefill fit over its 12 batches, in ms."""
+
+
+def prefill_points(run: Run = RUNS[1], ttft_ms: Sequence[float] = PREFILL_TTFT_MS) -> np.ndarray:
+    """``[n, 2]`` array of (prompt tokens in a prefill batch, ms the batch took) read off the published
+    80-prompt run, where every request was sent at once and prefills ran back to back until 0.78 s
+    (the module docstring): requests sorted by TTFT form one batch while each comes within
+    ``PREFILL_GAP_MS`` of the previous one; a batch's time is its last TTFT minus the previous batch's.
+    The first batch (its TTFT also holds the run's start, 262 ms) is dropped."""
+    reqs = sorted((t, i) for i, t in enumerate(ttft_ms) if t > 0)
+    groups: list[list[tuple[float, int]]] = []
+    for t, i in reqs:
+        if groups and t - groups[-1][-1][0] < PREFILL_GAP_MS:
+            groups[-1].append((t, i))
+        else:
+            groups.append([(t, i)])
+    out, prev = [], None
+    for g in groups:
+        end = g[-1][0]
+        if prev is not None:
+            out.append((sum(run.input_lens[i] for _, i in g), end - prev))
+        prev = end
+    return np.asarray(out, dtype=np.float64)
+
+
+def fit_prefill(points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Least squares of ``ms ~ t0 + c tokens/1000``: ((t0, c), residuals)."""
+    X = np.column_stack([np.ones(len(points)), points[:, 0] / 1000.0])
+    coef, *_ = np.linalg.lstsq(X, points[:, 1], rcond=None)
+    return coef, points[:, 1] - X @ coef
+
+
+class Prefill7BCost:
+    """``t(tokens) = t0 + c tokens / 1000`` ms for one prefill of ``tokens`` prompt tokens (0 for none),
+    fitted to the same published run as the decode model (``prefill_points``). The simulators charge it
+    for the prompts a step admits and for the KV recompute of the rows in flight after a weight swap."""
+
+    name = "gpu_7b_prefill"
+
+    def __init__(self, t0_ms: float = PREFILL_T0_MS, ms_per_1k: float = PREFILL_MS_PER_1K):
+        self.t0_ms, self.ms_per_1k = float(t0_ms), float(ms_per_1k)
+
+    def __call__(self, tokens: int) -> float:
+        return 0.0 if tokens <= 0 else self.t0_ms + self.ms_per_1k * tokens / 1000.0
+
+    def label(self) -> dict:
+        return {"prefill_cost": self.name, "form": "t = t0 + c*tokens/1000 ms per prefill (and per KV recompute)",
+                "t0_ms": self.t0_ms, "ms_per_1k_tokens": self.ms_per_1k, "fit_rms_ms": PREFILL_FIT_RMS_MS,
+                "fit_range": "prefill batches of 113-2,761 tokens", "model": MODEL, "source": dict(SOURCE),
+                "read": "TTFTs of the 80-prompt file: requests prefilled together share a TTFT (within 3 ms); "
+                        "a batch's time is the step between consecutive batches' TTFTs"}
 
 
 # ------------------------------------------------------------------------------------ cost models

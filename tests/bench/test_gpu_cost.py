@@ -154,3 +154,33 @@ def test_paced_engine_flat_cost_is_the_old_fixed_step():
         assert eng.cost(1, 10) == eng.cost(64, 100_000) == 3.0 and eng.engine_stats()["decode_cost"] == "flat"
     finally:
         eng.close()
+
+
+# ------------------------------------------------------------------ prefill
+def test_prefill_points_are_the_published_runs_batches():
+    pts = G.prefill_points()
+    assert len(G.PREFILL_TTFT_MS) == len(G.RUNS[1].input_lens) == 80
+    # 74 requests with a first token; the first batch (8 requests at 261-262 ms) is dropped with the run's start
+    assert pts.shape == (12, 2)
+    assert pts[:, 0].sum() + 1231 == sum(n for n, t in zip(G.RUNS[1].input_lens, G.PREFILL_TTFT_MS) if t > 0)
+    # the second batch: the 3 requests with first tokens at 307.7-308.3 ms, 46.2 ms after the first batch ended
+    assert pts[0, 0] == 1447 and pts[0, 1] == pytest.approx(308.3 - 262.1)
+    assert pts[:, 1].sum() == pytest.approx(777.7 - 262.1)  # back to back: the steps add up to the span
+
+
+def test_shipped_prefill_coefficients_are_the_fit():
+    coef, res = G.fit_prefill(G.prefill_points())
+    assert coef[0] == pytest.approx(G.PREFILL_T0_MS, abs=0.01)
+    assert coef[1] == pytest.approx(G.PREFILL_MS_PER_1K, abs=0.01)
+    assert float(np.sqrt(np.mean(res ** 2))) == pytest.approx(G.PREFILL_FIT_RMS_MS, abs=0.01)
+    # the slope is the FLOP floor of the H100 at 7.25e9 parameters (2 FLOP per parameter and token, 989 TFLOPS)
+    assert G.PREFILL_MS_PER_1K == pytest.approx(2 * 7.25e9 * 1000 / 989e12 * 1000, rel=0.02)
+
+
+def test_prefill_cost_form_and_label():
+    c = G.Prefill7BCost()
+    assert c(0) == 0.0 and c(-5) == 0.0
+    assert c(1000) == pytest.approx(G.PREFILL_T0_MS + G.PREFILL_MS_PER_1K)
+    assert c(4000) - c(2000) == pytest.approx(2 * G.PREFILL_MS_PER_1K)
+    lab = c.label()
+    assert lab["prefill_cost"] == "gpu_7b_prefill" and lab["source"]["commit"] == G.SOURCE["commit"]
