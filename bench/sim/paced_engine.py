@@ -16,6 +16,18 @@ real policy (see ``decode_latency.py`` for the static-engine version of the same
   the long-tailed reasoning a real policy would decode. Those steps hold a slot (admission counts
   them) but run no forward; their tokens are not returned and not trained.
 
+With ``prefill`` (``gpu_cost.Prefill7BCost`` is the calibrated one) a step also pays for prompt
+processing: ``prefill(tokens)`` for the prompts it admits, and, in the first step after a weight swap
+with rows in flight (running or holding a slot), ``prefill(their contexts)``: the KV cache the old
+weights computed is recomputed with the new ones (the production engine does this for its running
+rows, ``_recompute_cache``; a real-size engine pays it for every row still generating). Without
+``prefill`` nothing of this is charged, as before. ``context_scale`` multiplies the real tokens of a
+context (prompt + tokens so far) in every cost, so the tiny policy's short contexts stand for a
+real job's longer ones; simulated tail tokens count one each.
+
+Every step where the real work (the tiny model's forward, sampling, bookkeeping) took longer than the
+simulated step is counted (``overrun_steps``, ``overrun_s``): the simulated clock fell behind there.
+
 Step accounting: rows held at the start of a step each spend it on one simulated token; a row whose
 real tokens end in a step is held from the next one. A slot frees at the end of the step that
 consumed the row's last simulated token, before the next step's admission; the caller gets the
@@ -38,13 +50,15 @@ class PacedContinuousHFEngine(ContinuousHFEngine):
 
     def __init__(self, model, eos_token_id: int | None, device="cpu", max_batch: int = 64, *,
                  step_ms: float | None = None, cost=None, median_tokens: float = 16.0, sigma: float = 0.7,
-                 max_tokens: int = 256, seed: int = 0):
+                 max_tokens: int = 256, seed: int = 0, prefill=None, context_scale: float = 1.0):
         if cost is None:
             if step_ms is None or not math.isfinite(step_ms) or step_ms <= 0:
                 raise ValueError(f"step_ms={step_ms} must be a finite number > 0 (sim.decode_ms_per_token)")
             from sonar.bench.sim.gpu_cost import FlatCost
 
             cost = FlatCost(step_ms)
+        if not (math.isfinite(context_scale) and context_scale >= 1.0):
+            raise ValueError(f"context_scale={context_scale} must be a finite number >= 1 (sim.context_scale)")
         lengths = ReasoningLengths(median_tokens, sigma, max_tokens, seed)  # validates before the model moves
         super().__init__(model, eos_token_id, device=device, max_batch=max_batch)
         self.cost = cost
@@ -54,8 +68,23 @@ class PacedContinuousHFEngine(ContinuousHFEngine):
         self._tailing: list[tuple[object, int, int]] = []
         """(row, simulated tokens left, context once the tail is done) of rows that left the KV cache and
         still hold a slot; decode thread."""
+        self.prefill = prefill
+        """``prefill(tokens) -> ms`` of prompt processing, or None (not charged)."""
+        self.context_scale = float(context_scale)
         self.simulated_s = 0.0
         """Sum over steps of the step cost (the simulated model time), in seconds."""
+        self.prefill_s = 0.0
+        """Of ``simulated_s``: prefill of admitted prompts, in seconds."""
+        self.recompute_s = 0.0
+        """Of ``simulated_s``: KV recomputes after weight swaps, in seconds."""
+        self.sim_recomputes = 0
+        """Weight swaps that found rows in flight (each charged one recompute of their contexts)."""
+        self.overrun_steps = 0
+        """Steps whose real work took longer than their simulated cost."""
+        self.overrun_s = 0.0
+        """Sum over those steps of real work minus simulated cost, in seconds."""
+        self._paced_version: int | None = None
+        """The weights version the previous step ran with (None before the first step); decode thread."""
 
     @classmethod
     def like(cls, engine: ContinuousHFEngine, **pacing) -> "PacedContinuousHFEngine":
@@ -70,16 +99,44 @@ class PacedContinuousHFEngine(ContinuousHFEngine):
     def _held(self) -> list:
         return [t[0] for t in self._tailing]
 
+    def inflight_context(self) -> int:
+        """Context tokens of the rows in flight: the running rows (prompt + tokens so far) and the held rows
+        (prompt + real tokens + simulated tokens so far), real tokens times ``context_scale``."""
+        k = self.context_scale
+        ctx = sum(k * (len(r.prompt) + len(r.ids)) for r in self._rows)
+        ctx += sum(end - left + (k - 1.0) * (end - tail) for _, left, end, tail in self._tail_parts())
+        return int(round(ctx))
+
+    def _tail_parts(self):
+        """(row, simulated tokens left, context once done, simulated tokens in all) per held row: its real
+        tokens are ``end - tail``."""
+        return [(r, left, end, end - len(r.prompt) - len(r.ids)) for r, left, end in self._tailing]
+
     def step_load(self, admit) -> tuple[int, int]:
-        """(rows, context tokens) of the step about to run: the running rows (prompt + tokens so far),
-        ``admit`` (prompt) and the held rows (prompt + real tokens + simulated tokens so far)."""
-        ctx = sum(len(r.prompt) + len(r.ids) for r in self._rows) + sum(len(r.prompt) for r in admit)
-        ctx += sum(end - left for _, left, end in self._tailing)
+        """(rows, context tokens) of the step about to run: the rows in flight (``inflight_context``) and
+        ``admit`` (prompt, times ``context_scale``)."""
+        ctx = self.inflight_context() + int(round(self.context_scale * sum(len(r.prompt) for r in admit)))
         return len(self._rows) + len(admit) + len(self._tailing), ctx
+
+    def step_prefill_ms(self, admit) -> tuple[float, float]:
+        """(prefill ms of ``admit``'s prompts, recompute ms of the rows in flight if the weights changed
+        since the previous step); (0, 0) without a prefill model."""
+        version, seen = self.version, self._paced_version
+        self._paced_version = version
+        if self.prefill is None:
+            return 0.0, 0.0
+        pre = self.prefill(int(round(self.context_scale * sum(len(r.prompt) for r in admit)))) if admit else 0.0
+        rec = 0.0
+        if seen is not None and version != seen and (self._rows or self._tailing):
+            rec = self.prefill(self.inflight_context())
+            with self._cv:
+                self.sim_recomputes += 1
+        return pre, rec
 
     def _step(self, admit) -> None:
         t0 = time.perf_counter()
-        step_s = self.cost(*self.step_load(admit)) / 1000.0
+        pre_ms, rec_ms = self.step_prefill_ms(admit)
+        step_s = (self.cost(*self.step_load(admit)) + pre_ms + rec_ms) / 1000.0
         n = len(self._tailing)  # held since before this step: each spends it on one simulated token
         super()._step(admit)    # may append rows whose real tokens ended in this step (held from the next)
         still = []
@@ -91,9 +148,14 @@ class PacedContinuousHFEngine(ContinuousHFEngine):
         self._tailing = still + self._tailing[n:]
         spare = step_s - (time.perf_counter() - t0)
         if spare > 0:
-            time.sleep(spare)
+            time.sleep(spare)  # simulated model time, not synchronisation: nothing waits on it
         with self._cv:
             self.simulated_s += step_s
+            self.prefill_s += pre_ms / 1000.0
+            self.recompute_s += rec_ms / 1000.0
+            if spare < 0:
+                self.overrun_steps += 1
+                self.overrun_s -= spare
 
     def engine_stats(self) -> dict:
         st = super().engine_stats()
@@ -101,5 +163,9 @@ class PacedContinuousHFEngine(ContinuousHFEngine):
             st.update(engine="paced(hf-continuous)", simulated_s=self.simulated_s, token_ms=self.step_ms,
                       decode_cost=getattr(self.cost, "name", type(self.cost).__name__),
                       median_tokens=self.lengths.median_tokens, sigma=self.lengths.sigma,
-                      max_tokens=self.lengths.max_tokens)
+                      max_tokens=self.lengths.max_tokens, prefill_s=self.prefill_s, recompute_s=self.recompute_s,
+                      sim_recomputes=self.sim_recomputes, overrun_steps=self.overrun_steps,
+                      overrun_s=self.overrun_s, context_scale=self.context_scale,
+                      prefill_cost=getattr(self.prefill, "name", None if self.prefill is None
+                                           else type(self.prefill).__name__))
         return st

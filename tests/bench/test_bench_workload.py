@@ -274,6 +274,75 @@ def test_concurrent_calls_overlap_like_independent_requests(monkeypatch):
     assert r.stats()["injected_calls"] == 6
 
 
+def test_a_cluster_of_two_servers_serves_two_requests_at_a_time(monkeypatch):
+    """Six concurrent calls, two servers: each service time waits at a barrier of two, which opens only
+    when two calls are in service together; never more than two are."""
+    import sonar.bench.sim.retrieval_latency as rl
+
+    barrier, in_service = threading.Barrier(2, timeout=60.0), []
+    r = LatencyInjectingRetriever(FakeRetriever(), median_ms=10.0, sigma=0.0, servers=2, per_query_ms=2.0)
+
+    def serve_in_pairs(s):
+        in_service.append((s, r._in_service))
+        barrier.wait()
+
+    monkeypatch.setattr(rl, "time", SimpleNamespace(sleep=serve_in_pairs, perf_counter=time.perf_counter))
+    errors = []
+
+    def call(i):
+        try:
+            r.batch_search([f"q{i}"] * 3, 1)
+        except Exception as e:  # noqa: BLE001 - a broken barrier, surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    # service time: the median plus 2 ms for each of the 3 queries in the batch
+    assert [x for x, _ in in_service] == [0.016] * 6 and all(n <= 2 for _, n in in_service)
+    st = r.stats()
+    assert st["max_in_service"] == 2 and st["injected_calls"] == 6 and st["injected_servers"] == 2
+    assert st["injected_ms_total"] == pytest.approx(6 * 16.0) and st["queued_ms_total"] >= 0.0
+
+
+def test_one_server_queues_every_request_behind_the_one_in_service(monkeypatch):
+    import sonar.bench.sim.retrieval_latency as rl
+
+    """The request in service holds its server until all five callers have started: an unbounded cluster
+    would have let the other four in meanwhile."""
+    r = LatencyInjectingRetriever(FakeRetriever(), median_ms=5.0, sigma=0.0, servers=1)
+    seen, started, cv = [], [0], threading.Condition()
+
+    def serve(s):
+        with cv:
+            assert cv.wait_for(lambda: started[0] == 5, timeout=60.0)
+        seen.append(r._in_service)
+
+    def call(i):
+        with cv:
+            started[0] += 1
+            cv.notify_all()
+        r.batch_search([f"q{i}"], 1)
+
+    monkeypatch.setattr(rl, "time", SimpleNamespace(sleep=serve, perf_counter=time.perf_counter))
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == [1] * 5 and r.stats()["max_in_service"] == 1
+
+
+@pytest.mark.parametrize("bad", [{"servers": -1}, {"servers": 1.5}, {"per_query_ms": -1.0},
+                                 {"per_query_ms": float("inf")}])
+def test_bad_server_settings_raise(bad):
+    with pytest.raises(ValueError, match="servers|per_query_ms"):
+        LatencyInjectingRetriever(FakeRetriever(), 10.0, 0.0, **bad)
+
+
 def test_factory_puts_the_wrapper_below_the_cache(tmp_path):
     """Through the production hook (``build_retriever(..., wrap_backend=)``), as the benchmarks wire it."""
     from sonar.bench.sim.config import SimConfig

@@ -135,3 +135,78 @@ def test_production_engine_has_no_pacing():
         assert eng._held() == [] and "simulated_s" not in eng.engine_stats()
     finally:
         eng.close()
+
+
+# ------------------------------------------------------------------ prefill, KV recompute, context scale, overruns
+def _recording(calls):
+    def prefill(tokens):
+        calls.append(tokens)
+        return 0.002 * tokens  # small: the test does not wait on real time
+    return prefill
+
+
+def test_prefill_is_charged_for_admitted_prompts_and_contexts_scale(make_engine):
+    """One prompt of P tokens, 3 real tokens, a tail of 2, context_scale 2: the decode costs see the real
+    tokens doubled (2P, 2P+2, 2P+4, then 2(P+3) and 2(P+3)+1 in the tail), the prefill sees 2P once."""
+    seen, calls = [], []
+
+    def cost(rows, ctx):
+        seen.append((rows, ctx))
+        return 0.001 * ctx
+
+    eng = make_engine(tiny_model(), max_batch=4, cost=cost, median_tokens=2, sigma=0.0, max_tokens=2,
+                      prefill=_recording(calls), context_scale=2.0, step_ms=None)
+    P = len(PROMPTS[0])
+    eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=3, temperature=0.0))
+    st = _wait_idle(eng)
+    assert seen == [(1, 2 * P), (1, 2 * P + 2), (1, 2 * P + 4), (1, 2 * P + 6), (1, 2 * P + 7)]
+    assert calls == [2 * P]
+    assert st["prefill_s"] == pytest.approx(0.002 * 2 * P / 1000)
+    assert st["simulated_s"] == pytest.approx((sum(0.001 * c for _, c in seen) + 0.002 * 2 * P) / 1000)
+    assert st["sim_recomputes"] == 0 and st["recompute_s"] == 0.0 and st["context_scale"] == 2.0
+    assert st["prefill_cost"] == "function"
+
+
+def test_a_weight_swap_with_rows_in_flight_is_charged_one_recompute_of_their_contexts(make_engine):
+    from tests.actors.test_engine_continuous import _wait_tokens
+
+    calls = []
+    eng = make_engine(tiny_model(seed=0), max_batch=4, cost=lambda rows, ctx: 0.01, median_tokens=1, sigma=0.0,
+                      max_tokens=1, prefill=_recording(calls), step_ms=None)
+    P = len(PROMPTS[0])
+    caller = _Caller(lambda: eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=200, temperature=1.0, seed=3)))
+    _wait_tokens(eng, caller, 20)
+    eng.load_weights(tiny_model(seed=5).named_parameters(), version=7)
+    caller.join()
+    st = _wait_idle(eng)
+    assert caller.error is None
+    # admission (P), then one recompute of the one row in flight: its prompt and the tokens it had then
+    assert len(calls) == 2 and calls[0] == P and P + 20 <= calls[1] <= P + 200
+    assert st["sim_recomputes"] == 1 and st["cache_recomputes"] == 1  # the real engine recomputed too
+    assert st["recompute_s"] == pytest.approx(0.002 * calls[1] / 1000)
+    # no swap: no recompute charged, however many steps
+    eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=5, temperature=0.0))
+    assert _wait_idle(eng)["sim_recomputes"] == 1
+
+
+def test_without_a_prefill_model_nothing_more_is_charged(make_engine):
+    eng = make_engine(tiny_model(), max_batch=4, step_ms=1.0, median_tokens=1, sigma=0.0, max_tokens=1)
+    eng.generate(PROMPTS, SamplingParams(max_new_tokens=3, temperature=0.0))
+    st = _wait_idle(eng)
+    assert st["prefill_s"] == st["recompute_s"] == 0.0 and st["prefill_cost"] is None
+    assert st["simulated_s"] == pytest.approx(st["steps"] * 0.001)
+
+
+def test_steps_whose_real_work_outlasts_the_simulated_cost_are_counted(make_engine):
+    """A simulated step of 0 ms: every step's real work (the model's forward) overruns it."""
+    eng = make_engine(tiny_model(), max_batch=4, cost=lambda rows, ctx: 0.0, median_tokens=1, sigma=0.0,
+                      max_tokens=1, step_ms=None)
+    eng.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=0.0))
+    st = _wait_idle(eng)
+    assert st["overrun_steps"] == st["steps"] > 0 and st["overrun_s"] > 0
+
+
+@pytest.mark.parametrize("scale", [0.5, float("nan"), float("inf")])
+def test_bad_context_scale_raises(scale):
+    with pytest.raises(ValueError, match="context_scale"):
+        PacedContinuousHFEngine(tiny_model(), eos_token_id=None, step_ms=1.0, context_scale=scale)
