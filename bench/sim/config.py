@@ -24,6 +24,8 @@ from omegaconf.errors import OmegaConfBaseException
 SECTION = "sim"
 ENGINES = ("real", "bench")
 DECODE_COSTS = ("flat", "gpu_7b")
+PREFILL_COSTS = ("none", "gpu_7b")
+LEARNER_COSTS = ("none", "flops_7b")
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,30 @@ class SimConfig:
     below the reranker and the cache, so cache hits stay fast."""
     retrieval_latency_sigma: float = 0.0
     """Lognormal sigma of the extra search latency (>= 0; 0: always the median)."""
+    retrieval_servers: int = 0
+    """Requests the simulated search cluster serves at once (>= 0; 0: unbounded, latency never grows with
+    load). A request beyond that queues for a free server (``retrieval_latency.py``)."""
+    retrieval_per_query_ms: float = 0.0
+    """Simulated service time per query of a batched request, in ms, on top of the lognormal draw (>= 0)."""
+    prefill_cost: str = "none"
+    """Prompt processing, with a simulated decode: none (not charged, as before) or gpu_7b (``gpu_cost.
+    Prefill7BCost``, fitted to the same published run as the decode model): charged for every admitted
+    prompt and for the KV recompute of the rows in flight after each weight swap (``paced_engine.py``)."""
+    context_scale: float = 1.0
+    """With a simulated decode, each real context token (prompt, retrieved text, the tiny policy's tokens)
+    counts this many in the cost models (>= 1), so the tiny policy's short contexts stand for a real job's."""
+    learner_cost: str = "none"
+    """SIMULATED learner time, placed before the weights go out (the driver's ``on_learner_step`` hook):
+    none (the real CPU learner's own time, as before), or flops_7b: a step lasts at least ``trained
+    trajectories x learner_tokens_per_traj x 8 x 7.25e9 FLOP / (learner_gpus x learner_mfu x 989.4 TFLOPS)``
+    (``hooks.LearnerTime``; the constants and their sources in ``reference.py``)."""
+    learner_gpus: int = 1
+    """flops_7b: the GPUs the simulated learner trains on (>= 1)."""
+    learner_mfu: float = 0.4
+    """flops_7b: the simulated learner's model-FLOPs utilisation (0 < mfu <= 1)."""
+    learner_tokens_per_traj: float = 0.0
+    """flops_7b: tokens the simulated learner trains per trajectory (> 0): prompt, retrieved text and
+    generation of a real-size trajectory (``reference.py`` derives it for its workload)."""
 
     def validate(self, cfg: Any = None) -> "SimConfig":
         """Raise ValueError naming the ``sim.*`` field and its value; with ``cfg`` (the production
@@ -77,8 +103,27 @@ class SimConfig:
             raise ValueError(f"sim.engine={self.engine!r} is not one of {list(ENGINES)}")
         if self.decode_cost not in DECODE_COSTS:
             raise ValueError(f"sim.decode_cost={self.decode_cost!r} is not one of {list(DECODE_COSTS)}")
+        if self.prefill_cost not in PREFILL_COSTS:
+            raise ValueError(f"sim.prefill_cost={self.prefill_cost!r} is not one of {list(PREFILL_COSTS)}")
+        if self.learner_cost not in LEARNER_COSTS:
+            raise ValueError(f"sim.learner_cost={self.learner_cost!r} is not one of {list(LEARNER_COSTS)}")
+        if not (isinstance(self.retrieval_servers, int) and self.retrieval_servers >= 0):
+            raise ValueError(f"sim.retrieval_servers={self.retrieval_servers} must be an integer >= 0 (0: unbounded)")
+        if not (math.isfinite(self.context_scale) and self.context_scale >= 1.0):
+            raise ValueError(f"sim.context_scale={self.context_scale} must be a finite number >= 1")
+        if self.learner_cost != "none":
+            if not (isinstance(self.learner_gpus, int) and self.learner_gpus >= 1):
+                raise ValueError(f"sim.learner_gpus={self.learner_gpus} must be an integer >= 1")
+            if not (math.isfinite(self.learner_mfu) and 0 < self.learner_mfu <= 1):
+                raise ValueError(f"sim.learner_mfu={self.learner_mfu} must be in (0, 1]")
+            if not (math.isfinite(self.learner_tokens_per_traj) and self.learner_tokens_per_traj > 0):
+                raise ValueError(f"sim.learner_tokens_per_traj={self.learner_tokens_per_traj} must be a finite number "
+                                 f"> 0 with sim.learner_cost={self.learner_cost!r}")
+            if self.learner_delay_ms > 0:
+                raise ValueError(f"sim.learner_delay_ms={self.learner_delay_ms} with sim.learner_cost="
+                                 f"{self.learner_cost!r}: two learner-time models; use one")
         for name in ("token_ms", "decode_ms_per_token", "retrieval_latency_ms", "retrieval_latency_sigma",
-                     "learner_delay_ms"):
+                     "learner_delay_ms", "retrieval_per_query_ms"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"sim.{name}={v} must be a finite number >= 0")
@@ -91,6 +136,13 @@ class SimConfig:
             if not (math.isfinite(m) and 1 <= m <= mx) or not (math.isfinite(s) and s >= 0):
                 raise ValueError(f"sim.decode_median_tokens={m}, sim.decode_max_tokens={mx}, sim.decode_sigma={s}: "
                                  "need 1 <= median <= max and a finite sigma >= 0")
+        if cfg is not None and (self.prefill_cost != "none" or self.context_scale != 1.0) and not (
+                self.simulates_decode and cfg.rollout.continuous_batching and cfg.rollout.engine == "hf"):
+            raise ValueError(f"sim.prefill_cost={self.prefill_cost!r}, sim.context_scale={self.context_scale}: charged by "
+                             "the paced continuous engine only; they need a simulated decode (sim.decode_cost or "
+                             "sim.decode_ms_per_token), rollout.engine='hf' and rollout.continuous_batching=true, got "
+                             f"rollout.engine={cfg.rollout.engine!r}, rollout.continuous_batching="
+                             f"{cfg.rollout.continuous_batching}")
         if cfg is not None and self.engine == "bench":
             r = cfg.rollout
             if r.engine != "hf" or r.continuous_batching:

@@ -83,6 +83,9 @@ class PacedContinuousHFEngine(ContinuousHFEngine):
         """Steps whose real work took longer than their simulated cost."""
         self.overrun_s = 0.0
         """Sum over those steps of real work minus simulated cost, in seconds."""
+        self.ctx_admitted = [0, 0, 0]
+        """(prompts admitted, their context tokens in all, the largest), contexts times ``context_scale``:
+        the contexts the costs were charged for."""
         self._paced_version: int | None = None
         """The weights version the previous step ran with (None before the first step); decode thread."""
 
@@ -123,6 +126,12 @@ class PacedContinuousHFEngine(ContinuousHFEngine):
         since the previous step); (0, 0) without a prefill model."""
         version, seen = self.version, self._paced_version
         self._paced_version = version
+        if admit:
+            sizes = [int(round(self.context_scale * len(r.prompt))) for r in admit]
+            with self._cv:
+                self.ctx_admitted[0] += len(sizes)
+                self.ctx_admitted[1] += sum(sizes)
+                self.ctx_admitted[2] = max(self.ctx_admitted[2], max(sizes))
         if self.prefill is None:
             return 0.0, 0.0
         pre = self.prefill(int(round(self.context_scale * sum(len(r.prompt) for r in admit)))) if admit else 0.0
@@ -166,6 +175,8 @@ class PacedContinuousHFEngine(ContinuousHFEngine):
                       max_tokens=self.lengths.max_tokens, prefill_s=self.prefill_s, recompute_s=self.recompute_s,
                       sim_recomputes=self.sim_recomputes, overrun_steps=self.overrun_steps,
                       overrun_s=self.overrun_s, context_scale=self.context_scale,
+                      ctx_admitted_mean=self.ctx_admitted[1] / self.ctx_admitted[0] if self.ctx_admitted[0] else 0.0,
+                      ctx_admitted_max=self.ctx_admitted[2],
                       prefill_cost=getattr(self.prefill, "name", None if self.prefill is None
                                            else type(self.prefill).__name__))
         return st

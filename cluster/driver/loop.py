@@ -162,6 +162,11 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
         run.step += 1
         progress.update()
         m = dict(res.metrics)
+        if roles.hooks.on_learner_step is not None:
+            # Waits: a benchmark's simulated learner time (Hooks.on_learner_step), before the weights go out.
+            t_hook = time.monotonic()
+            m.update(roles.hooks.on_learner_step(res.metrics) or {})
+            clock.parts["learner_call"] += time.monotonic() - t_hook
         if steps % cfg.learner.broadcast_every == 0:  # waits for the collective: bounds the policy lag
             with clock.phase("push"):
                 m.update(roles.pool.push())

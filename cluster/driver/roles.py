@@ -50,6 +50,12 @@ class Hooks:
     fault tests synchronise on, as ``on_pool(event, pool)``: ``"group_open"`` (the learner's endpoint of
     the weight transport is open, no rank has joined yet) and ``"push_sent"`` (the learner's send is
     submitted, no worker's receive yet); ``rollout_pool`` module docstring."""
+    on_learner_step: Callable | None = None
+    """Called in the driver's process (never sent to an actor) with each trained RL step's learner metrics,
+    after the learner step and before the weights go out, as ``on_learner_step(metrics) -> dict | None``;
+    what it returns is logged with the step (and may replace the step's metrics). The push, hence the
+    version the workers generate with, waits for it: a benchmark's simulated real-size learner time
+    enters here (``bench/sim/hooks.py``: ``LearnerTime``)."""
 
 
 @dataclass

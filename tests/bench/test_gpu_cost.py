@@ -184,3 +184,4 @@ def test_prefill_cost_form_and_label():
     assert c(4000) - c(2000) == pytest.approx(2 * G.PREFILL_MS_PER_1K)
     lab = c.label()
     assert lab["prefill_cost"] == "gpu_7b_prefill" and lab["source"]["commit"] == G.SOURCE["commit"]
+    assert lab["refit"]["t0_ms"] == pytest.approx(G.PREFILL_T0_MS, abs=0.01) and lab["refit"]["rms_ms"] < 7.0
