@@ -92,6 +92,11 @@ class SimConfig:
     """flops_7b: the GPUs the simulated learner trains on (>= 1)."""
     learner_mfu: float = 0.4
     """flops_7b: the simulated learner's model-FLOPs utilisation (0 < mfu <= 1)."""
+    colocated: bool = False
+    """flops_7b: the colocated layout (the ``colocated`` baseline of async-vs-sync sets it): generation and
+    training share the GPUs, so every learner step also pays ``colocated_switch_s`` to switch between them."""
+    colocated_switch_s: float = 0.0
+    """Seconds one switch between generation and training costs in the colocated layout (>= 0)."""
     learner_tokens_per_traj: float = 0.0
     """flops_7b: tokens the simulated learner trains per trajectory (> 0): prompt, retrieved text and
     generation of a real-size trajectory (``reference.py`` derives it for its workload)."""
@@ -119,11 +124,15 @@ class SimConfig:
             if not (math.isfinite(self.learner_tokens_per_traj) and self.learner_tokens_per_traj > 0):
                 raise ValueError(f"sim.learner_tokens_per_traj={self.learner_tokens_per_traj} must be a finite number "
                                  f"> 0 with sim.learner_cost={self.learner_cost!r}")
+        elif self.colocated:
+            raise ValueError("sim.colocated=true needs sim.learner_cost='flops_7b' (the CPU learner cannot train on "
+                             "the rollout GPUs)")
+        if self.learner_cost != "none":
             if self.learner_delay_ms > 0:
                 raise ValueError(f"sim.learner_delay_ms={self.learner_delay_ms} with sim.learner_cost="
                                  f"{self.learner_cost!r}: two learner-time models; use one")
         for name in ("token_ms", "decode_ms_per_token", "retrieval_latency_ms", "retrieval_latency_sigma",
-                     "learner_delay_ms", "retrieval_per_query_ms"):
+                     "learner_delay_ms", "retrieval_per_query_ms", "colocated_switch_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"sim.{name}={v} must be a finite number >= 0")

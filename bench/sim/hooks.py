@@ -112,19 +112,22 @@ class LearnerTime:
     trained token, 989.4 TFLOPS); the driver waits out what the real CPU learner did not already spend,
     before the push. The step's ``learner/step_time_s`` becomes the simulated one (the critical-path split
     then counts it as learner compute); a real step that took longer is kept and counted
-    (``sim/learner_overrun``). A skipped step (no trajectory trained) costs nothing."""
+    (``sim/learner_overrun``). A skipped step (no trajectory trained) costs nothing. ``switch_s`` (the
+    colocated layout): every step also switches the GPUs from generation to training and back."""
 
-    def __init__(self, tokens_per_traj: float, gpus: int, mfu: float):
+    def __init__(self, tokens_per_traj: float, gpus: int, mfu: float, switch_s: float = 0.0):
         from sonar.bench.sim.reference import learner_tokens_per_s
 
         self.tokens_per_traj, self.gpus, self.mfu = float(tokens_per_traj), int(gpus), float(mfu)
+        self.switch_s = float(switch_s)
         self.tokens_per_s = learner_tokens_per_s(self.gpus, self.mfu)
         self.simulated_s = 0.0
         self.overruns = 0
 
     def step_s(self, trajectories: float) -> float:
         """Simulated seconds of a learner step that trained ``trajectories`` trajectories."""
-        return max(0.0, float(trajectories)) * self.tokens_per_traj / self.tokens_per_s
+        n = max(0.0, float(trajectories))
+        return 0.0 if n == 0 else self.switch_s + n * self.tokens_per_traj / self.tokens_per_s
 
     def __call__(self, metrics: dict) -> dict:
         import time
@@ -140,7 +143,8 @@ class LearnerTime:
         return {K.LEARNER_STEP_TIME: max(target, real), "sim/learner_s": target, "sim/learner_overrun": float(real > target > 0)}
 
     def __repr__(self) -> str:
-        return f"LearnerTime(tokens_per_traj={self.tokens_per_traj}, gpus={self.gpus}, mfu={self.mfu})"
+        return (f"LearnerTime(tokens_per_traj={self.tokens_per_traj}, gpus={self.gpus}, mfu={self.mfu}, "
+                f"switch_s={self.switch_s})")
 
 
 def sim_hooks(sim: SimConfig) -> Hooks:
@@ -151,6 +155,7 @@ def sim_hooks(sim: SimConfig) -> Hooks:
                                   sim.retrieval_per_query_ms)
                  if sim.retrieval_latency_ms > 0 or sim.retrieval_per_query_ms > 0 else None)
     on_step = LearnerDelay(sim.learner_delay_ms) if sim.learner_delay_ms > 0 else None
-    learner = (LearnerTime(sim.learner_tokens_per_traj, sim.learner_gpus, sim.learner_mfu)
+    learner = (LearnerTime(sim.learner_tokens_per_traj, sim.learner_gpus, sim.learner_mfu,
+                           sim.colocated_switch_s if sim.colocated else 0.0)
                if sim.learner_cost == "flops_7b" else None)
     return Hooks(engine_wrap=engine, retriever_wrap=retriever, on_step=on_step, on_learner_step=learner)

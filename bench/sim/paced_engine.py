@@ -175,7 +175,7 @@ class PacedContinuousHFEngine(ContinuousHFEngine):
                       max_tokens=self.lengths.max_tokens, prefill_s=self.prefill_s, recompute_s=self.recompute_s,
                       sim_recomputes=self.sim_recomputes, overrun_steps=self.overrun_steps,
                       overrun_s=self.overrun_s, context_scale=self.context_scale,
-                      ctx_admitted_mean=self.ctx_admitted[1] / self.ctx_admitted[0] if self.ctx_admitted[0] else 0.0,
+                      ctx_admitted_n=self.ctx_admitted[0], ctx_admitted_tokens=self.ctx_admitted[1],
                       ctx_admitted_max=self.ctx_admitted[2],
                       prefill_cost=getattr(self.prefill, "name", None if self.prefill is None
                                            else type(self.prefill).__name__))

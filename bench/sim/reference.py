@@ -31,6 +31,8 @@ The job (R1-Searcher / Search-R1 shaped: GRPO, groups of 8, a think-search-answe
   index was found. Measured here on 200k passages (``bench/results/retrieval-vm-1564537c02.json``):
   BM25 848 single queries/s on 2 vCPUs and 0.67 ms of Elasticsearch protocol per call, so a 21M-passage
   index (105x larger) with a dense rerank is taken as tens of milliseconds per request.
+- **Layout.** ``ROLLOUT_GPUS`` rollout workers (one GPU each) and ``LEARNER_GPUS`` learner GPUs; the
+  colocated baseline runs both on all of them and pays ``COLOCATED_SWITCH_S`` per step (assumed).
 - **Learner.** ``LEARNER_GPUS`` H100s train ``8 x N`` FLOP per trained token (6N for the update,
   Kaplan et al. 2020, arXiv 2001.08361; 2N for the old-policy logprob forward) at ``LEARNER_MFU`` of the
   dense BF16 peak (989.4 TFLOPS, NVIDIA's H100 SXM datasheet). 0.40 is assumed, at the Llama 3 report's
@@ -52,8 +54,8 @@ FLOPS_PER_TRAINED_TOKEN = 8.0 * MODEL_PARAMS
 """6N (forward and backward of the update, Kaplan et al. 2020) + 2N (the old-policy logprob forward)."""
 LEARNER_MFU = 0.40
 """Assumed model-FLOPs utilisation of the learner (the Llama 3 report: 38-43 % on H100s, pre-training)."""
-LEARNER_GPUS = 4
-"""GPUs of the simulated learner (assumed: a 7B GRPO learner under ZeRO-3 on half of an 8-GPU node)."""
+LEARNER_GPUS = 2
+"""GPUs of the simulated learner (assumed: 2 of 6, the 2:1 rollout-to-training split of disaggregated runs)."""
 
 TURNS = (3, 5)
 """Turns per trajectory (min, max)."""
@@ -71,6 +73,12 @@ RETRIEVAL_MEDIAN_MS = 40.0
 RETRIEVAL_SIGMA = 0.5
 RETRIEVAL_PER_QUERY_MS = 3.0
 RETRIEVAL_SERVERS = 8
+ROLLOUT_GPUS = 4
+"""Rollout workers of the disaggregated layout, one GPU each (with ``LEARNER_GPUS``: 6 GPUs in all, 2:1)."""
+COLOCATED_SWITCH_S = 1.5
+"""Assumed seconds per step to switch the GPUs between generation and training in the colocated layout:
+14.5 GB of bf16 weights moved each way over PCIe (~0.6 s each at ~25 GB/s achieved) plus the engine's
+KV-cache release and re-allocation."""
 
 
 def context_after(turns: int) -> float:
@@ -106,8 +114,8 @@ def overrides() -> list[str]:
         f"sim.retrieval_latency_ms={RETRIEVAL_MEDIAN_MS}", f"sim.retrieval_latency_sigma={RETRIEVAL_SIGMA}",
         f"sim.retrieval_per_query_ms={RETRIEVAL_PER_QUERY_MS}", f"sim.retrieval_servers={RETRIEVAL_SERVERS}",
         "sim.learner_cost=flops_7b", f"sim.learner_gpus={LEARNER_GPUS}", f"sim.learner_mfu={LEARNER_MFU}",
-        f"sim.learner_tokens_per_traj={TOKENS_PER_TRAJ}",
-        f"protocol.max_turns={TURNS[1]}",
+        f"sim.learner_tokens_per_traj={TOKENS_PER_TRAJ}", f"sim.colocated_switch_s={COLOCATED_SWITCH_S}",
+        f"protocol.max_turns={TURNS[1]}", f"rollout.num_workers={ROLLOUT_GPUS}",
     ]
 
 
@@ -121,6 +129,7 @@ def label() -> dict:
             "context_scale": CONTEXT_SCALE,
             "retrieval": {"median_ms": RETRIEVAL_MEDIAN_MS, "sigma": RETRIEVAL_SIGMA,
                           "per_query_ms": RETRIEVAL_PER_QUERY_MS, "servers": RETRIEVAL_SERVERS, "source": "assumed"},
+            "rollout_gpus": ROLLOUT_GPUS, "colocated_switch_s": COLOCATED_SWITCH_S,
             "learner": {"gpus": LEARNER_GPUS, "mfu": LEARNER_MFU, "flops_per_token": FLOPS_PER_TRAINED_TOKEN,
                         "tokens_per_traj": TOKENS_PER_TRAJ, "tokens_per_s": learner_tokens_per_s(),
                         "tokens_per_s_per_gpu": learner_tokens_per_s(1)},

@@ -165,7 +165,7 @@ def test_prefill_is_charged_for_admitted_prompts_and_contexts_scale(make_engine)
     assert st["simulated_s"] == pytest.approx((sum(0.001 * c for _, c in seen) + 0.002 * 2 * P) / 1000)
     assert st["sim_recomputes"] == 0 and st["recompute_s"] == 0.0 and st["context_scale"] == 2.0
     assert st["prefill_cost"] == "function"
-    assert st["ctx_admitted_mean"] == st["ctx_admitted_max"] == 2 * P
+    assert st["ctx_admitted_n"] == 1 and st["ctx_admitted_tokens"] == st["ctx_admitted_max"] == 2 * P
 
 
 def test_a_weight_swap_with_rows_in_flight_is_charged_one_recompute_of_their_contexts(make_engine):

@@ -30,6 +30,7 @@ def test_learner_throughput_is_the_flop_arithmetic():
     assert R.learner_tokens_per_s(1, 0.40) == pytest.approx(0.40 * 989.4e12 / (8 * 7.25e9))
     assert R.learner_tokens_per_s(1, 0.40) == pytest.approx(6823.4, abs=0.5)
     assert R.learner_tokens_per_s(4) == pytest.approx(4 * R.learner_tokens_per_s(1))
+    assert R.learner_tokens_per_s() == pytest.approx(R.LEARNER_GPUS * R.learner_tokens_per_s(1))
     with pytest.raises(ValueError):
         R.learner_tokens_per_s(0)
     with pytest.raises(ValueError):

@@ -1,0 +1,119 @@
+"""The settings ``sonar bench async-vs-sync`` compares (bench/async_vs_sync.py): the synchronous baselines
+a peer would choose (matched concurrency, colocated), async, and which baseline the headline uses. The
+configs are loaded as the benchmark loads them; no Ray, no runs."""
+from __future__ import annotations
+
+import pytest
+
+from sonar.bench import async_vs_sync as A
+from sonar.bench.driver_harness import load_cfg
+from sonar.bench.sim import reference as R
+from sonar.bench.sim.hooks import sim_hooks
+from sonar.cluster.wire import metrics as K
+
+
+def _load(base: list[str], mode: str, lag=None):
+    cfg0, sim0 = load_cfg([A.CONFIG], base)
+    return load_cfg([A.CONFIG], base + A.setting_overrides(mode, lag, cfg0, sim0))
+
+
+def test_matched_concurrency_fills_every_slot_and_trains_the_same_groups():
+    base_cfg, _ = load_cfg([A.CONFIG], [])
+    cfg, _ = _load([], "sync_full")
+    i = A.rl_stage_index(cfg)
+    rows = cfg.learner.groups_per_step * cfg.rollout.group_size
+    assert cfg.cluster.mode == "sync" and cfg.replay.max_policy_lag == 0
+    assert rows == cfg.rollout.num_workers * cfg.rollout.max_batch_rows  # the step fills every engine slot
+    assert rows > base_cfg.learner.groups_per_step * base_cfg.rollout.group_size
+    assert (cfg.stages[i].steps * cfg.learner.groups_per_step
+            == base_cfg.stages[i].steps * base_cfg.learner.groups_per_step)  # 40 x 16 = 80 x 8 groups
+
+
+def test_plain_sync_and_async_keep_the_configs_batch():
+    sync, _ = _load([], "sync")
+    a2, _ = _load([], "async", 2)
+    assert sync.learner.groups_per_step == a2.learner.groups_per_step == 8
+    assert (sync.cluster.mode, a2.cluster.mode, a2.replay.max_policy_lag, a2.replay.capacity_groups) == \
+        ("sync", "async", 2, 16)
+
+
+def test_colocated_generates_and_trains_on_every_gpu_and_pays_the_switch():
+    cfg, sim = _load(R.overrides(), "colocated")
+    gpus = R.ROLLOUT_GPUS + R.LEARNER_GPUS
+    assert cfg.cluster.mode == "sync" and cfg.rollout.num_workers == gpus
+    assert sim.learner_gpus == gpus and sim.colocated and sim.colocated_switch_s == R.COLOCATED_SWITCH_S
+    lt = sim_hooks(sim).on_learner_step
+    assert lt.switch_s == R.COLOCATED_SWITCH_S
+    assert lt.step_s(64) == pytest.approx(R.COLOCATED_SWITCH_S + 64 * R.TOKENS_PER_TRAJ / R.learner_tokens_per_s(gpus))
+    assert lt.step_s(0) == 0.0
+    # the disaggregated async run of the same workload: its own GPUs, no switch
+    _, sim_async = _load(R.overrides(), "async", 2)
+    assert sim_hooks(sim_async).on_learner_step.switch_s == 0.0 and sim_async.learner_gpus == R.LEARNER_GPUS
+
+
+def test_colocated_needs_a_simulated_learner():
+    with pytest.raises(ValueError, match="colocated"):
+        _load([], "colocated")
+    with pytest.raises(ValueError, match="not one of"):
+        _load([], "lockstep")
+
+
+def _run(tps: float) -> dict:
+    return {"metrics": {"trained_traj_per_s": tps}}
+
+
+def test_the_headline_baseline_is_the_faster_one():
+    per = {"sync": [_run(10), _run(12)], "sync_full": [_run(14), _run(15)], "colocated": [_run(13), _run(13)]}
+    assert A.better_baseline(per, ["sync", "sync_full", "colocated"]) == "sync_full"
+    assert A.better_baseline(per, ["sync", "colocated"]) == "colocated"
+    tie = {"sync": [_run(10)], "sync_full": [_run(10)]}
+    assert A.better_baseline(tie, ["sync", "sync_full"]) == "sync"  # a tie keeps the first
+
+
+def test_compare_against_another_baseline_pairs_its_seeds():
+    from tests.bench.test_bench_stats import _run as full_run
+
+    per = {"sync": [full_run(60, 0.8, 0.0), full_run(60, 0.8, 0.0)],
+           "sync_full": [full_run(40, 0.8, 0.0), full_run(44, 0.8, 0.0)],
+           "async_lag2": [full_run(20, 0.8, 0.05), full_run(22, 0.8, 0.05)]}
+    out = A.compare(per, [2], baseline="sync_full")
+    assert out["2"]["speedup_rl_loop"]["values"] == pytest.approx([2.0, 2.0])
+    assert A.compare(per, [2])["2"]["speedup_rl_loop"]["values"] == pytest.approx([3.0, 60 / 22])
+
+
+def _res(colocated: bool) -> dict:
+    """A two-step RL stage of two workers, as run_training reports it (only what measure reads)."""
+    h = [{K.LEARNER_VERSION: v, K.LEARNER_STEP_TIME: 1.0, K.LEARNER_TRAJECTORIES: 32.0, K.LEARNER_GROUPS: 8.0,
+          K.LEARNER_GROUPS_ZERO_SIGNAL: 4.0, K.ROLLOUT_REWARD_MEAN: 0.5, K.REPLAY_PRODUCED: 64.0 * v,
+          "sim/learner_s": 0.75} for v in (1, 2)]
+    w = {"gen_s": 5.0, "retrieve_s": 1.0, "model_tokens": 1000.0, "engine_steps": 100.0,
+         "engine_live_row_steps": 4000.0, "engine_simulated_s": 8.0, "engine_prefill_s": 1.0,
+         "engine_recompute_s": 0.5, "engine_sim_recomputes": 2.0, "engine_overrun_steps": 10.0,
+         "engine_overrun_s": 0.2, "engine_ctx_admitted_n": 50.0, "engine_ctx_admitted_tokens": 100_000.0}
+    return {"stages": [{"kind": "rl", "history": h, "loop_seconds": 10.0, "workers": [w, dict(w)], "t_start": 0.0}],
+            "replay": {"consumed": 128.0, "produced": 128.0, "dropped_stale": 0.0}, "startup_s": 5.0,
+            "total_s": 20.0, "eval": None}
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_measure_reports_per_gpu_throughput_mfu_and_where_simulated_time_went(colocated):
+    import dataclasses
+
+    from sonar.bench.sim.config import SimConfig
+
+    cfg, _ = load_cfg([A.CONFIG], ["rollout.num_workers=2"])
+    sim = SimConfig(decode_cost="gpu_7b", learner_cost="flops_7b", learner_gpus=2 if colocated else 1,
+                    learner_tokens_per_traj=3000.0, colocated=colocated)
+    m = A.measure(_res(colocated), cfg, dataclasses.replace(sim))["metrics"]
+    gpus = 2 if colocated else 3  # colocated: the learner trains on the two rollout GPUs
+    assert m["gpus"] == gpus
+    assert m["generated_tokens_per_s_per_gpu"] == pytest.approx(8000 / 10 / gpus)
+    assert m["trained_tokens_per_s_per_gpu"] == pytest.approx(64 * 3000 / 10 / gpus)
+    flops = 8000 * 2 * R.MODEL_PARAMS + 64 * 3000 * 8 * R.MODEL_PARAMS
+    assert m["mfu"] == pytest.approx(flops / (10 * gpus * R.PEAK_BF16_FLOPS))
+    assert m["sim_learner_s"] == pytest.approx(1.5) and m["zero_signal_share"] == pytest.approx(0.5)
+    assert m["sim_overrun_step_share"] == pytest.approx(20 / 200) and m["ctx_admitted_mean"] == pytest.approx(2000)
+    assert (m["sim_prefill_s"], m["sim_recompute_s"], m["sim_recomputes"]) == (2.0, 1.0, 4.0)
+    assert m["decode_steps_per_worker"] == 100.0
+    # without a simulated learner: no per-GPU figures (the CPU learner is not a GPU)
+    assert "mfu" not in A.measure(_res(colocated), cfg)["metrics"]
