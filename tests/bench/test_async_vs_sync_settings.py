@@ -117,3 +117,17 @@ def test_measure_reports_per_gpu_throughput_mfu_and_where_simulated_time_went(co
     assert m["decode_steps_per_worker"] == 100.0
     # without a simulated learner: no per-GPU figures (the CPU learner is not a GPU)
     assert "mfu" not in A.measure(_res(colocated), cfg)["metrics"]
+
+
+def test_the_gpu_preset_rolls_out_as_the_benchmark_measured():
+    """The settings that won async-vs-sync (bench.yaml) are the GPU preset's: one coroutine per trajectory
+    on an engine that batches concurrent calls, and enough batches in flight to fill every engine slot."""
+    from sonar.cluster.wire.config import load_config
+
+    bench, _ = load_cfg([A.CONFIG], [])
+    gpu = load_config(["gpu"], [], notes=[])  # notes: the cluster's model and data paths are not checked here
+    for cfg in (bench, gpu):
+        r = cfg.rollout
+        assert r.per_trajectory and (r.continuous_batching or r.engine == "vllm")
+        assert r.batches_in_flight > 1
+        assert r.batches_in_flight * r.groups_per_request * r.group_size >= r.max_batch_rows
