@@ -352,7 +352,42 @@ def measure(res: dict, cfg, sim=None) -> dict:
     if res.get("eval"):
         m["heldout_em"] = float(res["eval"]["search"]["em"])
     return {"metrics": m, "lag_hist": lag_histogram(h), "rewards": rewards, "curve": reward_curve(h, res),
+            "timeline": timeline(h, res, cfg.rollout.max_batch_rows),
             "replay": res["replay"], "workers": workers, "startup_s": startup}
+
+
+TIMELINE_PHASES = (("generate_sync", K.CRIT_GENERATE_SYNC), ("queue_wait", K.CRIT_QUEUE_WAIT),
+                   ("train", K.CRIT_LEARNER_COMPUTE), ("push", K.CRIT_BROADCAST), ("engine_load", K.CRIT_ENGINE_LOAD),
+                   ("other", K.CRIT_OTHER))
+"""The driver's critical path per RL step (``cluster/driver/critical_path.py``), in the timeline's order:
+what the learner side spent each step on (sync: generating the batch first; async: waiting for groups)."""
+
+
+def timeline(history: list[dict], res: dict, slots: int) -> dict:
+    """One run's timeline, per RL step: when it ended (seconds into the RL stage, the driver's ``on_step``
+    times), the learner side's critical-path phases in seconds (``TIMELINE_PHASES``), and per rollout
+    worker the engine's occupancy over the step (live rows per decode step / ``slots``, from the
+    engines' counters at each step's end; None where a worker was replaced or there were no steps)."""
+    from sonar.bench.driver_harness import rl_stage
+
+    t0 = rl_stage(res)["t_start"]
+    ends = [t - t0 for t in res.get("step_times", [])]
+    rows = [r for r in history if K.CRIT_WALL in r]
+    n = min(len(ends), len(rows))
+    marks = res.get("engine_marks") or []
+    occ: list[list[float | None]] = []
+    prev = None
+    for i in range(min(n, len(marks))):
+        cur = marks[i]
+        if prev is None or len(prev) != len(cur):
+            occ.append([None] * len(cur))
+        else:
+            occ.append([(dl / ds / slots) if (ds := c[0] - p[0]) > 0 and (dl := c[1] - p[1]) >= 0 else None
+                        for p, c in zip(prev, cur)])
+        prev = cur
+    return {"t_end": ends[:n], "phases": {name: [float(r.get(key, 0.0)) for r in rows[:n]]
+                                          for name, key in TIMELINE_PHASES},
+            "occupancy": occ, "slots": slots}
 
 
 def reward_curve(history: list[dict], res: dict) -> dict:
@@ -392,13 +427,21 @@ def run_setting(base_overrides: list[str], mode: str, lag: int | None, model_pat
     _, rl = split_stages(cfg)
     cfg = dataclasses.replace(cfg, stages=[rl])
     step_times: list[float] = []
+    engine_marks: list[list[tuple[float, float]]] = []
 
     def on_step(roles, run, index, steps) -> bool:  # the driver calls it after logging each RL step
+        import ray
+
         step_times.append(time.monotonic())
+        # For the timeline: each engine's (steps, live row-steps) so far; workers serve it concurrently
+        # (max_concurrency 4), and both modes pay the same small call.
+        engs = ray.get([w.engine_stats.remote() for w in roles.workers], timeout=cfg.cluster.step_timeout_s)
+        engine_marks.append([(float(e.get("steps", 0)), float(e.get("live_row_steps", 0))) for e in engs])
         return False
 
     res = run_training(cfg, sim, evaluate_after=True, on_step=on_step)
     res["step_times"] = step_times
+    res["engine_marks"] = engine_marks
     out = measure(res, cfg, sim)
     out["seed"] = seed
     out["overrides"] = ov
@@ -592,6 +635,9 @@ def run(cfg_bench: dict) -> tuple[dict, dict]:
                              "loadavg_after": r["loadavg_after"], "overrides": r["overrides"]} for r in reps]
                      for name, reps in per.items()},
         "reward_curves": {name: [r["curve"] for r in reps] for name, reps in per.items()},
+        "timelines": {name: reps[0]["timeline"] for name, reps in per.items() if reps},
+        "timelines_note": "the first seed's run of each setting: per RL step its end time, the learner side's "
+                          "critical-path phases and each engine's occupancy (bench/async_vs_sync.py: timeline)",
         "device": device_info(base, sim),
         "machine_note": "shared 2-core VM; other jobs ran during the measurement (see loadavg)",
     }
@@ -604,12 +650,17 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
     names = list(extra["settings"])
     fig, ax = plt.subplots(2, 3, figsize=(18, 8.5))
     med = lambda n, k: metrics.get(f"{n}/{k}", {}).get("median", float("nan"))  # noqa: E731
-    colors = ["tab:gray"] + ["tab:blue", "tab:green", "tab:purple", "tab:orange"][: len(names) - 1]
+    palette = ["tab:gray", "tab:brown", "tab:olive", "tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:red"]
+    colors = [palette[i % len(palette)] for i in range(len(names))]
     comp = extra.get("comparison", {})
+    by_base = extra.get("comparison_by_baseline") or {"sync": comp}
 
     def ci_of(n: str, k: str) -> tuple[float, float]:  # (mean, half-width) over seeds, NaN when unknown
-        row = next(iter(comp.values()), {}) if n == "sync" else comp.get(n.replace("async_lag", ""), {})
-        c = row.get(k, {}).get("sync" if n == "sync" else "async", {})
+        if n in by_base:  # a baseline: its own interval is the "sync" side of its comparison
+            row = next(iter(by_base[n].values()), {})
+        else:
+            row = comp.get(n.replace("async_lag", ""), {})
+        c = row.get(k, {}).get("sync" if n in by_base else "async", {})
         return (c.get("mean") if c.get("mean") is not None else float("nan"),
                 c.get("half") if c.get("half") is not None else 0.0)
 
@@ -619,7 +670,8 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
         lag = n.replace("async_lag", "")
         sp = comp.get(lag, {}).get("speedup_rl_loop", {})
         half = f" +-{sp['half']:.2f}" if sp.get("half") is not None else ""
-        label = "1.00x" if n == "sync" else f"{sp.get('mean', float('nan')):.2f}x{half}"
+        label = ("baseline" if n == extra.get("baseline", "sync") else "") if n in by_base else \
+            f"{sp.get('mean', float('nan')):.2f}x{half}"
         ax[0, 0].annotate(label, (rect.get_x() + rect.get_width() / 2, rect.get_height()), ha="center", va="bottom")
     ax[0, 0].set_ylabel("RL loop wall-clock (s), mean and 95 % CI over seeds")
     an = extra["analysis"]
@@ -704,6 +756,52 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
                  f"(sigma {dev['retrieval_latency_sigma']}){dec}\n{extra['machine_note']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
+    plt.close(fig)
+    if extra.get("timelines"):
+        plot_timeline(extra["timelines"], png.with_name(png.stem + "-timeline.png"))
+
+
+PHASE_COLORS = {"generate_sync": "tab:gray", "queue_wait": "tab:olive", "train": "tab:red", "push": "tab:purple",
+                "engine_load": "tab:pink", "other": "lightgray"}
+
+
+def plot_timeline(timelines: dict, png: Path) -> None:
+    """One panel per setting (its first seed): the learner side's critical-path phases of every RL step as
+    bars along the clock (top band), and each rollout engine's occupancy per step (lines, 0-1). Sync trains
+    while its engines empty; async keeps them occupied while it trains."""
+    import matplotlib.pyplot as plt
+
+    names = list(timelines)
+    fig, axes = plt.subplots(len(names), 1, figsize=(16, 2.2 * len(names) + 1), sharex=True, squeeze=False)
+    for ax, n in zip(axes[:, 0], names):
+        tl = timelines[n]
+        ends = tl["t_end"]
+        start = 0.0
+        for i, end in enumerate(ends):
+            t = start
+            for name in PHASE_COLORS:
+                d = tl["phases"].get(name, [0.0] * len(ends))[i]
+                if d > 0:
+                    ax.broken_barh([(t, d)], (1.1, 0.3), color=PHASE_COLORS[name])
+                    t += d
+            start = end
+        occ = tl["occupancy"]
+        for w in range(max((len(o) for o in occ), default=0)):
+            xs = [ends[i] for i in range(len(occ)) if w < len(occ[i]) and occ[i][w] is not None]
+            ys = [occ[i][w] for i in range(len(occ)) if w < len(occ[i]) and occ[i][w] is not None]
+            ax.step(xs, ys, where="pre", lw=1, label=f"worker {w} engine occupancy" if w < 2 else None)
+        ax.set_ylim(0, 1.5)
+        ax.set_yticks([0, 0.5, 1.0, 1.25], ["0", "0.5", "1 (all slots)", "learner"])
+        ax.set_title(f"{n}: learner critical path per step (top) and engine occupancy (live rows / {tl['slots']} "
+                     "slots, per step)", fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLORS.values()]
+    axes[0, 0].legend(handles + axes[0, 0].get_legend_handles_labels()[0],
+                      list(PHASE_COLORS) + axes[0, 0].get_legend_handles_labels()[1], fontsize=7, ncol=4,
+                      loc="upper right")
+    axes[-1, 0].set_xlabel("seconds into the RL stage")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

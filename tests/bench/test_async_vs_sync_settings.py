@@ -131,3 +131,22 @@ def test_the_gpu_preset_rolls_out_as_the_benchmark_measured():
         assert r.per_trajectory and (r.continuous_batching or r.engine == "vllm")
         assert r.batches_in_flight > 1
         assert r.batches_in_flight * r.groups_per_request * r.group_size >= r.max_batch_rows
+
+
+def test_the_timeline_lays_out_each_steps_phases_and_engine_occupancy(tmp_path):
+    h = [{K.CRIT_WALL: 2.0, K.CRIT_GENERATE_SYNC: 1.5, K.CRIT_LEARNER_COMPUTE: 0.4, K.CRIT_BROADCAST: 0.1},
+         {K.CRIT_WALL: 3.0, K.CRIT_GENERATE_SYNC: 2.0, K.CRIT_LEARNER_COMPUTE: 0.8, K.CRIT_BROADCAST: 0.2}]
+    res = {"stages": [{"kind": "rl", "t_start": 100.0}], "step_times": [102.0, 105.0],
+           # per step end, per worker: (engine steps, live row-steps) so far
+           "engine_marks": [[(10.0, 100.0), (10.0, 50.0)], [(30.0, 740.0), (20.0, 50.0)]]}
+    tl = A.timeline(h, res, slots=64)
+    assert tl["t_end"] == [2.0, 5.0] and tl["phases"]["generate_sync"] == [1.5, 2.0]
+    assert tl["phases"]["train"] == [0.4, 0.8] and tl["phases"]["queue_wait"] == [0.0, 0.0]
+    # step 2: worker 0 ran 20 steps with 640 live row-steps: 32 rows of 64 slots; worker 1 held no rows
+    assert tl["occupancy"] == [[None, None], [pytest.approx(0.5), 0.0]]
+    # a worker replaced mid-run (the count changes): that step's occupancy is unknown
+    res["engine_marks"][1].append((1.0, 1.0))
+    assert A.timeline(h, res, 64)["occupancy"][1] == [None, None, None]
+    png = tmp_path / "t.png"
+    A.plot_timeline({"sync": tl, "async_lag2": tl}, png)
+    assert png.stat().st_size > 10_000
