@@ -467,6 +467,17 @@ def _ci(values: list[float]) -> dict:
             "values": vals}
 
 
+def speedup(base: dict, run: dict, clock: str) -> float:
+    """``base``'s seconds per trained trajectory on ``clock`` over ``run``'s: the wall-clock ratio when both
+    trained the same trajectories (sync and async do), and still a fair one when a baseline's batch
+    rounding made it train a few more (``sync_full``)."""
+    def per_traj(r: dict) -> float:
+        m = r["metrics"]
+        trained = m["trained_traj_per_s"] * m["wall_s"]
+        return m[clock] / trained if trained > 0 else float("nan")
+    return per_traj(base) / per_traj(run)
+
+
 def compare(per: dict[str, list[dict]], lags: list[int], margins: dict | None = None, alpha: float = ALPHA,
             baseline: str = "sync") -> dict:
     """Per lag, from the seeds (paired per seed: run i of sync against run i of the async setting):
@@ -482,10 +493,9 @@ def compare(per: dict[str, list[dict]], lags: list[int], margins: dict | None = 
         a = per[setting_name("async", lag)]
         pairs = list(zip(sync, a))
         row: dict = {
-            "speedup_rl_loop": _ci([s["metrics"]["wall_s"] / x["metrics"]["wall_s"] for s, x in pairs]),
-            "speedup_with_startup": _ci([s["metrics"]["wall_with_startup_s"] / x["metrics"]["wall_with_startup_s"]
-                                         for s, x in pairs]),
-            "speedup_command": _ci([s["metrics"]["command_s"] / x["metrics"]["command_s"] for s, x in pairs]),
+            "speedup_rl_loop": _ci([speedup(s, x, "wall_s") for s, x in pairs]),
+            "speedup_with_startup": _ci([speedup(s, x, "wall_with_startup_s") for s, x in pairs]),
+            "speedup_command": _ci([speedup(s, x, "command_s") for s, x in pairs]),
         }
         for k in REPORTED:
             row[k] = {"sync": _ci([r["metrics"].get(k) for r in sync]), "async": _ci([r["metrics"].get(k) for r in a])}
@@ -574,7 +584,7 @@ def run(cfg_bench: dict) -> tuple[dict, dict]:
     best = better_baseline(per, baselines)
     groups = {"speedup": "wall_s", "speedup_with_startup": "wall_with_startup_s", "speedup_command": "command_s"}
     for group, key in groups.items():
-        g = {str(lag): summarise([s["metrics"][key] / a["metrics"][key]
+        g = {str(lag): summarise([speedup(s, a, key)
                                   for s, a in zip(per[best], per[setting_name("async", lag)])])
              for lag in cfg_bench["lags"]}
         if g:  # validate_result rejects an empty group

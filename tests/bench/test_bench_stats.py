@@ -53,11 +53,12 @@ def test_one_seed_has_no_interval():
         t_quantile(0.95, 0)
 
 
-def _run(wall: float, em: float, stale: float) -> dict:
+def _run(wall: float, em: float, stale: float, trained: float = 640.0) -> dict:
     keys = ("trained_traj_per_s", "generated_traj_per_s", "generated_tokens_per_s", "generated_per_trained",
             "generated_tokens_per_trained_traj", "decode_row_steps_per_trained_traj", "reward_last")
     m = {k: 1.0 for k in keys}
     m.update(wall_s=wall, wall_with_startup_s=wall + 10, command_s=wall + 20, heldout_em=em, stale_share=stale)
+    m["trained_traj_per_s"] = trained / wall  # every run trains the same trajectories unless told otherwise
     return {"metrics": m}
 
 
@@ -90,6 +91,17 @@ def test_async_vs_sync_compare_pairs_seeds_and_checks_equal_reward():
     assert out["1"]["goal"]["stale_le_10pct"] is False and out["1"]["goal"]["equal_heldout_em"] is False
     # a tighter margin than the lag-2 interval's half-width: not shown equivalent
     assert compare(per, [2], {"heldout_em": 0.015})["2"]["goal"]["equal_heldout_em"] is False
+
+
+def test_speedups_are_per_trained_trajectory():
+    """A baseline that trained twice the trajectories in twice the time is as fast: speedup 1 on every clock
+    whose extra seconds scale too; the wall ratio alone would say 2."""
+    from sonar.bench.async_vs_sync import speedup
+
+    base, run = _run(100, 0.8, 0.0, trained=1280.0), _run(50, 0.8, 0.0)
+    assert speedup(base, run, "wall_s") == pytest.approx(1.0)
+    assert speedup(base, run, "command_s") == pytest.approx((120 / 1280) / (70 / 640))
+    assert speedup(_run(60, 0.8, 0.0), _run(30, 0.8, 0.0), "wall_s") == pytest.approx(2.0)
 
 
 def test_async_vs_sync_rotates_the_run_order_per_seed():
