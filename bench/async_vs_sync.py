@@ -532,13 +532,30 @@ def better_baseline(per: dict[str, list[dict]], baselines: list[str]) -> str:
     return max(baselines, key=lambda b: (mean_tps(b), -baselines.index(b)))
 
 
+def ray_sizing(base, sim, cfg_bench: dict):
+    """``base`` with ``cluster.num_cpus`` large enough for every setting's roles (the colocated baseline
+    runs more rollout workers than the others), unless the config fixes it: one Ray cluster serves every
+    run, and a setting whose actors do not fit would wait for CPUs that never come."""
+    from sonar.bench.driver_harness import load_cfg
+
+    if base.cluster.num_cpus:
+        return base
+    settings = [(b, None) for b in cfg_bench.get("baselines", ["sync"])] + [("async", lag) for lag in cfg_bench["lags"]]
+    need = 0.0
+    for mode, lag in settings:
+        c, _ = load_cfg([CONFIG], list(cfg_bench["overrides"]) + setting_overrides(mode, lag, base, sim))
+        need = max(need, c.learner.num_cpus * c.learner.num_ranks + c.rollout.num_workers * c.rollout.num_cpus_per_worker
+                   + c.retrieval.replicas * c.retrieval.num_cpus_per_replica)
+    return dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, num_cpus=max(4, int(math.ceil(need)))))
+
+
 def run(cfg_bench: dict) -> tuple[dict, dict]:
     from sonar.bench.driver_harness import device_info, load_cfg, loadavg, start_ray
 
     overrides = list(cfg_bench["overrides"])
     base, sim = load_cfg([CONFIG], overrides)
     sft_stage, rl_stage_cfg = split_stages(base)
-    owns = start_ray(base)
+    owns = start_ray(ray_sizing(base, sim, cfg_bench))
     import ray
 
     seeds = list(cfg_bench["seeds"])

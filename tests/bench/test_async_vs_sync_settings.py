@@ -150,3 +150,15 @@ def test_the_timeline_lays_out_each_steps_phases_and_engine_occupancy(tmp_path):
     png = tmp_path / "t.png"
     A.plot_timeline({"sync": tl, "async_lag2": tl}, png)
     assert png.stat().st_size > 10_000
+
+
+def test_ray_is_sized_for_the_largest_settings_roles():
+    base, sim = load_cfg([A.CONFIG], R.overrides())
+    cfg = A.ray_sizing(base, sim, {"baselines": ["sync", "colocated"], "lags": [2], "overrides": R.overrides()})
+    colocated, _ = _load(R.overrides(), "colocated")
+    need = (colocated.learner.num_cpus * colocated.learner.num_ranks
+            + colocated.rollout.num_workers * colocated.rollout.num_cpus_per_worker
+            + colocated.retrieval.replicas * colocated.retrieval.num_cpus_per_replica)
+    assert colocated.rollout.num_workers == 6 and cfg.cluster.num_cpus >= need
+    fixed, _ = load_cfg([A.CONFIG], ["cluster.num_cpus=3"])
+    assert A.ray_sizing(fixed, sim, {"baselines": ["sync"], "lags": [2], "overrides": []}).cluster.num_cpus == 3
