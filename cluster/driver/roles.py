@@ -96,7 +96,10 @@ class Roles:
 
 NODE_START_TIMEOUT = "timed out during startup"
 """Ray's error when the raylet has not registered with the GCS within the fixed 30 s that
-``ray._private.node.Node`` waits (not configurable in Ray 2.60); on a loaded machine it can run out."""
+``ray._private.node.Node`` waits (not configurable in Ray 2.60). On a loaded machine the usual cause is
+the raylet exiting first: it waits a fixed ~20 s of its own for the dashboard agent (a Python process
+with many imports) to write its ports (``node_manager.cc``: "Timed out waiting for file
+.../dashboard_agent_listen_port_*"), and ``RAY_agent_register_timeout_ms`` does not change that wait."""
 
 
 def start_local_node(start: Callable, attempts: int = 3):
