@@ -367,7 +367,7 @@ def timeline(history: list[dict], res: dict, slots: int) -> dict:
     """One run's timeline, per RL step: when it ended (seconds into the RL stage, the driver's ``on_step``
     times), the learner side's critical-path phases in seconds (``TIMELINE_PHASES``), and per rollout
     worker the engine's occupancy over the step (live rows per decode step / ``slots``, from the
-    engines' counters at each step's end; None where a worker was replaced or there were no steps)."""
+    engines' counters at each step's end; None for the first step and where the pool changed size)."""
     from sonar.bench.driver_harness import rl_stage
 
     t0 = rl_stage(res)["t_start"]
@@ -382,7 +382,8 @@ def timeline(history: list[dict], res: dict, slots: int) -> dict:
         if prev is None or len(prev) != len(cur):
             occ.append([None] * len(cur))
         else:
-            occ.append([(dl / ds / slots) if (ds := c[0] - p[0]) > 0 and (dl := c[1] - p[1]) >= 0 else None
+            # an engine that took no step over the interval held no rows: occupancy 0
+            occ.append([max(0.0, c[1] - p[1]) / (c[0] - p[0]) / slots if c[0] > p[0] else 0.0
                         for p, c in zip(prev, cur)])
         prev = cur
     return {"t_end": ends[:n], "phases": {name: [float(r.get(key, 0.0)) for r in rows[:n]]

@@ -144,6 +144,8 @@ def test_the_timeline_lays_out_each_steps_phases_and_engine_occupancy(tmp_path):
     assert tl["phases"]["train"] == [0.4, 0.8] and tl["phases"]["queue_wait"] == [0.0, 0.0]
     # step 2: worker 0 ran 20 steps with 640 live row-steps: 32 rows of 64 slots; worker 1 held no rows
     assert tl["occupancy"] == [[None, None], [pytest.approx(0.5), 0.0]]
+    res["engine_marks"][1][1] = (10.0, 50.0)  # worker 1 took no engine step at all over step 2: idle, 0
+    assert A.timeline(h, res, 64)["occupancy"][1][1] == 0.0
     # a worker replaced mid-run (the count changes): that step's occupancy is unknown
     res["engine_marks"][1].append((1.0, 1.0))
     assert A.timeline(h, res, 64)["occupancy"][1] == [None, None, None]
