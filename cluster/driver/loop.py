@@ -172,6 +172,7 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
                 m.update(roles.pool.push())
         with clock.phase("log"):
             m.update(worker_metrics)
+            roles.pool.logged()  # those rollouts are in this step's row; the next row reports newer ones
             m.update(replay_metrics(roles))  # waits for the replay's counters (one small actor call)
             m.update(pool.step(roles.pool, res.metrics.get(K.LEARNER_WAIT_S, 0.0), int(m[K.REPLAY_DEPTH])))  # may resize
             m.update(throughput.tick(m))

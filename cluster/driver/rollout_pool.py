@@ -139,6 +139,9 @@ class RolloutPool:
         self._regrouping = False
         self._closed = False  # shutdown: faults are no longer repaired
         self._candidate = None  # (index, handle, ready ref) of a worker the elastic pool is adding
+        self._unlogged: list[dict] = []
+        """Rollout records the workers' health answers returned since the last trained step was logged
+        (``logged``): a health check before a learner call that came back waiting must not lose them."""
 
     # ------------------------------------------------------------------ start
     def start(self, n: int) -> None:
@@ -419,9 +422,11 @@ class RolloutPool:
         """Health check every iteration: every worker asked at once, one deadline for every answer
         (``cluster.health_timeout_s``: a silent worker costs one timeout per check, not one per worker).
         A dead, silent, failed or (async) stalled worker is replaced; the others' recent rollouts make
-        the metrics."""
+        the metrics: every record since the last trained step was logged (``logged``), so the rollouts
+        reported at health checks before a learner call that came back waiting (a loaded machine) are
+        still in the next trained step's metrics."""
         c = self.cfg.cluster
-        recent: list[dict] = []
+        recent = self._unlogged
         with self._deferred():  # one regroup for every worker replaced here
             answers = self.call("health", lambda w, i: w.health.remote(), timeout=c.health_timeout_s, collect=True)
             for i, h in enumerate(answers):
@@ -439,6 +444,10 @@ class RolloutPool:
                 else:
                     self._replace(i, err)
         return rollout_metrics(recent)
+
+    def logged(self) -> None:
+        """The rollout metrics ``health`` returned were logged with a trained step: start afresh."""
+        self._unlogged = []
 
     def evaluate(self, questions: list, search: bool, stage: StageConfig) -> list[dict]:
         """Held-out evaluation sharded over the workers (worker i takes ``questions[i::n]``); the records,

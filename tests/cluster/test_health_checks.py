@@ -122,3 +122,29 @@ def test_a_silent_worker_is_restarted_after_the_deadline(ray_local, monkeypatch)
         ray.kill(gate, no_restart=True)
     assert restarted == [(0, "health: no answer within 2 s")]
     assert m == {}
+
+
+def test_rollouts_reported_before_a_waiting_learner_call_reach_the_next_logged_step(ray_local):
+    """The driver checks health before every learner call; a call that came back waiting (a loaded
+    machine) logs no row. The rollouts that check reported are still in the next trained step's metrics,
+    and a logged step's are not reported again."""
+    import ray
+
+    from sonar.cluster.driver.rollout_pool import RolloutPool
+    from sonar.cluster.wire import metrics as K
+    from sonar.cluster.wire.config import CONFIG_DIR, load_config
+
+    gate = ray.remote(Gate).options(max_concurrency=16).remote(1)  # opens at once: one arrival is enough
+    workers = [ray.remote(FakeWorker).options(num_cpus=0).remote(0, gate, 1.0)]
+    cfg = load_config([CONFIG_DIR / "smoke.yaml"], ["cluster.mode=async"])
+    pool = RolloutPool(cfg, workers=workers)
+    try:
+        first = pool.health()   # before a learner call that came back waiting: not logged
+        second = pool.health()  # before the trained step: both checks' records
+        assert first[K.ROLLOUT_TRAJECTORIES] == 1.0 and second[K.ROLLOUT_TRAJECTORIES] == 2.0
+        pool.logged()
+        assert pool.health()[K.ROLLOUT_TRAJECTORIES] == 1.0  # only what came after the logged step
+    finally:
+        ray.kill(gate, no_restart=True)
+        for w in workers:
+            ray.kill(w, no_restart=True)
