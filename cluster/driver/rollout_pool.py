@@ -396,6 +396,7 @@ class RolloutPool:
         """An RL stage starts: from here a replaced worker starts its rollout loop too; in async mode every
         loop starts now (and runs until ``end_stage``)."""
         self.active = (index, stage)
+        self._unlogged = []  # the previous stage's unlogged rollouts are not this stage's metrics
         if self.cfg.cluster.mode != "sync":
             self.call("start", lambda w, i: w.start.remote(self.replay, index, stage))
 
