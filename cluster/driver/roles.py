@@ -129,12 +129,20 @@ def start_local_node(start: Callable, attempts: int = 3):
             log.warning("Ray's node start timed out (attempt %d of %d: the raylet did not register in Ray's "
                         "fixed 30 s; a loaded machine?): stopping the %d processes it started and retrying",
                         attempt, attempts, len(left))
-            for p in left:
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            psutil.wait_procs(left, timeout=30)
+            kill_processes(left)
+
+
+def kill_processes(procs: list, timeout_s: float = 30.0) -> None:
+    """SIGKILL each ``psutil.Process`` (by pid; one already gone is skipped) and reap them, waiting at most
+    ``timeout_s``: how Sonar stops processes it started but holds no handle of."""
+    import psutil
+
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=timeout_s)
 
 
 def init_ray(cfg: Config) -> bool:

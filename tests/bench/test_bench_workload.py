@@ -244,6 +244,24 @@ def test_latency_draws_are_lognormal_and_seeded():
             LatencyInjectingRetriever(FakeRetriever(), **bad)
 
 
+def _concurrently(n: int, fn) -> list[BaseException]:
+    """Run ``fn(i)`` for i in 0..n-1, each in its own thread, all at once; the exceptions they raised."""
+    errors: list[BaseException] = []
+
+    def call(i):
+        try:
+            fn(i)
+        except Exception as e:  # noqa: BLE001 - e.g. a broken barrier, surfaced by the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 def test_concurrent_calls_overlap_like_independent_requests(monkeypatch):
     """Six calls' delays run at the same time: each injected sleep waits at a barrier that opens only
     when all six are sleeping at once, so delays served one after another break the barrier."""
@@ -257,19 +275,7 @@ def test_concurrent_calls_overlap_like_independent_requests(monkeypatch):
 
     monkeypatch.setattr(rl, "time", SimpleNamespace(sleep=sleep_together))
     r = LatencyInjectingRetriever(FakeRetriever(), median_ms=80.0, sigma=0.0)
-    errors = []
-
-    def call(i):
-        try:
-            r.batch_search([f"q{i}"], 1)
-        except Exception as e:  # noqa: BLE001 - a broken barrier, surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = _concurrently(6, lambda i: r.batch_search([f"q{i}"], 1))
     assert not errors and slept == [0.080] * 6
     assert r.stats()["injected_calls"] == 6
 
@@ -287,19 +293,7 @@ def test_a_cluster_of_two_servers_serves_two_requests_at_a_time(monkeypatch):
         barrier.wait()
 
     monkeypatch.setattr(rl, "time", SimpleNamespace(sleep=serve_in_pairs, perf_counter=time.perf_counter))
-    errors = []
-
-    def call(i):
-        try:
-            r.batch_search([f"q{i}"] * 3, 1)
-        except Exception as e:  # noqa: BLE001 - a broken barrier, surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = _concurrently(6, lambda i: r.batch_search([f"q{i}"] * 3, 1))
     assert not errors
     # service time: the median plus 2 ms for each of the 3 queries in the batch
     assert [x for x, _ in in_service] == [0.016] * 6 and all(n <= 2 for _, n in in_service)
@@ -328,11 +322,7 @@ def test_one_server_queues_every_request_behind_the_one_in_service(monkeypatch):
         r.batch_search([f"q{i}"], 1)
 
     monkeypatch.setattr(rl, "time", SimpleNamespace(sleep=serve, perf_counter=time.perf_counter))
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(5)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    assert not _concurrently(5, call)
     assert seen == [1] * 5 and r.stats()["max_in_service"] == 1
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sonar.cluster.driver.roles import NODE_START_TIMEOUT
+from sonar.cluster.driver.roles import NODE_START_TIMEOUT, kill_processes
 from tests.waiting import wait_until
 
 BIN = Path(sys.executable).parent
@@ -103,16 +103,8 @@ def _stop(head: subprocess.Popen, temp: str) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(head.pid, signal.SIGKILL)
         head.wait()
-    ours = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        if any(temp in a for a in (p.info["cmdline"] or [])):
-            ours.append(p)
-    for p in ours:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(ours, timeout=30)
+    kill_processes([p for p in psutil.process_iter(["pid", "cmdline"])
+                    if any(temp in a for a in (p.info["cmdline"] or []))])
 
 
 NO_AGENT = "No available agent to submit job, please try again later"
