@@ -533,6 +533,11 @@ def better_baseline(per: dict[str, list[dict]], baselines: list[str]) -> str:
     return max(baselines, key=lambda b: (mean_tps(b), -baselines.index(b)))
 
 
+def settings_of(cfg_bench: dict) -> list[tuple[str, int | None]]:
+    """The (mode, lag) of every setting a benchmark run compares: its baselines, then async at each lag."""
+    return [(b, None) for b in cfg_bench.get("baselines", ["sync"])] + [("async", lag) for lag in cfg_bench["lags"]]
+
+
 def ray_sizing(base, sim, cfg_bench: dict):
     """``base`` with ``cluster.num_cpus`` large enough for every setting's roles (the colocated baseline
     runs more rollout workers than the others), unless the config fixes it: one Ray cluster serves every
@@ -541,7 +546,7 @@ def ray_sizing(base, sim, cfg_bench: dict):
 
     if base.cluster.num_cpus:
         return base
-    settings = [(b, None) for b in cfg_bench.get("baselines", ["sync"])] + [("async", lag) for lag in cfg_bench["lags"]]
+    settings = settings_of(cfg_bench)
     need = 0.0
     for mode, lag in settings:
         c, _ = load_cfg([CONFIG], list(cfg_bench["overrides"]) + setting_overrides(mode, lag, base, sim))
@@ -563,7 +568,7 @@ def run(cfg_bench: dict) -> tuple[dict, dict]:
     try:
         model_path, sft_info = sft_checkpoint(base, sim, sft_stage)
         run_root = Path(base.run.root).resolve() / "bench-async-vs-sync"
-        settings = [(b, None) for b in cfg_bench.get("baselines", ["sync"])] + [("async", lag) for lag in cfg_bench["lags"]]
+        settings = settings_of(cfg_bench)
         per: dict[str, list[dict]] = {setting_name(m, l): [] for m, l in settings}
         load = {"start": loadavg()}
         order: dict[str, list[str]] = {}
