@@ -126,15 +126,15 @@ class PacedContinuousHFEngine(ContinuousHFEngine):
         since the previous step); (0, 0) without a prefill model."""
         version, seen = self.version, self._paced_version
         self._paced_version = version
-        if admit:
-            sizes = [int(round(self.context_scale * len(r.prompt))) for r in admit]
+        sizes = [int(round(self.context_scale * len(r.prompt))) for r in admit]
+        if sizes:
             with self._cv:
                 self.ctx_admitted[0] += len(sizes)
                 self.ctx_admitted[1] += sum(sizes)
                 self.ctx_admitted[2] = max(self.ctx_admitted[2], max(sizes))
         if self.prefill is None:
             return 0.0, 0.0
-        pre = self.prefill(int(round(self.context_scale * sum(len(r.prompt) for r in admit)))) if admit else 0.0
+        pre = self.prefill(sum(sizes)) if sizes else 0.0
         rec = 0.0
         if seen is not None and version != seen and (self._rows or self._tailing):
             rec = self.prefill(self.inflight_context())
