@@ -145,6 +145,10 @@ def unmarked_ray_starts(items, exempt_files=()) -> list[str]:
     ``exempt_files``: test files (names relative to tests/) left out."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     cache: dict[str, dict] = {}
+    """Module name -> its functions: each module parsed once (a parametrized test is one function for
+    hundreds of items; parsing once per item made this reading 30 s of each pytest process's collection)."""
+    verdicts: dict[tuple[str, str], str | None] = {}
+    """(module, function) -> what in it starts Ray, or None: read once per function, not once per item."""
     out = []
 
     def in_tests(f) -> str | None:
@@ -164,9 +168,14 @@ def unmarked_ray_starts(items, exempt_files=()) -> list[str]:
             module = sys.modules.get(f.__module__)
             if module is None:
                 continue
-            functions = cache.setdefault(module.__name__, _module_functions(module))
+            if module.__name__ not in cache:  # (setdefault would parse the module again for every item)
+                cache[module.__name__] = _module_functions(module)
+            functions = cache[module.__name__]
             fn = functions.get(f.__name__)
-            why = fn is not None and ray_start_in(fn, functions, {fn.name})
+            key = (module.__name__, f.__name__)
+            if fn is not None and key not in verdicts:
+                verdicts[key] = ray_start_in(fn, functions, {fn.name})
+            why = fn is not None and verdicts[key]
             if why:
                 out.append(f"{item.nodeid}: {why} in {fn.name}")
                 break

@@ -6,14 +6,14 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 CODE = ("import sys\n"
         "import sonar\n"
-        "from transformers import AutoModelForCausalLM\n"
+        "from sonar.actors.worker import RolloutWorker\n"  # what a rollout actor's process runs first
+        "from sonar.actors.model import build_policy\n"
+        "from transformers import AutoModelForCausalLM, DynamicCache\n"
         "AutoModelForCausalLM.__name__\n"
         "from transformers.utils.import_utils import is_sklearn_available\n"
-        "print('loaded', 'sklearn' in sys.modules, 'scipy' in sys.modules, is_sklearn_available())\n"
+        "print('loaded', 'sklearn' in sys.modules, is_sklearn_available())\n"
         "import sklearn.metrics\n"
         "from sklearn.metrics import roc_curve\n"
         "print('after', sys.modules['sklearn'] is not None, callable(roc_curve))\n")
@@ -28,28 +28,19 @@ def _run(code: str, **env) -> list[str]:
 
 def test_transformers_model_classes_load_without_sklearn_which_still_imports_afterwards():
     loaded, after = _run(CODE)[:2]
-    assert loaded == "loaded False False False", loaded
+    assert loaded == "loaded False False", loaded
     assert after == "after True True", after
 
 
 def test_the_opt_out_leaves_transformers_its_sklearn():
     loaded, after = _run(CODE, SONAR_TRANSFORMERS_SKLEARN="1")[:2]
-    assert loaded == "loaded True True True", loaded
+    assert loaded == "loaded True True", loaded
     assert after == "after True True", after
 
 
-@pytest.mark.parametrize("first", ["import sklearn", "from transformers.utils.import_utils import is_sklearn_available as f; f()"])
-def test_nothing_changes_once_sklearn_or_transformers_answered_first(first):
-    loaded, _ = _run(first + "\n" + CODE)[:2]
-    assert loaded == "loaded True True True", loaded
-
-
-def test_a_role_module_imports_nothing_of_sklearn():
-    """The rollout actor's module and its policy load (what a Ray actor process runs first)."""
-    code = ("import sys\n"
-            "from sonar.actors.worker import RolloutWorker\n"
-            "from sonar.cluster.wire.policy import load_policy\n"
-            "from transformers import AutoModelForCausalLM, DynamicCache\n"
-            "from sonar.actors.model import build_policy\n"
-            "print('sklearn' in sys.modules)\n")
-    assert _run(code)[0] == "False"
+def test_nothing_changes_once_transformers_has_answered_first():
+    """transformers' cached answer was True before the hook's turn: hiding sklearn then would break the
+    module that imports it, so the hook leaves it (``import sklearn`` first takes the simpler branch)."""
+    first = "from transformers.utils.import_utils import is_sklearn_available as f; f()\n"
+    loaded, _ = _run(first + CODE)[:2]
+    assert loaded == "loaded True True", loaded
