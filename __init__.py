@@ -44,12 +44,132 @@ class _TransformersWithoutSklearn:
         return None  # the usual finders load the module
 
 
+class _CachedPackagesDistributions:
+    """``importlib.metadata.packages_distributions()`` (and the ``importlib_metadata`` backport's), kept
+    on disk per installed environment. transformers calls it when it is imported (every role of every
+    run), MLflow when it logs a model; it reads the ``RECORD`` of every installed distribution that has no
+    ``top_level.txt`` (116 of 235 here), about 0.9 s of CPU per call on a 2-core CPU machine, and gives the
+    same answer in every process of an unchanged environment.
+
+    The answer is a pure function of the distributions on ``sys.path``, so the key is: the Python
+    version, which implementation, and each ``sys.path`` directory's ``*.dist-info``/``*.egg-info``/
+    ``*.egg`` entries with their modification times (a ``pip install``, upgrade or uninstall adds, renames
+    or rewrites one; listing them costs about 1 ms). A hit returns a fresh copy of the stored mapping; a
+    miss computes it and stores it atomically (concurrent starts may compute it twice, never read half a
+    file); an unreadable or unwritable cache computes it as before. Where: ``$SONAR_CACHE_DIR`` or
+    ``~/.cache/sonar``; ``SONAR_METADATA_CACHE=0`` switches it off."""
+
+    SUFFIXES = (".dist-info", ".egg-info", ".egg")
+
+    def __init__(self, compute, implementation: str):
+        self.compute, self.implementation = compute, implementation
+        self.__wrapped__ = compute
+        self.__doc__ = compute.__doc__
+
+    def key(self) -> str:
+        import hashlib
+        import os
+
+        h = hashlib.sha256(f"{_sys.version}\0{self.implementation}".encode())
+        for entry in _sys.path:
+            d = entry or os.getcwd()
+            try:
+                names = sorted((e.name, e.stat().st_mtime_ns) for e in os.scandir(d) if e.name.endswith(self.SUFFIXES))
+            except OSError:  # not a directory (a zip, a path hook's name) or gone: nothing of it is read
+                continue
+            h.update(f"\0{os.path.abspath(d)}\0{names!r}".encode())
+        return h.hexdigest()[:32]
+
+    def __call__(self):
+        import json
+        import os
+
+        try:
+            path = os.path.join(_cache_dir(), f"packages_distributions-{self.key()}.json")
+            with open(path) as f:
+                stored = json.load(f)
+            return {k: list(v) for k, v in stored.items()}
+        except (OSError, ValueError):
+            pass
+        result = self.compute()
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(result, f)
+            os.replace(tmp, path)
+        except (OSError, NameError, TypeError):  # NameError: the key itself failed; TypeError: not JSON
+            pass
+        return result
+
+
+def _cache_dir() -> str:
+    import os
+
+    return os.environ.get("SONAR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sonar")
+
+
+class _PatchOnLoad:
+    """Wraps ``importlib_metadata.packages_distributions`` when the backport loads (MLflow imports it;
+    most Sonar processes never do, so it is not imported here for nothing)."""
+
+    TRIGGER = "importlib_metadata"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.TRIGGER:
+            return None
+        if self in _sys.meta_path:
+            _sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ExecThen(spec.loader, _cache_packages_distributions)
+        return spec
+
+
+class _ExecThen:
+    """A module's own loader, followed by ``after(module)`` once the module has run."""
+
+    def __init__(self, loader, after):
+        self.loader, self.after = loader, after
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        try:
+            self.loader.exec_module(module)
+        finally:
+            module.__loader__ = self.loader
+            if module.__spec__ is not None:
+                module.__spec__.loader = self.loader
+        self.after(module)
+
+
+def _cache_packages_distributions(module):
+    fn = getattr(module, "packages_distributions", None)
+    if fn is not None and not isinstance(fn, _CachedPackagesDistributions):
+        module.packages_distributions = _CachedPackagesDistributions(fn, f"{module.__name__} {getattr(module, '__version__', '')}")
+
+
 def _install_import_hooks():
     import os
 
-    if os.environ.get("SONAR_TRANSFORMERS_SKLEARN") == "1" or "transformers.generation" in _sys.modules:
-        return
-    if not any(isinstance(f, _TransformersWithoutSklearn) for f in _sys.meta_path):
+    if os.environ.get("SONAR_METADATA_CACHE") != "0":
+        import importlib.metadata
+
+        _cache_packages_distributions(importlib.metadata)
+        if "importlib_metadata" in _sys.modules:
+            _cache_packages_distributions(_sys.modules["importlib_metadata"])
+        elif not any(isinstance(f, _PatchOnLoad) for f in _sys.meta_path):
+            _sys.meta_path.insert(0, _PatchOnLoad())
+
+    if (os.environ.get("SONAR_TRANSFORMERS_SKLEARN") != "1" and "transformers.generation" not in _sys.modules
+            and not any(isinstance(f, _TransformersWithoutSklearn) for f in _sys.meta_path)):
         _sys.meta_path.insert(0, _TransformersWithoutSklearn())
 
 

@@ -1,7 +1,9 @@
 """What every Sonar process pays at start-up (``__init__.py``): transformers' model classes load without
 scikit-learn, which only assisted generation's confidence-threshold tuning uses; scikit-learn still
-imports afterwards, and ``SONAR_TRANSFORMERS_SKLEARN=1`` leaves transformers as it is. Fresh processes:
+imports afterwards, and ``SONAR_TRANSFORMERS_SKLEARN=1`` leaves transformers as it is. The installed
+packages' module map (``packages_distributions``) is kept on disk per environment. Fresh processes:
 nothing may be loaded before."""
+import json
 import os
 import subprocess
 import sys
@@ -20,8 +22,8 @@ CODE = ("import sys\n"
 
 
 def _run(code: str, **env) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    env = {k: v for k, v in {**os.environ, "OMP_NUM_THREADS": "1", **env}.items() if v is not None}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.split("\n")
 
@@ -44,3 +46,54 @@ def test_nothing_changes_once_transformers_has_answered_first():
     first = "from transformers.utils.import_utils import is_sklearn_available as f; f()\n"
     loaded, _ = _run(first + CODE)[:2]
     assert loaded == "loaded True True", loaded
+
+
+METADATA = ("import importlib.metadata as md, json, sys\n"
+            "import sonar\n"
+            "got = md.packages_distributions()\n"
+            "print(json.dumps({'wrapped': type(md.packages_distributions).__name__, 'got': got,"
+            " 'fresh': md.packages_distributions.__wrapped__() if hasattr(md.packages_distributions, '__wrapped__')"
+            " else got}))\n")
+
+
+def test_the_module_map_is_kept_per_environment_and_recomputed_when_it_changes(tmp_path):
+    cache = tmp_path / "cache"
+    first = json.loads(_run(METADATA, SONAR_CACHE_DIR=str(cache))[0])
+    assert first["wrapped"] == "_CachedPackagesDistributions"
+    assert first["got"] == first["fresh"] and first["got"]["torch"] == ["torch"]
+    (stored,) = cache.glob("packages_distributions-*.json")
+    assert json.loads(stored.read_text()) == first["got"]
+
+    # the next process reads the stored map (a marked copy proves it is read, not recomputed)...
+    stored.write_text(json.dumps({**first["got"], "marked": ["marked"]}))
+    second = json.loads(_run(METADATA, SONAR_CACHE_DIR=str(cache))[0])
+    assert second["got"] == {**first["fresh"], "marked": ["marked"]}
+
+    # ...until the environment changes: a distribution installed on sys.path makes a new key
+    site = tmp_path / "site"
+    (site / "fake_dist-1.0.dist-info").mkdir(parents=True)
+    (site / "fake_dist-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-dist\nVersion: 1.0\n")
+    (site / "fake_dist-1.0.dist-info" / "top_level.txt").write_text("fakepkg\n")
+    pythonpath = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    third = json.loads(_run(METADATA, SONAR_CACHE_DIR=str(cache), PYTHONPATH=pythonpath)[0])
+    assert third["got"] == third["fresh"] and third["got"]["fakepkg"] == ["fake-dist"] and "marked" not in third["got"]
+    assert len(list(cache.glob("packages_distributions-*.json"))) == 2
+
+    # switched off: the function is the standard library's
+    off = json.loads(_run(METADATA, SONAR_CACHE_DIR=str(cache), SONAR_METADATA_CACHE="0")[0])
+    assert off["wrapped"] == "function" and "marked" not in off["got"]
+
+
+def test_an_unwritable_cache_still_answers_and_the_backport_is_cached_too(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the cache folder should be: nothing can be stored under it
+    code = ("import importlib.metadata as md, json, sonar, sys\n"
+            "assert 'importlib_metadata' not in sys.modules\n"  # not imported for nothing
+            "import importlib_metadata as bp\n"
+            "print(json.dumps([md.packages_distributions() == md.packages_distributions.__wrapped__(),"
+            " type(bp.packages_distributions).__name__,"
+            " bp.packages_distributions() == bp.packages_distributions.__wrapped__()]))\n")
+    assert json.loads(_run(code, SONAR_CACHE_DIR=str(blocker / "sub"))[0]) == [True, "_CachedPackagesDistributions", True]
+    cache = tmp_path / "ok"
+    assert json.loads(_run(code, SONAR_CACHE_DIR=str(cache))[0]) == [True, "_CachedPackagesDistributions", True]
+    assert len(list(cache.glob("packages_distributions-*.json"))) == 2  # the standard library's and the backport's
