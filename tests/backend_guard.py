@@ -1,5 +1,6 @@
-"""Keeps the ``ray`` and ``vllm`` markers true: a test that starts Ray or builds a vLLM engine in the
-test process without its marker fails, naming the marker to add.
+"""Keeps the ``ray``, ``vllm`` and ``slow`` markers true: a test that starts Ray or builds a vLLM engine in
+the test process without its marker fails, naming the marker to add; so does a test in ``make test-fast``'s
+set (none of the three markers) that starts a Python process.
 
 ``make test-fast`` deselects ``ray`` and ``vllm`` (and ``slow``) for a quick edit loop; a test that
 starts a cluster without saying so would silently make that loop slow again. The check is at the
@@ -10,6 +11,12 @@ choke points every start goes through, not at the call sites a test might use:
   ``ray.cluster_utils.Cluster``).
 - vLLM: ``EngineArgs.create_engine_config`` (every ``LLM``/``AsyncLLM``/``LLMEngine`` builds its config
   there before it starts its engine core).
+- A Python process: ``subprocess.Popen._execute_child`` (every ``subprocess.run``/``Popen``) when the
+  program is a Python interpreter or a Python script (``sonar``, ``ray``), and ``multiprocessing.util.
+  spawnv_passfds`` (every spawn or forkserver start, ``torch.multiprocessing`` included). A fresh Python
+  process that imports torch and transformers costs 4-5 s of a core before it does anything: such a test
+  is ``slow`` (the README's definition: end-to-end runs and tests that spawn processes), which keeps the
+  edit loop under 3 minutes. Tests marked ``ray`` or ``vllm`` are not in that loop and are not asked.
 
 The hooks go in once per session (on the modules when they are first imported, so a fast run that never
 imports vLLM never pays for it); whether they refuse is read per test from ``os.environ[ENV]``, which
@@ -30,7 +37,8 @@ import pytest
 from tests import import_hooks
 
 ENV = "SONAR_TEST_UNMARKED"
-"""Comma-separated backends the running test is not marked for (``ray``, ``vllm``); unset: no check."""
+"""Comma-separated markers the running test lacks among those watched (``ray``, ``vllm``, ``slow``); unset:
+no check."""
 
 
 def _refuse_unless_marked(kind: str, what: str) -> None:
@@ -65,7 +73,69 @@ def _hook_vllm_args(mod) -> None:
     _guard(mod.EngineArgs, "create_engine_config", "vllm", "builds a vLLM engine")
 
 
-CHOKE_POINTS = {"ray": _hook_ray, "ray._private.node": _hook_ray_node, "vllm.engine.arg_utils": _hook_vllm_args}
+QUICK_PROGRAMS = {
+    "noida-db": "the test search server's launcher (Elasticsearch-compatible, `es` marker): a Python script "
+                "without torch that starts in about 0.05 s",
+}
+"""Python programs cheap enough for the edit loop -> why."""
+
+
+def python_program(args, executable=None) -> str | None:
+    """The program of a ``subprocess.Popen(args, executable=...)`` call if it is a Python interpreter or a
+    Python script (``sonar``, ``ray``, ``mlflow``: a ``#!...python`` first line) not in ``QUICK_PROGRAMS``,
+    else None. A process
+    that starts Python pays its imports again (torch and transformers alone are 4-5 s of a core here)."""
+    import shlex
+    import shutil
+
+    if isinstance(args, (str, bytes, os.PathLike)):
+        text = os.fsdecode(args)
+        try:
+            first = shlex.split(text)[0] if executable is None else text
+        except (ValueError, IndexError):
+            return None
+    else:
+        args = list(args)
+        if not args:
+            return None
+        first = os.fsdecode(args[0])
+    program = os.fsdecode(executable) if executable is not None else first
+    path = program if os.sep in program else (shutil.which(program) or program)
+    if os.path.basename(program) in QUICK_PROGRAMS:
+        return None
+    real = os.path.realpath(path)
+    if real == os.path.realpath(sys.executable) or os.path.basename(real).startswith("python"):
+        return program
+    try:
+        with open(real, "rb") as f:
+            line = f.readline(256)
+    except OSError:
+        return None
+    return program if line.startswith(b"#!") and b"python" in line else None
+
+
+def _hook_subprocess(mod) -> None:
+    orig = mod.Popen._execute_child
+    if getattr(orig, "_sonar_backend_guard", False):
+        return
+
+    @functools.wraps(orig)
+    def guarded(self, args, executable, *rest, **kwargs):
+        program = python_program(args, executable)
+        if program is not None:
+            _refuse_unless_marked("slow", f"starts a Python process ({os.path.basename(program)})")
+        return orig(self, args, executable, *rest, **kwargs)
+
+    guarded._sonar_backend_guard = True
+    mod.Popen._execute_child = guarded
+
+
+def _hook_multiprocessing(mod) -> None:
+    _guard(mod, "spawnv_passfds", "slow", "starts a Python process (multiprocessing spawn or forkserver)")
+
+
+CHOKE_POINTS = {"ray": _hook_ray, "ray._private.node": _hook_ray_node, "vllm.engine.arg_utils": _hook_vllm_args,
+                "subprocess": _hook_subprocess, "multiprocessing.util": _hook_multiprocessing}
 """Module name -> what to patch in it once it has been executed."""
 
 

@@ -109,6 +109,8 @@ def _heaviest_files_first(items):
 def pytest_runtest_setup(item):
     # Set before the item's fixtures (module-scoped ones included) are made, and kept through the call.
     unmarked = [b for b in _BACKENDS if not item.get_closest_marker(b)]
+    if len(unmarked) == len(_BACKENDS) and not item.get_closest_marker("slow"):
+        unmarked.append("slow")  # in `make test-fast`'s set: no Python process may start either
     os.environ[backend_guard.ENV] = ",".join(unmarked)
     yield
 

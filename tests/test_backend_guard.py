@@ -1,4 +1,4 @@
-"""The ``ray`` and ``vllm`` markers stay true (tests/backend_guard.py, tests/conftest.py).
+"""The ``ray``, ``vllm`` and ``slow`` markers stay true (tests/backend_guard.py, tests/conftest.py).
 
 ``make test-fast`` deselects ``ray``, ``vllm`` and ``slow``. Two checks keep that honest: at run time, a
 test without the marker that starts Ray or builds a vLLM engine in the test process fails (the guard);
@@ -90,7 +90,12 @@ def test_the_hooked_vllm_and_ray_names_exist_in_the_pinned_libraries():
 
     assert defines("vllm", "engine/arg_utils.py", "EngineArgs", "create_engine_config")
     assert defines("ray", "_private/node.py", "Node", "__init__")
-    assert set(backend_guard.CHOKE_POINTS) == {"ray", "ray._private.node", "vllm.engine.arg_utils"}
+    import multiprocessing.util
+    import subprocess
+
+    assert callable(subprocess.Popen._execute_child) and callable(multiprocessing.util.spawnv_passfds)
+    assert set(backend_guard.CHOKE_POINTS) == {"ray", "ray._private.node", "vllm.engine.arg_utils", "subprocess",
+                                               "multiprocessing.util"}
     assert all(backend_guard.CHOKE_POINTS[m] in import_hooks.HOOKS[m] for m in backend_guard.CHOKE_POINTS)
 
 
@@ -132,3 +137,48 @@ def test_the_collection_check_reads_tests_fixtures_and_the_helpers_they_call():
     assert why == {"helper": "train()", "via_helper": "train() (in helper)",
                    "via_subprocess": "`sonar train` in a subprocess", "ray_start": "`ray start` in a subprocess",
                    "command_in_a_name": "`sonar train` in a subprocess", "expected_argv": None, "plain": None}
+
+
+def test_an_edit_loop_test_that_starts_python_fails_naming_the_slow_marker(tmp_path):
+    """This test has none of the three markers: it is in `make test-fast`'s set, so starting Python in a
+    process of its own is refused before anything starts; other programs are not."""
+    import multiprocessing
+    import subprocess
+
+    assert "slow" in os.environ[backend_guard.ENV].split(",")
+    with pytest.raises(RuntimeError, match=r"starts a Python process \(python[0-9.]*\) but is not marked `slow`"):
+        subprocess.run([sys.executable, "-c", "open(%r, 'w')" % str(tmp_path / "ran")])
+    with pytest.raises(RuntimeError, match="not marked `slow`"):
+        subprocess.run(f"{sys.executable} -c pass", shell=True)
+    with pytest.raises(RuntimeError, match="multiprocessing spawn or forkserver"):
+        multiprocessing.get_context("spawn").Process(target=print).start()
+    assert not (tmp_path / "ran").exists()
+    assert subprocess.run(["true"]).returncode == 0  # not Python: runs
+    assert subprocess.run("exit 3", shell=True).returncode == 3
+
+
+@pytest.mark.slow
+def test_a_slow_test_starts_python():
+    import subprocess
+
+    assert "slow" not in os.environ[backend_guard.ENV].split(",")
+    assert subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True).stdout == "42\n"
+
+
+def test_python_programs_are_told_from_other_programs(tmp_path):
+    script = tmp_path / "tool"
+    script.write_text("#!/usr/bin/env python3\nprint(1)\n")
+    shell = tmp_path / "sh_tool"
+    shell.write_text("#!/bin/sh\necho 1\n")
+    bindir = Path(sys.executable).parent
+    assert backend_guard.python_program([sys.executable, "-m", "sonar"]) == sys.executable
+    assert backend_guard.python_program(["python3", "-c", "pass"]) == "python3"
+    assert backend_guard.python_program([str(script)]) == str(script)
+    assert backend_guard.python_program(f"{sys.executable} -m pytest") == sys.executable
+    assert backend_guard.python_program(["x"], executable=sys.executable) == sys.executable
+    assert backend_guard.python_program([str(shell)]) is None
+    assert backend_guard.python_program(["git", "status"]) is None
+    assert backend_guard.python_program([]) is None and backend_guard.python_program("'unterminated") is None
+    assert backend_guard.python_program([str(bindir / "noida-db"), "start"]) is None  # QUICK_PROGRAMS
+    if (bindir / "sonar").exists():
+        assert backend_guard.python_program([str(bindir / "sonar"), "train"]) == str(bindir / "sonar")

@@ -41,6 +41,7 @@ def test_eval_writes_predictions_table_and_mlflow(setup):
     assert (tmp / "mlflow.db").exists() and not (tmp / "out" / "mlflow.db").exists()  # the project's one store
 
 
+@pytest.mark.slow
 def test_score_cli_rescoring_matches(setup):
     cfg, tmp = setup
     out = subprocess.run([sys.executable, "-m", "sonar", "score", str(tmp / "out" / "predictions-heldout.jsonl")],
@@ -181,6 +182,7 @@ def test_eval_format_reads_a_file_detection_cannot_tell(setup, tmp_path):
     assert [r["golden_answers"] for r in recs] == [[i.golds[0]] for i in items]
 
 
+@pytest.mark.slow
 def test_eval_cli_names_the_format_flag_when_detection_cannot_tell(setup, tmp_path):
     _, tmp = setup
     path, _ = _ambiguous_file(setup, tmp_path / "qa.jsonl")

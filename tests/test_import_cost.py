@@ -8,6 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test starts a fresh Python process (tests/backend_guard.py)
+
 CODE = ("import sys\n"
         "import sonar\n"
         "from sonar.actors.worker import RolloutWorker\n"  # what a rollout actor's process runs first

@@ -126,6 +126,7 @@ def test_the_rules_catch_a_wrong_door(tmp_path):
     assert not any("sonar.actors.model".startswith(p) for p in ALLOWED["sonar.learner"])
 
 
+@pytest.mark.slow
 def test_the_wheel_installs_one_namespace(tmp_path):
     """``pip install .`` puts ``sonar`` into site-packages and no top-level actors/learner/cluster/bench,
     and setuptools builds it without a warning (the build backend's output, shown by ``-v``; the editable

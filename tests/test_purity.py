@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # one fresh Python process for all (tests/backend_guard.py)
+
 PURE = ["sonar.cluster.wire.protocol", "sonar.cluster.wire.config", "sonar.cluster.wire.replay",
         "sonar.cluster.wire.weights", "sonar.cluster.wire.transport", "sonar.cluster.wire.metrics", "sonar.cluster.wire.logs", "sonar.actors.parsing",
         "sonar.actors.multiquery", "sonar.actors.rewards",

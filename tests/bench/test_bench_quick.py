@@ -100,6 +100,7 @@ def test_dispatcher_rejects_unknown_and_unwritten_benchmarks(capsys):
     assert {"weight-sync", "codec-and-queue"} <= set(run.available())
 
 
+@pytest.mark.slow
 def test_sonar_cli_routes_bench():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     r = subprocess.run([sys.executable, "-m", "sonar", "bench", "--list"], cwd=REPO, env=env,

@@ -39,6 +39,7 @@ def run_check(tmp_path: Path, *args: str, env_extra: dict | None = None,
     return r, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_without_cuda_every_check_skips(tmp_path):
     r, doc = run_check(tmp_path, env_extra={"CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr

@@ -2,6 +2,7 @@
 import json
 import signal
 
+import pytest
 from ray.runtime_env.runtime_env import _merge_runtime_env  # what ray.init does with a job's runtime env
 
 from sonar.cluster.driver.jobs import (JOB_CONFIG_ENV, SONAR_ENV_VARS, driver_runtime_env, job_runtime_env,
@@ -116,6 +117,7 @@ def _checkout_copy(dest):
     return dest
 
 
+@pytest.mark.slow
 def test_the_staged_checkout_is_what_ray_ships_as_sonar(tmp_path):
     """stage_checkout, packed by Ray's own py_modules code path: every entry under ``sonar/`` (the folder's
     basename is the importable name), .gitignore'd and git's own files left home, a hash of its own
@@ -151,6 +153,7 @@ def test_the_staged_checkout_is_what_ray_ships_as_sonar(tmp_path):
     assert got.stdout.split() == ["0.2.0+staged", str(copy.resolve())], got.stderr
 
 
+@pytest.mark.slow
 def test_a_job_entrypoint_in_a_checkout_re_executes_and_says_which_sonar_runs(tmp_path):
     """`python -m sonar --version` as a job's entrypoint (its config env set, started in an edited copy):
     the copy's version; outside a job, the installed one (nothing changes)."""

@@ -332,6 +332,7 @@ def test_a_model_not_on_this_machine_is_not_checked_and_never_fails():
     assert M.plan_for(cfg, {}) == (None, "memory plan not checked: Qwen/Qwen2.5-7B-Instruct/config.json not readable here")
 
 
+@pytest.mark.slow
 def test_the_tiny_cpu_default_plans_nothing_and_imports_no_transformers():
     assert M.plan_for(load_config([]), {}) == (None, None)
     code = ("import sys; from sonar.cluster.wire.config import load_config; load_config([]); "

@@ -50,6 +50,7 @@ def test_a_bad_plugin_is_refused_at_load_naming_the_field_and_what_is_missing(ov
         load_config([], [override])
 
 
+@pytest.mark.slow
 def test_a_file_plugin_travels_in_the_config_and_resolves_where_the_file_is_absent(tmp_path):
     copy = tmp_path / "mine.py"
     shutil.copy(PLUGINS, copy)

@@ -3,7 +3,6 @@
 No Ray: the "node" is a child process that the start callable spawns, as ray.init's GCS and raylet are
 children of the process that calls it."""
 import subprocess
-import sys
 
 import psutil
 import pytest
@@ -15,7 +14,7 @@ RAY_ERROR = ("The current node timed out during startup. This could happen becau
 
 
 def _spawn(kept: list) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    p = subprocess.Popen(["cat"], stdin=subprocess.PIPE)  # lives until killed (or its stdin closes)
     kept.append(p)
     return p
 
@@ -71,11 +70,9 @@ def test_other_errors_and_the_last_timeout_are_raised_and_keep_processes_that_we
             p.wait()
 
 
-SPAWNER = ("import subprocess, sys\n"
-           "for line in sys.stdin:\n"
-           "    g = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'], stdin=subprocess.PIPE)\n"
-           "    print(g.pid, flush=True)\n")
-"""A node: starts a worker (its child) for each line it reads, and prints the worker's pid."""
+SPAWNER = "while read line; do sleep 3600 & echo $!; done"
+"""A node (a shell, not Python: the edit loop starts no Python process): starts a worker (its child) for
+each line it reads, and prints the worker's pid."""
 
 
 def test_a_failed_attempts_children_go_with_their_own_children_and_an_older_childs_stay():
@@ -85,7 +82,7 @@ def test_a_failed_attempts_children_go_with_their_own_children_and_an_older_chil
     workers: list[psutil.Process] = []
 
     def node() -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-c", SPAWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen(["sh", "-c", SPAWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         kept.append(p)
         return p
 

@@ -33,6 +33,7 @@ def test_resume_latest_without_a_checkpoint_fails_before_a_run_directory_exists(
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_cli_resume_latest_without_a_checkpoint_is_one_line_and_leaves_nothing(tmp_path):
     p = subprocess.run([sys.executable, "-m", "sonar", "train", f"run.root={tmp_path}", "run.resume=latest"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)

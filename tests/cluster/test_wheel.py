@@ -54,6 +54,7 @@ def wheel_env(tmp_path_factory):
     return py, str(venv / "bin" / "sonar"), env, tmp_path
 
 
+@pytest.mark.slow
 def test_wheel_runs_config_commands_with_presets_from_outside_the_checkout(wheel_env, tmp_path):
     py, sonar, env, _ = wheel_env
     away = tmp_path / "away"

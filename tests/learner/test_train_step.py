@@ -234,6 +234,7 @@ def test_importance_weight_histogram_counts_every_trained_token():
     assert len(hist) == 7 and sum(hist.values()) == m["learner/trained_tokens"]
 
 
+@pytest.mark.slow
 def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_afterwards():
     """The learner's DeepSpeed import skips the autotuner's ``import mlflow`` (2-3 s of every learner's
     start-up); MLflow is importable again once DeepSpeed is in (a fresh process: nothing loaded before).

@@ -82,7 +82,8 @@ class SearchR1Server:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/retrieve"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # shutdown() waits for serve_forever's next poll: 0.5 s by default, on every test's teardown
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
         self.thread.start()
 
     @staticmethod
