@@ -1,6 +1,7 @@
 """A Ray head on 127.0.0.1 for `ray job submit` tests, and the helpers they share (submit a short smoke run,
-read its run directory, MLflow status and live actors). The head is this test's own: its teardown stops
-only the processes it started, never `ray stop`.
+read its run directory, MLflow status and live actors). The head is the test module's own (one start for
+the module's jobs, 4-5 s and 2-4 s of teardown each on 2 cores): its teardown stops only the processes it
+started, never `ray stop`.
 
 Use: ``from tests.cluster.ray_head import ray_head, submit`` (importing the fixture into the test module
 is how pytest finds it)."""
@@ -43,11 +44,13 @@ def _env(**extra) -> dict:
     return env
 
 
-@pytest.fixture
-def ray_head(tmp_path):
-    """A Ray head on 127.0.0.1 under its own temp dir; yields (dashboard URL, temp dir). Teardown ends
-    the `ray start --block` process (it stops what it started), then any process still naming this
-    head's temp dir, by pid."""
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A Ray head on 127.0.0.1 under its own temp dir, for one test module; yields (dashboard URL, temp
+    dir, run root): the run root is ``$SONAR_RUN_ROOT`` of every job the module submits (``_submit``),
+    one root for several run names as a team shares it. Teardown ends the `ray start --block` process (it
+    stops what it started), then any process still naming this head's temp dir, by pid."""
+    tmp_path = tmp_path_factory.mktemp("jobs")
     temp = tempfile.mkdtemp(prefix="sj", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     port, dash = _free_port(), _free_port()
     # The head's dashboard agent takes the job submissions: its HTTP port is fixed (52365) by default, so
@@ -88,7 +91,7 @@ def ray_head(tmp_path):
             _stop(head, temp)
             head = start()
         assert head.poll() is None, f"ray start --head exited:\n{log_path.read_text()[-3000:]}"
-        yield url, temp
+        yield url, temp, tmp_path / "persist" / "runs"
     finally:
         _stop(head, temp)
         shutil.rmtree(temp, ignore_errors=True)

@@ -1,15 +1,25 @@
-"""`ray job submit` end to end against a Ray head this test starts on 127.0.0.1 (and stops: only the
-processes it started, never `ray stop`).
+"""`ray job submit` end to end against one Ray head this module starts on 127.0.0.1 (and stops: only the
+processes it started, never `ray stop`). Every job's ``$SONAR_RUN_ROOT`` is one root, as a team shares it.
 
-1. A short smoke run submitted with ``--working-dir`` (a config file from the uploaded folder) and
-   ``--runtime-env-json`` env vars that Sonar also sets: it runs on that cluster, SUCCEEDED, and its
-   MLflow run and checkpoints are under ``$SONAR_RUN_ROOT``, nothing under Ray's package folder.
-2. A long run, stopped with ``ray job stop`` once it has a checkpoint, under Ray's default stop wait
-   (SIGTERM, then SIGKILL 3 s later): MLflow KILLED within it, no actor left.
-3. A fresh submission of the same run name with ``run.resume=latest`` resumes the stopped run's
-   checkpoint (not the first run's, of another name under the same root) and finishes.
+1. Code that travels: a short smoke run submitted with ``--working-dir`` an edited copy of this checkout
+   (cluster/driver/jobs.py: the driver re-executes from the checkout and ships it as py_modules), a
+   config file from the uploaded folder, ``--runtime-env-json`` env vars that Sonar also sets and
+   py_modules of its own (a reward plug-in package). It runs on that cluster, SUCCEEDED, the copy's code
+   in the driver, the learner and the rollout workers, the job's py_modules kept and imported by the
+   workers; its MLflow run and checkpoints are under ``$SONAR_RUN_ROOT``, nothing under Ray's package folder.
+2. Plug-ins (issue 23's acceptance run): a reward, a tool and a retriever that live outside the package,
+   in the job's working dir and in another temporary folder; the trajectories show each was used.
+3. A long run, stopped with ``ray job stop`` once it has a checkpoint, under Ray's default stop wait
+   (SIGTERM, then SIGKILL 3 s later): MLflow KILLED within it, no actor left. A fresh submission of the
+   same run name with ``run.resume=latest`` resumes the stopped run's checkpoint (not run 1's, of another
+   name under the same root) and finishes.
+
+The three share the head (one start, not three) and run 1 is the run the others' checks need before
+them: one short run, not two.
 """
+import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -21,36 +31,136 @@ from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
+ROOT = Path(__file__).resolve().parents[2]
+PLUGINS = ROOT / "tests" / "fixtures" / "plugins" / "my_plugins.py"
 
-def test_submit_stop_and_resume_through_ray_jobs(ray_head, tmp_path):
+
+@pytest.fixture(scope="module")
+def checkout_job(ray_head, tmp_path_factory):
+    """Run 1: the short smoke run from an edited copy of this checkout with a py_modules reward package.
+    Returns (submission id, the copy's code as every role must report it, the job's logs)."""
+    from ray.job_submission import JobSubmissionClient
+
+    from sonar.cluster.wire.paths import code_fingerprint
+
+    url, _, root = ray_head
+    tmp_path = tmp_path_factory.mktemp("checkout_job")
+    copy = tmp_path / "checkout"
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for rel in files:
+        if (ROOT / rel).is_file():
+            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, copy / rel)
+    init = copy / "__init__.py"
+    init.write_text(init.read_text().replace('__version__ = "0.2.0"', '__version__ = "0.2.0+edited"'))
+    assert "0.2.0+edited" in init.read_text()
+    edited = f"sonar 0.2.0+edited ({code_fingerprint(copy)})"  # the copy's code, as every role must report it
+    (copy / "job.yaml").write_text("run:\n  name: edited\n")
+    plug = tmp_path / "user_modules" / "jobplug"  # the user's own py_modules: a package of plug-ins
+    plug.mkdir(parents=True)
+    (plug / "__init__.py").write_text("")
+    shutil.copy(PLUGINS, plug / "rewards.py")
+    reward = "jobplug.rewards:short_answer_reward"  # dotted: imported from py_modules, by the driver and workers
+    sid = _submit(url, copy, root, [f"stages.1.reward.name={reward}", f"stages.2.reward.name={reward}"],
+                  runtime_env={"py_modules": [str(plug)]})
+    return sid, edited, JobSubmissionClient(url).get_job_logs(sid)
+
+
+def test_a_submitted_run_ran_on_the_head_with_its_files_under_sonar_run_root(ray_head, checkout_job):
     from ray.job_submission import JobStatus, JobSubmissionClient
     from ray.util.state import list_actors
 
-    from sonar.learner.checkpoint import CheckpointError, resolve_checkpoint
+    from sonar.learner.checkpoint import resolve_checkpoint
 
-    url, temp = ray_head
+    url, temp, root = ray_head
+    sid, _, logs = checkout_job
     jobs = JobSubmissionClient(url)
-    wd = tmp_path / "wd"  # the user's project folder: uploaded, run from Ray's package folder
-    wd.mkdir()
-    (wd / "job.yaml").write_text("run:\n  name: job\n")
-    root = tmp_path / "persist" / "runs"
-
-    # 1. a short run: SUCCEEDED, on this cluster, its files under SONAR_RUN_ROOT
-    first = _submit(url, wd, root, [])
-    assert jobs.get_job_status(first) == JobStatus.SUCCEEDED
-    logs = jobs.get_job_logs(first)
+    assert jobs.get_job_status(sid) == JobStatus.SUCCEEDED, logs[-6000:]
     assert "temporary package folder" in logs and str(root) in logs
-    job_id = jobs.get_job_info(first).job_id  # the driver's Ray job: its actors ran on this head
+    job_id = jobs.get_job_info(sid).job_id  # the driver's Ray job: its actors ran on this head
     ran_here = {a.class_name for a in list_actors(address=url, limit=1000) if a.job_id == job_id}
     assert any("Learner" in n for n in ran_here) and any("Worker" in n for n in ran_here), ran_here
     run1, id1 = _run_of(logs)
-    assert run1.parent == root and run1.name.startswith("job-")
+    assert run1.parent == root and run1.name.startswith("edited-")
     assert resolve_checkpoint(str(run1), str(root))  # a complete checkpoint where configured
     assert _mlflow_status(root, id1) == "FINISHED"
     pkg = Path(temp)
     assert not [p for p in pkg.rglob("working_dir_files/*/*") if p.name in ("runs", "mlflow.db", "index")]
 
-    # 2. a long run, stopped once it has a checkpoint: KILLED, no actor left
+
+def test_an_edited_checkout_runs_in_every_role_of_the_job(ray_head, checkout_job):
+    _, temp, _ = ray_head
+    _, edited, logs = checkout_job
+    said = "\n".join(ln for ln in logs.splitlines() if any(w in ln for w in ("job:", "code:", "Traceback", "runtime env")))
+    assert "job: running the working dir's Sonar" in logs, said
+    # the driver: the copy (its working dir as Ray unpacked it), not the installed package
+    driver = re.search(r"job: the driver runs (sonar \S+ \(\w+\)) from (\S+) \(the job's working dir", logs)
+    assert driver, said
+    assert driver.group(1) == edited
+    assert Path(driver.group(2)).name != "wt-travel" and "working_dir_files" in driver.group(2), said
+    # the learner and the workers: the same code, from Ray's unpacked py_modules copy of the staged checkout
+    roles = re.search(r"code: driver, learner and 1 rollout workers run (sonar \S+ \(\w+\)) \(driver from (\S+); "
+                      r"learner from (\S+); rollout workers from (\S+)\)", logs)
+    assert roles, said
+    assert roles.group(1) == edited and roles.group(2) == driver.group(2)
+    for folder in roles.group(3, 4):
+        assert "py_modules_files" in folder and folder.startswith(temp) and folder.endswith("/sonar"), said
+    assert "code: the driver runs" not in logs  # no role imported another copy
+    assert "after the job's own" in logs  # the job's py_modules kept, the checkout after them
+    run_dir, _ = _run_of(logs)
+    recs = [json.loads(line) for line in (run_dir / "predictions-after_search.jsonl").read_text().splitlines()]
+    assert recs and all("extra_searches" in r["reward_parts"] for r in recs)  # the user's module's reward scored
+
+
+def test_a_job_runs_a_reward_a_tool_and_a_retriever_from_outside_the_package(ray_head, tmp_path):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    from sonar.cluster.wire import metrics as K
+
+    url, _, root = ray_head
+    wd = tmp_path / "project"  # the user's project folder, uploaded as the job's working dir
+    wd.mkdir()
+    shutil.copy(PLUGINS, wd / "my_plugins.py")
+    elsewhere = tmp_path / "elsewhere"  # a file outside the working dir, named by its absolute path
+    elsewhere.mkdir()
+    shutil.copy(PLUGINS, elsewhere / "rewards.py")
+    (wd / "job.yaml").write_text(
+        "run:\n  name: plugjob\n"
+        "protocol:\n  tools: [search, \"my_plugins.py:make_lookup\"]\n"
+        "retrieval:\n  backend: \"my_plugins.py:make_echo_retriever\"\n")
+    reward = f"{elsewhere / 'rewards.py'}:short_answer_reward"
+    sid = _submit(url, wd, root, ["stages.0.steps=60", "stages.1.steps=2", f"stages.1.reward.name={reward}",
+                                  f"stages.2.reward.name={reward}"])
+    jobs = JobSubmissionClient(url)
+    assert jobs.get_job_status(sid) == JobStatus.SUCCEEDED
+    run_dir, _ = _run_of(jobs.get_job_logs(sid))
+    recs = [json.loads(line) for line in (run_dir / "predictions-after_search.jsonl").read_text().splitlines()]
+    searched = [d for r in recs for s in r["searches"] for ids in s["doc_ids"] for d in ids]
+    assert searched and all(d.startswith("echo-") for d in searched)  # the plug-in retriever answered
+    lookups = [c for r in recs for c in r["tool_calls"] if c["tool"] == "lookup"]
+    assert lookups and any(c["refs"] and c["refs"][0].startswith("echo-") for c in lookups)  # the plug-in tool ran
+    assert all("extra_searches" in r["reward_parts"] for r in recs)  # the plug-in reward scored them
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(K.ROLLOUT_REWARD_PART.format(part="extra_searches") in x for x in rows)
+    assert any(K.ROLLOUT_TOOL_CALLS_MEAN.format(tool="lookup") in x for x in rows)
+    assert "def short_answer_reward" in (run_dir / "config.yaml").read_text()  # the code it ran, recorded
+
+
+def test_stop_and_resume_through_ray_jobs(ray_head, checkout_job, tmp_path):
+    """Needs run 1 (``checkout_job``): another run name under the same root, which resume=latest skips."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    from sonar.learner.checkpoint import CheckpointError, resolve_checkpoint
+
+    url, _, root = ray_head
+    jobs = JobSubmissionClient(url)
+    run1, _ = _run_of(checkout_job[2])
+    assert run1.parent == root and resolve_checkpoint(str(run1), str(root))  # a checkpoint resume must not pick
+    wd = tmp_path / "wd"  # the user's project folder: uploaded, run from Ray's package folder
+    wd.mkdir()
+    (wd / "job.yaml").write_text("run:\n  name: job\n")
+
+    # a long run, stopped once it has a checkpoint: KILLED, no actor left
     long_ = _submit(url, wd, root, ["run.name=long", "run.checkpoint_every=2", "stages.0.steps=100000"], wait=False)
 
     def checkpoint():
@@ -79,7 +189,7 @@ def test_submit_stop_and_resume_through_ray_jobs(ray_head, tmp_path):
     wait_until(lambda: not _alive_actors(url, long_job_id), 60,
                lambda: f"the stopped job's actors to end: {_alive_actors(url, long_job_id)}", poll_s=0.5)
 
-    # 3. a fresh submission resumes it
+    # a fresh submission resumes it
     third = _submit(url, wd, root, ["run.name=long", "run.resume=latest"])
     assert jobs.get_job_status(third) == JobStatus.SUCCEEDED
     resumed_logs = jobs.get_job_logs(third)
