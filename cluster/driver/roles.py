@@ -215,19 +215,39 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
             workers_info = pool.ready()  # a worker that dies while starting is restarted; one still starting at the deadline raises
             log_code_origins(learner_info.get("code"), [w.get("code") for w in workers_info])
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(
-                f"the learner and {cfg.rollout.num_workers} rollout workers did not start within cluster.step_timeout_s="
-                f"{cfg.cluster.step_timeout_s}s: the cluster lacks the CPUs/GPUs they ask for "
-                f"(learner.num_cpus={cfg.learner.num_cpus}, learner.num_gpus={cfg.learner.num_gpus}, "
-                f"rollout.num_cpus_per_worker={cfg.rollout.num_cpus_per_worker}, "
-                f"rollout.num_gpus_per_worker={cfg.rollout.num_gpus_per_worker}; available {ray.available_resources()})"
-            ) from None
+            raise RuntimeError(start_timeout_message(cfg, ray.cluster_resources(), ray.available_resources())) from None
     roles = Roles(retrieval, replay, learner, pool, owns_ray=owns, hooks=hooks, policy=policy, cfg=cfg,
                   learner_pg=learner_pg, corpus=corpus)
     with startup_phase("weight transport"):
         pool.form_group()  # every worker and the learner join the weight transport; the weights pushed
     roles.files_node = unshared_learner_node(cfg, roles, run)
     return roles
+
+
+def start_timeout_message(cfg: Config, total: dict, available: dict) -> str:
+    """Why the learner and the rollout workers did not answer within ``cluster.step_timeout_s``, from
+    the cluster's resources (``ray.cluster_resources()``, ``ray.available_resources()``): fewer CPUs/GPUs
+    in all than the roles ask for (the retrieval replicas' included), or enough in all, so the roles wait
+    for what another job holds or are still starting. The second is what a busy machine gives: in a loaded
+    run (two busy loops beside ``make test``) a learner and two workers took over 90 s to start."""
+    learner, rollout, retrieval = cfg.learner, cfg.rollout, cfg.retrieval
+    cpus = (learner.num_cpus * learner.num_ranks + rollout.num_workers * rollout.num_cpus_per_worker
+            + retrieval.replicas * retrieval.num_cpus_per_replica)
+    gpus = learner.num_gpus * learner.num_ranks + rollout.num_workers * rollout.num_gpus_per_worker
+    asked = (f"learner.num_cpus={learner.num_cpus}, learner.num_gpus={learner.num_gpus}, learner.num_ranks="
+             f"{learner.num_ranks}, rollout.num_cpus_per_worker={rollout.num_cpus_per_worker}, "
+             f"rollout.num_gpus_per_worker={rollout.num_gpus_per_worker}, with the retrieval replicas "
+             f"{cpus:g} CPUs and {gpus:g} GPUs")
+    head = (f"the learner and {rollout.num_workers} rollout workers did not start within cluster.step_timeout_s="
+            f"{cfg.cluster.step_timeout_s}s")
+    has_cpus, has_gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    if has_cpus < cpus or has_gpus < gpus:
+        return (f"{head}: the cluster has {has_cpus:g} CPUs and {has_gpus:g} GPUs in all, fewer than they ask for "
+                f"({asked})")
+    return (f"{head}: the cluster has the CPUs/GPUs they ask for ({asked}; {has_cpus:g} CPUs and {has_gpus:g} "
+            f"GPUs in all, available now {available}), so they wait for resources another job holds or are still "
+            f"starting (their imports and the policy's load can take minutes on a busy machine): raise "
+            f"cluster.step_timeout_s")
 
 
 def unshared_learner_node(cfg: Config, roles: Roles, run: Run) -> str | None:

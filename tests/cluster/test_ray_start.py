@@ -121,3 +121,22 @@ def test_a_failed_attempts_children_go_with_their_own_children_and_an_older_chil
         for p in kept:
             p.kill()
             p.wait()
+
+
+def test_a_start_timeout_says_whether_the_cluster_lacks_the_resources_or_the_roles_are_still_starting():
+    """In a loaded run the learner and two workers took over 90 s to start on a cluster with CPUs to
+    spare, and the message said the cluster lacked them: it now tells the two cases apart."""
+    from sonar.cluster.driver.roles import start_timeout_message
+    from sonar.cluster.wire.config import load_config
+
+    cfg = load_config([], ["rollout.num_workers=2", "learner.num_cpus=1", "rollout.num_cpus_per_worker=1",
+                           "retrieval.replicas=1", "retrieval.num_cpus_per_replica=1", "cluster.step_timeout_s=90"])
+    slow = start_timeout_message(cfg, {"CPU": 8.0}, {"CPU": 4.0})
+    assert slow.startswith("the learner and 2 rollout workers did not start within cluster.step_timeout_s=90.0s: "
+                           "the cluster has the CPUs/GPUs they ask for")
+    assert "4 CPUs and 0 GPUs" in slow and "8 CPUs and 0 GPUs in all" in slow and "{'CPU': 4.0}" in slow
+    assert "still starting" in slow and "raise cluster.step_timeout_s" in slow
+    short = start_timeout_message(cfg, {"CPU": 3.0}, {"CPU": 0.0})
+    assert "the cluster has 3 CPUs and 0 GPUs in all, fewer than they ask for" in short and "still starting" not in short
+    gpus = load_config([], ["rollout.num_workers=2", "rollout.num_gpus_per_worker=1", "learner.num_gpus=1"])
+    assert "fewer than they ask for" in start_timeout_message(gpus, {"CPU": 64.0, "GPU": 2.0}, {})
