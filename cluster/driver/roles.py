@@ -169,9 +169,7 @@ def init_ray(cfg: Config) -> bool:
             # address="local": always a new private cluster, never a stray one found in /tmp/ray.
             # Logical CPUs: enough for every role's request, so a local run never waits for resources
             # (the processes share the physical cores; each uses one thread).
-            needed = (cfg.learner.num_cpus * cfg.learner.num_ranks
-                      + cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker
-                      + cfg.retrieval.replicas * cfg.retrieval.num_cpus_per_replica)
+            needed = roles_cpus(cfg)
             num_cpus = cfg.cluster.num_cpus or int(max(4, os.cpu_count() or 1, needed + 0.999))
             start_local_node(lambda: ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
                                               _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=True))
@@ -224,15 +222,20 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
     return roles
 
 
+def roles_cpus(cfg: Config) -> float:
+    """Logical CPUs the run's roles ask for: the learner's ranks, the rollout workers, the retrieval replicas."""
+    return (cfg.learner.num_cpus * cfg.learner.num_ranks + cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker
+            + cfg.retrieval.replicas * cfg.retrieval.num_cpus_per_replica)
+
+
 def start_timeout_message(cfg: Config, total: dict, available: dict) -> str:
     """Why the learner and the rollout workers did not answer within ``cluster.step_timeout_s``, from
     the cluster's resources (``ray.cluster_resources()``, ``ray.available_resources()``): fewer CPUs/GPUs
     in all than the roles ask for (the retrieval replicas' included), or enough in all, so the roles wait
     for what another job holds or are still starting. The second is what a busy machine gives: in a loaded
     run (two busy loops beside ``make test``) a learner and two workers took over 90 s to start."""
-    learner, rollout, retrieval = cfg.learner, cfg.rollout, cfg.retrieval
-    cpus = (learner.num_cpus * learner.num_ranks + rollout.num_workers * rollout.num_cpus_per_worker
-            + retrieval.replicas * retrieval.num_cpus_per_replica)
+    learner, rollout = cfg.learner, cfg.rollout
+    cpus = roles_cpus(cfg)
     gpus = learner.num_gpus * learner.num_ranks + rollout.num_workers * rollout.num_gpus_per_worker
     asked = (f"learner.num_cpus={learner.num_cpus}, learner.num_gpus={learner.num_gpus}, learner.num_ranks="
              f"{learner.num_ranks}, rollout.num_cpus_per_worker={rollout.num_cpus_per_worker}, "
