@@ -17,8 +17,9 @@ before it are kept in the result and drawn. (An earlier version raised a
 KeyboardInterrupt in the main thread from the sampler; it could land anywhere, inside the roles'
 shutdown too, and left a Ray cluster with live actors behind in the test process.)
 
-``--quick`` (CI smoke test, < 1 minute): ``configs/smoke.yaml`` with 5 SFT steps, 0.3 minutes of RL,
-a sample every second: it checks the plumbing and the JSON, not the slope.
+``--quick`` (CI smoke test, < 1 minute): ``configs/smoke.yaml`` with 5 SFT steps, 6 seconds (0.1 minute)
+of RL, a sample every half second (about 12 in the window): it checks the plumbing and the JSON, not the
+slope.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ setup_env()
 NAME = "soak"
 FULL = {"config": "configs/tiny.yaml", "minutes": 5.0, "every_s": 5.0, "warmup": 0.3,
         "overrides": ["eval.before=false", "world.num_heldout_eval=8"], "repeats": 1}
-QUICK = {"config": "configs/smoke.yaml", "minutes": 0.3, "every_s": 1.0, "warmup": 0.3,
+QUICK = {"config": "configs/smoke.yaml", "minutes": 0.1, "every_s": 0.5, "warmup": 0.3,
          "overrides": ["stages.0.steps=5", "eval.before=false", "world.num_heldout_eval=4", "eval.no_search=false",
                        "eval.batch_size=4"], "repeats": 1}
 log = logging.getLogger("sonar.bench")
@@ -138,8 +139,8 @@ def analyse(samples: dict[str, list[tuple[float, int]]], warmup: float, window_t
 def main(argv: list[str] | None = None) -> int:
     p = driver_bench_parser(NAME, __doc__.splitlines()[0], "the run's config")
     p.add_argument("--minutes", type=float, default=None, help="how long to train in the last RL stage, from "
-                                                               "its first step (default 5; quick 0.3)")
-    p.add_argument("--every", type=float, default=None, help="seconds between samples (default 5; quick 1)")
+                                                               "its first step (default 5; quick 0.1)")
+    p.add_argument("--every", type=float, default=None, help="seconds between samples (default 5; quick 0.5)")
     p.add_argument("--warmup", type=float, default=None, help="fraction of the samples taken as warm-up (0.3)")
     p.add_argument("--config", default=None, help="run config (default configs/tiny.yaml; quick: smoke.yaml)")
     args = p.parse_args(argv)
