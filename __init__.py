@@ -109,14 +109,116 @@ def _cache_dir() -> str:
     return os.environ.get("SONAR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sonar")
 
 
-class _PatchOnLoad:
-    """Wraps ``importlib_metadata.packages_distributions`` when the backport loads (MLflow imports it;
-    most Sonar processes never do, so it is not imported here for nothing)."""
+class _CachedImportStructure:
+    """transformers' ``create_import_structure_from_path`` (``transformers.utils.import_utils``), kept on
+    disk per installed transformers. ``import transformers`` (every role of every run) calls it on the
+    ``models`` folder, which opens and scans the ~3,200 source files of its ~1,050 model folders for their
+    ``__all__`` and ``@requires`` lines: about 0.75 s of CPU per process on a 2-core CPU machine, and the
+    same answer in every process while those files do not change.
 
-    TRIGGER = "importlib_metadata"
+    The answer is a pure function of the folder's files (their names and contents) and of transformers'
+    own code, so the key is: the Python version, transformers' version, the folder, and every file and
+    folder under it with its size and modification time (a ``pip install``/upgrade rewrites them, an edit
+    changes the time; listing them costs about 15 ms). Only calls from outside (``define_import_structure``)
+    are looked up; the function's calls to itself for subfolders run as before. A hit returns the stored
+    structure (``marshal``: dicts, sets, frozensets and strings only); a miss computes and stores it
+    atomically. An unreadable or unwritable cache computes it as before. ``SONAR_METADATA_CACHE=0``
+    switches it off with the module map's cache."""
+
+    def __init__(self, compute, version: str):
+        self.compute, self.version = compute, version
+        self.__wrapped__ = compute
+        self.__doc__ = compute.__doc__
+        self._inside = 0
+        self._memo: dict = {}
+
+    def cache_clear(self) -> None:  # transformers' clear_import_cache() clears the lru_cache it replaces
+        self._memo.clear()
+        getattr(self.compute, "cache_clear", lambda: None)()
+
+    def key(self, folder: str) -> str:
+        import hashlib
+        import os
+
+        h = hashlib.sha256(f"{_sys.version}\0{self.version}\0{folder}".encode())
+        stack = [folder]
+        while stack:
+            d = stack.pop()
+            with os.scandir(d) as entries:
+                for e in sorted(entries, key=lambda e: e.name):
+                    if e.name == "__pycache__":
+                        continue
+                    st = e.stat(follow_symlinks=True)
+                    h.update(f"\0{e.path}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+                    if e.is_dir():
+                        stack.append(e.path)
+        return h.hexdigest()[:32]
+
+    def __call__(self, module_path):
+        if self._inside:  # the function's own call for a subfolder
+            return self.compute(module_path)
+        import os
+
+        memo_key = os.fspath(module_path)
+        if memo_key in self._memo:  # the same object on the same argument, as the lru_cache gave
+            return self._memo[memo_key]
+        self._inside += 1
+        try:
+            result = self._load_or_compute(module_path)
+        finally:
+            self._inside -= 1
+        self._memo[memo_key] = result
+        return result
+
+    def _load_or_compute(self, module_path):
+        import marshal
+        import os
+
+        try:
+            folder = os.path.realpath(os.fspath(module_path))
+            if os.path.isfile(folder):
+                folder = os.path.dirname(folder)
+            path = os.path.join(_cache_dir(), f"import_structure-{self.key(folder)}.marshal")
+            with open(path, "rb") as f:
+                return marshal.load(f)
+        except (OSError, ValueError, EOFError, TypeError):
+            pass
+        result = self.compute(module_path)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                marshal.dump(result, f)
+            os.replace(tmp, path)
+        except (OSError, NameError, ValueError):  # NameError: the key itself failed; ValueError: not marshallable
+            pass
+        return result
+
+
+def _cache_import_structure(module):
+    fn = getattr(module, "create_import_structure_from_path", None)
+    if fn is not None and not isinstance(fn, _CachedImportStructure):
+        version = ""
+        try:
+            import importlib.metadata
+
+            version = importlib.metadata.version("transformers")
+        except Exception:  # noqa: BLE001 - no version: the files' times and sizes still key the cache
+            pass
+        module.create_import_structure_from_path = _CachedImportStructure(fn, version)
+
+
+class _PatchOnLoad:
+    """Runs ``after(module)`` once the module ``trigger`` has loaded: wraps
+    ``importlib_metadata.packages_distributions`` when the backport loads (MLflow imports it; most Sonar
+    processes never do, so it is not imported here for nothing), and transformers'
+    ``create_import_structure_from_path`` when ``transformers.utils.import_utils`` loads."""
+
+    def __init__(self, trigger: str, after):
+        self.trigger, self.after = trigger, after
 
     def find_spec(self, name, path=None, target=None):
-        if name != self.TRIGGER:
+        if name != self.trigger:
             return None
         if self in _sys.meta_path:
             _sys.meta_path.remove(self)
@@ -124,7 +226,7 @@ class _PatchOnLoad:
 
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.loader is not None:
-            spec.loader = _ExecThen(spec.loader, _cache_packages_distributions)
+            spec.loader = _ExecThen(spec.loader, self.after)
         return spec
 
 
@@ -163,10 +265,13 @@ def _install_import_hooks():
         import importlib.metadata
 
         _cache_packages_distributions(importlib.metadata)
-        if "importlib_metadata" in _sys.modules:
-            _cache_packages_distributions(_sys.modules["importlib_metadata"])
-        elif not any(isinstance(f, _PatchOnLoad) for f in _sys.meta_path):
-            _sys.meta_path.insert(0, _PatchOnLoad())
+        hooked = {f.trigger for f in _sys.meta_path if isinstance(f, _PatchOnLoad)}
+        for trigger, after in (("importlib_metadata", _cache_packages_distributions),
+                               ("transformers.utils.import_utils", _cache_import_structure)):
+            if trigger in _sys.modules:
+                after(_sys.modules[trigger])
+            elif trigger not in hooked:
+                _sys.meta_path.insert(0, _PatchOnLoad(trigger, after))
 
     if (os.environ.get("SONAR_TRANSFORMERS_SKLEARN") != "1" and "transformers.generation" not in _sys.modules
             and not any(isinstance(f, _TransformersWithoutSklearn) for f in _sys.meta_path)):

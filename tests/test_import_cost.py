@@ -101,3 +101,75 @@ def test_an_unwritable_cache_still_answers_and_the_backport_is_cached_too(tmp_pa
     cache = tmp_path / "ok"
     assert json.loads(_run(code, SONAR_CACHE_DIR=str(cache))[0]) == [True, "_CachedPackagesDistributions", True]
     assert len(list(cache.glob("packages_distributions-*.json"))) == 2  # the standard library's and the backport's
+
+
+STRUCTURE = ("import json, sys\n"
+             "import sonar\n"
+             "import transformers.utils.import_utils as iu\n"
+             "f = iu.create_import_structure_from_path\n"
+             "def enc(x):  # dicts, sets and frozensets of strings, nested: a canonical JSON form\n"
+             "    if isinstance(x, dict):\n"
+             "        return sorted(([enc(k), enc(v)] for k, v in x.items()), key=repr)\n"
+             "    if isinstance(x, (set, frozenset)):\n"
+             "        return ['set', sorted((enc(v) for v in x), key=repr)]\n"
+             "    return x\n"
+             "got = f(sys.argv[1])\n"
+             "print(json.dumps({'wrapped': type(f).__name__, 'got': enc(got), 'again': f(sys.argv[1]) is got,\n"
+             "                  'fresh': enc(f.__wrapped__.__wrapped__(sys.argv[1])) if type(f).__name__ == '_CachedImportStructure' else None}))\n")
+
+
+def test_transformers_import_structure_is_kept_per_folder_and_recomputed_when_a_file_changes(tmp_path):
+    """``import transformers`` scans its model folders' sources for their exports (about 0.75 s of CPU);
+    the answer is stored per folder, keyed by every file's size and time, and read back by the next process."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "configuration_a.py").write_text('__all__ = ["SonarTestAConfig"]\n')
+    (pkg / "modeling_a.py").write_text('import torch\n__all__ = ["SonarTestAModel", "SonarTestAPreTrainedModel"]\n')
+    (pkg / "sub" / "modeling_b.py").write_text('__all__ = ["BModel"]\n')
+    cache = tmp_path / "cache"
+
+    def run(**env):
+        return json.loads(_run(STRUCTURE.replace("sys.argv[1]", repr(str(pkg))), SONAR_CACHE_DIR=str(cache), **env)[0])
+
+    first = run()
+    assert first["wrapped"] == "_CachedImportStructure" and first["again"] is True
+    assert first["got"] == first["fresh"]
+    flat = json.dumps(first["got"])
+    assert all(n in flat for n in ("SonarTestAConfig", "SonarTestAModel", "SonarTestAPreTrainedModel", "BModel", "torch"))
+    mine = lambda: [p for p in cache.glob("import_structure-*.marshal") if b"SonarTestAConfig" in p.read_bytes()]
+    (stored,) = mine()  # (transformers' own folders are stored beside it: importing it scans them)
+
+    # the next process reads the stored structure (a marked copy proves it is read, not recomputed)...
+    import marshal
+
+    structure = marshal.loads(stored.read_bytes())
+    structure[frozenset()]["marked"] = {"Marked"}
+    stored.write_bytes(marshal.dumps(structure))
+    second = run()
+    assert "Marked" in json.dumps(second["got"]) and "Marked" not in json.dumps(second["fresh"])
+
+    # ...until a file under the folder changes (size and time): a new key, the fresh answer
+    (pkg / "sub" / "modeling_b.py").write_text('__all__ = ["BModel", "BForCausalLM"]\n')
+    third = run()
+    assert third["got"] == third["fresh"] and "BForCausalLM" in json.dumps(third["got"]) and "Marked" not in json.dumps(third["got"])
+    assert len(mine()) == 2
+
+    # switched off: transformers' own (lru-cached) function
+    off = run(SONAR_METADATA_CACHE="0")
+    assert off["wrapped"] == "_lru_cache_wrapper" and off["fresh"] is None and "Marked" not in json.dumps(off["got"])
+
+
+def test_transformers_loads_its_model_classes_from_the_stored_structure(tmp_path):
+    """Two fresh processes on one cache: the second reads every structure the first stored and loads the
+    same model classes."""
+    code = ("import sonar\n"
+            "from transformers import AutoModelForCausalLM, Qwen2ForCausalLM, LlamaConfig\n"
+            "import transformers.utils.import_utils as iu\n"
+            "print(Qwen2ForCausalLM.__module__, LlamaConfig.__module__, type(iu.create_import_structure_from_path).__name__)\n")
+    cache = tmp_path / "cache"
+    first = _run(code, SONAR_CACHE_DIR=str(cache))[0]
+    stored = sorted(p.name for p in cache.glob("import_structure-*.marshal"))
+    assert stored  # transformers' models folder at least
+    assert _run(code, SONAR_CACHE_DIR=str(cache))[0] == first == \
+        "transformers.models.qwen2.modeling_qwen2 transformers.models.llama.configuration_llama _CachedImportStructure"
+    assert sorted(p.name for p in cache.glob("import_structure-*.marshal")) == stored  # all read, none new

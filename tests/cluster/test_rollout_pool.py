@@ -199,7 +199,17 @@ class KillAt:
             self.killed.append(handle)
 
 
-def make_pool(ray, n=2, restarts=1, timeout_s=3.0, on_event=None, mode="async"):
+GROUP_TIMEOUT_S = 10.0
+"""The fake group's timeout in most tests: what a rank left alone at a rendezvous waits (tests that kill a
+rank wait it out once). Healthy ranks must all arrive within it, a few actor calls, under any load; at 3 s
+(before) a rank slowed by a loaded machine (load average 10-30 in the loaded suite runs) could be taken
+for a dead one."""
+SILENT_CALL_S = 5.0
+"""A call's deadline in the silent-worker test: worker 0 must answer ``ready`` within it whatever the load
+(it was 0.5 s), and worker 1, waiting at a rendezvous, must still be silent at it (< GROUP_TIMEOUT_S)."""
+
+
+def make_pool(ray, n=2, restarts=1, timeout_s=GROUP_TIMEOUT_S, on_event=None, mode="async"):
     """``timeout_s``: the fake group's timeout (a rank alone at a rendezvous raises after it). The pool's
     own deadlines (``cluster.step_timeout_s``, ``cluster.health_timeout_s``: a new actor must start within
     them on a loaded machine) are longer, as the real group's timeout is ``cluster.step_timeout_s``."""
@@ -332,7 +342,7 @@ def test_a_silent_worker_is_replaced_and_a_call_error_propagates(ray_local):
             pool.call("lone push", lambda w, i: w.push.remote(1, 2, 7), only=[0])  # nobody else arrives
         assert pool.restarts == {0: 0, 1: 0}
         out = pool.call("silent", lambda w, i: w.push.remote(9, 3, 1) if i == 1 else w.ready.remote(),
-                        timeout=0.5)  # worker 1 waits for a rendezvous that never completes
+                        timeout=SILENT_CALL_S)  # worker 1 waits for a rendezvous that never completes
         assert out[1] is not None and repr(out[1]) == "<worker died>" and out[0]["name"] == "worker0#1"
         assert pool.restarts == {0: 0, 1: 1} and pool.generation == 2  # replaced, and the group re-formed
     finally:
