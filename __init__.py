@@ -279,3 +279,40 @@ def _install_import_hooks():
 
 
 _install_import_hooks()
+
+
+ACTOR_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+             "HF_HUB_OFFLINE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""Environment every Sonar actor gets (one thread per process, no hub access) unless the job's runtime
+env sets the key itself: the job's value wins."""
+
+
+def actor_env(job_env_vars) -> dict:
+    """What a Sonar actor's process sets in its environment: ``ACTOR_ENV`` less the keys the job's runtime
+    env sets (``job_env_vars``)."""
+    return {k: v for k, v in ACTOR_ENV.items() if k not in job_env_vars}
+
+
+def _apply_actor_env() -> None:
+    """In a Ray worker process (an actor's: Ray runs ``default_worker.py``), at its first ``import sonar``,
+    which loading any Sonar actor class runs before torch, transformers or the hub client are imported.
+
+    Why here and not in ``ray.init(runtime_env={"env_vars": ...})``: an actor with a runtime env of its own
+    cannot use the workers Ray starts ahead of time, and is started through Ray's runtime-env agent and
+    ``setup_worker.py``, one more Python process (about 0.35 s of CPU) per actor; a run starts a learner,
+    workers, replicas and a replay for every run, and the test suite about 240. The job's runtime env
+    still reaches the process first, so its keys are read back from it and left alone."""
+    if not _sys.argv or not str(_sys.argv[0]).endswith("default_worker.py"):
+        return
+    import os
+
+    try:
+        import ray
+
+        job = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
+    except Exception:  # noqa: BLE001 - the job's keys unknown: none of them is overwritten
+        job = {k: os.environ[k] for k in ACTOR_ENV if k in os.environ}
+    os.environ.update(actor_env(job))
+
+
+_apply_actor_env()

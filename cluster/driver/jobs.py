@@ -2,8 +2,10 @@
 
 * **Runtime env.** Ray merges the job's runtime env (``--runtime-env-json``, handed to the driver in
   ``RAY_JOB_CONFIG_JSON_ENV_VAR``) with the one ``ray.init`` is given and refuses the same env-var key in
-  both. Sonar's defaults (one thread per process, loopback, offline hub) are therefore passed only for
-  the keys the job leaves unset: the user's values win, nothing conflicts.
+  both. Sonar's defaults (one thread per process, offline hub: ``sonar.ACTOR_ENV``) are not passed in
+  it: each actor's process sets them at ``import sonar``, for the keys the job's runtime env leaves unset
+  (``sonar._apply_actor_env``): the user's values win, nothing conflicts, and an actor without a runtime
+  env of its own starts in one of the workers Ray keeps ready.
 * **Code that travels.** ``pyproject.toml`` maps the package ``sonar`` to the repository root, so the
   folder ``ray job submit --working-dir .`` uploads holds the package's *contents*, not a ``sonar/``:
   Ray's job supervisor starts the entrypoint in that folder with it first on ``PYTHONPATH``
@@ -41,11 +43,13 @@ import threading
 from pathlib import Path
 from typing import Mapping
 
+from sonar import ACTOR_ENV
+
 log = logging.getLogger("sonar")
 
-SONAR_ENV_VARS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                  "HF_HUB_OFFLINE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-"""Environment every Sonar actor gets unless the job's runtime env sets the key itself."""
+SONAR_ENV_VARS = ACTOR_ENV
+"""Environment every Sonar actor gets unless the job's runtime env sets the key itself (``sonar.ACTOR_ENV``,
+applied by the actor's own process at ``import sonar``: ``sonar._apply_actor_env``)."""
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 """Where Ray's job supervisor hands the job's config (runtime env, metadata) to the driver."""
 
@@ -70,17 +74,18 @@ driver imports and ships to its actors as ``py_modules``."""
 
 
 def driver_runtime_env(environ: Mapping[str, str]) -> dict:
-    """What the driver passes to ``ray.init``: ``SONAR_ENV_VARS`` less the keys the job's runtime env sets
-    (Ray refuses a key set by both; the job's value is the one the user asked for), and, when this driver
-    runs a job's checkout (``CHECKOUT_ENV``), that checkout as ``py_modules``, after the job's own entries
-    when it names some (``merge_override`` then lets this list replace the job's)."""
+    """What the driver passes to ``ray.init``: nothing ({}), or, when this driver runs a job's checkout
+    (``CHECKOUT_ENV``), that checkout as ``py_modules``, after the job's own entries when it names some
+    (``merge_override`` then lets this list replace the job's). Sonar's environment defaults
+    (``SONAR_ENV_VARS``) are not passed: each actor's process sets them itself, less the keys the job's
+    runtime env sets (``sonar._apply_actor_env``), so an actor has no runtime env of its own to wait for."""
     job = job_runtime_env(environ)
     user = job.get("env_vars") or {}
-    mine = {k: v for k, v in SONAR_ENV_VARS.items() if k not in user}
     skipped = sorted(set(SONAR_ENV_VARS) & set(user))
     if skipped:
-        log.info("runtime env: the job sets %s; Sonar's defaults for those keys are not passed", ", ".join(skipped))
-    env: dict = {"env_vars": mine} if mine else {}
+        log.info("runtime env: the job sets %s; the actors keep the job's values, not Sonar's defaults",
+                 ", ".join(skipped))
+    env: dict = {}
     staged = environ.get(CHECKOUT_ENV)
     if staged:
         theirs = list(job.get("py_modules") or [])

@@ -164,7 +164,7 @@ def init_ray(cfg: Config) -> bool:
     # merge_override: a job's own py_modules, which env names before the checkout's, are not refused.
     with keep_sigterm_handler(), merge_override(env):
         if address:
-            ray.init(address=address, runtime_env=env, log_to_driver=True)
+            ray.init(address=address, runtime_env=env or None, log_to_driver=True)
         else:
             # address="local": always a new private cluster, never a stray one found in /tmp/ray.
             # Logical CPUs: enough for every role's request, so a local run never waits for resources
@@ -172,7 +172,8 @@ def init_ray(cfg: Config) -> bool:
             needed = roles_cpus(cfg)
             num_cpus = cfg.cluster.num_cpus or int(max(4, os.cpu_count() or 1, needed + 0.999))
             start_local_node(lambda: ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-                                              _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=True))
+                                              _node_ip_address="127.0.0.1", runtime_env=env or None,
+                                              log_to_driver=True))
     return True
 
 

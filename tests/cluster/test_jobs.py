@@ -5,6 +5,7 @@ import signal
 import pytest
 from ray.runtime_env.runtime_env import _merge_runtime_env  # what ray.init does with a job's runtime env
 
+from sonar import actor_env
 from sonar.cluster.driver.jobs import (JOB_CONFIG_ENV, SONAR_ENV_VARS, driver_runtime_env, job_runtime_env,
                                        keep_sigterm_handler)
 
@@ -13,25 +14,24 @@ def _job(runtime_env) -> dict:
     return {JOB_CONFIG_ENV: json.dumps({"runtime_env": runtime_env, "metadata": {}})}
 
 
-def test_outside_a_job_the_driver_passes_all_of_sonars_env():
-    assert driver_runtime_env({}) == {"env_vars": SONAR_ENV_VARS}
+def test_outside_a_job_the_driver_passes_no_runtime_env():
+    """Sonar's defaults are set by each actor's own process (``sonar._apply_actor_env``), so an actor has
+    no runtime env to be started through (Ray's pre-started workers serve it)."""
+    assert driver_runtime_env({}) == {}
     assert job_runtime_env({JOB_CONFIG_ENV: "not json"}) == {}
 
 
-def test_user_env_vars_merge_with_sonars_and_win():
+def test_a_jobs_env_vars_stand_alone_and_win_in_the_actors():
     user = {"env_vars": {"HF_HUB_OFFLINE": "0", "MY_VAR": "x"}, "working_dir": "gcs://_ray_pkg_1.zip"}
     mine = driver_runtime_env(_job(user))
-    assert "HF_HUB_OFFLINE" not in mine["env_vars"] and mine["env_vars"]["OMP_NUM_THREADS"] == "1"
+    assert mine == {}
     merged = _merge_runtime_env(user, mine, override=False)  # None would be Ray's "conflict" refusal
-    assert merged is not None
-    assert merged["env_vars"] == {**SONAR_ENV_VARS, "HF_HUB_OFFLINE": "0", "MY_VAR": "x"}
+    assert merged is not None and merged["env_vars"] == {"HF_HUB_OFFLINE": "0", "MY_VAR": "x"}
     assert merged["working_dir"] == "gcs://_ray_pkg_1.zip"
-    # the conflict the issue reported: Sonar's full env against the same user env
-    assert _merge_runtime_env(user, {"env_vars": dict(SONAR_ENV_VARS)}, override=False) is None
-
-
-def test_a_job_that_sets_every_key_gets_no_env_from_sonar():
-    assert driver_runtime_env(_job({"env_vars": dict(SONAR_ENV_VARS)})) == {}
+    # what an actor then sets itself: Sonar's defaults for the keys the job leaves unset
+    assert actor_env(user["env_vars"]) == {k: v for k, v in SONAR_ENV_VARS.items() if k != "HF_HUB_OFFLINE"}
+    assert actor_env({}) == SONAR_ENV_VARS and actor_env(dict(SONAR_ENV_VARS)) == {}
+    assert SONAR_ENV_VARS["OMP_NUM_THREADS"] == "1" and SONAR_ENV_VARS["HF_HUB_OFFLINE"] == "1"
 
 
 def test_the_sigterm_handler_installed_before_ray_init_is_back_after_it():
@@ -95,7 +95,7 @@ def test_a_checkout_driver_ships_its_package_and_keeps_the_jobs_own_py_modules(m
         merged = _merge_runtime_env(user, env, override=os.getenv(OVERRIDE_ENV) == "1")  # as ray.init reads it
     assert OVERRIDE_ENV not in os.environ  # only around ray.init
     assert merged["py_modules"] == ["gcs://mine.zip", "/tmp/s/sonar"] and merged["working_dir"] == "gcs://x.zip"
-    assert merged["env_vars"] == {**SONAR_ENV_VARS, "MY_VAR": "x"}  # the user's env kept, Sonar's beside it
+    assert merged["env_vars"] == {"MY_VAR": "x"}  # the user's env kept (Sonar's defaults: set in each actor)
 
     assert "py_modules" not in driver_runtime_env(_job({}))  # a plain job: nothing shipped
 
