@@ -306,11 +306,14 @@ def _apply_actor_env() -> None:
         return
     import os
 
+    # A process spawned by an actor (vLLM's engine core and workers: multiprocessing's spawn copies argv)
+    # is not connected to Ray and inherited the actor's environment: every key it holds stays.
+    ray = _sys.modules.get("ray")
     try:
-        import ray
-
+        if ray is None or not ray.is_initialized():
+            raise RuntimeError("not connected to Ray")
         job = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
-    except Exception:  # noqa: BLE001 - the job's keys unknown: none of them is overwritten
+    except Exception:  # noqa: BLE001 - the job's keys unknown: none of those set is overwritten
         job = {k: os.environ[k] for k in ACTOR_ENV if k in os.environ}
     os.environ.update(actor_env(job))
 

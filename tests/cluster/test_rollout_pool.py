@@ -4,7 +4,9 @@ The fakes keep the real transport's semantics that matter here: every rank of a 
 waits at a rendezvous until all ``world_size`` ranks have arrived, or raises after the group's timeout
 (``cluster.step_timeout_s``), so a dead rank leaves the others hanging exactly as a gloo group does. A
 worker is killed with ``ray.kill`` on the handle the pool holds, at the pool's own event (``on_event``),
-and the test waits until Ray reports it dead: no sleeps.
+and the test waits until Ray reports it dead; the group's timeout then fires for the broken formation
+as an event (``Rendezvous.expire``), not after a wall-clock wait, so a rank slowed by load is never taken
+for a dead one and no test waits a timeout out: no sleeps.
 
 Pinned: a worker killed while the group forms is replaced and the group formed again (generation 2,
 every rank in it, the learner's version pushed); with no restart left the run fails at once, naming the
@@ -14,6 +16,7 @@ loops paused and resumed around the regroup, every worker at the learner's versi
 drain are regroups; the replaced worker's claims go back to the replay each time."""
 import os
 import sys
+import threading
 
 import pytest
 
@@ -47,26 +50,38 @@ def ray_local():
 class Rendezvous:
     """An async actor: ``arrive(key, n, timeout_s)`` returns once ``n`` ranks arrived under ``key``, or
     raises ``TimeoutError`` after ``timeout_s`` (a group with a dead rank). ``waiting(key)``: ranks of
-    ``key`` still waiting now."""
+    ``key`` still waiting now. ``expire(generation)``: the group's timeout, fired as an event instead of
+    waited for: every rank waiting at a rendezvous of that formation (``key[1]``), or arriving at one
+    later, raises it at once (the formation a test has broken by killing a rank in it)."""
 
     def __init__(self):
-        self.arrived, self.events, self.waiters = {}, {}, {}
+        self.arrived, self.events, self.waiters, self.needed, self.expired = {}, {}, {}, {}, set()
 
     async def arrive(self, key, n: int, timeout_s: float) -> int:
         import asyncio
 
         ev = self.events.setdefault(key, asyncio.Event())
+        self.needed[key] = n
         self.arrived[key] = self.arrived.get(key, 0) + 1
         if self.arrived[key] >= n:
             ev.set()
         self.waiters[key] = self.waiters.get(key, 0) + 1
         try:
-            await asyncio.wait_for(ev.wait(), timeout_s)
+            if key[1] not in self.expired:
+                await asyncio.wait_for(ev.wait(), timeout_s)
+            if self.arrived[key] < n:  # expired
+                raise asyncio.TimeoutError
         except asyncio.TimeoutError:
             raise TimeoutError(f"rendezvous {key}: {self.arrived[key]} of {n} ranks within {timeout_s} s") from None
         finally:
             self.waiters[key] -= 1
         return self.arrived[key]
+
+    async def expire(self, generation: int) -> None:
+        self.expired.add(generation)
+        for key, ev in self.events.items():
+            if key[1] == generation and self.arrived[key] < self.needed[key]:
+                ev.set()
 
     async def waiting(self, key) -> int:
         return self.waiters.get(key, 0)
@@ -180,11 +195,13 @@ class Replay:
 
 class KillAt:
     """``on_event``: at the ``nth`` ``event`` (counting only when ``when(pool)``), kill worker ``index`` by
-    the handle the pool holds, and return once Ray reports it dead."""
+    the handle the pool holds, and return once Ray reports it dead. With ``expire`` (the default), the
+    group's timeout then fires for the formation the kill broke (``Rendezvous.expire``; ``make_pool`` gives
+    the group), so the other ranks give up as they would after it, without the test waiting it out."""
 
-    def __init__(self, event: str, index: int, nth: int = 1, when=lambda pool: True):
-        self.event, self.index, self.nth, self.when = event, index, nth, when
-        self.seen, self.killed = 0, []
+    def __init__(self, event: str, index: int, nth: int = 1, when=lambda pool: True, expire: bool = True):
+        self.event, self.index, self.nth, self.when, self.expire = event, index, nth, when, expire
+        self.seen, self.killed, self.group = 0, [], None
 
     def __call__(self, event, pool):
         import ray
@@ -197,16 +214,17 @@ class KillAt:
             ray.kill(handle, no_restart=True)
             wait_actor_dead(handle)
             self.killed.append(handle)
+            if self.expire:
+                ray.get(self.group.expire.remote(pool.generation))
 
 
-GROUP_TIMEOUT_S = 10.0
-"""The fake group's timeout in most tests: what a rank left alone at a rendezvous waits (tests that kill a
-rank wait it out once). Healthy ranks must all arrive within it, a few actor calls, under any load; at 3 s
-(before) a rank slowed by a loaded machine (load average 10-30 in the loaded suite runs) could be taken
-for a dead one."""
+GROUP_TIMEOUT_S = 600.0
+"""The fake group's timeout, as the real group's (``cluster.step_timeout_s``): healthy ranks must all
+arrive within it whatever the load; a formation a test breaks gives up at once (``Rendezvous.expire``),
+so no test waits it out."""
 SILENT_CALL_S = 5.0
 """A call's deadline in the silent-worker test: worker 0 must answer ``ready`` within it whatever the load
-(it was 0.5 s), and worker 1, waiting at a rendezvous, must still be silent at it (< GROUP_TIMEOUT_S)."""
+(it was 0.5 s); worker 1, waiting at a rendezvous that never completes, is silent at it."""
 
 
 def make_pool(ray, n=2, restarts=1, timeout_s=GROUP_TIMEOUT_S, on_event=None, mode="async"):
@@ -219,6 +237,8 @@ def make_pool(ray, n=2, restarts=1, timeout_s=GROUP_TIMEOUT_S, on_event=None, mo
     cfg = load_config([], ["cluster.step_timeout_s=120", "cluster.health_timeout_s=120",
                            f"cluster.max_worker_restarts={restarts}", f"cluster.mode={mode}"])
     group = ray.remote(Rendezvous).options(num_cpus=0, max_concurrency=64).remote()
+    if isinstance(on_event, KillAt):
+        on_event.group = group
     member = ray.remote(Member).options(num_cpus=0, max_concurrency=8)
     learner = member.remote("learner", group, timeout_s)
     replay = ray.remote(Replay).options(num_cpus=0).remote()
@@ -272,8 +292,7 @@ def test_with_no_restart_left_the_run_fails_at_once_naming_the_worker(ray_local)
     from sonar.cluster.driver.rollout_pool import WorkerFailed
 
     ray = ray_local
-    pool, learner, replay, group, started = make_pool(ray, restarts=0, timeout_s=600.0,
-                                                      on_event=KillAt("group_open", 1))
+    pool, learner, replay, group, started = make_pool(ray, restarts=0, on_event=KillAt("group_open", 1, expire=False))
     try:
         with pytest.raises(WorkerFailed, match=r"rollout worker 1 failed \(3 prompts requeued\) and "
                                                r"cluster\.max_worker_restarts=0 is used up:\njoin: ActorDiedError"):
@@ -338,8 +357,14 @@ def test_a_silent_worker_is_replaced_and_a_call_error_propagates(ray_local):
     pool, learner, replay, group, started = make_pool(ray)
     try:
         pool.form_group()
+        # nobody else arrives: the group's timeout fires once worker 0 waits there (an event, not 600 s)
+        fire = threading.Thread(target=lambda: (
+            wait_until(lambda: ray.get(group.waiting.remote(("push", 1, 7))) == 1, what="worker 0 at the rendezvous"),
+            ray.get(group.expire.remote(1))))
+        fire.start()
         with pytest.raises(TimeoutError, match=r"rendezvous \('push', 1, 7\): 1 of 2"):
-            pool.call("lone push", lambda w, i: w.push.remote(1, 2, 7), only=[0])  # nobody else arrives
+            pool.call("lone push", lambda w, i: w.push.remote(1, 2, 7), only=[0])
+        fire.join()
         assert pool.restarts == {0: 0, 1: 0}
         out = pool.call("silent", lambda w, i: w.push.remote(9, 3, 1) if i == 1 else w.ready.remote(),
                         timeout=SILENT_CALL_S)  # worker 1 waits for a rendezvous that never completes
