@@ -84,6 +84,7 @@ class _CachedPackagesDistributions:
         import json
         import os
 
+        path = None  # stays None when the key itself fails: nothing is stored
         try:
             path = os.path.join(_cache_dir(), f"packages_distributions-{self.key()}.json")
             with open(path) as f:
@@ -92,14 +93,7 @@ class _CachedPackagesDistributions:
         except (OSError, ValueError):
             pass
         result = self.compute()
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(result, f)
-            os.replace(tmp, path)
-        except (OSError, NameError, TypeError):  # NameError: the key itself failed; TypeError: not JSON
-            pass
+        _store(path, lambda f: f.write(json.dumps(result).encode()))
         return result
 
 
@@ -174,6 +168,7 @@ class _CachedImportStructure:
         import marshal
         import os
 
+        path = None  # stays None when the key itself fails: nothing is stored
         try:
             folder = os.path.realpath(os.fspath(module_path))
             if os.path.isfile(folder):
@@ -184,15 +179,29 @@ class _CachedImportStructure:
         except (OSError, ValueError, EOFError, TypeError):
             pass
         result = self.compute(module_path)
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                marshal.dump(result, f)
-            os.replace(tmp, path)
-        except (OSError, NameError, ValueError):  # NameError: the key itself failed; ValueError: not marshallable
-            pass
+        _store(path, lambda f: marshal.dump(result, f))
         return result
+
+
+def _store(path, dump) -> None:
+    """Write a cache file atomically (``dump(f)`` into a temporary file, then renamed): concurrent
+    processes may write it twice, never read half of it. Nothing is stored without a ``path`` or when
+    the folder cannot be written or the value cannot be serialised (the caller recomputes next time)."""
+    import os
+
+    if path is None:
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "wb") as f:
+            dump(f)
+        os.replace(tmp, path)
+    except (OSError, TypeError, ValueError):  # TypeError: not JSON; ValueError: not marshallable
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
 
 
 def _cache_import_structure(module):
