@@ -1,4 +1,5 @@
-"""Test-wide environment: one thread per process, Ray on loopback without token auth, offline HF.
+"""Test-wide environment: one thread per process, Ray on loopback without token auth and with its workers at
+Sonar's niceness (``sonar.LOCAL_NODE_ENV``: without it every actor yields to any other process), offline HF.
 
 And what keeps the suite at a developer's pace (issue 26):
 - the ``ray``/``vllm`` markers kept true (``tests/backend_guard.py``: an unmarked test that starts Ray or
@@ -19,6 +20,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+from sonar import LOCAL_NODE_ENV  # noqa: E402 - every cluster a test starts runs its actors at Sonar's niceness
+
+for _key, _value in LOCAL_NODE_ENV.items():
+    os.environ.setdefault(_key, _value)
 
 import torch  # noqa: E402
 

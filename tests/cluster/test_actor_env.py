@@ -51,3 +51,48 @@ def test_an_actor_sets_sonars_defaults_itself_and_leaves_the_jobs_keys(ray_clust
     assert (before["HF_HUB_OFFLINE"], before["TOKENIZERS_PARALLELISM"]) == ("0", "true")  # the job's, as Ray set them
     assert env == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "unset-by-test",
                    "HF_HUB_OFFLINE": "unset-by-test"}
+
+
+NICENESS_SCRIPT = r"""
+import json, os, sys
+import ray
+from sonar.cluster.driver.roles import init_ray
+from sonar.cluster.wire.config import load_config
+
+def actor_niceness():
+    @ray.remote(num_cpus=0)
+    class Nice:
+        def get(self):
+            return os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        return ray.get(Nice.remote().get.remote(), timeout=300)
+    finally:
+        ray.shutdown()
+
+cfg = load_config([], ["cluster.num_cpus=1"])
+out = {"driver": os.getpriority(os.PRIO_PROCESS, 0)}
+assert init_ray(cfg)
+out["default"] = actor_niceness()
+os.environ["RAY_worker_niceness"] = "15"  # a value the environment sets wins
+assert init_ray(cfg)
+out["set"] = actor_niceness()
+print(json.dumps(out))
+"""
+
+
+def test_a_local_cluster_runs_its_actors_at_the_drivers_niceness_unless_the_environment_says_otherwise(tmp_path):
+    """Ray's default (nice 15 for every worker) would make every role yield to any other process on the
+    machine (``sonar.LOCAL_NODE_ENV``). The driver's own start of a private cluster (``init_ray``, what
+    ``sonar train`` runs) sets Sonar's value when the environment has none, and leaves one it has."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_worker_niceness", "RAY_ADDRESS")}
+    proc = subprocess.run([sys.executable, "-c", NICENESS_SCRIPT], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["default"] == out["driver"]
+    assert out["set"] > out["driver"] or out["driver"] == 19  # Ray's 15 applied (19 is the floor of priority)
