@@ -53,37 +53,29 @@ def test_an_actor_sets_sonars_defaults_itself_and_leaves_the_jobs_keys(ray_clust
                    "HF_HUB_OFFLINE": "unset-by-test"}
 
 
+
 NICENESS_SCRIPT = r"""
-import json, os, sys
+import json, os
 import ray
 from sonar.cluster.driver.roles import init_ray
 from sonar.cluster.wire.config import load_config
 
-def actor_niceness():
-    @ray.remote(num_cpus=0)
-    class Nice:
-        def get(self):
-            return os.getpriority(os.PRIO_PROCESS, 0)
-    try:
-        return ray.get(Nice.remote().get.remote(), timeout=300)
-    finally:
-        ray.shutdown()
+@ray.remote(num_cpus=0)
+class Nice:
+    def get(self):
+        return os.getpriority(os.PRIO_PROCESS, 0)
 
-cfg = load_config([], ["cluster.num_cpus=1"])
-out = {"driver": os.getpriority(os.PRIO_PROCESS, 0)}
-assert init_ray(cfg)
-out["default"] = actor_niceness()
-os.environ["RAY_worker_niceness"] = "15"  # a value the environment sets wins
-assert init_ray(cfg)
-out["set"] = actor_niceness()
-print(json.dumps(out))
+assert init_ray(load_config([], ["cluster.num_cpus=1"]))
+print(json.dumps({"driver": os.getpriority(os.PRIO_PROCESS, 0), "actor": ray.get(Nice.remote().get.remote(), timeout=300),
+                  "env": os.environ.get("RAY_worker_niceness")}))
+ray.shutdown()
 """
 
 
-def test_a_local_cluster_runs_its_actors_at_the_drivers_niceness_unless_the_environment_says_otherwise(tmp_path):
+def test_a_local_cluster_runs_its_actors_at_the_drivers_niceness(tmp_path):
     """Ray's default (nice 15 for every worker) would make every role yield to any other process on the
-    machine (``sonar.LOCAL_NODE_ENV``). The driver's own start of a private cluster (``init_ray``, what
-    ``sonar train`` runs) sets Sonar's value when the environment has none, and leaves one it has."""
+    machine (``sonar.LOCAL_NODE_ENV``): the driver's own start of a private cluster (``init_ray``, what
+    ``sonar train`` runs) sets Sonar's value, and an actor then runs at the driver's priority."""
     import json
     import os
     import subprocess
@@ -94,5 +86,36 @@ def test_a_local_cluster_runs_its_actors_at_the_drivers_niceness_unless_the_envi
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["default"] == out["driver"]
-    assert out["set"] > out["driver"] or out["driver"] == 19  # Ray's 15 applied (19 is the floor of priority)
+    assert out == {"driver": out["driver"], "actor": out["driver"], "env": "0"}
+
+
+@pytest.mark.parametrize("preset", [None, "15"])
+def test_the_local_clusters_niceness_is_the_environments_when_it_sets_one(preset, monkeypatch):
+    """What the raylet inherits when ``init_ray`` starts a local node: Sonar's value, or the one the
+    environment already holds (a user who wants Ray's default gives it back with RAY_worker_niceness=15)."""
+    import os
+
+    from sonar import LOCAL_NODE_ENV
+    from sonar.cluster.driver import roles
+    from sonar.cluster.wire.config import load_config
+
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def start_local_node(start):
+        seen.update({k: os.environ.get(k) for k in LOCAL_NODE_ENV})
+        raise Started
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    if preset is not None:
+        monkeypatch.setenv("RAY_worker_niceness", preset)
+    monkeypatch.setattr(roles, "start_local_node", start_local_node)
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(Started):
+        roles.init_ray(load_config([], ["cluster.num_cpus=1"]))
+    assert seen == {"RAY_worker_niceness": preset or "0"}
