@@ -105,7 +105,8 @@ def _cpu_model() -> str:
 
 
 def hardware_info() -> dict:
-    """CPU count (logical and usable by this process), CPU model, memory, GPU (None without CUDA)."""
+    """CPU count (logical and usable by this process), CPU model, memory, GPU (None without CUDA), and the
+    priorities the processes ran at (``niceness``)."""
     mem = _mem_total_bytes()
     info = {
         "host": socket.gethostname(),
@@ -115,6 +116,11 @@ def hardware_info() -> dict:
         "memory_gb": round(mem / 2**30, 2) if mem else None,
         "platform": platform.platform(),
         "gpu": None,
+        # Priority of this process and, for a local cluster it starts (roles.init_ray), of Ray's workers:
+        # None there is Ray's default, nice 15, under which every actor yields to any other load (as in
+        # every result written before sonar.LOCAL_NODE_ENV; see bench/README.md, "Results on this machine").
+        "niceness": {"driver": os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None,
+                     "ray_workers_env": os.environ.get("RAY_worker_niceness")},
     }
     try:
         import torch

@@ -85,3 +85,17 @@ def test_allow_dirty_flag_on_every_benchmark_parser(repo, tmp_path, monkeypatch)
     assert args.allow_dirty is True
     doc = json.loads(_write(tmp_path / "o2").read_text())
     assert doc["allow_dirty"] is True and doc["dirty_files"] == ["bench/new_bench.py"]
+
+
+@pytest.mark.parametrize("env", [None, "0"])
+def test_a_result_records_the_priorities_its_processes_ran_at(env, monkeypatch):
+    """Under other load, a result whose actors ran at Ray's default nice 15 measured starved actors
+    (bench/README.md, "Priority"): each result says which it was."""
+    import os
+
+    if env is None:
+        monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    else:
+        monkeypatch.setenv("RAY_worker_niceness", env)
+    nice = common.hardware_info()["niceness"]
+    assert nice == {"driver": os.getpriority(os.PRIO_PROCESS, 0), "ray_workers_env": env}
