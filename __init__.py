@@ -306,6 +306,15 @@ nice 0): beside two busy loops on a 2-core machine, ``tests/test_e2e.py`` took 4
 and 45 s with the workers at nice 0. The cluster files' nodes are dedicated and keep Ray's default."""
 
 
+def set_local_node_env() -> None:
+    """Put ``LOCAL_NODE_ENV`` into this process's environment, less the keys it already sets, before it
+    starts a Ray node: the raylet reads them from the environment it inherits."""
+    import os
+
+    for key, value in LOCAL_NODE_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def actor_env(job_env_vars) -> dict:
     """What a Sonar actor's process sets in its environment: ``ACTOR_ENV`` less the keys the job's runtime
     env sets (``job_env_vars``)."""

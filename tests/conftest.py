@@ -20,10 +20,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-from sonar import LOCAL_NODE_ENV  # noqa: E402 - every cluster a test starts runs its actors at Sonar's niceness
+from sonar import set_local_node_env  # noqa: E402
 
-for _key, _value in LOCAL_NODE_ENV.items():
-    os.environ.setdefault(_key, _value)
+set_local_node_env()  # every cluster a test starts runs its actors at the driver's priority
 
 import torch  # noqa: E402
 

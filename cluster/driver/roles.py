@@ -169,10 +169,9 @@ def init_ray(cfg: Config) -> bool:
             # address="local": always a new private cluster, never a stray one found in /tmp/ray.
             # Logical CPUs: enough for every role's request, so a local run never waits for resources
             # (the processes share the physical cores; each uses one thread).
-            from sonar import LOCAL_NODE_ENV
+            from sonar import set_local_node_env
 
-            for key, value in LOCAL_NODE_ENV.items():  # read by the raylet this process starts (Popen inherits it)
-                os.environ.setdefault(key, value)
+            set_local_node_env()  # its actors at the driver's priority, unless the environment says otherwise
             needed = roles_cpus(cfg)
             num_cpus = cfg.cluster.num_cpus or int(max(4, os.cpu_count() or 1, needed + 0.999))
             start_local_node(lambda: ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,

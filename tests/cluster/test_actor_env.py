@@ -53,7 +53,6 @@ def test_an_actor_sets_sonars_defaults_itself_and_leaves_the_jobs_keys(ray_clust
                    "HF_HUB_OFFLINE": "unset-by-test"}
 
 
-
 NICENESS_SCRIPT = r"""
 import json, os
 import ray
