@@ -9,39 +9,46 @@ __version__ = "0.2.0"
 import sys as _sys
 
 
-class _TransformersWithoutSklearn:
-    """Every Sonar process (driver, actors, CLI) imports transformers' model classes; that import runs
-    ``transformers.generation.candidate_generator``, which imports scikit-learn (and SciPy) when it is
-    installed, for one thing only: the ``roc_curve`` of assisted generation's confidence-threshold tuning,
-    which Sonar never runs. scikit-learn is installed (MLflow needs it), and importing it costs each process
-    about 1 s of CPU on a 2-core CPU machine, out of the start-up of every role of every run (measured: a
-    rollout actor's imports and policy load 6.5-7.5 s -> 5.7-6.2 s of CPU).
+TRANSFORMERS_WITHOUT = (  # (transformers' probe, the package, the variable that keeps it for transformers)
+    ("is_sklearn_available", "sklearn", "SONAR_TRANSFORMERS_SKLEARN"),
+    ("is_scipy_available", "scipy", "SONAR_TRANSFORMERS_SCIPY"),
+)
+"""Optional packages transformers imports for features Sonar never runs (``_transformers_without``)."""
 
-    So, once, just before that module loads: transformers' cached ``is_sklearn_available()`` is computed
-    while ``sklearn`` is hidden (``sys.modules["sklearn"] = None``, which ``importlib.util.find_spec``
-    reports as absent), so it stays False for the process and the module skips the import; the entry is
-    removed at once, so ``import sklearn`` works as usual afterwards (MLflow's flavours, a user's reward).
-    Nothing changes if sklearn is already imported or transformers already answered the question, and
-    ``SONAR_TRANSFORMERS_SKLEARN=1`` leaves transformers alone (a plug-in that uses transformers' own
-    sklearn-backed utilities)."""
 
-    TRIGGER = "transformers.generation.candidate_generator"
+def _transformers_without(import_utils) -> None:
+    """Every Sonar process (driver, actors, CLI) imports transformers' model classes, and that import
+    pulls in optional packages for features Sonar never runs when they are installed (they are: MLflow
+    needs both):
 
-    def find_spec(self, name, path=None, target=None):
-        if name != self.TRIGGER:
-            return None
-        if self in _sys.meta_path:
-            _sys.meta_path.remove(self)
-        utils = _sys.modules.get("transformers.utils.import_utils")
-        probe = getattr(utils, "is_sklearn_available", None)
-        if probe is not None and "sklearn" not in _sys.modules and probe.cache_info().currsize == 0:
-            _sys.modules["sklearn"] = None
-            try:
-                probe()
-            finally:
-                if _sys.modules.get("sklearn", 0) is None:
-                    del _sys.modules["sklearn"]
-        return None  # the usual finders load the module
+    - scikit-learn (and SciPy), by ``transformers.generation.candidate_generator``, for the ``roc_curve``
+      of assisted generation's confidence-threshold tuning: about 1 s of CPU per process on a 2-core CPU
+      machine (measured: a rollout actor's imports and policy load 6.5-7.5 s -> 5.7-6.2 s of CPU);
+    - ``scipy.optimize``, by the object-detection losses of ``transformers.loss`` (which ``modeling_utils``
+      loads for every model), for the Hungarian matching of DETR-like vision models: 0.3 s of CPU per
+      process idle, 0.55-0.65 s in a learner and a rollout actor starting side by side.
+
+    So, once ``transformers.utils.import_utils`` has loaded and before anything asks: transformers' cached
+    ``is_<package>_available()`` is computed while the package is hidden (``sys.modules[name] = None``,
+    which ``importlib.util.find_spec`` reports as absent), so it stays False for the process and those
+    modules skip the import (the vision classes that need SciPy are marked as missing it, as without
+    it); the entry is removed at once, so ``import sklearn``/``import scipy`` work as usual afterwards
+    (MLflow's flavours, a user's reward). Nothing changes for a package already imported or already
+    answered for, and ``SONAR_TRANSFORMERS_SKLEARN=1``/``SONAR_TRANSFORMERS_SCIPY=1`` leave transformers
+    that package (a plug-in that uses transformers' own sklearn- or SciPy-backed code)."""
+    import os
+
+    for probe_name, package, keep in TRANSFORMERS_WITHOUT:
+        probe = getattr(import_utils, probe_name, None)
+        if (os.environ.get(keep) == "1" or package in _sys.modules or probe is None
+                or getattr(probe, "cache_info", None) is None or probe.cache_info().currsize):
+            continue
+        _sys.modules[package] = None
+        try:
+            probe()
+        finally:
+            if _sys.modules.get(package, 0) is None:
+                del _sys.modules[package]
 
 
 class _CachedPackagesDistributions:
@@ -220,8 +227,8 @@ def _cache_import_structure(module):
 class _PatchOnLoad:
     """Runs ``after(module)`` once the module ``trigger`` has loaded: wraps
     ``importlib_metadata.packages_distributions`` when the backport loads (MLflow imports it; most Sonar
-    processes never do, so it is not imported here for nothing), and transformers'
-    ``create_import_structure_from_path`` when ``transformers.utils.import_utils`` loads."""
+    processes never do, so it is not imported here for nothing), and when ``transformers.utils.import_utils``
+    loads: its answers for the packages of ``TRANSFORMERS_WITHOUT``, and ``create_import_structure_from_path``."""
 
     def __init__(self, trigger: str, after):
         self.trigger, self.after = trigger, after
@@ -270,21 +277,27 @@ def _cache_packages_distributions(module):
 def _install_import_hooks():
     import os
 
+    after_load = {"transformers.utils.import_utils": [_transformers_without]}
     if os.environ.get("SONAR_METADATA_CACHE") != "0":
         import importlib.metadata
 
         _cache_packages_distributions(importlib.metadata)
-        hooked = {f.trigger for f in _sys.meta_path if isinstance(f, _PatchOnLoad)}
-        for trigger, after in (("importlib_metadata", _cache_packages_distributions),
-                               ("transformers.utils.import_utils", _cache_import_structure)):
-            if trigger in _sys.modules:
-                after(_sys.modules[trigger])
-            elif trigger not in hooked:
-                _sys.meta_path.insert(0, _PatchOnLoad(trigger, after))
+        after_load["importlib_metadata"] = [_cache_packages_distributions]
+        after_load["transformers.utils.import_utils"].append(_cache_import_structure)
+    hooked = {f.trigger for f in _sys.meta_path if isinstance(f, _PatchOnLoad)}
+    for trigger, afters in after_load.items():
+        after = afters[0] if len(afters) == 1 else _each(afters)
+        if trigger in _sys.modules:
+            after(_sys.modules[trigger])
+        elif trigger not in hooked:
+            _sys.meta_path.insert(0, _PatchOnLoad(trigger, after))
 
-    if (os.environ.get("SONAR_TRANSFORMERS_SKLEARN") != "1" and "transformers.generation" not in _sys.modules
-            and not any(isinstance(f, _TransformersWithoutSklearn) for f in _sys.meta_path)):
-        _sys.meta_path.insert(0, _TransformersWithoutSklearn())
+
+def _each(functions):
+    def after(module):
+        for f in functions:
+            f(module)
+    return after
 
 
 _install_import_hooks()

@@ -1,8 +1,8 @@
 """What every Sonar process pays at start-up (``__init__.py``): transformers' model classes load without
-scikit-learn, which only assisted generation's confidence-threshold tuning uses; scikit-learn still
-imports afterwards, and ``SONAR_TRANSFORMERS_SKLEARN=1`` leaves transformers as it is. The installed
-packages' module map (``packages_distributions``) is kept on disk per environment. Fresh processes:
-nothing may be loaded before."""
+scikit-learn, which only assisted generation's confidence-threshold tuning uses, and without SciPy, which
+only the object-detection losses use; both still import afterwards, and ``SONAR_TRANSFORMERS_SKLEARN=1``/
+``SONAR_TRANSFORMERS_SCIPY=1`` leave transformers as it is. The installed packages' module map
+(``packages_distributions``) is kept on disk per environment. Fresh processes: nothing may be loaded before."""
 import json
 import os
 import subprocess
@@ -18,38 +18,42 @@ CODE = ("import sys\n"
         "from sonar.actors.model import build_policy\n"
         "from transformers import AutoModelForCausalLM, DynamicCache\n"
         "AutoModelForCausalLM.__name__\n"
-        "from transformers.utils.import_utils import is_sklearn_available\n"
-        "print('loaded', 'sklearn' in sys.modules, is_sklearn_available())\n"
-        "import sklearn.metrics\n"
+        "from transformers.utils.import_utils import is_scipy_available, is_sklearn_available\n"
+        "print('loaded', 'sklearn' in sys.modules, is_sklearn_available(), 'scipy' in sys.modules, is_scipy_available())\n"
         "from sklearn.metrics import roc_curve\n"
-        "print('after', sys.modules['sklearn'] is not None, callable(roc_curve))\n")
+        "from scipy.optimize import linear_sum_assignment\n"
+        "print('after', sys.modules['sklearn'] is not None, callable(roc_curve), sys.modules['scipy'] is not None,"
+        " callable(linear_sum_assignment))\n")
 
 
 def _run(code: str, **env) -> list[str]:
     env = {k: v for k, v in {**os.environ, "OMP_NUM_THREADS": "1", **env}.items() if v is not None}
+    for keep in ("SONAR_TRANSFORMERS_SKLEARN", "SONAR_TRANSFORMERS_SCIPY"):
+        env.setdefault(keep, "0")  # the test's own choice, not the caller's environment
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.split("\n")
 
 
-def test_transformers_model_classes_load_without_sklearn_which_still_imports_afterwards():
+def test_transformers_model_classes_load_without_sklearn_and_scipy_which_still_import_afterwards():
     loaded, after = _run(CODE)[:2]
-    assert loaded == "loaded False False", loaded
-    assert after == "after True True", after
+    assert loaded == "loaded False False False False", loaded
+    assert after == "after True True True True", after
 
 
-def test_the_opt_out_leaves_transformers_its_sklearn():
-    loaded, after = _run(CODE, SONAR_TRANSFORMERS_SKLEARN="1")[:2]
-    assert loaded == "loaded True True", loaded
-    assert after == "after True True", after
+def test_the_opt_outs_leave_transformers_its_sklearn_and_scipy():
+    loaded, after = _run(CODE, SONAR_TRANSFORMERS_SKLEARN="1", SONAR_TRANSFORMERS_SCIPY="1")[:2]
+    assert loaded == "loaded True True True True", loaded
+    assert after == "after True True True True", after
 
 
-def test_nothing_changes_once_transformers_has_answered_first():
-    """transformers' cached answer was True before the hook's turn: hiding sklearn then would break the
-    module that imports it, so the hook leaves it (``import sklearn`` first takes the simpler branch)."""
-    first = "from transformers.utils.import_utils import is_sklearn_available as f; f()\n"
-    loaded, _ = _run(first + CODE)[:2]
-    assert loaded == "loaded True True", loaded
+def test_a_package_transformers_answered_for_before_sonar_loaded_is_left_alone():
+    """transformers imported before Sonar: its import already asked for SciPy (its lazy module checks the
+    model classes' backends) and the answer True stays (hiding SciPy then would break the module that
+    imports it); scikit-learn, not asked for yet, is still hidden from it."""
+    loaded, after = _run("import transformers\n" + CODE)[:2]
+    assert loaded == "loaded False False True True", loaded
+    assert after == "after True True True True", after
 
 
 METADATA = ("import importlib.metadata as md, json, sys\n"

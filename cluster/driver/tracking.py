@@ -196,6 +196,10 @@ def run_tags(cfg: Any) -> dict[str, str]:
 
 # -- the MLflow run ----------------------------------------------------------------------------------
 
+ASYNC_BUFFER_ENV, ASYNC_BUFFER_S = "MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "1"
+"""MLflow's async logging buffer (whole seconds): what an async sink sets unless the environment does."""
+
+
 class MLflowSink:
     """One MLflow run. A step's metrics are one ``log_metrics`` call; with ``async_logging`` it only
     enqueues them (MLflow's async logging thread writes batches), and ``finish`` flushes before it
@@ -213,6 +217,12 @@ class MLflowSink:
         self._mlflow = mlflow
         self.uri = uri or f"sqlite:///{Path(run_dir).resolve() / STORE_FILE}"
         self.async_logging = async_logging
+        if async_logging:
+            # MLflow's logging thread otherwise blocks in ``queue.get(timeout=1)`` and sees the stop only
+            # when that returns: every flush and every run's end (a shutdown each) waited up to 1 s on an
+            # idle queue. Buffered, it waits on the stop event itself (ends at once) and writes what
+            # queued in that second as merged batches. A value the user set wins.
+            os.environ.setdefault(ASYNC_BUFFER_ENV, ASYNC_BUFFER_S)
         self.registered_model_name = registered_model_name
         # MLflow copies the URI into MLFLOW_TRACKING_URI: put the user's value back, so the next sink
         # in this process (a resume, ``sonar eval`` after training, a test) resolves from what the user set.
@@ -328,8 +338,8 @@ class MLflowSink:
     def finish(self, status: str = "FINISHED") -> None:
         """End the run with ``status``, the queued metrics flushed. FINISHED and FAILED: the metrics first,
         then the status. KILLED (Ctrl-C, ``ray job stop``) has a deadline, Ray SIGKILLing the driver 3 s
-        after its SIGTERM by default, and the flush alone can take a second (MLflow's logging thread
-        polls its queue once a second): the status is written first (one write), then the metrics,
+        after its SIGTERM by default, and a flush is as long as the writes it has left: the status is
+        written first (one write), then the metrics,
         which MLflow still accepts on an ended run, then the run is ended as usual."""
         if self._mlflow.active_run() is not None:
             with _atomic_write():

@@ -737,8 +737,9 @@ class TrackingConfig:
     registered_model_name: str = ""
     """Register the logged final policy under this model-registry name (needs ``log_model``); "": do not register."""
     async_logging: bool = True
-    """Metrics go to MLflow from a background thread in batches (MLflow's async logging); the run's end
-    (FINISHED, KILLED or FAILED) flushes them. False: each step's ``log_metrics`` waits for the store."""
+    """Metrics go to MLflow from a background thread in batches (MLflow's async logging, buffered 1 s
+    unless ``MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS`` says otherwise); the run's end (FINISHED, KILLED or
+    FAILED) flushes them. False: each step's ``log_metrics`` waits for the store."""
     system_metrics: bool = True
     """Log CPU, memory, disk and network (GPU with pynvml) as ``system/*`` metrics beside the run."""
 

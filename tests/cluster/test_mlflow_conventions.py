@@ -135,6 +135,21 @@ def test_async_logging_loses_nothing_when_the_run_fails(tmp_path):
         assert sorted((m.step, m.value) for m in hist) == [(s, s + i / 100) for s in range(40)]
 
 
+def test_an_async_sink_buffers_mlflows_logging_unless_the_user_set_it(tmp_path, monkeypatch):
+    """Buffered, MLflow's logging thread waits on its stop event instead of a 1 s ``queue.get``, so a run's
+    end does not wait out that poll; every value still reaches the store (the test above runs buffered)."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    monkeypatch.delenv(tracking.ASYNC_BUFFER_ENV, raising=False)
+    sink = tracking.make_sink(_cfg(tmp_path / "one"), tmp_path / "a", "a")
+    assert os.environ[tracking.ASYNC_BUFFER_ENV] == tracking.ASYNC_BUFFER_S == "1"
+    sink.log_metrics({"learner/x": 1.0}, step=0)
+    sink.finish()
+    assert [m.value for m in _client(sink.uri).get_metric_history(sink.run_id, "learner/x")] == [1.0]
+    monkeypatch.setenv(tracking.ASYNC_BUFFER_ENV, "5")
+    tracking.make_sink(_cfg(tmp_path / "two"), tmp_path / "b", "b").finish()
+    assert os.environ[tracking.ASYNC_BUFFER_ENV] == "5"
+
+
 def test_tags_name_commit_preset_version_and_ray_job(tmp_path, monkeypatch):
     from sonar import __version__
 
