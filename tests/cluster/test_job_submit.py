@@ -1,21 +1,22 @@
 """`ray job submit` end to end against one Ray head this module starts on 127.0.0.1 (and stops: only the
 processes it started, never `ray stop`). Every job's ``$SONAR_RUN_ROOT`` is one root, as a team shares it.
 
-1. Code that travels: a short smoke run submitted with ``--working-dir`` an edited copy of this checkout
-   (cluster/driver/jobs.py: the driver re-executes from the checkout and ships it as py_modules), a
-   config file from the uploaded folder, ``--runtime-env-json`` env vars that Sonar also sets and
-   py_modules of its own (a reward plug-in package). It runs on that cluster, SUCCEEDED, the copy's code
-   in the driver, the learner and the rollout workers, the job's py_modules kept and imported by the
-   workers; its MLflow run and checkpoints are under ``$SONAR_RUN_ROOT``, nothing under Ray's package folder.
-2. Plug-ins (issue 23's acceptance run): a reward, a tool and a retriever that live outside the package,
-   in the job's working dir and in another temporary folder; the trajectories show each was used.
-3. A long run, stopped with ``ray job stop`` once it has a checkpoint, under Ray's default stop wait
+1. Code that travels, and plug-ins from outside the package (issue 23's acceptance run), in one short run:
+   submitted with ``--working-dir`` an edited copy of this checkout (cluster/driver/jobs.py: the driver
+   re-executes from the checkout and ships it as py_modules), a config file from the uploaded folder,
+   ``--runtime-env-json`` env vars that Sonar also sets and py_modules of its own (a reward plug-in
+   package, stage 1's reward), a tool and a retriever from a file in the working dir, and stage 2's reward
+   from a file in another temporary folder, named by its absolute path. It runs on that cluster,
+   SUCCEEDED, the copy's code in the driver, the learner and the rollout workers, the job's py_modules
+   kept and imported by the workers, the trajectories show each plug-in was used; its MLflow run and
+   checkpoints are under ``$SONAR_RUN_ROOT``, nothing under Ray's package folder.
+2. A long run, stopped with ``ray job stop`` once it has a checkpoint, under Ray's default stop wait
    (SIGTERM, then SIGKILL 3 s later): MLflow KILLED within it, no actor left. A fresh submission of the
    same run name with ``run.resume=latest`` resumes the stopped run's checkpoint (not run 1's, of another
    name under the same root) and finishes.
 
-The three share the head (one start, not three) and run 1 is the run the others' checks need before
-them: one short run, not two.
+The tests share the head (one start, not one each) and run 1 (one short run, where there were two: the
+plug-ins had a run of their own) is the run the others' checks need before them.
 """
 import json
 import re
@@ -37,7 +38,8 @@ PLUGINS = ROOT / "tests" / "fixtures" / "plugins" / "my_plugins.py"
 
 @pytest.fixture(scope="module")
 def checkout_job(ray_head, tmp_path_factory):
-    """Run 1: the short smoke run from an edited copy of this checkout with a py_modules reward package.
+    """Run 1: the short smoke run from an edited copy of this checkout, with a py_modules reward package
+    (stage 1), a tool and a retriever from the working dir and a reward named by its path (stage 2).
     Returns (submission id, the copy's code as every role must report it, the job's logs)."""
     from ray.job_submission import JobSubmissionClient
 
@@ -54,14 +56,23 @@ def checkout_job(ray_head, tmp_path_factory):
     init = copy / "__init__.py"
     init.write_text(init.read_text().replace('__version__ = "0.2.0"', '__version__ = "0.2.0+edited"'))
     assert "0.2.0+edited" in init.read_text()
+    shutil.copy(PLUGINS, copy / "my_plugins.py")  # the user's file in the uploaded working dir
     edited = f"sonar 0.2.0+edited ({code_fingerprint(copy)})"  # the copy's code, as every role must report it
-    (copy / "job.yaml").write_text("run:\n  name: edited\n")
+    (copy / "job.yaml").write_text(
+        "run:\n  name: edited\n"
+        "protocol:\n  tools: [search, \"my_plugins.py:make_lookup\"]\n"
+        "retrieval:\n  backend: \"my_plugins.py:make_echo_retriever\"\n")
     plug = tmp_path / "user_modules" / "jobplug"  # the user's own py_modules: a package of plug-ins
     plug.mkdir(parents=True)
     (plug / "__init__.py").write_text("")
     shutil.copy(PLUGINS, plug / "rewards.py")
-    reward = "jobplug.rewards:short_answer_reward"  # dotted: imported from py_modules, by the driver and workers
-    sid = _submit(url, copy, root, [f"stages.1.reward.name={reward}", f"stages.2.reward.name={reward}"],
+    elsewhere = tmp_path / "elsewhere"  # a file outside the working dir, named by its absolute path
+    elsewhere.mkdir()
+    shutil.copy(PLUGINS, elsewhere / "rewards.py")
+    # SFT long enough for the tiny policy to learn the lookup call its demonstrations make
+    sid = _submit(url, copy, root, ["stages.0.steps=60", "stages.1.steps=2", "stages.2.steps=2",
+                                    "stages.1.reward.name=jobplug.rewards:short_answer_reward",  # dotted: py_modules
+                                    f"stages.2.reward.name={elsewhere / 'rewards.py'}:short_answer_reward"],
                   runtime_env={"py_modules": [str(plug)]})
     return sid, edited, JobSubmissionClient(url).get_job_logs(sid)
 
@@ -112,28 +123,10 @@ def test_an_edited_checkout_runs_in_every_role_of_the_job(ray_head, checkout_job
     assert recs and all("extra_searches" in r["reward_parts"] for r in recs)  # the user's module's reward scored
 
 
-def test_a_job_runs_a_reward_a_tool_and_a_retriever_from_outside_the_package(ray_head, tmp_path):
-    from ray.job_submission import JobStatus, JobSubmissionClient
-
+def test_a_job_runs_a_reward_a_tool_and_a_retriever_from_outside_the_package(ray_head, checkout_job):
     from sonar.cluster.wire import metrics as K
 
-    url, _, root = ray_head
-    wd = tmp_path / "project"  # the user's project folder, uploaded as the job's working dir
-    wd.mkdir()
-    shutil.copy(PLUGINS, wd / "my_plugins.py")
-    elsewhere = tmp_path / "elsewhere"  # a file outside the working dir, named by its absolute path
-    elsewhere.mkdir()
-    shutil.copy(PLUGINS, elsewhere / "rewards.py")
-    (wd / "job.yaml").write_text(
-        "run:\n  name: plugjob\n"
-        "protocol:\n  tools: [search, \"my_plugins.py:make_lookup\"]\n"
-        "retrieval:\n  backend: \"my_plugins.py:make_echo_retriever\"\n")
-    reward = f"{elsewhere / 'rewards.py'}:short_answer_reward"
-    sid = _submit(url, wd, root, ["stages.0.steps=60", "stages.1.steps=2", f"stages.1.reward.name={reward}",
-                                  f"stages.2.reward.name={reward}"])
-    jobs = JobSubmissionClient(url)
-    assert jobs.get_job_status(sid) == JobStatus.SUCCEEDED
-    run_dir, _ = _run_of(jobs.get_job_logs(sid))
+    run_dir, _ = _run_of(checkout_job[2])
     recs = [json.loads(line) for line in (run_dir / "predictions-after_search.jsonl").read_text().splitlines()]
     searched = [d for r in recs for s in r["searches"] for ids in s["doc_ids"] for d in ids]
     assert searched and all(d.startswith("echo-") for d in searched)  # the plug-in retriever answered
@@ -141,9 +134,11 @@ def test_a_job_runs_a_reward_a_tool_and_a_retriever_from_outside_the_package(ray
     assert lookups and any(c["refs"] and c["refs"][0].startswith("echo-") for c in lookups)  # the plug-in tool ran
     assert all("extra_searches" in r["reward_parts"] for r in recs)  # the plug-in reward scored them
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert any(K.ROLLOUT_REWARD_PART.format(part="extra_searches") in x for x in rows)
+    part = K.ROLLOUT_REWARD_PART.format(part="extra_searches")
+    assert {r["stage"] for r in rows if part in r} == {1, 2}  # both rewards scored their stage's rollouts
     assert any(K.ROLLOUT_TOOL_CALLS_MEAN.format(tool="lookup") in x for x in rows)
-    assert "def short_answer_reward" in (run_dir / "config.yaml").read_text()  # the code it ran, recorded
+    recorded = (run_dir / "config.yaml").read_text()
+    assert "def short_answer_reward" in recorded  # the code it ran, recorded
 
 
 def test_stop_and_resume_through_ray_jobs(ray_head, checkout_job, tmp_path):
