@@ -214,8 +214,11 @@ def _safe(s: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in s)
 
 
-def result_path(name: str, out_dir: str | Path) -> Path:
-    return Path(out_dir) / f"{_safe(name)}-{_safe(socket.gethostname())}-{_safe(git_commit())}.json"
+def result_path(name: str, out_dir: str | Path, variant: str | None = None) -> Path:
+    """``<name>[-<variant>]-<host>-<commit>.json``: a variant (``rollout-scaling --engine vllm``) has a file of
+    its own, so that measuring it does not replace the default's result of the same commit."""
+    stem = f"{name}-{variant}" if variant else name
+    return Path(out_dir) / f"{_safe(stem)}-{_safe(socket.gethostname())}-{_safe(git_commit())}.json"
 
 
 def _check_summary(label: str, m) -> None:
@@ -252,8 +255,11 @@ def validate_result(doc: dict) -> None:
 
 
 def write_result(name: str, config: dict, metrics: dict, plot_fn: Callable[[Path], None] | None,
-                 out_dir: str | Path | None = None, extra: dict | None = None, allow_dirty: bool | None = None) -> Path:
-    """Write ``<out_dir>/<name>-<host>-<commit>.json`` and, if ``plot_fn`` is given, the PNG beside it.
+                 out_dir: str | Path | None = None, extra: dict | None = None, allow_dirty: bool | None = None,
+                 variant: str | None = None) -> Path:
+    """Write ``<out_dir>/<name>[-<variant>]-<host>-<commit>.json`` and, if ``plot_fn`` is given, the PNG beside
+    it. ``variant``: a non-default setting of the benchmark that has a file of its own (recorded as the
+    JSON's ``variant``); a rerun of the same benchmark, variant and commit on the same host replaces it.
 
     ``metrics``: metric name -> ``summarise(...)`` output, or -> a non-empty ``{key: summarise(...)}``
     group (one level only, string keys; see ``validate_result``). ``plot_fn(png_path)`` draws and saves the
@@ -267,10 +273,11 @@ def write_result(name: str, config: dict, metrics: dict, plot_fn: Callable[[Path
     prov = check_provenance(allow_dirty)
     out = Path(out_dir) if out_dir is not None else default_out()
     out.mkdir(parents=True, exist_ok=True)
-    path = result_path(name, out)
+    path = result_path(name, out, variant)
     png = path.with_suffix(".png")
     doc = {
         "name": name,
+        "variant": variant,
         "config": config,
         "hardware": hardware_info(),
         "versions": versions(),

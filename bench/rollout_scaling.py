@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     metrics, extra = run(bcfg)
     extra["wall_s"] = round(time.time() - t0, 1)
     extra["config_token_ms"] = bcfg["token_ms"]
-    path = write_result(NAME, bcfg, metrics, lambda png: plot(metrics, extra, png), args.out, extra=extra)
+    path = write_result(NAME, bcfg, metrics, lambda png: plot(metrics, extra, png), args.out, extra=extra,
+                        variant=None if args.engine == "bench" else args.engine)
     print(f"[{NAME}] wrote {path} and {path.with_suffix('.png').name} in {extra['wall_s']} s")
     for n in bcfg["workers"]:
         print(f"[{NAME}] {n} workers: {metrics[f'workers={n}/trajectories_per_s']['median']:.1f} traj/s, "

@@ -108,9 +108,16 @@ def start_local_node(start: Callable, attempts: int = 3):
     leaves its GCS, raylet and reaper running with no handle returned: they are the children of this
     process that were not there before it (Ray starts each with Popen), and are killed with their own
     children by pid (never by name) before the next try. Processes under an older child (a node added
-    before) are not touched."""
+    before) are not touched.
+
+    Every node started here is on the machine this process runs on, so it gets ``sonar.LOCAL_NODE_ENV``
+    (its actors at the driver's priority) unless the environment already says otherwise: the driver's
+    private cluster, the benchmarks' and the tests' clusters alike."""
     import psutil
 
+    from sonar import set_local_node_env
+
+    set_local_node_env()  # the raylet reads it from the environment it inherits
     me = psutil.Process()
     for attempt in range(1, attempts + 1):
         before = {p.pid for p in me.children()}
@@ -169,9 +176,6 @@ def init_ray(cfg: Config) -> bool:
             # address="local": always a new private cluster, never a stray one found in /tmp/ray.
             # Logical CPUs: enough for every role's request, so a local run never waits for resources
             # (the processes share the physical cores; each uses one thread).
-            from sonar import set_local_node_env
-
-            set_local_node_env()  # its actors at the driver's priority, unless the environment says otherwise
             needed = roles_cpus(cfg)
             num_cpus = cfg.cluster.num_cpus or int(max(4, os.cpu_count() or 1, needed + 0.999))
             start_local_node(lambda: ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,

@@ -39,6 +39,16 @@ def test_clean_tree_writes_and_records_clean(repo, tmp_path):
     assert doc["dirty"] is False and doc["dirty_files"] == [] and doc["allow_dirty"] is False
 
 
+def test_a_variant_has_a_file_of_its_own_beside_the_defaults(repo, tmp_path):
+    """``rollout-scaling --engine vllm`` at the commit of a default ``rollout-scaling``: both kept (a variant
+    once replaced the default's file of the same commit)."""
+    default, vllm = _write(tmp_path / "out"), _write(tmp_path / "out", variant="vllm")
+    assert default != vllm and default.exists() and vllm.exists()
+    assert vllm.name.startswith("unit-vllm-") and not default.name.startswith("unit-vllm-")
+    docs = [json.loads(p.read_text()) for p in (default, vllm)]
+    assert [(d["name"], d["variant"]) for d in docs] == [("unit", None), ("unit", "vllm")]
+
+
 @pytest.mark.parametrize("change", ["untracked", "modified", "staged", "deleted"])
 def test_dirty_tree_refuses_and_writes_nothing(repo, tmp_path, change):
     if change == "untracked":  # what `git status --untracked-files=no` missed

@@ -88,13 +88,18 @@ def test_a_local_cluster_runs_its_actors_at_the_drivers_niceness(tmp_path):
     assert out == {"driver": out["driver"], "actor": out["driver"], "env": "0"}
 
 
+@pytest.mark.parametrize("entry", ["driver", "bench"])
 @pytest.mark.parametrize("preset", [None, "15"])
-def test_the_local_clusters_niceness_is_the_environments_when_it_sets_one(preset, monkeypatch):
-    """What the raylet inherits when ``init_ray`` starts a local node: Sonar's value, or the one the
-    environment already holds (a user who wants Ray's default gives it back with RAY_worker_niceness=15)."""
+def test_the_local_clusters_niceness_is_the_environments_when_it_sets_one(preset, entry, monkeypatch):
+    """What the raylet inherits when Sonar starts a local node (``roles.start_local_node``, for the driver's
+    ``init_ray`` and the benchmarks' ``init_ray_local`` alike): Sonar's value, or the one the environment
+    already holds (a user who wants Ray's default gives it back with RAY_worker_niceness=15)."""
     import os
 
+    import ray
+
     from sonar import LOCAL_NODE_ENV
+    from sonar.bench.common import init_ray_local
     from sonar.cluster.driver import roles
     from sonar.cluster.wire.config import load_config
 
@@ -103,7 +108,7 @@ def test_the_local_clusters_niceness_is_the_environments_when_it_sets_one(preset
     class Started(Exception):
         pass
 
-    def start_local_node(start):
+    def init(*a, **k):  # where the node would start: the environment the raylet would inherit
         seen.update({k: os.environ.get(k) for k in LOCAL_NODE_ENV})
         raise Started
 
@@ -111,10 +116,11 @@ def test_the_local_clusters_niceness_is_the_environments_when_it_sets_one(preset
     monkeypatch.delenv("RAY_worker_niceness", raising=False)
     if preset is not None:
         monkeypatch.setenv("RAY_worker_niceness", preset)
-    monkeypatch.setattr(roles, "start_local_node", start_local_node)
-    import ray
-
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
     with pytest.raises(Started):
-        roles.init_ray(load_config([], ["cluster.num_cpus=1"]))
+        if entry == "driver":
+            roles.init_ray(load_config([], ["cluster.num_cpus=1"]))
+        else:
+            init_ray_local(num_cpus=1)
     assert seen == {"RAY_worker_niceness": preset or "0"}
