@@ -310,9 +310,9 @@ env sets the key itself: the job's value wins."""
 
 
 LOCAL_NODE_ENV = {"RAY_worker_niceness": "0"}
-"""Environment of every Ray node Sonar starts on the machine it runs on (``roles.init_ray``'s private
-cluster, so ``sonar train``, ``make run`` and the benchmarks; the test suite's clusters): a key the
-environment already sets wins. Ray starts its worker processes, i.e. every actor and the vLLM processes
+"""Environment of every Ray node Sonar starts on the machine it runs on (``roles.start_local_node`` sets it:
+``init_ray``'s private cluster, so ``sonar train`` and ``make run``; the benchmarks' clusters; the test
+suite's): a key the environment already sets wins. Ray starts its worker processes, i.e. every actor and the vLLM processes
 an actor spawns, at nice 15 (its ``worker_niceness``), which keeps its raylet responsive on a dedicated
 node but makes every Sonar role yield to any other process on a shared one (weight 36 against 1,024 for
 nice 0): beside two busy loops on a 2-core machine, ``tests/test_e2e.py`` took 435 s against 28 s idle,
