@@ -286,7 +286,7 @@ def _install_import_hooks():
         after_load["transformers.utils.import_utils"].append(_cache_import_structure)
     hooked = {f.trigger for f in _sys.meta_path if isinstance(f, _PatchOnLoad)}
     for trigger, afters in after_load.items():
-        after = afters[0] if len(afters) == 1 else _each(afters)
+        after = _each(afters)
         if trigger in _sys.modules:
             after(_sys.modules[trigger])
         elif trigger not in hooked:
@@ -294,6 +294,7 @@ def _install_import_hooks():
 
 
 def _each(functions):
+    """One ``after(module)`` that runs each of ``functions`` on the module, in order."""
     def after(module):
         for f in functions:
             f(module)

@@ -90,8 +90,8 @@ VLLM_OVERRIDES = ["sim.engine=real", "rollout.engine=vllm", "rollout.vllm_kv_cac
                   "model.hidden_size=512", "model.num_layers=8", "model.num_heads=8", "model.intermediate_size=1408",
                   "protocol.max_new_tokens_per_turn=96"]
 """``--engine vllm``: a real engine on a policy whose decode dominates a trajectory (see the module docstring)."""
-VLLM_FULL = {"workers": [1, 2], "warmup_s": 30.0, "window_s": 60.0, "repeats": 2}
-VLLM_QUICK = {"workers": [1, 2], "warmup_s": 10.0, "window_s": 10.0, "repeats": 1}
+VLLM_FULL = {**FULL, "workers": [1, 2], "warmup_s": 30.0, "window_s": 60.0, "repeats": 2}
+VLLM_QUICK = {**QUICK, "workers": [1, 2], "warmup_s": 10.0, "window_s": 10.0, "repeats": 1}
 """``--engine vllm``: the worker counts stop at this machine's cores; a longer warm-up than the sleeping
 engine's, because a CPU engine's first calls of each new shape are slow (the first point of a 5 s quick
 run read 70 tokens/s on one engine against 280 per engine once warm), and windows long enough for
@@ -338,7 +338,7 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
     ax[0].set_title("throughput")
     ax[0].legend(fontsize=8)
     ax[1].plot(ns, [med(n, "efficiency_vs_linear") for n in ns], marker="o", label="vs linear from 1 worker")
-    bench = extra["engine"].startswith("bench")
+    bench = extra["device"]["sim_engine"] == "bench"
     ax[1].plot(ns, [med(n, "model_time_fraction") for n in ns], marker="s",
                label="model (sleep) time / worker time" if bench else "time in the engine / worker time")
     ax[1].set_ylim(0, 1.1)
@@ -376,12 +376,8 @@ def settings(argv: list[str] | None = None) -> tuple[dict, argparse.Namespace]:
                    help="bench: the BENCHMARK engine (sleeps, no model; default); vllm: a real vLLM engine on a "
                         "25M-parameter random policy, nothing simulated (default workers 1 2)")
     args = p.parse_args(argv)
-    bcfg = bench_settings(args, QUICK, FULL)
+    bcfg = bench_settings(args, *((VLLM_QUICK, VLLM_FULL) if args.engine == "vllm" else (QUICK, FULL)))
     bcfg["engine"] = args.engine
-    if args.engine == "vllm":
-        bcfg.update(VLLM_QUICK if args.quick else VLLM_FULL)
-        if args.repeats:
-            bcfg["repeats"] = args.repeats
     if args.workers:
         bcfg["workers"] = sorted(set(args.workers))
     if args.token_ms is not None:
