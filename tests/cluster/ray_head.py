@@ -70,7 +70,8 @@ def ray_head(tmp_path_factory):
             [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
              "--num-cpus=4", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
              f"--temp-dir={temp}", "--disable-usage-stats", *agent_ports],
-            env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            env={**env, "PYTHONUNBUFFERED": "1"},  # its "Ray runtime started." reaches the log at once
+            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     from ray.job_submission import JobSubmissionClient
 
@@ -79,11 +80,16 @@ def ray_head(tmp_path_factory):
             return JobSubmissionClient(url)
         except Exception:
             return None
+    def up() -> bool:
+        # The job server can answer while the node is still starting (the raylet not yet registered): the
+        # head is up once `ray start` says so, which it does only after its node started.
+        return STARTED in log_path.read_text() and client() is not None
+
     head = start()
     try:
         for attempt in range(3):
-            wait_until(lambda: head.poll() is not None or client(), 180, "the Ray head's job server answering",
-                       poll_s=0.5)
+            wait_until(lambda: head.poll() is not None or up(), 180,
+                       "the Ray head started and its job server answering", poll_s=0.5)
             # Ray's fixed 30 s wait for the raylet to register (roles.NODE_START_TIMEOUT) can run out on a
             # loaded machine: `ray start` then exits. Stop what it left and start the head again.
             if head.poll() is None or NODE_START_TIMEOUT not in log_path.read_text() or attempt == 2:
@@ -109,6 +115,11 @@ def _stop(head: subprocess.Popen, temp: str) -> None:
     kill_processes([p for p in psutil.process_iter(["pid", "cmdline"])
                     if any(temp in a for a in (p.info["cmdline"] or []))])
 
+
+STARTED = "Ray runtime started."
+"""What `ray start` prints once its node has started (the raylet registered with the GCS): in a loaded run
+of 68f87f5 the head's job server answered, the tests began submitting, and the node then timed out in
+Ray's fixed 30 s wait (``NODE_START_TIMEOUT``) and `ray start` exited under them."""
 
 NO_AGENT = "No available agent to submit job, please try again later"
 """The job server's answer while the head's dashboard agent has not registered yet (seconds after
