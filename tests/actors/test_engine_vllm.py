@@ -193,6 +193,20 @@ def test_shapes_dtypes_caps_and_finish_labels(env):
         env.engine.generate([np.arange(380) % 100], SamplingParams(max_new_tokens=10))
 
 
+def test_on_cpu_the_one_worker_runs_inside_the_engine_core_process(env):
+    """vLLM's CPU platform gives a one-worker engine a worker process of its own (its ``mp`` executor)
+    unless told otherwise; with no OpenMP binding the engine asks for ``uni`` (actors/engine_vllm.py:
+    one spawned interpreter fewer to start and to wait out). The engine core has no child processes."""
+    import psutil
+
+    from sonar.actors.engine_vllm import uniproc_on_cpu
+
+    assert uniproc_on_cpu(1) and not uniproc_on_cpu(2)
+    assert env.engine._llm.vllm_config.parallel_config.distributed_executor_backend == "uni"
+    (proc,) = env.engine._llm.engine_core.resources.engine_manager.processes
+    assert psutil.Process(proc.pid).children(recursive=True) == []
+
+
 def test_greedy_equals_the_transformers_engine_on_the_same_weights(env):
     p = SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=env.stops)
     ours = env.engine.generate(PROMPTS, p)
