@@ -31,6 +31,7 @@ import inspect
 import os
 import sys
 import textwrap
+from typing import Callable
 
 import pytest
 
@@ -149,8 +150,9 @@ def install() -> None:
 RAY_CALLS = frozenset({"train", "init_ray", "start_roles", "init_ray_local", "start_ray", "Cluster"})
 """Calls that start Ray (``train``: the driver's, by name or as ``loop.train``; ``model.train()`` is not)."""
 
-UNMARKED_RAY_STARTS = pytest.StashKey[list]()
-"""Where tests/conftest.py leaves ``unmarked_ray_starts`` of the whole collection for the test to read."""
+UNMARKED_RAY_STARTS = pytest.StashKey[Callable[[], list]]()
+"""Where tests/conftest.py leaves ``unmarked_ray_starts`` of the whole collection for the test to read:
+a function that reads it the first time it is called (only the process that runs the test pays)."""
 
 
 def _starts_ray(node: ast.AST, local: set) -> str | None:

@@ -8,6 +8,7 @@ And what keeps the suite at a developer's pace (issue 26):
 - one Ray cluster per session for the in-process runs (``ray_cluster``, ``shared_ray``);
 - ``--durations-file PATH``: every test phase's seconds, the record ``make test`` keeps for CI.
 """
+import functools
 import os
 
 # Set before torch/ray are imported anywhere in the test process.
@@ -76,9 +77,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) and not item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.ray)
-    # tests/test_backend_guard.py starts Ray unmarked on purpose (to see the guard refuse it)
-    config.stash[backend_guard.UNMARKED_RAY_STARTS] = backend_guard.unmarked_ray_starts(
-        items, exempt_files={"test_backend_guard.py"})
+    # The reading of every collected test's source (about 2 s of CPU) is done when the one test that
+    # checks it asks, not in every pytest-xdist worker; over the whole collection, as it stands here
+    # (before `-m`/`-k` deselect). tests/test_backend_guard.py starts Ray unmarked on purpose (to see the
+    # guard refuse it).
+    collected = list(items)
+    config.stash[backend_guard.UNMARKED_RAY_STARTS] = functools.cache(lambda: backend_guard.unmarked_ray_starts(
+        collected, exempt_files={"test_backend_guard.py"}))
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))

@@ -101,8 +101,9 @@ def test_the_hooked_vllm_and_ray_names_exist_in_the_pinned_libraries():
 
 def test_every_collected_test_that_starts_ray_is_marked_ray(request):
     """Read at collection (tests/conftest.py), over every test collected, before ``-m``/``-k`` select."""
-    unmarked = request.config.stash.get(backend_guard.UNMARKED_RAY_STARTS, None)
-    assert unmarked is not None, "conftest did not run the collection check"
+    check = request.config.stash.get(backend_guard.UNMARKED_RAY_STARTS, None)
+    assert check is not None, "conftest did not keep the collection for the check"
+    unmarked = check()
     assert not unmarked, "tests that start Ray without the `ray` marker:\n" + "\n".join(unmarked)
 
 
