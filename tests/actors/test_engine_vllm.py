@@ -81,6 +81,7 @@ class Env:
         self.stops = (self.tok.eos_token_id, self.eos_x)   # what the engine must stop on without being told
         self.specs = [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()]
         self.buckets = plan_buckets([TensorSpec(s.name, s.shape, s.dtype) for s in self.specs])
+        self.mp_env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")  # the caller's, before the engine's default
         t0 = time.perf_counter()
         from sonar.actors.engine_vllm import VLLMEngine
 
@@ -201,6 +202,8 @@ def test_on_cpu_the_one_worker_runs_inside_the_engine_core_process(env):
 
     from sonar.actors.engine_vllm import uniproc_on_cpu
 
+    if env.mp_env not in (None, "0"):
+        pytest.skip(f"VLLM_ENABLE_V1_MULTIPROCESSING={env.mp_env} was set for this run: vLLM's own executor choice")
     assert uniproc_on_cpu(1) and not uniproc_on_cpu(2)
     assert env.engine._llm.vllm_config.parallel_config.distributed_executor_backend == "uni"
     (proc,) = env.engine._llm.engine_core.resources.engine_manager.processes
