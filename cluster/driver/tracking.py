@@ -9,6 +9,8 @@ of ``sonar.cluster.wire.metrics``. MLflow by its conventions:
   that run's store (its ``mlflow.json``) unless a store is named, and nests under that run. The
   experiment: ``tracking.experiment``, else ``MLFLOW_EXPERIMENT_NAME``, else "sonar". A server's token comes from ``MLFLOW_TRACKING_TOKEN``
   (never from the config, never logged).
+- A new local sqlite store starts as a copy of MLflow's empty schema, built by MLflow once per MLflow
+  version under Sonar's cache folder (``seed_sqlite_store``), not by replaying its migrations each time.
 - A resume continues the MLflow run of the run it resumes (``<run_dir>/mlflow.json`` names it); a
   param whose value changed on resume (MLflow params are write-once) becomes a ``sonar.param_changed.*`` tag.
 - Tags: git commit (+ dirty flag), Ray job id and submission id, preset (``run.name``), Sonar version,
@@ -194,6 +196,79 @@ def run_tags(cfg: Any) -> dict[str, str]:
     return tags
 
 
+# -- a new local store ------------------------------------------------------------------------------
+
+SQLITE_PREFIX = "sqlite:///"
+EMPTY_STORE = "mlflow-empty-store-{version}.db"
+"""Under Sonar's cache folder (``SONAR_CACHE_DIR``, else ``~/.cache/sonar``): MLflow's tables with every
+schema migration applied and nothing in them, one file per MLflow version."""
+
+
+def seed_sqlite_store(uri: str) -> bool:
+    """Give a new local sqlite store (``uri`` names a file that does not exist yet) MLflow's empty schema
+    by copying a store MLflow built once per MLflow version, rather than letting MLflow build its tables
+    and replay its schema migrations (about 50) in every new store: 1.38 -> 0.49 s from opening a new
+    store to its first answer, on a 2-core machine; every test run and every new project paid it. The copy
+    holds no experiment, run or model (only alembic's schema revision): MLflow still creates the Default
+    experiment itself, as in any store without one, so nothing in it depends on where, when or by whom the
+    empty store was built. True when the store was
+    seeded; False when there is nothing to do (another store, or the file exists) or seeding failed
+    (MLflow then builds the store as it always did)."""
+    if not uri.startswith(SQLITE_PREFIX):
+        return False
+    path = Path(uri[len(SQLITE_PREFIX):].split("?", 1)[0])
+    if not path.is_absolute() or path.exists():
+        return False
+    try:
+        import shutil
+        import tempfile
+
+        import mlflow
+
+        from sonar import _cache_dir
+
+        template = Path(_cache_dir()) / EMPTY_STORE.format(version=mlflow.__version__)
+        if not template.is_file():
+            _build_empty_store(template)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        os.close(fd)
+        try:
+            shutil.copyfile(template, tmp)
+            os.link(tmp, path)  # never over a store another process created meanwhile
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        return True
+    except Exception as e:  # noqa: BLE001 - an optimisation: MLflow builds the store itself
+        log.debug("MLflow store %s not seeded (%s): MLflow builds it", path, e)
+        return False
+
+
+def _build_empty_store(template: Path) -> None:
+    """MLflow's own table creation and migrations (``mlflow.store.db.utils._initialize_tables``) into a
+    temporary file, renamed into place once complete (a concurrent builder's rename is as good)."""
+    import tempfile
+
+    import sqlalchemy
+    from mlflow.store.db.utils import _initialize_tables
+
+    template.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{template.name}.", dir=template.parent)
+    os.close(fd)
+    try:
+        engine = sqlalchemy.create_engine(f"{SQLITE_PREFIX}{tmp}")
+        try:
+            _initialize_tables(engine)
+        finally:
+            engine.dispose()
+        os.replace(tmp, template)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 # -- the MLflow run ----------------------------------------------------------------------------------
 
 ASYNC_BUFFER_ENV, ASYNC_BUFFER_S = "MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "1"
@@ -227,6 +302,7 @@ class MLflowSink:
         # MLflow copies the URI into MLFLOW_TRACKING_URI: put the user's value back, so the next sink
         # in this process (a resume, ``sonar eval`` after training, a test) resolves from what the user set.
         user_env = os.environ.get("MLFLOW_TRACKING_URI")
+        seed_sqlite_store(self.uri)
         mlflow.set_tracking_uri(self.uri)
         if user_env is None:
             os.environ.pop("MLFLOW_TRACKING_URI", None)

@@ -87,3 +87,74 @@ def test_a_resume_marks_the_killed_run_in_its_own_run_directory(tmp_path):
     assert tracking.mark_dead_runs_in_run_dir(tmp_path) == [rid]
     assert client.get_run(rid).info.status == "FAILED"
     assert tracking.mark_dead_runs_in_run_dir(tmp_path / "no-such-run") == []
+
+
+# -- a new local store starts as a copy of MLflow's empty schema, built once per MLflow version ------
+
+def _schema(db) -> tuple[dict, list, int]:
+    """(every table's columns and every index's table, alembic's revision, the number of experiments) of a
+    store. Columns, not the CREATE text: MLflow writes an enum's CHECK list in set order, which differs
+    between two of its own builds of the same schema (string hashing is salted per process)."""
+    import contextlib
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(db)) as c:
+        objects = c.execute("SELECT type, name, tbl_name FROM sqlite_master WHERE type IN ('table', 'index')").fetchall()
+        schema = {name: (kind, table, c.execute(f'PRAGMA table_info("{name}")').fetchall() if kind == "table" else None)
+                  for kind, name, table in objects}
+        return schema, c.execute("SELECT version_num FROM alembic_version").fetchall(), \
+            c.execute("SELECT COUNT(*) FROM experiments").fetchone()[0]
+
+
+def test_a_new_store_is_a_copy_of_mlflows_own_schema_and_mlflow_makes_its_default_experiment(tmp_path, monkeypatch):
+    monkeypatch.setenv("SONAR_CACHE_DIR", str(tmp_path / "cache"))
+    from mlflow.tracking import MlflowClient
+
+    from sonar.cluster.driver import tracking
+
+    built = tmp_path / "built" / "mlflow.db"  # MLflow's own way: tables, then every migration
+    built.parent.mkdir()
+    (exp_built,) = MlflowClient(tracking_uri=f"sqlite:///{built}").search_experiments()
+    seeded = tmp_path / "project" / "mlflow.db"
+    assert tracking.seed_sqlite_store(f"sqlite:///{seeded}") is True
+    (template,) = (tmp_path / "cache").glob("mlflow-empty-store-*.db")
+    tables, revision, experiments = _schema(seeded)
+    mlflows, mlflows_revision, _ = _schema(built)
+    assert tables == mlflows, {k: (tables.get(k), mlflows.get(k)) for k in set(tables) | set(mlflows)
+                               if tables.get(k) != mlflows.get(k)}
+    assert revision == mlflows_revision and len(tables) > 20 and len(revision) == 1
+    assert experiments == 0 and _schema(template) == (tables, revision, 0)  # nothing of a project in it
+    (exp,) = MlflowClient(tracking_uri=f"sqlite:///{seeded}").search_experiments()  # MLflow opens it as its own
+    assert (exp.experiment_id, exp.name, exp.artifact_location) == \
+        (exp_built.experiment_id, exp_built.name, exp_built.artifact_location)  # made here, not in the template
+
+    # a store that exists is never touched; another kind of store is not Sonar's to seed
+    before = seeded.read_bytes()
+    assert tracking.seed_sqlite_store(f"sqlite:///{seeded}") is False and seeded.read_bytes() == before
+    assert tracking.seed_sqlite_store("http://127.0.0.1:5000") is False
+    assert tracking.seed_sqlite_store("sqlite:///relative.db") is False and not os.path.exists("relative.db")
+
+    # the sink seeds a new store from the same template (not built again) and runs in it
+    stamp = template.stat().st_mtime_ns
+    sink = tracking.MLflowSink(tmp_path / "run", f"sqlite:///{tmp_path / 'second' / 'mlflow.db'}", "sonar", "r")
+    sink.log_metrics({"x": 1.0}, step=1)
+    sink.finish("FINISHED")
+    assert template.stat().st_mtime_ns == stamp and list((tmp_path / "cache").iterdir()) == [template]
+    run = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'second' / 'mlflow.db'}").get_run(sink.run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics == {"x": 1.0}
+
+
+def test_without_a_usable_cache_mlflow_builds_the_store_itself(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the cache folder should be
+    monkeypatch.setenv("SONAR_CACHE_DIR", str(blocker / "sub"))
+    from mlflow.tracking import MlflowClient
+
+    from sonar.cluster.driver import tracking
+
+    db = tmp_path / "project" / "mlflow.db"
+    db.parent.mkdir()
+    assert tracking.seed_sqlite_store(f"sqlite:///{db}") is False and not db.exists()
+    assert not list((tmp_path / "project").glob(".mlflow.db.*"))  # no partial copy left behind
+    (exp,) = MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()
+    assert exp.name == "Default"
