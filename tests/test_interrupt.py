@@ -28,12 +28,14 @@ def test_ctrl_c_marks_run_killed_and_leaves_no_processes(tmp_path):
     lines = []
     deadline = time.monotonic() + 240
     try:
-        # Wait until the SFT stage is training (every role is up, 25 steps logged): Ctrl-C lands mid-run.
+        # Wait until the SFT stage is training (every role up, the learner holding the stage's
+        # demonstrations: the driver then logs the stage's line and starts its steps): Ctrl-C lands mid-run.
+        begun = "stage 0 (sft): "
         for line in proc.stdout:
             lines.append(line)
-            if "sft step 25/" in line or time.monotonic() > deadline:
+            if begun in line or time.monotonic() > deadline:
                 break
-        assert any("sft step 25/" in l for l in lines), "".join(lines[-30:])
+        assert any(begun in l for l in lines), "".join(lines[-30:])
         started = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
         assert started, "the run started no child processes?"
         proc.send_signal(signal.SIGINT)
