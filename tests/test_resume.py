@@ -17,6 +17,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 ROOT = Path(__file__).resolve().parent.parent
 
 
+SFT_STEPS = 5
+"""The SFT stage, shortened: the test is about the RL stage's checkpoint, resume and accounting."""
+
+
 def kill_tree(pid):
     procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
     for p in procs:
@@ -34,7 +38,8 @@ def read_jsonl(path):
 def test_kill_and_resume_trains_every_prompt_once(tmp_path):
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
     common = ["--config", str(ROOT / "configs" / "smoke.yaml"), f"run.root={tmp_path}", "eval.before=false",
-              "eval.no_search=false", "world.num_heldout_eval=4", "run.checkpoint_every=3", "rollout.num_workers=1"]
+              "eval.no_search=false", "world.num_heldout_eval=4", "run.checkpoint_every=3", "rollout.num_workers=1",
+              f"stages.0.steps={SFT_STEPS}"]
     proc = subprocess.Popen([sys.executable, "-m", "sonar", "train", *common, f"run.run_dir={a_dir}",
                              "stages.1.steps=1000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -43,8 +48,8 @@ def test_kill_and_resume_trains_every_prompt_once(tmp_path):
     try:
         for line in proc.stdout:
             log.append(line)
-            # the second checkpoint inside the RL stage (SFT has 20 steps: run steps 21.. are RL)
-            if "checkpoint saved" in line and "/step" in line and int(line.rsplit("step", 1)[1]) >= 26:
+            # the second checkpoint inside the RL stage (run steps SFT_STEPS + 1.. are RL; every 3: 6, 9)
+            if "checkpoint saved" in line and "/step" in line and int(line.rsplit("step", 1)[1]) >= SFT_STEPS + 4:
                 ckpt = line.split("checkpoint saved: ")[1].strip()
                 # Let the killed run train past the checkpoint: that work is lost.
                 v_ckpt = json.loads((Path(ckpt) / "state.json").read_text())["version"]
