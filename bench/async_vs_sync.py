@@ -79,7 +79,7 @@ Metrics that are derived, not measured directly (the driver and workers do not e
   ``max_batch_rows``) is the better measure of how busy the rollout side is.
 
 ``--quick`` (CI smoke test, < 1 minute): the 120-entity world, no SFT (the untrained policy: it
-checks the plumbing and the JSON, not the workload), 3 RL steps, sync vs async lag 2 only.
+checks the plumbing and the JSON, not the workload), 2 RL steps, sync vs async lag 2 only.
 ``--engine vllm`` runs the rollout workers on vLLM (``actors/engine_vllm.py``: AsyncLLM, one request per
 trajectory turn, weights pushed into vLLM's workers) with vLLM's real decode cost and no simulated decode
 tail (only the retrieval latency is simulated).
@@ -124,7 +124,7 @@ QUICK = {"lags": [2], "seeds": [0],
                        "rollout.groups_per_request=2", "learner.groups_per_step=4", "replay.capacity_groups=8",
                        "protocol.max_total_tokens=256", "sim.retrieval_latency_ms=20.0",
                        "sim.decode_ms_per_token=2.0",
-                       "stages.0.steps=0", "stages.1.steps=3"]}
+                       "stages.0.steps=0", "stages.1.steps=2"]}
 log = logging.getLogger("sonar.bench")
 MARGINS = {"heldout_em": 0.03, "reward_last": 0.05}
 """Equivalence margins (absolute) for async minus sync, paired per seed: 3 points of held-out EM and 0.05 of
@@ -556,7 +556,7 @@ def ray_sizing(base, sim, cfg_bench: dict):
 
 
 def run(cfg_bench: dict) -> tuple[dict, dict]:
-    from sonar.bench.driver_harness import device_info, load_cfg, loadavg, start_ray
+    from sonar.bench.driver_harness import device_info, load_cfg, load_note, loadavg, start_ray
 
     overrides = list(cfg_bench["overrides"])
     base, sim = load_cfg([CONFIG], overrides)
@@ -672,7 +672,7 @@ def run(cfg_bench: dict) -> tuple[dict, dict]:
         "timelines_note": "the first seed's run of each setting: per RL step its end time, the learner side's "
                           "critical-path phases and each engine's occupancy (bench/async_vs_sync.py: timeline)",
         "device": device_info(base, sim),
-        "machine_note": "shared 2-core VM; other jobs ran during the measurement (see loadavg)",
+        "machine_note": load_note(load),
     }
     return metrics, extra
 

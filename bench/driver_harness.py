@@ -347,3 +347,11 @@ def loadavg() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
+
+
+def load_note(load: dict) -> str:
+    """What a benchmark's plot says of the machine: its cores and the load averages recorded at the start
+    and the end of the measurement (``loadavg``; the benchmark's own processes included), not a fixed claim."""
+    fmt = lambda la: "/".join(f"{x:.1f}" for x in la) if la else "n/a"  # noqa: E731
+    return (f"{os.cpu_count()}-core machine; load average (1/5/15 min) {fmt(load.get('start'))} at the start, "
+            f"{fmt(load.get('end'))} at the end, this benchmark's own processes included")

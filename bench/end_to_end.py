@@ -124,7 +124,8 @@ def measure(res: dict, sampler: dict, cfg) -> dict:
 
 
 def run(bcfg: dict, run_root: str | None) -> tuple[dict, dict]:
-    from sonar.bench.driver_harness import (ProcessTreeSampler, device_info, load_cfg, loadavg, run_training, start_ray)
+    from sonar.bench.driver_harness import (ProcessTreeSampler, device_info, load_cfg, load_note, loadavg,
+                                             run_training, start_ray)
 
     ov = list(bcfg["overrides"]) + ([f"run.root={run_root}"] if run_root else [])
     reps, mems, extras = [], [], []
@@ -156,7 +157,7 @@ def run(bcfg: dict, run_root: str | None) -> tuple[dict, dict]:
     keys = sorted({k for m in reps for k in m})
     metrics = {k: summarise([m[k] for m in reps if k in m]) for k in keys}
     extra = {"repeats": extras, "loadavg": load,
-             "note": "shared 2-core VM; other jobs ran during the measurement (see loadavg)",
+             "note": load_note(load),
              "split_note": "learner view adds up to rl/step_wall_s; the rollout view is per worker and overlaps the "
                            "learner in async mode"}
     return metrics, extra

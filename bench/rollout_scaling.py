@@ -243,7 +243,7 @@ def measure_point(cfg, roles, all_workers, n: int, warmup_s: float, window_s: fl
 def run(bcfg: dict) -> tuple[dict, dict]:
     import ray
 
-    from sonar.bench.driver_harness import device_info, load_cfg, loadavg, start_ray
+    from sonar.bench.driver_harness import device_info, load_cfg, load_note, loadavg, start_ray
     from sonar.bench.sim.hooks import sim_hooks
     from sonar.cluster.driver import roles as D_roles, run as D_run
     from sonar.cluster.driver.rollout_pool import RolloutPool, start_worker
@@ -303,8 +303,9 @@ def run(bcfg: dict) -> tuple[dict, dict]:
     extra = {"points": {str(n): reps for n, reps in per.items()}, "loadavg": load, "device": device_info(cfg, sim),
              "engine": ("bench (BENCHMARK engine: sleeps per token, does not run the model)" if sim.engine == "bench"
                         else f"{cfg.rollout.engine} (real, {_params_m(policy):.1f}M-parameter random policy, nothing simulated)"),
-             "note": "shared 2-core VM; other jobs ran during the measurement (see loadavg)"}
+             "note": load_note(load)}
     return metrics, extra
+
 
 
 def _params_m(policy: str) -> float:

@@ -18,7 +18,7 @@ default here ``gpu_7b``: ``bench/sim/gpu_cost.py``, calibrated to published vLLM
 reports ``metrics["speedup"]["<knob>=<value>"]`` (sync RL-loop wall / async RL-loop wall, one seed
 per point unless ``--seeds``), the stale share and the sync step's learner share beside it.
 
-``--quick`` (CI smoke test): async-vs-sync's quick workload (120 entities, no SFT, 3 RL steps), the base
+``--quick`` (CI smoke test): async-vs-sync's quick workload (120 entities, no SFT, 2 RL steps), the base
 point and one learner-delay point: 4 runs.
 """
 from __future__ import annotations

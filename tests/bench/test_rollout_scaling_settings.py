@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from sonar.bench import driver_harness as H
 from sonar.bench import rollout_scaling as R
 
 
@@ -45,3 +46,12 @@ def test_parameters_are_counted_from_the_safetensors_headers(tmp_path):
     save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, str(tmp_path / "model-00001-of-00002.safetensors"))
     save_file({"c": torch.zeros(2, 2, 2, dtype=torch.bfloat16)}, str(tmp_path / "model-00002-of-00002.safetensors"))
     assert R._params_m(str(tmp_path)) == pytest.approx((12 + 5 + 8) / 1e6)
+
+
+def test_the_plot_title_says_the_recorded_load_not_a_fixed_claim():
+    import os
+
+    note = H.load_note({"start": [0.52, 1.0, 1.25], "end": [3.1, 2.0, 1.5]})
+    assert note == (f"{os.cpu_count()}-core machine; load average (1/5/15 min) 0.5/1.0/1.2 at the start, "
+                    "3.1/2.0/1.5 at the end, this benchmark's own processes included")
+    assert "n/a at the end" in H.load_note({"start": None})  # a run stopped before its end, or no getloadavg
