@@ -26,8 +26,9 @@ def vllm_run(tmp_path_factory, shared_ray):
     cfg = load_config([CONFIG_DIR / "smoke.yaml"], [
         f"run.root={root}", f"run.run_dir={root / 'smoke-vllm'}", "rollout.engine=vllm",
         "rollout.vllm_kv_cache_gib=0.25", "tracking.enabled=false",
-        # what the assertions need: SFT to train and push, RL steps, one held-out pass through vLLM
-        "stages.0.steps=10", "eval.before=false", "eval.no_search=false", "world.num_heldout_eval=8",
+        # what the assertions need: SFT to train and push, RL steps in both RL stages, one held-out pass
+        # through vLLM
+        "stages.0.steps=10", "stages.2.steps=1", "eval.before=false", "eval.no_search=false", "world.num_heldout_eval=8",
         # a hang guard, not a measure: the roles took about 28 minutes to start on 2 cores at load 9-12
         "cluster.step_timeout_s=3000"])
     return cfg, train(cfg)
