@@ -634,8 +634,9 @@ def run(cfg_bench: dict) -> tuple[dict, dict]:
         "equivalence": {"test": "TOST (two one-sided t-tests) on paired per-seed differences async - sync",
                         "alpha": ALPHA, "margins": {**MARGINS, **(cfg_bench.get("margins") or {})}},
         "cost_model": cost_model,
-        "target": "async at lag <= 2 >= 2x the sync trained-trajectory throughput, final held-out EM within the "
-                  "seeds' 95 % interval of sync, stale waste <= 10 % of generated trajectories",
+        "target": "async at lag <= 2 against the better synchronous baseline: >= 2x its trained trajectories/s, "
+                  "final held-out EM and final rollout reward equivalent (TOST on the paired differences, the "
+                  "margins under `equivalence`), stale waste <= 10 % of generated trajectories",
         "comparison": comparison,
         "ci_note": "95 % t-intervals over seeds (one run per seed and setting; bench/stats.py), never over the steps "
                    "of one run; speedups are paired per seed. With one seed (--quick) the interval is unknown (None).",
@@ -837,6 +838,124 @@ def plot_timeline(timelines: dict, png: Path) -> None:
     plt.close(fig)
 
 
+
+# The README's rendering of a result (pure: no runs; tests/bench/test_async_vs_sync_readme.py)
+
+README = REPO_ROOT / "bench" / "README.md"
+TABLE_BEGIN = "<!-- async-vs-sync table: "
+TABLE_END = "<!-- /async-vs-sync table -->"
+SETTING_ROWS = (
+    ("trained traj/s", "trained_traj_per_s", "{:.2f}"),
+    ("generated traj/s", "generated_traj_per_s", "{:.2f}"),
+    ("stale share of generated", "stale_share", "pct"),
+    ("decode steps per worker", "decode_steps_per_worker", "{:,.0f}"),
+    ("mean rows per decode step", "engine_mean_live_rows", "{:.1f}"),
+    ("decode row-steps per trained traj", "decode_row_steps_per_trained_traj", "{:,.0f}"),
+    ("zero-signal share of groups", "zero_signal_share", "pct"),
+    ("steps where real work overran the simulated one", "sim_overrun_step_share", "pct"),
+    ("context charged per admitted prompt (tokens)", "ctx_admitted_mean", "{:,.0f}"),
+    ("generated tokens/s per GPU", "generated_tokens_per_s_per_gpu", "{:,.0f}"),
+    ("trained tokens/s per GPU", "trained_tokens_per_s_per_gpu", "{:,.0f}"),
+    ("MFU of the simulated job", "mfu", "pct"),
+    ("RL loop wall (s)", "wall_s", "{:,.0f}"),
+    ("final rollout reward", "reward_last", "{:.3f}"),
+    ("final held-out EM", "heldout_em", "pct"),
+)
+"""The per-setting rows of the table: label, metric key (``measure``), format (``pct``: a percentage)."""
+
+
+def _fmt(v: float, form: str) -> str:
+    """``pct``: a share in percent; ``pt``: a difference of shares in percentage points; else a format string."""
+    if form in ("pct", "pt"):
+        return f"{100 * v:.1f} {'%' if form == 'pct' else 'pt'}"
+    return form.format(v)
+
+
+def _cell(values: list, form: str) -> str:
+    """Mean ± the 95 % half-width over seeds of the finite ``values`` (n/a when there are none)."""
+    ci = _ci(values)
+    if ci["mean"] is None:
+        return "n/a"
+    half = ci.get("half")
+    return _fmt(ci["mean"], form) + ("" if half is None else " ± " + _fmt(half, form).replace(" %", " pt"))
+
+
+def _interval(ci: dict, form: str = "{:.2f}") -> str:
+    if ci.get("mean") is None:
+        return "n/a"
+    if ci.get("lo") is None:
+        return _fmt(ci["mean"], form) + " (one seed)"
+    return f"{_fmt(ci['mean'], form)} [{_fmt(ci['lo'], form)}, {_fmt(ci['hi'], form)}]"
+
+
+def _tost(check: dict, form: str) -> str:
+    t = check["tost"]
+    if t.get("mean") is None:
+        return "n/a"
+    verdict = {True: "**equivalent**", False: "not shown", None: "untested"}[t.get("equivalent")]
+    lo, hi = ("?", "?") if t.get("lo") is None else (_fmt(t["lo"], form), _fmt(t["hi"], form))
+    return f"{_fmt(t['mean'], form)} [{lo}, {hi}] ±{_fmt(t['margin'], form)}: {verdict}"
+
+
+def render_table(doc: dict, json_name: str) -> str:
+    """bench/README.md's async-vs-sync block for ``doc`` (an async-vs-sync result), markers included: the
+    per-setting figures over seeds, then per lag and baseline the speedup and the equivalence tests."""
+    ex, cfg = doc["extra"], doc["config"]
+    settings = list(ex["settings"])
+    lines = [f"{TABLE_BEGIN}bench/results/{json_name} (`sonar bench async-vs-sync --readme` writes this block; "
+             f"tests/bench/test_async_vs_sync_readme.py checks it) -->",
+             "Per setting, mean ± 95 % half-width over the seeds (pt: percentage points):", "",
+             "| | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
+    for label, key, form in SETTING_ROWS:
+        lines.append(f"| {label} | " + " | ".join(
+            _cell([r["metrics"].get(key) for r in ex["settings"][n]], form) for n in settings) + " |")
+    best = ex.get("baseline", "sync")
+    by = ex.get("comparison_by_baseline") or {best: ex["comparison"]}
+    lines += ["", "Async against each baseline, paired per seed: speedup in seconds per trained trajectory on the RL "
+                  "loop (mean [95 % interval]); final held-out EM and rollout reward, async − baseline (mean [90 % "
+                  "interval] ± margin: TOST at level 0.05); the goal's marks (≥ 2×, both equivalent, stale ≤ 10 %):",
+              "", "| async | baseline | speedup | held-out EM difference | reward difference | goal met |",
+              "|---|---|---|---|---|---|"]
+    for lag in cfg["lags"]:
+        for b, comp in by.items():
+            row = comp[str(lag)]
+            g = row["goal"]
+            met = "yes" if all(v is True for v in g.values()) else "no: " + ", ".join(
+                k for k, v in g.items() if v is not True)
+            lines.append(f"| lag {lag} | {b}{' (better)' if b == best else ''} | "
+                         f"{_interval(row['speedup_rl_loop'])}× | {_tost(row['equal_reward']['heldout_em'], 'pt')} | "
+                         f"{_tost(row['equal_reward']['reward_last'], '{:.3f}')} | {met} |")
+    hw, load = doc["hardware"], ex.get("loadavg", {})
+    wl = cfg.get("workload", {}).get("workload", "bench")
+    lines += ["", f"Measured by `{' '.join(doc['argv'])}` on commit {doc['commit'][:10]} ({doc['timestamp'][:10]}; "
+                  f"{hw.get('cpu_model') or 'CPU'}; {ex.get('machine_note', '')}): workload "
+                  f"`{wl}`, seeds {', '.join(map(str, ex['seeds']))} (each seed's order rotated), "
+                  f"{doc['config']['resolved']['stages'][-1]['steps']} RL steps per run, "
+                  f"{ex['wall_s'] / 60:.0f} min in all.",
+              TABLE_END]
+    return "\n".join(lines)
+
+
+def readme_json(text: str) -> str | None:
+    """The result the README's async-vs-sync block names, or None when it has none."""
+    import re
+
+    m = re.search(re.escape(TABLE_BEGIN) + r"bench/results/(\S+\.json)", text)
+    return m.group(1) if m else None
+
+
+def write_readme(json_path: Path, readme: Path = README) -> None:
+    from sonar.bench.common import splice
+
+    doc = json.loads(json_path.read_text())
+    if doc.get("name") != NAME or doc["config"].get("quick") or doc.get("dirty"):
+        raise ValueError(f"{json_path}: not a full async-vs-sync result from a clean tree "
+                         f"(name {doc.get('name')!r}, quick {doc['config'].get('quick')}, dirty {doc.get('dirty')})")
+    text = readme.read_text()
+    readme.write_text(splice(text, TABLE_BEGIN, TABLE_END, render_table(doc, json_path.name), "results block"))
+    print(f"[{NAME}] {readme} now shows {json_path.name} (it showed {readme_json(text)})")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = driver_bench_parser(NAME, __doc__.splitlines()[0], "configs/bench.yaml")
     p.add_argument("--lags", type=int, nargs="+", help="async max_policy_lag values (default 1 2; quick: 2)")
@@ -860,7 +979,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", choices=["hf", "vllm", "bench"],
                    help="hf: the config's transformers engine (default); vllm: vLLM's AsyncLLM engine, real decode "
                         "cost, no simulated decode pacing; bench: the BENCHMARK engine (sim.engine=bench)")
+    p.add_argument("--readme", metavar="JSON",
+                   help="run nothing: rewrite bench/README.md's async-vs-sync block from JSON (a full result)")
+    p.renders_only = "readme"  # --readme writes bench/README.md from a committed JSON: any tree may do that
     args = p.parse_args(argv)
+    if args.readme is not None:
+        write_readme(Path(args.readme))
+        return 0
     cfg = bench_settings(args, QUICK, FULL)
     if args.seeds:
         cfg["seeds"] = list(args.seeds)

@@ -401,3 +401,15 @@ def init_ray_local(num_cpus: int | None = None, object_store_bytes: int | None =
                                       include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True,
                                       configure_logging=False, **kw))
     return True
+
+
+def splice(text: str, begin: str, end: str, block: str, what: str) -> str:
+    """``text`` with the one span from ``begin`` to ``end`` (markers included) replaced by ``block``: how a
+    benchmark's ``--readme`` writes a results block rendered from its JSON into a document."""
+    import re
+
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    found = len(pattern.findall(text))
+    if found != 1:
+        raise ValueError(f"expected one {what} between {begin!r} and {end!r}, found {found}")
+    return pattern.sub(lambda _: block, text)

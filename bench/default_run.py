@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sonar.bench.common import REPO_ROOT, bench_settings, driver_bench_parser, summarise, write_result
+from sonar.bench.common import REPO_ROOT, bench_settings, driver_bench_parser, splice, summarise, write_result
 
 NAME = "default-run"
 FULL = {"config": "tiny", "seeds": [0, 1], "overrides": []}
@@ -230,15 +230,6 @@ def render_time(doc: dict) -> str:
     m = doc["metrics"]["command_wall_s"]
     return (f"{TIME_BEGIN}in about {round(m['median'] / 60)} minutes ({_minutes(m['min'])} to {_minutes(m['max'])} "
             f"over {m['n']} seeds on {doc['commit'][:10]}){TIME_END}")
-
-
-def splice(text: str, begin: str, end: str, block: str, what: str) -> str:
-    """``text`` with the one span from ``begin`` to ``end`` (markers included) replaced by ``block``."""
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
-    if len(pattern.findall(text)) != 1:
-        raise ValueError(f"README.md: expected one {what} between {begin!r} and {end!r}, found "
-                         f"{len(pattern.findall(text))}")
-    return pattern.sub(lambda _: block, text)
 
 
 def readme_json(text: str) -> str:
