@@ -109,10 +109,11 @@ def test_queue_actor_logic_backpressure_and_timeout():
         assert got["groups"] == [b"a"]
         await await_until(blocked.done, what="the get to wake the blocked put")
         assert blocked.result()
-        got = await q.get(2, 0, timeout_s=0.1)  # only one available: returns it after the timeout
-        assert got["groups"] == [b"b"] and got["timed_out"]
+        got = await q.get(2, 0, timeout_s=0.1)  # one of two available: nothing handed out, b stays queued
+        assert got["groups"] == [] and got["timed_out"]
+        assert (await q.stats())["depth_groups"] == 1 and (await q.stats())["consumed_groups"] == 1
         stats = await q.close()
-        assert stats["balanced"]
+        assert stats["balanced"] and stats["queued"] == 1
 
     asyncio.run(scenario())
 
@@ -595,3 +596,24 @@ def test_version_aware_admission_cuts_stale_waste_at_equal_throughput(lag):
         assert a["steps_per_s"] > 0.9 * f["steps_per_s"]
     # Equal durations: version-aware wastes nothing; the flat budget still loses a fifth or more.
     assert _simulate(True, lag, sigma=0.0)["stale_share"] == 0.0 < 0.2 < _simulate(False, lag, sigma=0.0)["stale_share"]
+
+
+def test_a_whole_take_hands_the_full_batch_or_nothing_and_drops_the_stale_either_way():
+    """The learner's batch is its configured size whatever the arrival times: ``take(whole=True)`` (what
+    ``ReplayQueue.get`` uses) hands n groups or none; groups already past the lag bound are dropped and
+    counted on the way, since they could never be trained."""
+    core = ReplayCore(capacity_groups=8, max_policy_lag=1, stale_policy="drop", num_prompts=10, seed=0)
+    idx = core.claim(0, 4)
+    core.add(group(idx[0], 0))  # sampled at version 0: stale once the learner is at 2
+    core.add(group(idx[1], 1))
+    core.add(group(idx[2], 2))
+    out, dropped = core.take(3, learner_version=2, whole=True)
+    assert out == [] and dropped == 4 and core.dropped_prompts == [idx[0]]  # 4 trajectories in the group
+    assert len(core.groups) == 2 and core.counts["consumed_groups"] == 0 and core.handed_at_version == 0
+    core.add(group(idx[3], 2))
+    out, dropped = core.take(3, learner_version=2, whole=True)
+    assert [p for _, _, p in out] == [idx[1], idx[2], idx[3]] and [lag for _, lag, _ in out] == [1, 0, 0]
+    assert dropped == 0 and core.handed_at_version == 3 and core.balance()["balanced"]
+    # the default (incremental) take still hands what there is
+    core.add(group(core.claim(0, 1)[0], 2))
+    assert len(core.take(3, learner_version=2)[0]) == 1
