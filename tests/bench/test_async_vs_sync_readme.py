@@ -6,10 +6,13 @@ result built from ``compare`` and keep bench/README.md equal to the rendering of
 from __future__ import annotations
 
 import json
+import math
+import subprocess
 
 import pytest
 
 from sonar.bench import async_vs_sync as A
+from sonar.bench import common
 from sonar.bench.stats import mean_ci
 
 KEYS = [k for _, k, _ in A.SETTING_ROWS] + ["generated_per_trained", "generated_tokens_per_trained_traj",
@@ -82,3 +85,21 @@ def test_write_readme_refuses_a_quick_or_dirty_result(tmp_path):
     A.write_readme(tmp_path / "r.json", readme)
     assert A.readme_json(readme.read_text()) == "r.json" and readme.read_text().startswith("x\n")
 
+
+
+def test_bench_readme_shows_its_async_vs_sync_json():
+    text = A.README.read_text()
+    name = A.readme_json(text)
+    assert name, f"bench/README.md has no {A.TABLE_BEGIN!r} block: `sonar bench async-vs-sync --readme JSON`"
+    path = A.REPO_ROOT / "bench" / "results" / name
+    doc = json.loads(path.read_text())
+    common.validate_result(doc)
+    assert doc["name"] == A.NAME and doc["config"]["quick"] is False and doc["dirty"] is False
+    assert common.splice(text, A.TABLE_BEGIN, A.TABLE_END, A.render_table(doc, name), "block") == text, \
+        "bench/README.md's async-vs-sync block differs from its JSON: `sonar bench async-vs-sync --readme JSON`"
+    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=A.REPO_ROOT, capture_output=True,
+                             text=True).stdout.strip()
+    if shallow == "false":
+        assert subprocess.run(["git", "merge-base", "--is-ancestor", doc["commit"], "HEAD"], cwd=A.REPO_ROOT,
+                              capture_output=True).returncode == 0, f"{name} names a commit outside this history"
+    assert math.isfinite(doc["extra"]["wall_s"])
