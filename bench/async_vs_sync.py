@@ -938,19 +938,15 @@ def render_table(doc: dict, json_name: str) -> str:
 
 def readme_json(text: str) -> str | None:
     """The result the README's async-vs-sync block names, or None when it has none."""
-    import re
+    from sonar.bench.common import block_result
 
-    m = re.search(re.escape(TABLE_BEGIN) + r"bench/results/(\S+\.json)", text)
-    return m.group(1) if m else None
+    return block_result(text, TABLE_BEGIN)
 
 
 def write_readme(json_path: Path, readme: Path = README) -> None:
-    from sonar.bench.common import splice
+    from sonar.bench.common import load_full_result, splice
 
-    doc = json.loads(json_path.read_text())
-    if doc.get("name") != NAME or doc["config"].get("quick") or doc.get("dirty"):
-        raise ValueError(f"{json_path}: not a full async-vs-sync result from a clean tree "
-                         f"(name {doc.get('name')!r}, quick {doc['config'].get('quick')}, dirty {doc.get('dirty')})")
+    doc = load_full_result(json_path, NAME)
     text = readme.read_text()
     readme.write_text(splice(text, TABLE_BEGIN, TABLE_END, render_table(doc, json_path.name), "results block"))
     print(f"[{NAME}] {readme} now shows {json_path.name} (it showed {readme_json(text)})")

@@ -413,3 +413,23 @@ def splice(text: str, begin: str, end: str, block: str, what: str) -> str:
     if found != 1:
         raise ValueError(f"expected one {what} between {begin!r} and {end!r}, found {found}")
     return pattern.sub(lambda _: block, text)
+
+
+def load_full_result(json_path: Path, name: str) -> dict:
+    """The result at ``json_path`` if it is a full (not ``--quick``) result of benchmark ``name`` written from
+    a clean tree: what a benchmark's ``--readme`` may render into a document; else a ValueError naming why."""
+    import json
+
+    doc = json.loads(Path(json_path).read_text())
+    if doc.get("name") != name or doc.get("config", {}).get("quick") or doc.get("dirty"):
+        raise ValueError(f"{json_path}: not a full {name} result from a clean tree (name {doc.get('name')!r}, "
+                         f"quick {doc.get('config', {}).get('quick')}, dirty {doc.get('dirty')})")
+    return doc
+
+
+def block_result(text: str, begin: str) -> str | None:
+    """The result file (``bench/results/<file>.json``) a document's block opened by ``begin`` names, or None."""
+    import re
+
+    m = re.search(re.escape(begin) + r"bench/results/(\S+\.json)", text)
+    return m.group(1) if m else None

@@ -28,7 +28,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -36,7 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from sonar.bench.common import REPO_ROOT, bench_settings, driver_bench_parser, splice, summarise, write_result
+from sonar.bench.common import (REPO_ROOT, bench_settings, block_result, driver_bench_parser, load_full_result, splice,
+                                summarise, write_result)
 
 NAME = "default-run"
 FULL = {"config": "tiny", "seeds": [0, 1], "overrides": []}
@@ -234,10 +234,10 @@ def render_time(doc: dict) -> str:
 
 def readme_json(text: str) -> str:
     """The result file the README's table names (``bench/results/<name>.json``)."""
-    m = re.search(re.escape(TABLE_BEGIN) + r"bench/results/(\S+\.json)", text)
-    if m is None:
+    name = block_result(text, TABLE_BEGIN)
+    if name is None:
         raise ValueError(f"README.md: no results table marker {TABLE_BEGIN!r}")
-    return m.group(1)
+    return name
 
 
 def preset_sha256(path: Path) -> str:
@@ -249,10 +249,7 @@ def preset_sha256(path: Path) -> str:
 
 
 def write_readme(json_path: Path, readme: Path = README) -> None:
-    doc = json.loads(json_path.read_text())
-    if doc.get("name") != NAME or doc["config"].get("quick") or doc.get("dirty"):
-        raise ValueError(f"{json_path}: not a full default-run result from a clean tree "
-                         f"(name {doc.get('name')!r}, quick {doc['config'].get('quick')}, dirty {doc.get('dirty')})")
+    doc = load_full_result(json_path, NAME)
     text = readme.read_text()
     before = readme_json(text)
     text = splice(text, TABLE_BEGIN, TABLE_END, render_table(doc, json_path.name), "results table")
