@@ -838,7 +838,6 @@ def plot_timeline(timelines: dict, png: Path) -> None:
     plt.close(fig)
 
 
-
 # The README's rendering of a result (pure: no runs; tests/bench/test_async_vs_sync_readme.py)
 
 README = REPO_ROOT / "bench" / "README.md"
@@ -911,9 +910,11 @@ def render_table(doc: dict, json_name: str) -> str:
             _cell([r["metrics"].get(key) for r in ex["settings"][n]], form) for n in settings) + " |")
     best = ex.get("baseline", "sync")
     by = ex.get("comparison_by_baseline") or {best: ex["comparison"]}
+    alpha = ex.get("equivalence", {}).get("alpha", ALPHA)
     lines += ["", "Async against each baseline, paired per seed: speedup in seconds per trained trajectory on the RL "
-                  "loop (mean [95 % interval]); final held-out EM and rollout reward, async − baseline (mean [90 % "
-                  "interval] ± margin: TOST at level 0.05); the goal's marks (≥ 2×, both equivalent, stale ≤ 10 %):",
+                  f"loop (mean [95 % interval]); final held-out EM and rollout reward, async − baseline (mean "
+                  f"[{100 * (1 - 2 * alpha):.0f} % interval] ± margin: TOST at level {alpha:g}); the goal's marks "
+                  "(≥ 2×, both equivalent, stale ≤ 10 %):",
               "", "| async | baseline | speedup | held-out EM difference | reward difference | goal met |",
               "|---|---|---|---|---|---|"]
     for lag in cfg["lags"]:
@@ -925,7 +926,7 @@ def render_table(doc: dict, json_name: str) -> str:
             lines.append(f"| lag {lag} | {b}{' (better)' if b == best else ''} | "
                          f"{_interval(row['speedup_rl_loop'])}× | {_tost(row['equal_reward']['heldout_em'], 'pt')} | "
                          f"{_tost(row['equal_reward']['reward_last'], '{:.3f}')} | {met} |")
-    hw, load = doc["hardware"], ex.get("loadavg", {})
+    hw = doc["hardware"]
     wl = cfg.get("workload", {}).get("workload", "bench")
     lines += ["", f"Measured by `{' '.join(doc['argv'])}` on commit {doc['commit'][:10]} ({doc['timestamp'][:10]}; "
                   f"{hw.get('cpu_model') or 'CPU'}; {ex.get('machine_note', '')}): workload "
