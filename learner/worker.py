@@ -252,6 +252,7 @@ class Learner:
 
         nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
         host = resolve_bind_host(self.cfg.cluster.bind_host, ray.util.get_node_ip_address(), nodes)
+        self._abandoned_store = None  # the previous formation's ranks have all answered by now (the pool waits)
         self._bcast_store = open_store(host, world_size, timeout_s=self.cfg.cluster.broadcast_timeout())
         return host, int(self._bcast_store.port)
 
@@ -265,8 +266,15 @@ class Learner:
         if store is not None and store.port != master_port:
             store = None  # a stale endpoint: bind master_port instead
         # Every wait of a push is bounded: a dead receiver raises within the group's timeout.
-        self._group = BroadcastGroup(master_addr, master_port, 0, world_size, backend, prefix=prefix, store=store,
-                                     timeout_s=self.cfg.cluster.broadcast_timeout())
+        try:
+            self._group = BroadcastGroup(master_addr, master_port, 0, world_size, backend, prefix=prefix,
+                                         store=store, timeout_s=self.cfg.cluster.broadcast_timeout())
+        except BaseException:
+            # The meeting point stays open until the next formation's: a rank still dialling it (slow to
+            # start) finds the formation called off at once, where a closed port would have it retry its
+            # connect for the group's whole timeout.
+            self._abandoned_store = store
+            raise
         return layout_digest(specs)
 
     @on_all_ranks

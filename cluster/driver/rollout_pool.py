@@ -16,9 +16,11 @@ the driver makes to a member worker goes through ``RolloutPool.call``, the one f
   the loops started again, the new worker's too. A call that asks for ``retry`` is then made once more
   on the new worker (it holds the current weights by then).
 - Inside a regroup (pausing, forming, pushing, resuming) a fault replaces the worker and the regroup
-  starts over. A worker that dies while the group forms, or mid-push, costs at most the group's timeout
-  (``cluster.broadcast_timeout_s``): the other ranks' rendezvous or collective raises within it (or the push
-  completes); then the group forms again with the replacement and the run goes on.
+  starts over. A worker found dead while the group forms calls the formation off first
+  (``WeightTransport.abort``): the ranks waiting for it at the presence barrier give up at once. One that
+  dies later in the formation (inside the backend's rendezvous), or mid-push, costs at most the group's
+  timeout (``cluster.broadcast_timeout_s``): the other ranks' rendezvous or collective raises within it
+  (or the push completes); then the group forms again with the replacement and the run goes on.
 
 Errors that are not a death or a silence are the call's own and propagate (after the deaths are
 handled), except inside the group's formation and the push, where a dead peer is the likely cause of
@@ -164,7 +166,8 @@ class RolloutPool:
 
     # ------------------------------------------------------------------ the one fault path
     def call(self, what: str, fn: Callable, *, only: list[int] | None = None, timeout: float | None = None,
-             retry: bool = False, collect: bool = False, hung: str = "restart") -> list:
+             retry: bool = False, collect: bool = False, hung: str = "restart",
+             on_died: Callable[[int], None] | None = None) -> list:
         """Call every member (or those in ``only``) at once: ``fn(handle, index)`` -> ObjectRef; returns
         their results in index order (module docstring for what a fault does).
 
@@ -172,7 +175,8 @@ class RolloutPool:
         (``hung="restart"``) or raises ``GetTimeoutError`` naming the silent ones (``hung="raise"``).
         A replaced worker's result is ``DIED``, or, with ``retry``, the result of the call made again on
         its replacement after the regroup. ``collect``: another error is returned as the exception in
-        that worker's place instead of being raised."""
+        that worker's place instead of being raised. ``on_died(i)``: called when worker ``i`` is found dead or
+        silent, before it is replaced (the group's formation calls itself off there)."""
         import ray
 
         idx = list(range(len(self.workers))) if only is None else list(only)
@@ -197,6 +201,8 @@ class RolloutPool:
                 except ray.exceptions.RayActorError as e:
                     out[i] = DIED
                     replaced.append(i)
+                    if on_died is not None:
+                        on_died(i)
                     self._replace(i, f"{what}: {type(e).__name__}: {_first_line(e)}")
                 except Exception as e:  # noqa: BLE001 - the call's own error
                     out[i] = e
@@ -208,6 +214,8 @@ class RolloutPool:
             for i in silent:
                 out[i] = DIED
                 replaced.append(i)
+                if on_died is not None:
+                    on_died(i)
                 self._replace(i, f"{what}: no answer within {timeout:g} s")
         if error is not None and not collect:
             raise error
@@ -307,19 +315,31 @@ class RolloutPool:
         if not self._check_reachable(host):
             return False
         self._event("group_open")
-        # The rendezvous of a group with a dead rank fails on the others within the group's timeout
-        # (cluster.broadcast_timeout_s): the deadline covers it, so only a truly silent worker is replaced.
+        # A worker found dead while the group forms calls the formation off (transport.abort) before it is
+        # replaced: the ranks waiting for it give up at once. Past the presence barrier (weights.py) the
+        # backend's rendezvous fails on the others within the group's timeout (cluster.broadcast_timeout_s):
+        # the deadline covers it, so only a truly silent worker is replaced.
         deadline = c.broadcast_timeout() + c.health_timeout_s
         source = t.join_source(ep)
-        digests = self.call("join", lambda w, i: t.join(w, ep, bases[i]), timeout=deadline, collect=True)
+        called_off: list[int] = []
+
+        def call_off(i: int) -> None:
+            if not called_off:
+                called_off.append(i)
+                t.abort(ep, f"rollout worker {i} died before the group formed (generation {ep.generation})")
+
+        digests = self.call("join", lambda w, i: t.join(w, ep, bases[i]), timeout=deadline, collect=True,
+                            on_died=call_off)
         died = any(d is DIED for d in digests)
         try:
             digest = ray.get(source, timeout=deadline)
         except ray.exceptions.RayActorError:
             raise  # the learner is gone: not the pool's to repair (faults.learner_died)
-        except Exception:  # noqa: BLE001 - with a dead peer, the learner's rendezvous fails too
+        except Exception as e:  # noqa: BLE001 - with a dead peer, the learner's rendezvous fails too
             if not died:
                 raise
+            log.info("weight-broadcast group generation %d abandoned (the learner: %s: %s)", ep.generation,
+                     type(e).__name__, _first_line(e))
         if died:
             return False
         errors = [d for d in digests if isinstance(d, BaseException)]

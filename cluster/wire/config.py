@@ -784,8 +784,9 @@ class ClusterConfig:
     broadcast_timeout_s: Optional[float] = ranged(None, gt=0)
     """The weight-broadcast group's timeout, seconds (> 0; None: ``step_timeout_s``): the bound on its
     rendezvous and on every wait of a push. A dead receiver or learner raises at the call within it, so
-    a worker that dies while the group forms or mid-push costs at most this long before the group forms
-    again; a vLLM engine in ``rollout.weight_update='pause'`` drains its rows in flight inside it. NCCL's
+    a worker that dies mid-push, or inside the backend's rendezvous, costs at most this long before the
+    group forms again (one found dead before every rank arrived calls the formation off at once: the
+    presence barrier, ``cluster/wire/weights.py``); a vLLM engine in ``rollout.weight_update='pause'`` drains its rows in flight inside it. NCCL's
     watchdog gets this plus a margin (``cluster/wire/weights.py``)."""
 
     def broadcast_timeout(self) -> float:

@@ -13,6 +13,10 @@ The sequence, as the pool runs it:
     open(world_size)                   -> (host, port): the learner opens the meeting point
     join_source(ep); join(w, ep, rank) -> layout digest each, all at once; every digest must be equal
     send(); receive(w, version)        -> the push, all at once (only the version crosses Ray)
+    abort(ep, reason)                  -> a rank died while the group formed: the others stop waiting
+
+Every method makes one actor call and returns its ObjectRef, except ``abort``: the driver acts on the
+meeting point itself (the learner's actor is busy in the rendezvous), best effort, and returns nothing.
 
 ``BroadcastTransport`` is the one implementation: the gloo/NCCL broadcast group of
 ``cluster/wire/weights.py`` (``BroadcastGroup``), whose actor halves are ``Learner.broadcast_endpoint``,
@@ -62,6 +66,11 @@ class WeightTransport(Protocol):
     def receive(self, worker, version: int) -> Any:
         """``worker`` receives the weights of learner ``version`` (collective with ``send``)."""
 
+    def abort(self, endpoint: Endpoint, reason: str) -> None:
+        """Call off formation ``endpoint``: a rank died before it joined, so the ranks still waiting for it
+        give up now instead of at the group's timeout. Called by the driver, at most once per formation;
+        best effort (the formation may have failed already), returns nothing."""
+
 
 class BroadcastTransport:
     """The gloo/NCCL broadcast group (``weights.BroadcastGroup``) as a ``WeightTransport``.
@@ -100,3 +109,8 @@ class BroadcastTransport:
 
     def receive(self, worker, version: int):
         return worker.receive_weights.remote(version)
+
+    def abort(self, endpoint: Endpoint, reason: str) -> None:
+        from sonar.cluster.wire.weights import abort_formation  # torch: imported by the driver only when needed
+
+        abort_formation(endpoint.host, endpoint.port, self.prefix(endpoint), reason)

@@ -39,6 +39,14 @@ Checksums (:func:`checksum`, :class:`Checksum`) sum each tensor in float64 chunk
 ``CHECKSUM_CHUNK_ELEMS`` elements: no full-tensor float64 copy, and a receiver sums each bucket as it
 arrives, so it keeps nothing to checksum later.
 
+Formation is abortable until every rank is there: each rank first marks itself present on the store and
+waits for the others (:func:`presence_barrier`), and only then enters the backend's own rendezvous
+(gloo's full mesh, NCCL's unique-id exchange), which nothing can interrupt. A rank that dies before it
+arrives would otherwise leave every other rank waiting the whole ``timeout_s`` (the driver's
+``cluster.broadcast_timeout_s``, by default ``step_timeout_s``: minutes of every GPU idle); the driver,
+which sees the death, calls the formation off (:func:`abort_formation`) and the waiting ranks raise
+``GroupAborted`` at once. A rank that never comes is named when the wait times out.
+
 Sockets stay on the address they were given: rank 0's store listens on ``master_addr`` only (torch's
 own master TCPStore would listen on every interface) and each rank's gloo pair sockets on the local
 address that reaches ``master_addr`` (127.0.0.1 for a local run); see :func:`master_store`.
@@ -69,6 +77,52 @@ CHECKSUM_CHUNK_BYTES = 8 * CHECKSUM_CHUNK_ELEMS
 NCCL_WATCHDOG_MARGIN_S = 60.0
 """Seconds the NCCL option timeout (the watchdog's, which aborts the process) exceeds the group's
 ``timeout_s`` (the waits', which raise at the call): the Python error must come first."""
+
+
+PRESENCE_SUFFIX = "-presence"
+"""The presence barrier's keys live under ``<prefix>-presence/`` (``present/<rank>``, ``abort``), apart from
+the backend's own keys under ``<prefix>/``."""
+PRESENCE_POLL_S = 0.02
+"""Seconds between two looks at the store while ranks are missing (a key check is one loopback or LAN
+round trip; ``store.wait`` with short timeouts would log a c10d warning per slice)."""
+
+
+class GroupAborted(RuntimeError):
+    """The driver called this formation off (:func:`abort_formation`): a rank died before every rank arrived."""
+
+
+def presence_barrier(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Mark ``rank`` present on ``store`` (a formation's own ``PrefixStore``) and return once all
+    ``world_size`` ranks are. Raises ``GroupAborted`` as soon as the formation is called off, and
+    ``TimeoutError`` naming the ranks that never arrived after ``timeout_s`` seconds."""
+    store.set(f"present/{rank}", b"1")
+    keys = [f"present/{r}" for r in range(world_size)]
+    end = time.monotonic() + timeout_s
+    while True:
+        # abort first: a formation called off is abandoned by every rank that looks, even if complete
+        if store.check(["abort"]):
+            raise GroupAborted(f"weight-broadcast group formation called off at rank {rank} of {world_size}: "
+                               f"{store.get('abort').decode(errors='replace')}")
+        if store.check(keys):
+            return
+        if time.monotonic() >= end:
+            missing = [r for r in range(world_size) if not store.check([f"present/{r}"])]
+            raise TimeoutError(f"weight-broadcast group: rank(s) {missing} of {world_size} did not arrive within "
+                               f"{timeout_s:g} s (rank {rank} waited; cluster.broadcast_timeout_s)")
+        time.sleep(PRESENCE_POLL_S)
+
+
+def abort_formation(host: str, port: int, prefix: str, reason: str, connect_timeout_s: float = 5.0) -> bool:
+    """Call off the formation meeting at rank 0's store ``host:port`` under ``prefix``: every rank still in
+    its :func:`presence_barrier` raises ``GroupAborted`` carrying ``reason``. The driver's side, no actor
+    call (rank 0's actor is busy in the barrier). False if the store is gone (every rank left already)."""
+    try:
+        client = dist.TCPStore(host, int(port), None, is_master=False,
+                               timeout=datetime.timedelta(seconds=connect_timeout_s))
+        dist.PrefixStore(prefix + PRESENCE_SUFFIX, client).set("abort", reason.encode())
+        return True
+    except (RuntimeError, OSError):  # DistStoreError/DistNetworkError: nobody listens there any more
+        return False
 
 
 @dataclass(frozen=True)
@@ -396,9 +450,12 @@ class BroadcastGroup:
         if store is not None:
             self._store = store
         elif rank == 0:
-            self._store = master_store(master_addr, master_port, world_size, timeout_s, wait_for_workers=True)
+            # not wait_for_workers: the presence barrier below waits for the ranks, and can be called off
+            self._store = master_store(master_addr, master_port, world_size, timeout_s)
         else:
             self._store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
+        # every rank here (or the formation called off) before the backend's uninterruptible rendezvous
+        presence_barrier(dist.PrefixStore(prefix + PRESENCE_SUFFIX, self._store), rank, world_size, timeout_s)
         pstore = dist.PrefixStore(prefix, self._store)
         if backend == "gloo":  # pair sockets on the interface that reaches master_addr, nowhere else
             pg = dist.ProcessGroupGloo(pstore, rank, world_size, gloo_options(master_addr, timeout))

@@ -145,10 +145,18 @@ class Member:
 
 
 class FakeTransport:
-    """A ``WeightTransport`` over ``Member`` and ``Rendezvous``: the learner is rank 0."""
+    """A ``WeightTransport`` over ``Member`` and ``Rendezvous``: the learner is rank 0. ``abort`` expires the
+    formation at the rendezvous (its waiting ranks raise at once, as the real presence barrier's do) and
+    records ``(generation, reason)`` in ``aborted``."""
 
-    def __init__(self, learner):
-        self.learner, self.ep = learner, None
+    def __init__(self, learner, group):
+        self.learner, self.group, self.ep, self.aborted = learner, group, None, []
+
+    def abort(self, ep, reason):
+        import ray
+
+        self.aborted.append((ep.generation, reason))
+        ray.get(self.group.expire.remote(ep.generation))
 
     def ranks(self, worker):
         return worker.broadcast_ranks.remote()
@@ -248,7 +256,7 @@ def make_pool(ray, n=2, restarts=1, timeout_s=GROUP_TIMEOUT_S, on_event=None, mo
         started.append(i)
         return member.remote(f"worker{i}#{started.count(i)}", group, timeout_s)
 
-    pool = RolloutPool(cfg, learner=learner, replay=replay, transport=FakeTransport(learner), start=start,
+    pool = RolloutPool(cfg, learner=learner, replay=replay, transport=FakeTransport(learner, group), start=start,
                        on_event=on_event)
     pool.start(n)
     pool.ready()
@@ -266,14 +274,16 @@ def teardown(ray, pool, *handles):
 
 
 def test_a_worker_killed_while_the_group_forms_is_replaced_and_the_group_formed_again(ray_local):
-    """The kill lands after the learner opened its endpoint, before any rank joined: the learner's and
-    worker 0's rendezvous time out (the group's timeout), worker 1 is replaced (its 3 claims requeued)
-    and the second formation holds every rank, at the learner's version."""
+    """The kill lands after the learner opened its endpoint, before any rank joined: the pool, finding
+    worker 1 dead, calls the formation off (the test expires nothing: the learner's and worker 0's
+    rendezvous end by the pool's abort, not the group's 600 s timeout), worker 1 is replaced (its 3 claims
+    requeued) and the second formation holds every rank, at the learner's version."""
     ray = ray_local
-    kill = KillAt("group_open", 1)
+    kill = KillAt("group_open", 1, expire=False)
     pool, learner, replay, group, started = make_pool(ray, on_event=kill)
     try:
         pool.form_group()
+        assert pool.transport.aborted == [(1, "rollout worker 1 died before the group formed (generation 1)")]
         assert len(kill.killed) == 1 and pool.workers[1] is not kill.killed[0]
         assert pool.restarts == {0: 0, 1: 1} and started == [0, 1, 1]
         assert pool.generation == 2
@@ -286,9 +296,9 @@ def test_a_worker_killed_while_the_group_forms_is_replaced_and_the_group_formed_
 
 
 def test_with_no_restart_left_the_run_fails_at_once_naming_the_worker(ray_local):
-    """``cluster.max_worker_restarts=0``: ``WorkerFailed`` names worker 1, the call and Ray's error, and
-    comes while the learner and worker 0 still wait at the rendezvous (the run does not wait out the
-    group's timeout, 600 s here, to report it)."""
+    """``cluster.max_worker_restarts=0``: ``WorkerFailed`` names worker 1, the call and Ray's error, once the
+    formation is called off (the run does not wait out the group's timeout, 600 s here, to report it, and
+    the learner and worker 0 do not wait it out either)."""
     from sonar.cluster.driver.rollout_pool import WorkerFailed
 
     ray = ray_local
@@ -297,7 +307,8 @@ def test_with_no_restart_left_the_run_fails_at_once_naming_the_worker(ray_local)
         with pytest.raises(WorkerFailed, match=r"rollout worker 1 failed \(3 prompts requeued\) and "
                                                r"cluster\.max_worker_restarts=0 is used up:\njoin: ActorDiedError"):
             pool.form_group()
-        assert ray.get(group.waiting.remote(("join", 1))) == 2
+        assert pool.transport.aborted == [(1, "rollout worker 1 died before the group formed (generation 1)")]
+        wait_until(lambda: ray.get(group.waiting.remote(("join", 1))) == 0, what="the called-off formation's ranks")
         assert started == [0, 1] and pool.restarts == {0: 0, 1: 0}
     finally:
         teardown(ray, pool, learner, replay, group)

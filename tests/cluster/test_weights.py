@@ -75,3 +75,103 @@ def test_flatten_bucket_is_the_inverse_of_unflatten_and_fills_the_given_buffer()
     assert torch.equal(flat, torch.cat([src[s.name].reshape(-1) for s in bucket.specs]))  # spec order
     back = dict(unflatten_bucket(bucket, flat))
     assert all(torch.equal(back[k], v) for k, v in src.items())
+
+
+# ------------------------------------------------------------ the formation's presence barrier
+def _present(port: int, prefix: str, ranks) -> bool:
+    """Whether ``ranks`` have marked themselves present at the store on ``port`` (a client of its own)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from sonar.cluster.wire.weights import PRESENCE_SUFFIX
+
+    client = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=datetime.timedelta(seconds=30))
+    return dist.PrefixStore(prefix + PRESENCE_SUFFIX, client).check([f"present/{r}" for r in ranks])
+
+
+def _form_in_threads(port: int, ranks, world_size: int, timeout_s: float, store=None):
+    """Ranks ``ranks`` of a group of ``world_size`` start forming it, each in a thread (rank 0 on ``store``,
+    as the learner forms it on the store its endpoint opened, if given); returns (threads, errors by rank,
+    groups by rank)."""
+    errors, groups = {}, {}
+
+    def rank(r):
+        try:
+            groups[r] = BroadcastGroup("127.0.0.1", port, r, world_size, "gloo", prefix="p", timeout_s=timeout_s,
+                                       store=store if r == 0 else None)
+        except BaseException as e:  # surfaced by the test
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in ranks]
+    [t.start() for t in threads]
+    return threads, errors, groups
+
+
+def test_a_formation_called_off_while_a_rank_is_missing_ends_at_once_on_every_waiting_rank():
+    """Rank 2 never comes (it died before joining): ranks 0 and 1 wait at the presence barrier until the
+    driver calls the formation off, and then raise GroupAborted with its reason, long before the group's
+    600 s timeout (which is what they waited out before the barrier existed); so does rank 3, which arrives
+    after the call-off."""
+    import time
+
+    from sonar.cluster.wire.weights import GroupAborted, abort_formation, open_store
+    from tests.waiting import wait_until
+
+    store = open_store("127.0.0.1", 4, timeout_s=600)  # the learner's endpoint: open before any rank joins
+    port = store.port
+    threads, errors, groups = _form_in_threads(port, [0, 1], 4, timeout_s=600, store=store)
+    wait_until(lambda: _present(port, "p", [0, 1]), 120, "ranks 0 and 1 at the barrier", poll_s=0.05)
+    t0 = time.monotonic()
+    assert abort_formation("127.0.0.1", port, "p", "rollout worker 2 died before the group formed")
+    [t.join(120) for t in threads]
+    assert not any(t.is_alive() for t in threads) and not groups
+    for r in (0, 1):
+        assert isinstance(errors[r], GroupAborted), errors
+        assert f"at rank {r} of 4: rollout worker 2 died before the group formed" in str(errors[r])
+    # rank 3, slow to start, dials the meeting point after the call-off: the store is still open (the
+    # learner holds an abandoned formation's store until the next one opens), so it is told at once, where
+    # a closed port would have it retry its connect for the whole 600 s
+    late, errors_late, _ = _form_in_threads(port, [3], 4, timeout_s=600)
+    late[0].join(120)
+    assert not late[0].is_alive() and isinstance(errors_late.get(3), GroupAborted), errors_late
+    assert time.monotonic() - t0 < 120  # not the 600 s timeout
+
+
+def test_a_rank_that_never_arrives_is_named_when_the_barrier_times_out():
+    import torch.distributed as dist
+
+    from sonar.cluster.wire.weights import presence_barrier
+
+    store = dist.HashStore()
+    store.set("present/2", b"1")  # rank 2 arrived; 1 and 3 never do
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1, 3\] of 4 did not arrive within 0.2 s \(rank 0 waited"):
+        presence_barrier(store, 0, 4, timeout_s=0.2)
+    assert store.check(["present/0"])  # rank 0 marked itself before it waited
+
+
+def test_the_barrier_returns_once_every_rank_is_present_and_a_call_off_with_no_store_reports_it():
+    """The whole group forms (the barrier, then gloo's rendezvous) and pushes; calling off a formation
+    whose store is gone (nobody listens on its port) reports False within its connect timeout."""
+    from sonar.cluster.wire.weights import abort_formation
+
+    port = free_port()
+    threads, errors, groups = _form_in_threads(port, [0, 1, 2], 3, timeout_s=60)
+    [t.join(120) for t in threads]
+    assert not errors and sorted(groups) == [0, 1, 2]
+    x = torch.arange(5, dtype=torch.float32)
+    done = []
+
+    def recv(r):
+        y = torch.zeros(5)
+        groups[r].broadcast(y, 0)
+        done.append(torch.equal(y, x))
+
+    ts = [threading.Thread(target=recv, args=(r,)) for r in (1, 2)]
+    [t.start() for t in ts]
+    groups[0].broadcast(x.clone(), 0)
+    [t.join(60) for t in ts]
+    assert done == [True, True]
+    for g in groups.values():
+        g.close()
+    assert abort_formation("127.0.0.1", free_port(), "p", "too late", connect_timeout_s=1.0) is False
