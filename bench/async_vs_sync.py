@@ -937,6 +937,92 @@ def render_table(doc: dict, json_name: str) -> str:
     return "\n".join(lines)
 
 
+def _pm(ci: dict, form: str = "{:.1f}", scale: float = 1.0) -> str:
+    """mean ± the 95 % half-width of an interval over seeds (``_ci``)."""
+    return f"{form.format(scale * ci['mean'])} ± {form.format(scale * ci['half'])}"
+
+
+def _lag_hist(runs: list[dict], upto: int) -> str:
+    """Trained groups by policy lag 0..upto (``ge<k>``: k or more), the mean over seeds; ~ where seeds differ."""
+    cells = []
+    for k in range(upto + 1):
+        vals = [r["lag_hist"].get(str(k), r["lag_hist"].get(f"ge{k}", 0.0)) for r in runs]
+        cells.append(("~" if len(set(vals)) > 1 else "") + f"{np.mean(vals):.0f}")
+    return " / ".join(cells)
+
+
+def render_lags_table(doc: dict, json_name: str) -> str:
+    """bench/README.md's table of an async-vs-sync result against plain sync at each lag (the older
+    layout: ``extra.comparison`` per lag, one baseline): mean ± 95 % half-width over seeds, the speedups paired
+    per seed, the per-seed held-out EM and the policy lags of the trained groups."""
+    from sonar.bench.common import readme_block
+
+    lags, ex = doc["config"]["lags"], doc["extra"]
+    comps = [ex["comparison"][str(lag)] for lag in lags]
+    sync = {k: v["sync"] for k, v in comps[0].items() if isinstance(v, dict) and "sync" in v}
+    n_q = doc["config"]["resolved"]["world"]["num_heldout_eval"]
+
+    def both(key: str, cell) -> list[str]:
+        return [cell(sync[key], None)] + [cell(c[key]["async"], sync[key]) for c in comps]
+
+    def ratio(form: str):
+        return lambda a, s: form.format(a["mean"]) + ("" if s is None else f" ({a['mean'] / s['mean']:.2f}×)")
+
+    rows = [("RL-loop wall (s)", both("wall_s", lambda a, s: _pm(a))),
+            ("**speedup, RL loop**", ["–"] + [f"**{_pm(c['speedup_rl_loop'], '{:.2f}')}×** "
+                                             f"({c['speedup_rl_loop']['lo']:.2f}–{c['speedup_rl_loop']['hi']:.2f})"
+                                             for c in comps]),
+            ("speedup, start-up included / whole command",
+             ["–"] + [f"{c['speedup_with_startup']['mean']:.2f}× / {c['speedup_command']['mean']:.2f}×"
+                      for c in comps]),
+            ("trained trajectories/s", both("trained_traj_per_s", lambda a, s: _pm(a))),
+            ("generated trajectories/s", both("generated_traj_per_s", lambda a, s: _pm(a))),
+            ("generated tokens/s (visible)", both("generated_tokens_per_s", lambda a, s: f"{a['mean']:,.0f}")),
+            ("**stale share** of generated trajectories",
+             both("stale_share", lambda a, s: f"{_pm(a, scale=100)} %" if s is None else f"**{_pm(a, scale=100)} %**")),
+            ("tokens decoded per trained trajectory", both("generated_tokens_per_trained_traj", ratio("{:.1f}"))),
+            ("decode row-steps per trained trajectory (simulated reasoning included)",
+             both("decode_row_steps_per_trained_traj", lambda a, s: f"{a['mean'] / (s or a)['mean']:.2f}×")),
+            ("rollout reward, last steps", both("reward_last", lambda a, s: _pm(a, "{:.3f}"))),
+            (f"held-out EM after RL ({n_q} questions)",
+             both("heldout_em", lambda a, s: f"{_pm(a, '{:.2f}')} ({', '.join(f'{v:.2f}' for v in a['values'])})")),
+            (f"policy lag of trained groups ({' / '.join(map(str, range(max(lags) + 1)))})",
+             [_lag_hist(ex["settings"]["sync"], max(lags))]
+             + [_lag_hist(ex["settings"][f"async_lag{lag}"], max(lags)) for lag in lags])]
+    lines = ["| | sync | " + " | ".join(f"async, lag {lag}" for lag in lags) + " |", "|---|---|" + "---|" * len(lags)]
+    lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
+    return readme_block("async-vs-sync lags", json_name, lines)
+
+
+def render_ablation_table(named: list[tuple[str, dict]]) -> str:
+    """bench/README.md's ablation table: one async-vs-sync result per setting (``bench/results/ablation/<label>/``,
+    the default's at the top of bench/results), each with its engine, lanes per worker, admission budget and
+    decode tail as its resolved config says, and its lag-2 speedup, RL walls, stale drops and live rows."""
+    from sonar.bench.common import readme_block
+
+    lag = 2
+    lines = ["| label | engine | lanes per worker | admission budget | decode tail | speedup at lag 2 | "
+             "sync → async wall | stale dropped | rows live, sync → async |", "|---|" + "---|" * 8]
+    for name, doc in named:
+        r, m = doc["config"]["resolved"], doc["metrics"]
+        label = f"`{Path(name).parent.name}`" if Path(name).parent.name else "default"
+        budget = r["replay"]["max_inflight_groups"]
+        budget = "none" if budget == 0 else "(lag+1)·B" if budget < 0 else budget  # -1: auto, (lag + 1) x a step
+        sim = doc["config"].get("sim") or {}  # the decode tail: rollout.inject_* before bench/sim/ had it
+        tail = r["rollout"].get("inject_decode_ms_per_token", sim.get("decode_ms_per_token"))
+        sp = m["speedup"][str(lag)]
+        repeats = f" ({sp['n']} repeats)" if sp["n"] > 1 else ""
+        live = [m.get(f"{s}/engine_mean_live_rows") for s in ("sync", f"async_lag{lag}")]
+        lines.append(
+            f"| {label} | {'continuous' if r['rollout']['continuous_batching'] else 'static'} | "
+            f"{r['rollout']['batches_in_flight']} | {budget} | "
+            f"{'yes' if tail else 'none'} | {sp['median']:.2f}×{repeats} | "
+            f"{m['sync/wall_s']['median']:.1f} → {m[f'async_lag{lag}/wall_s']['median']:.1f} s | "
+            f"{m[f'async_lag{lag}/dropped_stale']['median']:.0f} | "
+            + (" → ".join(f"{x['median']:.1f}" for x in live) if all(live) else "–") + " |")
+    return readme_block("async-vs-sync ablation", [name for name, _ in named], lines)
+
+
 def readme_json(text: str) -> str | None:
     """The result the README's async-vs-sync block names, or None when it has none."""
     from sonar.bench.common import block_result

@@ -334,6 +334,62 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
     fig.savefig(png, dpi=110)
 
 
+# bench/README.md's rendering of a result (pure: no runs; `sonar bench readme`, tests/bench/test_readme_blocks.py)
+
+QUEUE_ROWS = (("replay/noop_call", " (round-trip floor)"), ("replay/put_one", ""),
+              ("replay/put_inflight", " ({batch} in flight)"), ("replay/get_one", ""),
+              ("replay/get_batched", " (`get(n_groups={batch})`)"), ("replay/get_inflight", " ({batch} in flight)"),
+              ("rayqueue/put_one", ""), ("rayqueue/put_batch", " (`put_nowait_batch`, {batch})"),
+              ("rayqueue/get_one", ""), ("rayqueue/get_batch", " (`get_nowait_batch`, {batch})"))
+"""The queue table's rows: mode, and what the mode is (``{batch}``: the groups per batched call)."""
+QUEUE_RATIOS = (("replay put one / in flight", "replay_put_one_over_inflight"),
+                ("replay get one / batched", "replay_get_one_over_batched"),
+                ("replay put one / no-op call", "replay_put_one_over_noop_call"),
+                ("ray.util.queue put one / batch", "rayqueue_put_one_over_batch"),
+                ("ray.util.queue get one / batch", "rayqueue_get_one_over_batch"))
+
+
+def _mid(m: dict, form: str = "{:.0f}") -> str:
+    return f"{form.format(m['median'])} [{form.format(m['min'])}–{form.format(m['max'])}]"
+
+
+def render_codec_table(doc: dict, json_name: str) -> str:
+    """bench/README.md's codec table: per trajectory length, the group message, bytes per token, encode and
+    decode MB/s (median [min–max]) and ms per group."""
+    from sonar.bench.common import readme_block
+
+    m = doc["metrics"]
+    lines = ["| tokens / trajectory | group message | bytes/token | encode MB/s | decode MB/s | encode ms/group | "
+             "decode ms/group |", "|---|---|---|---|---|---|---|"]
+    for r in doc["extra"]["codec"]:
+        key = f"codec/tokens={_label(r['tokens'])}"
+        lines.append(f"| {r['tokens']} | {r['message_bytes'] / 1e3:.0f} KB | {r['bytes_per_token']:.2f} | "
+                     f"{_mid(m[f'{key}/encode_mb_per_s'])} | {_mid(m[f'{key}/decode_mb_per_s'])} | "
+                     f"{r['encode_ms']:.2f} | {r['decode_ms']:.2f} |")
+    return readme_block("codec-and-queue codec", json_name, lines)
+
+
+def render_queue_table(doc: dict, json_name: str) -> str:
+    """bench/README.md's queue table: per mode and payload, ms per item (median [min–max]) and items/s; then
+    the ratios of one-by-one to batched calls, paired per repeat (median over the repeats)."""
+    from sonar.bench.common import readme_block
+
+    m, rows, batch = doc["metrics"], doc["extra"]["queue"], doc["extra"]["batch"]
+    size = {r["tokens"]: f"{r['payload_bytes'] / 1e3:.0f} KB" for r in rows}
+    lines = ["| mode | " + " | ".join(f"{GROUP} × {r['tokens']} tokens ({size[r['tokens']]})" for r in rows) + " |",
+             "|---|" + "---|" * len(rows)]
+    for mode, what in QUEUE_ROWS:
+        keys = [f"queue/tokens={_label(r['tokens'])}/{mode}" for r in rows]
+        cells = [f"{_mid(m[f'{k}/ms_per_item'], '{:.2f}')}, {m[f'{k}/items_per_s']['median']:.0f}/s" for k in keys]
+        lines.append(f"| `{mode}`{what.format(batch=batch)} | " + " | ".join(cells) + " |")
+    labels = [_label(r["tokens"]) for r in rows]
+    ratios = "; ".join(label + " " + " and ".join(f"{m[f'ratio/queue/tokens={t}/{key}']['median']:.2f}" for t in labels)
+                       for label, key in QUEUE_RATIOS)
+    lines += ["", f"Ratios paired per repeat (ms/item of the first over the second, median over "
+                  f"{doc['config']['repeats']} repeats; {' and '.join(size[r['tokens']] for r in rows)}): {ratios}."]
+    return readme_block("codec-and-queue queues", json_name, lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = base_parser(NAME, __doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=None, help="groups per batched call / calls in flight")

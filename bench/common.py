@@ -433,3 +433,17 @@ def block_result(text: str, begin: str) -> str | None:
 
     m = re.search(re.escape(begin) + r"bench/results/(\S+\.json)", text)
     return m.group(1) if m else None
+
+
+READMES = ("README.md", "bench/README.md")
+"""The documents whose results blocks ``sonar bench readme`` renders from the JSON each block names."""
+
+
+def readme_block(kind: str, json_names: str | list[str], lines: list[str]) -> str:
+    """A results block of a README, markers included: ``<!-- KIND table: bench/results/X.json (...) -->``,
+    ``lines``, ``<!-- /KIND table -->``. ``kind`` is the benchmark's name, then a word naming the table when
+    the benchmark has several; a block rendered from several results names each (comma-separated)."""
+    names = [json_names] if isinstance(json_names, str) else list(json_names)
+    paths = ", ".join(f"bench/results/{n}" for n in names)
+    return "\n".join([f"<!-- {kind} table: {paths} (`sonar bench readme` writes this block; "
+                      f"tests/bench/test_readme_blocks.py checks it) -->", *lines, f"<!-- /{kind} table -->"])

@@ -207,6 +207,39 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
     fig.savefig(png, dpi=110)
 
 
+# bench/README.md's rendering of a result (pure: no runs; `sonar bench readme`, tests/bench/test_readme_blocks.py)
+
+CRITICAL_ROWS = (("generation in sync mode (the step's batch, before training)", (K.CRIT_GENERATE_SYNC,)),
+                 ("learner compute (collate, forward, backward, optimizer)", (K.CRIT_LEARNER_COMPUTE,)),
+                 ("queue wait (the rollout side's cost not hidden by async)", (K.CRIT_QUEUE_WAIT,)),
+                 ("health checks (workers and retrieval replicas)", (K.CRIT_HEALTH,)),
+                 ("learner RPC (group decode, Ray round trip, version)", (K.CRIT_LEARNER_RPC,)),
+                 ("weight broadcast (bucketed send)", (K.CRIT_BROADCAST,)),
+                 ("engine load (workers receive and stage)", (K.CRIT_ENGINE_LOAD,)),
+                 ("logging, other", (K.CRIT_LOG, K.CRIT_OTHER)))
+"""The critical-path table's rows: label and the parts it adds (a row whose parts are all 0 is left out)."""
+
+
+def render_table(doc: dict, json_name: str) -> str:
+    """bench/README.md's critical-path table: an RL step's parts (``rl/critical/*``, each the mean over the
+    steps) in seconds and as a share of the step's wall time."""
+    from sonar.bench.common import readme_block
+
+    m = doc["metrics"]
+
+    def part(key: str) -> float:
+        return m["rl/critical/" + key.rsplit("/", 1)[1]]["median"]
+
+    wall = part(K.CRIT_WALL)
+    lines = ["| part | s per step | share |", "|---|---|---|"]
+    for label, keys in CRITICAL_ROWS:
+        s = sum(part(k) for k in keys)
+        if s > 0:
+            lines.append(f"| {label} | {s:.3f} | {100 * s / wall:.0f} % |")
+    lines.append(f"| **wall** | **{wall:.3f}** | 100 % |")
+    return readme_block(NAME, json_name, lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = driver_bench_parser(NAME, __doc__.splitlines()[0], "the config")
     p.add_argument("--config", help="config file (default configs/tiny.yaml; quick: configs/smoke.yaml)")

@@ -240,6 +240,36 @@ def plot(metrics: dict, cfg: dict, png: Path) -> None:
     fig.savefig(png, dpi=110)
 
 
+# bench/README.md's rendering of a result (pure: no runs; `sonar bench readme`, tests/bench/test_readme_blocks.py)
+
+ENGINE_HEADS = {"hf": "`hf` (static)", "hf-continuous": "`hf` continuous", "vllm": "`vllm`"}
+
+
+def render_table(doc: dict, json_name: str) -> str:
+    """bench/README.md's engines table: per model and row count, each engine's median tokens/s (min–max over
+    rounds) and vLLM's over the static engine's, paired within a round. A model whose median tokens/s all
+    reach 100 shows whole numbers, another one decimal."""
+    from sonar.bench.common import readme_block
+
+    cfg, m = doc["config"], doc["metrics"]
+    engines, ratio = cfg["engines"], "vllm" in cfg["engines"] and "hf" in cfg["engines"]
+    params = {r["model"]: r["params"] for r in doc["extra"]["table"]}
+    lines = ["| model | rows | " + " | ".join(ENGINE_HEADS.get(e, f"`{e}`") for e in engines)
+             + (" | vllm / hf (paired) |" if ratio else " |"), "|---|---|" + "---|" * (len(engines) + ratio)]
+    for model in cfg["models"]:
+        tps = {(e, n): m[f"tokens_per_s/{model}/{e}/rows={n}"] for e in engines for n in cfg["rows"]}
+        form = "{:,.0f}" if min(s["median"] for s in tps.values()) >= 100 else "{:,.1f}"
+        p = params[model] / 1e6
+        for i, n in enumerate(cfg["rows"]):
+            name = model.split("-")[0] + ("" if i else f", {p:.1f}M" if p >= 10 else f", {p:.2f}M")
+            cells = [form.format(tps[e, n]["median"]) + f" ({form.format(tps[e, n]['min'])}–"
+                     f"{form.format(tps[e, n]['max'])})" for e in engines]
+            if ratio:
+                cells.append(f"{m[f'ratio/{model}/vllm_over_hf/rows={n}']['median']:.2f}")
+            lines.append(f"| {name} | {n} | " + " | ".join(cells) + " |")
+    return readme_block(NAME, json_name, lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = base_parser(NAME, __doc__.splitlines()[0])
     p.add_argument("--engines", default=None, help=f"comma-separated subset of {','.join(ENGINES)}")

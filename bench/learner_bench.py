@@ -248,6 +248,30 @@ def plot(rows: list[dict], png: Path) -> None:
     plt.close(fig)
 
 
+# bench/README.md's rendering of a result (pure: no runs; `sonar bench readme`, tests/bench/test_readme_blocks.py)
+
+def render_table(doc: dict, json_name: str) -> str:
+    """bench/README.md's learner table: per vocabulary and chunk, each rank count's median tokens/s and peak
+    memory, and the paired two-over-one-rank ratio."""
+    from sonar.bench.common import readme_block
+
+    cfg, m = doc["config"], doc["metrics"]
+    ranks = cfg["ranks"]
+    head = [f"{r} rank{'s' if r > 1 else ''}: tokens/s, peak{' per rank' if r > 1 else ''}" for r in ranks]
+    two = 1 in ranks and 2 in ranks
+    lines = ["| vocabulary | logits chunk | " + " | ".join(head) + (" | 2 over 1 rank" if two else "") + " |",
+             "|---|---|" + "---|" * (len(ranks) + two)]
+    for v in cfg["vocabs"]:
+        for c in cfg["chunks"]:
+            key = f"vocab={_label(v)}/chunk={c}"
+            cells = [f"{m[f'{key}/ranks={r}/tokens_per_s']['median']:,.0f}, "
+                     f"{m[f'{key}/ranks={r}/peak_mb']['median']:,.0f} MB" for r in ranks]
+            if two:
+                cells.append(f"{m[f'{key}/two_over_one_rank/tokens_per_s']['median']:.2f}×")
+            lines.append(f"| {v:,} | {'none' if c == 0 else f'{c:,} tokens'} | " + " | ".join(cells) + " |")
+    return readme_block("learner", json_name, lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:

@@ -447,6 +447,58 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
     fig.savefig(png, dpi=110)
 
 
+# bench/README.md's rendering of a result (pure: no runs; `sonar bench readme`, tests/bench/test_readme_blocks.py)
+
+def render_table(doc: dict, json_name: str) -> str:
+    """bench/README.md's per-question table: each protocol's held-out EM (mean ± 95 % half-width over
+    seeds), turns, retrieval calls, queries, generated tokens and time per question (means over seeds)."""
+    from sonar.bench.common import readme_block
+
+    m = doc["metrics"]
+
+    def mean(side: str, keys: str, what: str, form: str, scale: float = 1.0) -> str:
+        return " / ".join(form.format(scale * m[f"{side}/{k}/{what}"]["mean"]) for k in keys.split())
+
+    rows = (("held-out EM, all", lambda s: f"{m[f'{s}/all/em']['mean']:.3f} ± {m[f'{s}/all/em']['ci95']:.3f}"),
+            ("turns, all / parallel / sequential", lambda s: mean(s, "all parallel sequential", "turns", "{:.2f}")),
+            ("retrieval calls, all / parallel", lambda s: mean(s, "all parallel", "retrieval_calls", "{:.2f}")),
+            ("queries, all / parallel", lambda s: mean(s, "all parallel", "queries", "{:.2f}")),
+            ("generated tokens, all / parallel", lambda s: mean(s, "all parallel", "gen_tokens", "{:.1f}")),
+            ("wall time, flat CPU (real HFEngine, batch 1), all / parallel",
+             lambda s: mean(s, "all parallel", "wall_s", "{:.1f}", 1e3) + " ms"),
+            ("time, GPU-calibrated (`gpu_7b`), all / parallel",
+             lambda s: mean(s, "all parallel", "gpu_s", "{:.0f}", 1e3) + " ms"))
+    lines = ["| per question | " + " | ".join(f"{side}-query (`{p}`)" for side, p in PROTOCOLS.items()) + " |",
+             "|---|---|---|"]
+    lines += [f"| {label} | {cell('single')} | {cell('multi')} |" for label, cell in rows
+              if "gpu_7b" not in label or "single/all/gpu_s" in m]  # no GPU-calibrated times without the model
+    return readme_block(NAME, json_name, lines)
+
+
+def render_saving_table(doc: dict, json_name: str) -> str:
+    """bench/README.md's time-saving table: 1 − multi/single per seed, mean ± 95 % half-width over seeds, on
+    the flat-CPU wall and the GPU-calibrated time, per question set; the oracle's saving beside them."""
+    from sonar.bench.common import readme_block
+
+    m, ex = doc["metrics"], doc["extra"]
+
+    def saving(clock: str, where: str) -> str:
+        s = m.get(f"time_saving/{clock}/{where}")
+        return "–" if s is None else f"{100 * s['mean']:.1f} % ± {100 * s['ci95']:.1f}"
+
+    def oracle(where: str) -> str:
+        s = m.get(f"oracle_time_saving/gpu_s/{where}")
+        return "–" if s is None else f"{100 * s['mean']:.1f} %"
+
+    share = 100 * ex["parallel_questions"] / ex["questions"]
+    sets = ((f"all {ex['questions']} questions ({share:.0f} % parallel)", "all"),
+            (f"HotpotQA mix ({100 * ex['natural_parallel_share']:.1f} % parallel)", "natural"),
+            ("parallel questions", "parallel"), ("questions both policies answered right", "both_correct"))
+    lines = ["| | flat CPU | GPU-calibrated | oracle (gold demonstrations, GPU model) |", "|---|---|---|---|"]
+    lines += [f"| {label} | {saving('wall_s', w)} | {saving('gpu_s', w)} | {oracle(w)} |" for label, w in sets]
+    return readme_block(f"{NAME} saving", json_name, lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = base_parser(NAME, __doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, help="SFT runs per protocol (default 3; quick 2)")

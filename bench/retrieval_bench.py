@@ -254,6 +254,37 @@ def bench_elastic(corpus: Path, stream: list[str], cfg: dict, repeats: int, work
 
 # ---------------------------------------------------------------------------------------- main
 
+# bench/README.md's rendering of a result (pure: no runs; `sonar bench readme`, tests/bench/test_readme_blocks.py)
+
+def _sig3(v: float) -> str:
+    """Three significant figures (thousands separated): 2,115, 848, 55.2, 9.87."""
+    return f"{v:,.0f}" if abs(v) >= 99.95 else f"{v:.1f}" if abs(v) >= 9.995 else f"{v:.2f}"
+
+
+def render_table(doc: dict, json_name: str) -> str:
+    """bench/README.md's retrieval table: queries/s per workload (median [min, max] over repeats), BM25 and
+    BM25 + rerank, without and with the cache in front (the cache's hit rate beside BM25's)."""
+    from sonar.bench.common import readme_block
+
+    m, cfg = doc["metrics"], doc["config"]
+    kinds = ("single", "batched", "multiquery")
+
+    def qps(tag: str, spread: bool = True, hit: bool = False) -> str:
+        s = m[f"{tag}/qps"]
+        out = _sig3(s["median"]) + (f" [{_sig3(s['min'])}, {_sig3(s['max'])}]" if spread else "")
+        return out + (f" ({m[f'{tag}/hit_rate']['median']:.2f})" if hit else "")
+
+    rows = (("BM25 (tantivy), no cache: queries/s", "bm25", "nocache", True, False),
+            ("BM25, cache in front: queries/s (hit rate)", "bm25", "cache", False, True),
+            (f"BM25 top-{cfg['rerank_n']} + MiniLM rerank, no cache: queries/s", "dense", "nocache", True, False),
+            ("rerank, cache in front: queries/s", "dense", "cache", False, False))
+    lines = [f"| | single (1 query per call) | batched ({cfg['batch']} per call) | multi-query (3 per call) |",
+             "|---|---|---|---|"]
+    for label, stage, cache, spread, hit in rows:
+        lines.append(f"| {label} | " + " | ".join(qps(f"{stage}/{k}/{cache}", spread, hit) for k in kinds) + " |")
+    return readme_block("retrieval", json_name, lines)
+
+
 def main(argv=None) -> int:
     p = base_parser("retrieval", __doc__.split("\n")[0])
     p.add_argument("--work-dir", default=None, help="where corpus/index are cached (default runs/bench-retrieval[-quick])")

@@ -366,6 +366,42 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
     fig.savefig(png, dpi=110)
 
 
+def render_table(doc: dict, json_name: str) -> str:
+    """bench/README.md's table of a rollout-scaling result, per worker count (median [min–max] over repeats):
+    with the BENCHMARK engine trajectories and searches per second, efficiency and Sonar's overhead; with real
+    engines also generated tokens/s, the engine's time per trajectory and the share of time in the engine (pure:
+    no runs; `sonar bench readme`, tests/bench/test_readme_blocks.py)."""
+    from sonar.bench.common import readme_block
+
+    m, real = doc["metrics"], doc["config"]["engine"] != "bench"
+
+    def spread(n: int, key: str, form: str) -> str:
+        s = m[f"workers={n}/{key}"]
+        return f"{form.format(s['median'])} [{form.format(s['min'])}–{form.format(s['max'])}]"
+
+    def traj(n: int) -> str:
+        return spread(n, "trajectories_per_s", "{:.1f}" if m[f"workers={n}/trajectories_per_s"]["median"] >= 10
+                      else "{:.2f}")
+
+    def eff(n: int) -> str:
+        return spread(n, "efficiency_vs_linear", "{:.2f}") if real and n != doc["config"]["workers"][0] \
+            else f"{m[f'workers={n}/efficiency_vs_linear']['median']:.2f}"
+
+    if real:
+        lines = ["| workers | traj/s | generated tokens/s | efficiency vs linear | engine ms per trajectory | "
+                 "time in the engine | Sonar overhead per trajectory |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {n} | {traj(n)} | {spread(n, 'generated_tokens_per_s', '{:.0f}')} | {eff(n)} | "
+                  f"{m[f'workers={n}/engine_ms_per_traj']['median']:.0f} | "
+                  f"{100 * m[f'workers={n}/model_time_fraction']['median']:.1f} % | "
+                  f"{m[f'workers={n}/overhead_ms_per_traj']['median']:.1f} ms |" for n in doc["config"]["workers"]]
+    else:
+        lines = ["| workers | traj/s | searches/s | efficiency vs linear | Sonar overhead per trajectory |",
+                 "|---|---|---|---|---|"]
+        lines += [f"| {n} | {traj(n)} | {m[f'workers={n}/searches_per_s']['median']:.0f} | {eff(n)} | "
+                  f"{m[f'workers={n}/overhead_ms_per_traj']['median']:.1f} ms |" for n in doc["config"]["workers"]]
+    return readme_block(NAME, json_name, lines)
+
+
 def settings(argv: list[str] | None = None) -> tuple[dict, argparse.Namespace]:
     """The benchmark's settings from its command line: worker counts, windows, overrides and the resolved
     config they load to (nothing is started)."""

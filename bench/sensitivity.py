@@ -149,6 +149,25 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
     fig.savefig(png, dpi=110)
 
 
+def render_table(doc: dict, json_name: str) -> str:
+    """bench/README.md's sensitivity table: per point, the median over its seeds of the speedup, the two RL
+    walls and trained trajectories/s, the sync step's learner share and async's stale share (pure: no runs;
+    `sonar bench readme`, tests/bench/test_readme_blocks.py)."""
+    from sonar.bench.common import readme_block
+
+    def med(rows: list[dict], key: str) -> float:
+        return float(np.median([r[key] for r in rows]))
+
+    lines = ["| point | speedup | sync → async RL wall | trained traj/s, sync → async | sync learner share | "
+             "async stale |", "|---|---|---|---|---|---|"]
+    for label, rows in doc["extra"]["points"].items():
+        lines.append(f"| `{label}` | {med(rows, 'speedup'):.2f}× | {med(rows, 'sync_wall_s'):.1f} → "
+                     f"{med(rows, 'async_wall_s'):.1f} s | {med(rows, 'sync_trained_traj_per_s'):.1f} → "
+                     f"{med(rows, 'async_trained_traj_per_s'):.1f} | {med(rows, 'sync_learner_share'):.2f} | "
+                     f"{100 * med(rows, 'async_stale_share'):.1f} % |")
+    return readme_block(NAME, json_name, lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     from sonar.bench import async_vs_sync as A
 

@@ -136,6 +136,22 @@ def analyse(samples: dict[str, list[tuple[float, int]]], warmup: float, window_t
     return out
 
 
+def render_table(doc: dict, json_name: str) -> str:
+    """bench/README.md's soak table: per role, its RSS at the end of the warm-up and at the end of the run, and
+    the least-squares slope after the warm-up (pure: no runs; `sonar bench readme`,
+    tests/bench/test_readme_blocks.py)."""
+    import re
+
+    from sonar.bench.common import readme_block
+
+    lines = ["| role | RSS at warm-up end → end | slope |", "|---|---|---|"]
+    for role, r in doc["extra"]["roles"].items():
+        name = re.sub(r"^worker(\d+)$", r"worker \1", role)  # worker0 -> worker 0
+        slope = f"{r['slope_mb_per_min']:+.1f}" if round(r["slope_mb_per_min"], 1) else "0.0"  # no "-0.0"
+        lines.append(f"| {name} | {r['rss_mb_after_warmup']:,.0f} → {r['rss_mb_end']:,.0f} MB | {slope} MB/min |")
+    return readme_block(NAME, json_name, lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = driver_bench_parser(NAME, __doc__.splitlines()[0], "the run's config")
     p.add_argument("--minutes", type=float, default=None, help="how long to train in the last RL stage, from "

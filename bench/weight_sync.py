@@ -522,6 +522,59 @@ def plot(metrics: dict, extra: dict, png: Path) -> None:
     fig.savefig(png, dpi=110)
 
 
+# bench/README.md's rendering of a result (pure: no runs; `sonar bench readme`, tests/bench/test_readme_blocks.py)
+
+def _spread(m: dict, form: str, unit: str = "") -> str:
+    """A summary's median[ unit] [min–max], or ``(n=1)`` for a single repeat."""
+    if m["n"] == 1:
+        return f"{form.format(m['median'])}{unit} (n=1)"
+    return f"{form.format(m['median'])}{unit} [{form.format(m['min'])}–{form.format(m['max'])}]"
+
+
+def render_times_table(doc: dict, json_name: str) -> str:
+    """bench/README.md's first weight-sync table: per point and variant, seconds per sync median [min–max],
+    GB/s per receiver and Ray calls per sync; a variant the memory guard skipped says so."""
+    from sonar.bench.common import readme_block
+
+    m, variants = doc["metrics"], doc["config"]["variants"]
+    lines = ["| params (actual) | workers | tensors / buckets | " + " | ".join(variants) + " |",
+             "|---|---|---|" + "---|" * len(variants)]
+    for r in doc["extra"]["table"]:
+        key = f"params={r['label']}/workers={r['workers']}"
+        cells = [f"{_spread(m[f'{v}/{key}/seconds'], '{:.3f}', ' s')}, "
+                 f"{m[f'{v}/{key}/gbps_per_receiver']['median']:.2f} GB/s, {r[f'{v}_calls']} calls"
+                 if f"{v}/{key}/seconds" in m else "skipped (memory)" for v in variants]
+        size = f"{r['label']} ({r['actual_params'] / 1e6:.1f}M, {r['bytes'] / 2**20:.0f} MiB)"
+        lines.append(f"| {size} | {r['workers']} | {r['tensors']} / {r['buckets']} | " + " | ".join(cells) + " |")
+    return readme_block("weight-sync times", json_name, lines)
+
+
+def render_ratios_table(doc: dict, json_name: str) -> str:
+    """bench/README.md's second weight-sync table: bucketed's time over each other variant's, paired per
+    repeat (median [min–max]); the other variants' median times over bucketed_reuse's (not paired); GB/s per
+    receiver over memcpy's."""
+    from sonar.bench.common import readme_block
+
+    m = doc["metrics"]
+    others = [v for v in doc["config"]["variants"] if v != "bucketed"]
+    memcpy = m["memcpy/gbps"]["median"]
+    slower = [v for v in others if v != "bucketed_reuse"]
+    lines = ["| params | workers | " + " | ".join(f"bucketed / {v}" for v in others) + " | bucketed ÷ memcpy | "
+             + " | ".join(f"{v} ÷ bucketed_reuse" for v in slower) + " | bucketed_reuse ÷ memcpy |",
+             "|---|---|" + "---|" * (2 * len(others) + 1)]
+    for r in doc["extra"]["table"]:
+        key = f"params={r['label']}/workers={r['workers']}"
+        paired = [_spread(m[f"ratio/bucketed_over_{v}/{key}/time"], "{:.2f}") if f"ratio/bucketed_over_{v}/{key}/time"
+                  in m else "–" for v in others]
+        reuse = r.get("bucketed_reuse_s")
+        over_reuse = [f"{r[f'{v}_s'] / reuse:.2f}" if reuse and f"{v}_s" in r else "–" for v in slower]
+        reuse_memcpy = f"{r['bucketed_reuse_gbps'] / memcpy:.3f}" if reuse else "–"
+        lines.append(f"| {r['label']} | {r['workers']} | " + " | ".join(paired)
+                     + f" | {m[f'ratio/bucketed_gbps_over_memcpy/{key}']['median']:.3f} | "
+                     + " | ".join(over_reuse) + f" | {reuse_memcpy} |")
+    return readme_block("weight-sync ratios", json_name, lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = base_parser(NAME, __doc__.splitlines()[0])
     p.add_argument("--params", type=int, nargs="+", choices=sorted(MODEL_SHAPES), help="model sizes")
