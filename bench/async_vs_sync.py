@@ -896,13 +896,28 @@ def _tost(check: dict, form: str) -> str:
     return f"{_fmt(t['mean'], form)} [{lo}, {hi}] ±{_fmt(t['margin'], form)}: {verdict}"
 
 
-def render_table(doc: dict, json_name: str) -> str:
+VARIANT_BEGIN = "<!-- async-vs-sync variant table: "
+VARIANT_END = "<!-- /async-vs-sync variant table -->"
+"""The markers of a second result in the same form (one setting of the workload changed, e.g. the learner's
+GPUs), shown beside the main block: ``sonar bench readme`` renders it from the JSON its marker names."""
+
+
+def render_variant_table(doc: dict, json_name: str) -> str:
+    """``render_table`` of ``doc`` between the variant markers."""
+    return render_table(doc, json_name, variant=True)
+
+
+def render_table(doc: dict, json_name: str, variant: bool = False) -> str:
     """bench/README.md's async-vs-sync block for ``doc`` (an async-vs-sync result), markers included: the
-    per-setting figures over seeds, then per lag and baseline the speedup and the equivalence tests."""
+    per-setting figures over seeds, then per lag and baseline the speedup and the equivalence tests.
+    ``variant``: between the variant markers (``render_variant_table``)."""
     ex, cfg = doc["extra"], doc["config"]
     settings = list(ex["settings"])
-    lines = [f"{TABLE_BEGIN}bench/results/{json_name} (`sonar bench async-vs-sync --readme` writes this block; "
-             f"tests/bench/test_async_vs_sync_readme.py checks it) -->",
+    begin, end = (VARIANT_BEGIN, VARIANT_END) if variant else (TABLE_BEGIN, TABLE_END)
+    writer = ("`sonar bench readme` writes this block; tests/bench/test_readme_blocks.py checks it" if variant else
+              "`sonar bench async-vs-sync --readme` writes this block; tests/bench/test_async_vs_sync_readme.py "
+              "checks it")
+    lines = [f"{begin}bench/results/{json_name} ({writer}) -->",
              "Per setting, mean ± 95 % half-width over the seeds (pt: percentage points):", "",
              "| | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
     for label, key, form in SETTING_ROWS:
@@ -933,7 +948,7 @@ def render_table(doc: dict, json_name: str) -> str:
                   f"`{wl}`, seeds {', '.join(map(str, ex['seeds']))} (each seed's order rotated), "
                   f"{doc['config']['resolved']['stages'][-1]['steps']} RL steps per run, "
                   f"{ex['wall_s'] / 60:.0f} min in all.",
-              TABLE_END]
+              end]
     return "\n".join(lines)
 
 

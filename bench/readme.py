@@ -31,6 +31,7 @@ BLOCKS = {
     "default-run": default_run.render_table,
     "learner": learner_bench.render_table,
     "async-vs-sync": async_vs_sync.render_table,
+    "async-vs-sync variant": async_vs_sync.render_variant_table,
     "async-vs-sync lags": async_vs_sync.render_lags_table,
     "async-vs-sync ablation": async_vs_sync.render_ablation_table,
     "sensitivity": sensitivity.render_table,

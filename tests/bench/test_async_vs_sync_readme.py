@@ -103,3 +103,14 @@ def test_bench_readme_shows_its_async_vs_sync_json():
         assert subprocess.run(["git", "merge-base", "--is-ancestor", doc["commit"], "HEAD"], cwd=A.REPO_ROOT,
                               capture_output=True).returncode == 0, f"{name} names a commit outside this history"
     assert math.isfinite(doc["extra"]["wall_s"])
+
+
+def test_a_variant_block_is_the_same_rendering_between_its_own_markers():
+    """A second result shown beside the main one (e.g. ``sim.learner_gpus=4``) renders the same rows between
+    markers of its own, so `--readme` keeps writing the main block and each names its JSON."""
+    per = {"sync": [_run(60, 0.80), _run(62, 0.81)], "async_lag2": [_run(30, 0.80), _run(31, 0.81)]}
+    doc = _doc(per, [2], ["sync"])
+    main, var = A.render_table(doc, "r.json"), A.render_variant_table(doc, "v.json")
+    assert var.startswith(A.VARIANT_BEGIN + "bench/results/v.json") and var.endswith(A.VARIANT_END)
+    assert A.TABLE_BEGIN not in var and A.TABLE_END not in var
+    assert var.splitlines()[1:-1] == main.splitlines()[1:-1]
