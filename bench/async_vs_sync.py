@@ -896,29 +896,31 @@ def _tost(check: dict, form: str) -> str:
     return f"{_fmt(t['mean'], form)} [{lo}, {hi}] ±{_fmt(t['margin'], form)}: {verdict}"
 
 
-VARIANT_BEGIN = "<!-- async-vs-sync variant table: "
-VARIANT_END = "<!-- /async-vs-sync variant table -->"
-"""The markers of a second result in the same form (one setting of the workload changed, e.g. the learner's
-GPUs), shown beside the main block: ``sonar bench readme`` renders it from the JSON its marker names."""
+VARIANT_KIND = "async-vs-sync variant"
+"""A second result in the same form (one setting of the workload changed, e.g. the learner's GPUs), shown
+beside the main block: a ``common.readme_block`` that ``sonar bench readme`` renders from the JSON it names."""
+VARIANT_BEGIN, VARIANT_END = f"<!-- {VARIANT_KIND} table: ", f"<!-- /{VARIANT_KIND} table -->"
 
 
 def render_variant_table(doc: dict, json_name: str) -> str:
-    """``render_table`` of ``doc`` between the variant markers."""
-    return render_table(doc, json_name, variant=True)
+    """``render_table``'s rows of ``doc`` in a variant block."""
+    from sonar.bench.common import readme_block
+
+    return readme_block(VARIANT_KIND, json_name, _table_lines(doc))
 
 
-def render_table(doc: dict, json_name: str, variant: bool = False) -> str:
+def render_table(doc: dict, json_name: str) -> str:
     """bench/README.md's async-vs-sync block for ``doc`` (an async-vs-sync result), markers included: the
-    per-setting figures over seeds, then per lag and baseline the speedup and the equivalence tests.
-    ``variant``: between the variant markers (``render_variant_table``)."""
+    per-setting figures over seeds, then per lag and baseline the speedup and the equivalence tests."""
+    return "\n".join([f"{TABLE_BEGIN}bench/results/{json_name} (`sonar bench async-vs-sync --readme` writes this "
+                      f"block; tests/bench/test_async_vs_sync_readme.py checks it) -->", *_table_lines(doc), TABLE_END])
+
+
+def _table_lines(doc: dict) -> list[str]:
+    """The rows of an async-vs-sync block, between its markers."""
     ex, cfg = doc["extra"], doc["config"]
     settings = list(ex["settings"])
-    begin, end = (VARIANT_BEGIN, VARIANT_END) if variant else (TABLE_BEGIN, TABLE_END)
-    writer = ("`sonar bench readme` writes this block; tests/bench/test_readme_blocks.py checks it" if variant else
-              "`sonar bench async-vs-sync --readme` writes this block; tests/bench/test_async_vs_sync_readme.py "
-              "checks it")
-    lines = [f"{begin}bench/results/{json_name} ({writer}) -->",
-             "Per setting, mean ± 95 % half-width over the seeds (pt: percentage points):", "",
+    lines = ["Per setting, mean ± 95 % half-width over the seeds (pt: percentage points):", "",
              "| | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
     for label, key, form in SETTING_ROWS:
         lines.append(f"| {label} | " + " | ".join(
@@ -947,9 +949,8 @@ def render_table(doc: dict, json_name: str, variant: bool = False) -> str:
                   f"{hw.get('cpu_model') or 'CPU'}; {ex.get('machine_note', '')}): workload "
                   f"`{wl}`, seeds {', '.join(map(str, ex['seeds']))} (each seed's order rotated), "
                   f"{doc['config']['resolved']['stages'][-1]['steps']} RL steps per run, "
-                  f"{ex['wall_s'] / 60:.0f} min in all.",
-              end]
-    return "\n".join(lines)
+                  f"{ex['wall_s'] / 60:.0f} min in all."]
+    return lines
 
 
 def _pm(ci: dict, form: str = "{:.1f}", scale: float = 1.0) -> str:
