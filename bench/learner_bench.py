@@ -9,7 +9,9 @@ optimizer step: forward, backward and DeepSpeed's AdamW step) through a DeepSpee
 (``deepspeed_config(LearnerConfig)``, ZeRO stage ``--zero-stage``), every token of the step in one
 micro-batch (``micro_batch_tokens`` = the step's tokens, so unchunked means ``tokens x vocab`` float32
 logits at once). The model is the tiny policy's trunk (``ModelConfig`` defaults: hidden 128, 2 layers,
-tied embeddings) with the vocabulary set to 200 or 151,936. With 2 ranks the rows are split across the
+tied embeddings; ``--model H,L,HEADS,I`` sets hidden size, layers, heads and MLP width, e.g. ``512,8,8,1408``
+for the 25.8M-parameter policy that ``rollout-scaling --engine vllm`` decodes) with the vocabulary set to 200
+or 151,936 (``--vocabs``). With 2 ranks the rows are split across the
 ranks by ``rl_step(dp=(rank, 2))`` exactly as the learner does (``_rank_micro_batches``); the ranks are
 two processes on a gloo group built by the learner's own ``_init_process_group_on_loopback``.
 
@@ -109,12 +111,13 @@ def _one_setting(vocab: int, chunk: int, spec: dict, rank: int, world: int, devi
     from sonar.learner.worker import _import_deepspeed_without_shm_jit
 
     ds = _import_deepspeed_without_shm_jit()
-    mc = ModelConfig()
+    mc = spec["model"]
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
-        num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_heads,
-        max_position_embeddings=max(mc.max_position_embeddings, spec["seq_len"]), tie_word_embeddings=True))
+        vocab_size=vocab, hidden_size=mc["hidden_size"], intermediate_size=mc["intermediate_size"],
+        num_hidden_layers=mc["num_layers"], num_attention_heads=mc["num_heads"], num_key_value_heads=mc["num_heads"],
+        max_position_embeddings=max(ModelConfig().max_position_embeddings, spec["seq_len"]), tie_word_embeddings=True))
+    params = sum(p.numel() for p in model.parameters())
     on_gpu = device == "cuda"
     groups = _groups(spec["groups"], spec["seq_len"], vocab, seed=1)
     tokens = sum(t.num_tokens() for g in groups for t in g)
@@ -153,7 +156,7 @@ def _one_setting(vocab: int, chunk: int, spec: dict, rank: int, world: int, devi
         peaks.append((peak - base) / 2**20)
     del engine, stepper, opt, model
     gc.collect()
-    return {"vocab": vocab, "chunk": chunk, "tokens": tokens, "times": times, "peak_mb": peaks}
+    return {"vocab": vocab, "chunk": chunk, "tokens": tokens, "params": params, "times": times, "peak_mb": peaks}
 
 
 def worker(spec_path: str, rank: int) -> int:
@@ -174,11 +177,30 @@ def worker(spec_path: str, rank: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------ driver side
+def _model_spec(text: str | None) -> dict:
+    """``H,L,HEADS,I`` (None: the tiny policy's ``ModelConfig``) as the worker's model fields."""
+    import argparse
+
+    from sonar.cluster.wire.config import ModelConfig
+
+    if text is None:
+        mc = ModelConfig()
+        return {"hidden_size": mc.hidden_size, "num_layers": mc.num_layers, "num_heads": mc.num_heads,
+                "intermediate_size": mc.intermediate_size}
+    try:
+        h, n, heads, inter = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--model {text!r}: expected four integers H,L,HEADS,I") from None
+    if min(h, n, heads, inter) < 1 or h % heads:
+        raise argparse.ArgumentTypeError(f"--model {text!r}: every field must be >= 1 and H a multiple of HEADS")
+    return {"hidden_size": h, "num_layers": n, "num_heads": heads, "intermediate_size": inter}
+
+
 def run_ranks(cfg: dict, world: int, device: str, tmp: Path, timeout_s: float) -> list[dict]:
     """Start ``world`` worker processes (one per rank) for every (vocab, chunk) setting; their results."""
     from sonar.learner.worker import free_port
 
-    spec = {k: cfg[k] for k in ("vocabs", "chunks", "groups", "seq_len", "warmup", "repeats", "zero_stage")}
+    spec = {k: cfg[k] for k in ("vocabs", "chunks", "groups", "seq_len", "warmup", "repeats", "zero_stage", "model")}
     spec.update(world=world, device=device, port=free_port(), out=str(tmp / f"w{world}-r{{rank}}.json"))
     spec_path = tmp / f"spec-{world}.json"
     spec_path.write_text(json.dumps(spec))
@@ -210,7 +232,7 @@ def collect(cfg: dict, by_world: dict[int, list[dict]], metrics: dict, rows: lis
             metrics[f"{key}/step_s"] = summarise(times)
             metrics[f"{key}/peak_mb"] = summarise(peaks)
             rows.append({"vocab": res["vocab"], "chunk": res["chunk"], "ranks": world, "tokens": res["tokens"],
-                         "step_s": times, "peak_mb": peaks,
+                         "params": res["params"], "step_s": times, "peak_mb": peaks,
                          "unchunked_logits_mb": res["tokens"] * res["vocab"] * 4 / 2**20})
     chunked = [c for c in cfg["chunks"] if c > 0]
     for v in cfg["vocabs"]:
@@ -281,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=None, help="the chunked setting's learner.logits_chunk_tokens")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per trajectory")
     p.add_argument("--groups", type=int, default=None, help="groups of 4 trajectories per step")
+    p.add_argument("--vocabs", type=int, nargs="+", default=None,
+                   help=f"vocabulary sizes to run (default {TINY_VOCAB} {QWEN_VOCAB})")
+    p.add_argument("--model", type=_model_spec, default=None, metavar="H,L,HEADS,I",
+                   help="the policy's hidden size, layers, attention heads and MLP width (default: the tiny "
+                        "policy's ModelConfig)")
     p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="learner.zero_stage of every setting (default 0)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -291,11 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats:
         cfg["repeats"] = args.repeats
     for k, v in (("ranks", args.ranks), ("seq_len", args.seq_len), ("groups", args.groups),
-                 ("zero_stage", args.zero_stage)):
+                 ("zero_stage", args.zero_stage), ("vocabs", args.vocabs)):
         if v is not None:
             cfg[k] = v
     if args.chunk is not None:
         cfg["chunks"] = [0, args.chunk]
+    cfg["model"] = args.model or _model_spec(None)
     import torch
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device

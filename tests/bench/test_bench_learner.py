@@ -23,3 +23,19 @@ def test_learner_bench_quick(tmp_path):
     # unchunked: 148 MiB of logits plus their gradient and softmax temporaries; chunked: 32 tokens' worth
     assert m["vocab=152k/ranks=1/unchunked_over_chunk32/peak_mb"]["median"] > 1.5
     assert {r["ranks"] for r in doc["extra"]["rows"]} == {1, 2}
+    # the tiny policy's trunk by default, recorded; tied embeddings: the vocabularies differ by (V - 200) x hidden
+    assert doc["config"]["model"] == {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "intermediate_size": 384}
+    params = {r["vocab"]: r["params"] for r in doc["extra"]["rows"]}
+    assert params[151_936] - params[200] == (151_936 - 200) * 128
+
+
+def test_the_model_flag_sets_every_field_and_names_a_bad_value():
+    import argparse
+
+    from sonar.bench.learner_bench import _model_spec
+
+    assert _model_spec("512,8,8,1408") == {"hidden_size": 512, "num_layers": 8, "num_heads": 8,
+                                           "intermediate_size": 1408}
+    for bad in ("512,8,8", "512,8,x,1408", "512,8,3,1408", "0,8,8,1408"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"--model '{bad}'"):
+            _model_spec(bad)
