@@ -305,9 +305,12 @@ _install_import_hooks()
 
 
 ACTOR_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-             "HF_HUB_OFFLINE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-"""Environment every Sonar actor gets (one thread per process, no hub access) unless the job's runtime
-env sets the key itself: the job's value wins."""
+             "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""Environment every Sonar actor gets (one thread per process, no hub access, no progress bars) unless the
+job's runtime env sets the key itself: the job's value wins. Progress bars: Ray forwards an actor's stderr to
+the driver line by line, so transformers' "Loading weights" / "Writing model shards" bars (every worker start,
+every checkpoint) arrived as ``(Learner pid=...) Writing model shards: 0%| ... 100%|...`` lines in the run's
+log; transformers and huggingface_hub read the variable when they are imported, after ``import sonar``."""
 
 
 LOCAL_NODE_ENV = {"RAY_worker_niceness": "0"}

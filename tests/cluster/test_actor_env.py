@@ -5,7 +5,7 @@ import pytest
 
 pytestmark = pytest.mark.ray
 
-KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE")
+KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS")
 
 
 def _probe(address, runtime_env):
@@ -24,9 +24,12 @@ def _probe(address, runtime_env):
             import sonar  # noqa: F401 - what loading any Sonar actor class runs first
 
             self.env = {k: os.environ.get(k) for k in keys}
+            from huggingface_hub.utils import are_progress_bars_disabled  # read at import, as transformers does
+
+            self.bars_off = are_progress_bars_disabled()
 
         def report(self):
-            return self.argv0, self.had_sonar, self.before, self.env
+            return self.argv0, self.had_sonar, self.before, self.env, self.bars_off
 
     ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
     try:
@@ -42,15 +45,17 @@ def test_an_actor_sets_sonars_defaults_itself_and_leaves_the_jobs_keys(ray_clust
     if ray_cluster is None:
         pytest.skip("needs the session's Ray cluster")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    argv0, had_sonar, _, env = _probe(ray_cluster.address, None)
+    argv0, had_sonar, _, env, bars_off = _probe(ray_cluster.address, None)
     assert argv0.endswith("default_worker.py") and not had_sonar
     assert env == {k: ACTOR_ENV[k] for k in KEYS}
+    assert bars_off  # transformers' "Loading weights" bars stay out of the driver's log
     # a job that sets two of the keys: its values stand; the other two are Sonar's
-    argv0, _, before, env = _probe(ray_cluster.address, {"env_vars": {"HF_HUB_OFFLINE": "0",
-                                                                        "TOKENIZERS_PARALLELISM": "true"}})
+    argv0, _, before, env, bars_off = _probe(ray_cluster.address, {"env_vars": {
+        "HF_HUB_OFFLINE": "0", "TOKENIZERS_PARALLELISM": "true", "HF_HUB_DISABLE_PROGRESS_BARS": "0"}})
     assert (before["HF_HUB_OFFLINE"], before["TOKENIZERS_PARALLELISM"]) == ("0", "true")  # the job's, as Ray set them
     assert env == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "unset-by-test",
-                   "HF_HUB_OFFLINE": "unset-by-test"}
+                   "HF_HUB_OFFLINE": "unset-by-test", "HF_HUB_DISABLE_PROGRESS_BARS": "unset-by-test"}
+    assert not bars_off  # a job that wants the bars keeps them
 
 
 NICENESS_SCRIPT = r"""
