@@ -37,8 +37,9 @@ unexport PYTHONDONTWRITEBYTECODE
 # and teardown seconds in .ci/durations.tsv plus a JUnit report in .ci/junit.xml (both gitignored).
 DURATIONS := --durations=25 --durations-file=.ci/durations.tsv -o junit_family=xunit2 --junitxml=.ci/junit.xml
 
-# Two pytest-xdist workers (the CI machine's two cores; the suite alone keeps about 1.3 of them busy,
-# waiting on actor start-ups, subprocesses and collectives the rest of the time). Whole files go to a
+# Two pytest-xdist workers (the CI machine's two cores). Each worker's tests start Ray actors, vLLM engines and
+# CLI subprocesses, so two workers keep both cores about 90 % busy; three were slower (95a2419, same host,
+# idle: 13 min 42 s against 12 min 51 s with two), so TEST_WORKERS follows the cores, not the waits. Whole files go to a
 # worker (a module's fixtures, e.g. a trained run or a vLLM engine, are built once), the files with
 # vLLM/slow/Ray tests first (tests/conftest.py). PARALLEL=-n0 runs everything in one process.
 TEST_WORKERS ?= 2

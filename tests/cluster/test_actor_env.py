@@ -49,7 +49,7 @@ def test_an_actor_sets_sonars_defaults_itself_and_leaves_the_jobs_keys(ray_clust
     assert argv0.endswith("default_worker.py") and not had_sonar
     assert env == {k: ACTOR_ENV[k] for k in KEYS}
     assert bars_off  # transformers' "Loading weights" bars stay out of the driver's log
-    # a job that sets two of the keys: its values stand; the other two are Sonar's
+    # a job that sets three of the keys: its values stand (Sonar leaves them); the other two are Sonar's
     argv0, _, before, env, bars_off = _probe(ray_cluster.address, {"env_vars": {
         "HF_HUB_OFFLINE": "0", "TOKENIZERS_PARALLELISM": "true", "HF_HUB_DISABLE_PROGRESS_BARS": "0"}})
     assert (before["HF_HUB_OFFLINE"], before["TOKENIZERS_PARALLELISM"]) == ("0", "true")  # the job's, as Ray set them
