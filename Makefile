@@ -38,8 +38,8 @@ unexport PYTHONDONTWRITEBYTECODE
 DURATIONS := --durations=25 --durations-file=.ci/durations.tsv -o junit_family=xunit2 --junitxml=.ci/junit.xml
 
 # Two pytest-xdist workers (the CI machine's two cores). Each worker's tests start Ray actors, vLLM engines and
-# CLI subprocesses, so two workers keep both cores about 90 % busy; three were slower (95a2419, same host,
-# idle: 13 min 42 s against 12 min 51 s with two), so TEST_WORKERS follows the cores, not the waits. Whole files go to a
+# CLI subprocesses, so two workers keep both cores about 90 % busy; three were no faster (idle, one host, one
+# day: 13 min 42 s on 95a2419 against 12 min 51 s and 13 min 41 s with two), so TEST_WORKERS follows the cores. Whole files go to a
 # worker (a module's fixtures, e.g. a trained run or a vLLM engine, are built once), the files with
 # vLLM/slow/Ray tests first (tests/conftest.py). PARALLEL=-n0 runs everything in one process.
 TEST_WORKERS ?= 2
