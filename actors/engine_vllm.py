@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -183,7 +184,8 @@ class VLLMEngine:
         self._interrupts = 0          # bumped before every interrupting pause: aborted rows of older epochs resubmit
         self._joined = False
         self.stats = {"requests": 0, "rows": 0, "tokens": 0, "resubmitted": 0, "mixed_rows": 0, "pushes": 0,
-                      "recv_s": 0.0, "apply_s": 0.0, "load_s": 0.0, "bytes": 0}
+                      "recv_s": 0.0, "apply_s": 0.0, "load_s": 0.0, "bytes": 0, "reload_misses_expected": 0,
+                      "reload_misses": 0}
         kwargs: dict[str, Any] = dict(
             model=model_dir, dtype=dtype, max_model_len=max_model_len, max_num_seqs=int(max_num_seqs), seed=int(seed),
             enable_prefix_caching=bool(enable_prefix_caching), enforce_eager=bool(enforce_eager),
@@ -422,7 +424,9 @@ class VLLMEngine:
         receive and load bucket by bucket in every vLLM worker, stamp the version, reset the prefix cache,
         resume; returns once the new weights are live. ``seconds``: the slowest rank's receive + load
         after the handshake; ``pause_s``: the drain (pause) or abort (interrupt) before it; ``bytes``;
-        ``held_copies``/``held_bytes``: tensors vLLM's layerwise reload kept past their bucket (copied)."""
+        ``held_copies``/``held_bytes``: tensors vLLM's layerwise reload kept past their bucket (copied);
+        ``reload_misses``: layers that received nothing and kept their previous weights (logged), beside
+        ``reload_misses_expected``, the layers that load nothing by construction (``vllm_extension``)."""
         if not self._joined:
             raise RuntimeError("receive_weights before setup_broadcast")
         return self._call(self._areceive(int(version)))
@@ -484,10 +488,19 @@ class VLLMEngine:
             self.stats["recv_s"] += rpc_s
             self.stats["load_s"] += max(o["load_s"] for o in out)
             self.stats["bytes"] += out[0]["bytes"]
+            # vllm_extension's docstring: layers that load nothing by construction (counted, their
+            # warnings dropped), and any other layer the push did not reach (it kept its old weights)
+            self.stats["reload_misses_expected"] += sum(o["reload_misses_expected"] for o in out)
+            missed = sorted({layer for o in out for layer in o["reload_misses"]})
+            if missed:
+                self.stats["reload_misses"] += 1
+                logging.getLogger("sonar").warning(
+                    "vLLM push v%d: layers %s received no weights and kept their previous ones", version, missed)
         return {"version": version, "seconds": max(o["seconds"] for o in out), "rpc_s": rpc_s, "pause_s": t1 - t0,
                 "bytes": out[0]["bytes"], "ranks": len(out), "held_copies": max(o["held_copies"] for o in out),
                 "held_bytes": max(o["held_bytes"] for o in out), "fresh_buffers": max(o["fresh_buffers"] for o in out),
-                "buffer_bytes": max(o["buffer_bytes"] for o in out)}
+                "buffer_bytes": max(o["buffer_bytes"] for o in out), "reload_misses": missed,
+                "reload_misses_expected": max(o["reload_misses_expected"] for o in out)}
 
     async def _achecksum(self) -> dict:
         async with self._weights_lock:

@@ -51,11 +51,21 @@ Checksum: each tensor is summed (``weights.Checksum``, float64 in chunks) as its
 what was received, and stored with its version; :meth:`sonar_checksum` keeps no buffers. (A checksum
 over vLLM's own parameters would see fused and prepacked tensors, not the learner's.)
 
+Layers a push cannot reach: the reload's finalize warns "<Layer>: Failed to load weights" for every
+layer that counts loadable elements yet received none, and puts its previous tensors back. Two kinds do
+so by construction at every push, and those warnings are dropped (``_ReloadMisses``, counted as
+``reload_misses_expected``): a layer holding only derived buffers (``RotaryEmbedding``'s cos/sin cache,
+computed from the config, never in a checkpoint) and the second owner of a shared weight (a tied
+``ParallelLMHead``: the checkpoint holds ``embed_tokens`` only, and ``_reprocess_tied_embeddings`` redoes
+its processing). Any other layer named there kept its previous weights: it is kept in vLLM's log and
+returned (``reload_misses``) for the engine to report.
+
 Imports: torch and ``sonar.cluster.wire`` only (vLLM inside methods) -- this module is imported inside
 vLLM's processes.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -110,12 +120,14 @@ class SonarWorkerExtension:
         model = self.model_runner.get_model()
         sums = Checksum()
         t0 = time.perf_counter()
+        misses = _ReloadMisses(_unloadable_by_construction(model))
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             initialize_layerwise_reload(model)
             try:
                 out = group.recv_streamed(self._sonar_buckets, model.load_weights, sums)
             finally:  # never leave layers on the meta device, even after a failed receive
-                finalize_layerwise_reload(model, self.vllm_config.model_config)
+                with misses.watching():
+                    finalize_layerwise_reload(model, self.vllm_config.model_config)
             for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
                 fn = getattr(self.model_runner, reset, None)
                 if callable(fn):
@@ -125,7 +137,8 @@ class SonarWorkerExtension:
             torch.cuda.synchronize()
         self._sonar_checksum = (int(version), sums.value)
         self._sonar_loaded = int(version)
-        return {"rank": int(self.rank), "version": int(version), "total_s": time.perf_counter() - t0, **out}
+        return {"rank": int(self.rank), "version": int(version), "total_s": time.perf_counter() - t0,
+                "reload_misses_expected": misses.expected, "reload_misses": sorted(misses.other), **out}
 
     def sonar_checksum(self) -> dict:
         """``sonar.cluster.wire.weights.checksum`` of the tensors of the last complete push, summed as they
@@ -161,3 +174,56 @@ def _reprocess_tied_embeddings(model: torch.nn.Module) -> int:
                 method.process_weights_after_loading(mod)
                 redone += 1
     return redone
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+RELOAD_MISS = "%s: Failed to load weights"
+"""vLLM 0.32's logger and message (``finalize_layerwise_processing``) for a layer that received nothing."""
+
+
+def _unloadable_by_construction(model: torch.nn.Module) -> frozenset[str]:
+    """Class names of the layers no push can load (module docstring): those with buffers and no
+    parameters of their own, and every owner of a shared weight but the first (the one the checkpoint
+    name loads: ``embed_tokens`` comes before ``lm_head`` in ``modules()``)."""
+    names, seen = set(), set()
+    for mod in model.modules():
+        own = list(mod.parameters(recurse=False))
+        if not own and next(mod.buffers(recurse=False), None) is not None:
+            names.add(type(mod).__name__)
+        for p in own:
+            if id(p) in seen:
+                names.add(type(mod).__name__)
+            seen.add(id(p))
+    return frozenset(names)
+
+
+class _ReloadMisses(logging.Filter):
+    """On vLLM's reload logger while the reload finalizes: drops the "Failed to load weights" records of
+    ``expected`` layers (counted) and lets every other through (their layer names kept in ``other``)."""
+
+    def __init__(self, unloadable: frozenset[str]):
+        super().__init__()
+        self.unloadable, self.expected, self.other = unloadable, 0, set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != RELOAD_MISS or not record.args:
+            return True
+        layer = str(record.args[0])
+        if layer in self.unloadable:
+            self.expected += 1
+            return False
+        self.other.add(layer)
+        return True
+
+    def watching(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def on():
+            log = logging.getLogger(RELOAD_LOGGER)
+            log.addFilter(self)
+            try:
+                yield self
+            finally:
+                log.removeFilter(self)
+        return on()

@@ -59,3 +59,66 @@ def test_every_runner_has_what_the_extension_calls(name):
     for method, keywords in _runner_calls().items():
         assert method in methods, f"{name}: GPUModelRunner has no {method}"
         assert keywords <= set(methods[method]), f"{name}: {method} lacks {keywords - set(methods[method])}"
+
+
+def test_the_reload_miss_warning_the_extension_filters_is_vllms():
+    """The extension drops vLLM's "<Layer>: Failed to load weights" for layers that load nothing by
+    construction; if vLLM renamed its logger or reworded the message the filter would stop engaging, and
+    the warnings (and the misses it reports) would go unseen by it: pinned to the installed source."""
+    from sonar.actors.vllm_extension import RELOAD_LOGGER, RELOAD_MISS
+
+    rel = RELOAD_LOGGER.removeprefix("vllm.").replace(".", "/") + ".py"
+    src = (_vllm_dir() / rel).read_text()
+    assert "logger = init_logger(__name__)" in src
+    assert f'logger.warning("{RELOAD_MISS}", layer.__class__.__name__)' in src
+
+
+def test_a_push_drops_only_the_misses_of_layers_that_load_nothing_by_construction():
+    import logging
+
+    import torch
+
+    from sonar.actors.vllm_extension import RELOAD_LOGGER, RELOAD_MISS, _ReloadMisses, _unloadable_by_construction
+
+    class RotaryEmbedding(torch.nn.Module):  # vLLM's: a cos/sin cache buffer, no parameter
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cos_sin_cache", torch.zeros(4, 2))
+
+    class ParallelLMHead(torch.nn.Module):
+        def __init__(self, weight):
+            super().__init__()
+            self.weight = weight
+
+    class Model(torch.nn.Module):
+        def __init__(self, tied: bool):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(5, 2)
+            self.rotary = RotaryEmbedding()
+            self.qkv = torch.nn.Linear(2, 6)
+            self.lm_head = ParallelLMHead(self.embed_tokens.weight if tied else torch.nn.Parameter(torch.zeros(5, 2)))
+
+    assert _unloadable_by_construction(Model(tied=True)) == {"RotaryEmbedding", "ParallelLMHead"}
+    assert _unloadable_by_construction(Model(tied=False)) == {"RotaryEmbedding"}  # an untied head must load
+
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    log = logging.getLogger(RELOAD_LOGGER)
+    handler = Keep()
+    log.addHandler(handler)
+    try:
+        misses = _ReloadMisses(_unloadable_by_construction(Model(tied=False)))
+        with misses.watching():
+            for layer in ("RotaryEmbedding", "ParallelLMHead", "QKVParallelLinear"):
+                log.warning(RELOAD_MISS, layer)
+            log.warning("something else about %s", "RotaryEmbedding")
+        log.warning(RELOAD_MISS, "RotaryEmbedding")  # the filter is gone once the reload has finalized
+    finally:
+        log.removeHandler(handler)
+    assert misses.expected == 1 and misses.other == {"ParallelLMHead", "QKVParallelLinear"}
+    assert seen == ["ParallelLMHead: Failed to load weights", "QKVParallelLinear: Failed to load weights",
+                    "something else about RotaryEmbedding", "RotaryEmbedding: Failed to load weights"]
