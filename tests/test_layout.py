@@ -135,8 +135,11 @@ def test_the_wheel_installs_one_namespace(tmp_path):
     import sys
     import zipfile
 
+    from tests.checkout import copy_tracked
+
+    src = copy_tracked(tmp_path / "src")  # built from a copy: setuptools writes build/ where it builds
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
-                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+                          "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     # not setuptools': pip's notes on this machine's index locations, and byte-compiling switched off
     # by PYTHONDONTWRITEBYTECODE in the environment
@@ -144,7 +147,7 @@ def test_the_wheel_installs_one_namespace(tmp_path):
              if re.search(r"warning|deprecat|!!", line, re.I)
              and "byte-compiling is disabled" not in line and "Location '" not in line]
     assert not noise, noise[:10]
-    (wheel,) = tmp_path.glob("*.whl")
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"sonar"}, f"the wheel installs top-level {sorted(tops)}"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.checkout import copy_tracked
 from tests.cluster.ray_head import (BIN, _alive_actors, _env, _mlflow_status, _run_of, _submit,  # noqa: F401
                                     ray_head)  # (ray_head: the fixture)
 from tests.waiting import wait_until
@@ -47,12 +48,7 @@ def checkout_job(ray_head, tmp_path_factory):
 
     url, _, root = ray_head
     tmp_path = tmp_path_factory.mktemp("checkout_job")
-    copy = tmp_path / "checkout"
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    for rel in files:
-        if (ROOT / rel).is_file():
-            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, copy / rel)
+    copy = copy_tracked(tmp_path / "checkout")
     init = copy / "__init__.py"
     init.write_text(init.read_text().replace('__version__ = "0.2.0"', '__version__ = "0.2.0+edited"'))
     assert "0.2.0+edited" in init.read_text()

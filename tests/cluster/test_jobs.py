@@ -103,14 +103,9 @@ def test_a_checkout_driver_ships_its_package_and_keeps_the_jobs_own_py_modules(m
 def _checkout_copy(dest):
     """The checkout's tracked files copied to ``dest`` (what a user's clone holds), plus untracked
     ``.git``, ``.venv`` and ``runs`` entries that must not travel."""
-    import shutil
-    import subprocess
+    from tests.checkout import copy_tracked
 
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    for rel in files:
-        if (ROOT / rel).is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, dest / rel)
+    copy_tracked(dest)
     for junk in (".git/HEAD", ".venv/lib/big.bin", "runs/old/mlflow.db"):
         (dest / junk).parent.mkdir(parents=True, exist_ok=True)
         (dest / junk).write_bytes(b"x" * 1000)

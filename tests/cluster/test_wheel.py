@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.checkout import copy_tracked
 
 
 def _run(cmd, timeout=300, **kw):
@@ -27,13 +27,7 @@ def wheel_env(tmp_path_factory):
     """(python, sonar, env, a folder outside the checkout) of a venv holding the wheel."""
     tmp_path = tmp_path_factory.mktemp("wheel")
     # The tracked files only (what a clean checkout holds), so the wheel is the repository's, not the tree's litter.
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
-    src = tmp_path / "src"
-    for f in filter(None, files):
-        rel = f.decode()
-        if (ROOT / rel).is_file():
-            (src / rel).parent.mkdir(parents=True, exist_ok=True)
-            (src / rel).write_bytes((ROOT / rel).read_bytes())
+    src = copy_tracked(tmp_path / "src")
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                             str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-4000:]
