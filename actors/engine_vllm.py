@@ -185,7 +185,7 @@ class VLLMEngine:
         self._joined = False
         self.stats = {"requests": 0, "rows": 0, "tokens": 0, "resubmitted": 0, "mixed_rows": 0, "pushes": 0,
                       "recv_s": 0.0, "apply_s": 0.0, "load_s": 0.0, "bytes": 0, "reload_misses_expected": 0,
-                      "reload_misses": 0}
+                      "pushes_with_reload_misses": 0}
         kwargs: dict[str, Any] = dict(
             model=model_dir, dtype=dtype, max_model_len=max_model_len, max_num_seqs=int(max_num_seqs), seed=int(seed),
             enable_prefix_caching=bool(enable_prefix_caching), enforce_eager=bool(enforce_eager),
@@ -490,17 +490,18 @@ class VLLMEngine:
             self.stats["bytes"] += out[0]["bytes"]
             # vllm_extension's docstring: layers that load nothing by construction (counted, their
             # warnings dropped), and any other layer the push did not reach (it kept its old weights)
-            self.stats["reload_misses_expected"] += sum(o["reload_misses_expected"] for o in out)
+            expected = max(o["reload_misses_expected"] for o in out)  # every rank holds every layer
+            self.stats["reload_misses_expected"] += expected
             missed = sorted({layer for o in out for layer in o["reload_misses"]})
             if missed:
-                self.stats["reload_misses"] += 1
+                self.stats["pushes_with_reload_misses"] += 1
                 logging.getLogger("sonar").warning(
                     "vLLM push v%d: layers %s received no weights and kept their previous ones", version, missed)
         return {"version": version, "seconds": max(o["seconds"] for o in out), "rpc_s": rpc_s, "pause_s": t1 - t0,
                 "bytes": out[0]["bytes"], "ranks": len(out), "held_copies": max(o["held_copies"] for o in out),
                 "held_bytes": max(o["held_bytes"] for o in out), "fresh_buffers": max(o["fresh_buffers"] for o in out),
                 "buffer_bytes": max(o["buffer_bytes"] for o in out), "reload_misses": missed,
-                "reload_misses_expected": max(o["reload_misses_expected"] for o in out)}
+                "reload_misses_expected": expected}
 
     async def _achecksum(self) -> dict:
         async with self._weights_lock:

@@ -126,7 +126,7 @@ class SonarWorkerExtension:
             try:
                 out = group.recv_streamed(self._sonar_buckets, model.load_weights, sums)
             finally:  # never leave layers on the meta device, even after a failed receive
-                with misses.watching():
+                with misses:  # the filter on vLLM's reload logger while the reload finalizes
                     finalize_layerwise_reload(model, self.vllm_config.model_config)
             for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
                 fn = getattr(self.model_runner, reset, None)
@@ -198,8 +198,9 @@ def _unloadable_by_construction(model: torch.nn.Module) -> frozenset[str]:
 
 
 class _ReloadMisses(logging.Filter):
-    """On vLLM's reload logger while the reload finalizes: drops the "Failed to load weights" records of
-    ``expected`` layers (counted) and lets every other through (their layer names kept in ``other``)."""
+    """A filter on vLLM's reload logger while ``with misses:`` lasts: drops the "Failed to load weights"
+    records of ``unloadable`` layers (counted in ``expected``) and lets every other through (their layer
+    names kept in ``other``)."""
 
     def __init__(self, unloadable: frozenset[str]):
         super().__init__()
@@ -215,15 +216,9 @@ class _ReloadMisses(logging.Filter):
         self.other.add(layer)
         return True
 
-    def watching(self):
-        import contextlib
+    def __enter__(self) -> "_ReloadMisses":
+        logging.getLogger(RELOAD_LOGGER).addFilter(self)
+        return self
 
-        @contextlib.contextmanager
-        def on():
-            log = logging.getLogger(RELOAD_LOGGER)
-            log.addFilter(self)
-            try:
-                yield self
-            finally:
-                log.removeFilter(self)
-        return on()
+    def __exit__(self, *exc) -> None:
+        logging.getLogger(RELOAD_LOGGER).removeFilter(self)

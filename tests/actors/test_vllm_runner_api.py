@@ -112,7 +112,7 @@ def test_a_push_drops_only_the_misses_of_layers_that_load_nothing_by_constructio
     log.addHandler(handler)
     try:
         misses = _ReloadMisses(_unloadable_by_construction(Model(tied=False)))
-        with misses.watching():
+        with misses:
             for layer in ("RotaryEmbedding", "ParallelLMHead", "QKVParallelLinear"):
                 log.warning(RELOAD_MISS, layer)
             log.warning("something else about %s", "RotaryEmbedding")
