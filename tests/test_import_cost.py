@@ -77,6 +77,16 @@ def test_the_module_map_is_kept_per_environment_and_recomputed_when_it_changes(t
     second = json.loads(_run(METADATA, SONAR_CACHE_DIR=str(cache))[0])
     assert second["got"] == {**first["fresh"], "marked": ["marked"]}
 
+    # ...also with a folder on sys.path that holds no distribution (a script's folder, a job's working dir):
+    # nothing of it can change the answer, so it keeps the key
+    plain = tmp_path / "plain"
+    (plain / "somepkg").mkdir(parents=True)
+    (plain / "somepkg" / "__init__.py").write_text("")
+    pythonpath = os.pathsep.join(filter(None, [str(plain), os.environ.get("PYTHONPATH")]))
+    other = json.loads(_run(METADATA, SONAR_CACHE_DIR=str(cache), PYTHONPATH=pythonpath)[0])
+    assert other["got"] == {**first["fresh"], "marked": ["marked"]}
+    assert len(list(cache.glob("packages_distributions-*.json"))) == 1
+
     # ...until the environment changes: a distribution installed on sys.path makes a new key
     site = tmp_path / "site"
     (site / "fake_dist-1.0.dist-info").mkdir(parents=True)

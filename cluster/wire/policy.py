@@ -78,10 +78,21 @@ def save_policy(model, tokenizer, path: str | Path, state_dict: dict | None = No
     """Weights (safetensors) + config + generation config + tokenizer into one directory. ``state_dict``:
     the weights to write instead of ``model``'s own (then ``model`` may be a meta-device model of the
     config, in the dtype the config should record); transformers consumes the dict (it pops from it)."""
+    from transformers.utils import logging as hf_logging
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, state_dict=state_dict)
-    tokenizer.save_pretrained(path)
+    # No "Writing model shards" bar: a run writes a policy at start-up, at every stage's end and at its
+    # export, and a bar is a line of the run's log each time (the actors' env already turns bars off,
+    # ``sonar.ACTOR_ENV``; this is the driver's one, from the initial policy).
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path, state_dict=state_dict)
+        tokenizer.save_pretrained(path)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     return path
 
 

@@ -123,6 +123,31 @@ def test_save_load_policy(world, tok, tmp_path):
         load_policy(tmp_path / "missing")
 
 
+@pytest.mark.parametrize("bars", [True, False])
+def test_save_policy_writes_no_progress_bar_and_leaves_the_setting_as_it_was(tok, tmp_path, capsys, bars):
+    from transformers.utils import logging as hf_logging
+
+    m = build_policy(ModelConfig(), tok)
+    shown = hf_logging.is_progress_bar_enabled()
+    try:
+        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+        capsys.readouterr()
+        save_policy(m, tok, tmp_path / "p")
+        out = capsys.readouterr()
+        assert "Writing model shards" not in out.err + out.out
+        assert (tmp_path / "p" / "model.safetensors").exists()
+        assert hf_logging.is_progress_bar_enabled() is bars
+    finally:
+        (hf_logging.enable_progress_bar if shown else hf_logging.disable_progress_bar)()
+    # the bar this removes is transformers' own (so the test would see it)
+    hf_logging.enable_progress_bar()
+    try:
+        m.save_pretrained(tmp_path / "q")
+        assert "Writing model shards" in capsys.readouterr().err
+    finally:
+        (hf_logging.enable_progress_bar if shown else hf_logging.disable_progress_bar)()
+
+
 @pytest.mark.slow  # spawns processes (ranks / a CLI): `make test` runs it, `make test-fast` does not
 def test_reload_offline_in_fresh_process(tok, tmp_path):
     save_policy(build_policy(ModelConfig(), tok), tok, tmp_path / "p")
