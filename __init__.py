@@ -63,8 +63,10 @@ class _CachedPackagesDistributions:
     ``*.egg`` entries with their modification times (a ``pip install``, upgrade or uninstall adds, renames
     or rewrites one; listing them costs about 1 ms). A folder on ``sys.path`` with no such entry (a
     script's own folder, the current directory, a job's unpacked working dir) finds no distribution and
-    is left out of the key: before, each was in it, and the test suite computed the map again for 10 to
-    13 such paths per run (about 1 s of CPU each). A hit returns a fresh copy of the stored mapping; a
+    is left out of the key (it used to make a key of its own: every Ray job, whose working dir is on its
+    processes' ``sys.path``, computed the map again). The ten or so maps one run of the test suite still
+    computes differ in what they hold (Ray's workers add ``ray/thirdparty_files``, a wheel's own venv, the
+    backport against the standard library). A hit returns a fresh copy of the stored mapping; a
     miss computes it and stores it atomically (concurrent starts may compute it twice, never read half a
     file); an unreadable or unwritable cache computes it as before. Where: ``$SONAR_CACHE_DIR`` or
     ``~/.cache/sonar``; ``SONAR_METADATA_CACHE=0`` switches it off."""
