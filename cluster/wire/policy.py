@@ -82,9 +82,9 @@ def save_policy(model, tokenizer, path: str | Path, state_dict: dict | None = No
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    # No "Writing model shards" bar: a run writes a policy at start-up, at every stage's end and at its
-    # export, and a bar is a line of the run's log each time (the actors' env already turns bars off,
-    # ``sonar.ACTOR_ENV``; this is the driver's one, from the initial policy).
+    # No "Writing model shards" bar: the driver writes the initial policy, the learner its exports, a
+    # vLLM worker its engine's copy, and each bar is a line of the run's log (the actors' env turns bars
+    # off already, ``sonar.ACTOR_ENV``; the driver's, one per run, was left).
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
