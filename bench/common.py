@@ -210,15 +210,46 @@ def check_provenance(allow_dirty: bool | None = None, root: str | Path | None = 
     return {"dirty": None if files is None else bool(files), "dirty_files": files or [], "allow_dirty": allow}
 
 
+_RUN_START: dict | None = None
+"""``{"root", "commit"}`` as the benchmark's parser found them (``mark_run_start``): the commit whose code the
+run started with, which is the one its result names. ``git_commit()`` at write time would name whatever
+was checked out an hour later; Ray's workers and subprocesses started after a mid-run commit or checkout
+ran that code, not the start's."""
+
+
+def mark_run_start(root: str | Path | None = None) -> dict:
+    """Record the commit a benchmark run starts from (the parser calls it once the tree is known clean)."""
+    global _RUN_START
+    root = REPO_ROOT if root is None else root
+    _RUN_START = {"root": str(root), "commit": git_commit()}
+    return _RUN_START
+
+
+def run_commit(allow_dirty: bool) -> tuple[str, str | None]:
+    """(the commit the result names, the commit HEAD moved to during the run or None). Raises
+    ``DirtyTreeError`` when HEAD moved since ``mark_run_start`` and dirtiness was not allowed: part of the
+    run then ran another commit's code."""
+    now = git_commit()
+    start = _RUN_START if _RUN_START is not None and _RUN_START["root"] == str(REPO_ROOT) else None
+    if start is None or start["commit"] == now:
+        return now, None
+    if not allow_dirty:
+        raise DirtyTreeError(f"refusing to write benchmark results: HEAD of {REPO_ROOT} moved from {start['commit']} "
+                             f"to {now} during the run, so processes started after the move ran {now}'s code; "
+                             "rerun from one commit, or pass --allow-dirty (both commits recorded in the JSON)")
+    return start["commit"], now
+
+
 def _safe(s: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in s)
 
 
-def result_path(name: str, out_dir: str | Path, variant: str | None = None) -> Path:
+def result_path(name: str, out_dir: str | Path, variant: str | None = None, commit: str | None = None) -> Path:
     """``<name>[-<variant>]-<host>-<commit>.json``: a variant (``rollout-scaling --engine vllm``) has a file of
-    its own, so that measuring it does not replace the default's result of the same commit."""
+    its own, so that measuring it does not replace the default's result of the same commit. ``commit``:
+    the run's (``run_commit``); None: the one checked out now."""
     stem = f"{name}-{variant}" if variant else name
-    return Path(out_dir) / f"{_safe(stem)}-{_safe(socket.gethostname())}-{_safe(git_commit())}.json"
+    return Path(out_dir) / f"{_safe(stem)}-{_safe(socket.gethostname())}-{_safe(commit or git_commit())}.json"
 
 
 def _check_summary(label: str, m) -> None:
@@ -267,13 +298,16 @@ def write_result(name: str, config: dict, metrics: dict, plot_fn: Callable[[Path
     skipped configurations). Returns the JSON path.
 
     Provenance: refuses (``DirtyTreeError``, nothing written) when the source tree has uncommitted or
-    untracked changes, unless ``allow_dirty`` (None: ``--allow-dirty`` / ``$SONAR_BENCH_ALLOW_DIRTY``); the
-    JSON records ``allow_dirty`` and the ``dirty_files`` either way.
+    untracked changes, or HEAD moved since the run started (``mark_run_start``), unless ``allow_dirty``
+    (None: ``--allow-dirty`` / ``$SONAR_BENCH_ALLOW_DIRTY``); the JSON records ``allow_dirty`` and the
+    ``dirty_files`` either way, names the commit the run started from, and adds ``commit_moved_to``
+    when an allowed run saw HEAD move.
     """
     prov = check_provenance(allow_dirty)
+    commit, moved_to = run_commit(prov["allow_dirty"])
     out = Path(out_dir) if out_dir is not None else default_out()
     out.mkdir(parents=True, exist_ok=True)
-    path = result_path(name, out, variant)
+    path = result_path(name, out, variant, commit)
     png = path.with_suffix(".png")
     doc = {
         "name": name,
@@ -281,7 +315,8 @@ def write_result(name: str, config: dict, metrics: dict, plot_fn: Callable[[Path
         "config": config,
         "hardware": hardware_info(),
         "versions": versions(),
-        "commit": git_commit(),
+        "commit": commit,
+        **({"commit_moved_to": moved_to} if moved_to else {}),
         "dirty": prov["dirty"],
         "dirty_files": prov["dirty_files"],
         "allow_dirty": prov["allow_dirty"],
@@ -339,6 +374,7 @@ class _BenchParser(argparse.ArgumentParser):
             check_provenance()
         except DirtyTreeError as e:
             self.error(str(e))
+        mark_run_start()
         return ns
 
 

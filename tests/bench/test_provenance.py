@@ -109,3 +109,46 @@ def test_a_result_records_the_priorities_its_processes_ran_at(env, monkeypatch):
         monkeypatch.setenv("RAY_worker_niceness", env)
     nice = common.hardware_info()["niceness"]
     assert nice == {"driver": os.getpriority(os.PRIO_PROCESS, 0), "ray_workers_env": env}
+
+
+def _head(root) -> str:
+    return subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def _commit_during_the_run(repo):
+    (repo / "bench" / "a.py").write_text("x = 3\n")
+    _git(repo, "commit", "-q", "-am", "mid-run")
+
+
+def test_a_commit_during_the_run_is_refused_naming_both_commits(repo, tmp_path, monkeypatch):
+    """The parser records the commit the run starts from; a result written after HEAD moved (a commit or a
+    checkout while an hour-long benchmark ran) would name code that only the later processes ran."""
+    monkeypatch.setattr(common, "_RUN_START", None)
+    start = _head(repo)
+    common.driver_bench_parser("unit", "unit", "x").parse_args(["--quick"])
+    _commit_during_the_run(repo)
+    now = _head(repo)
+    assert now != start and common.dirty_files(repo) == []  # clean: only the commit check can tell
+    out = tmp_path / "out"
+    with pytest.raises(common.DirtyTreeError, match=f"moved from {start} to {now}"):
+        _write(out)
+    assert not out.exists() or not list(out.iterdir())
+
+
+def test_an_allowed_run_that_saw_head_move_names_its_start_commit_and_records_the_move(repo, tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "_RUN_START", None)
+    start = _head(repo)
+    common.driver_bench_parser("unit", "unit", "x").parse_args(["--quick", "--allow-dirty"])
+    _commit_during_the_run(repo)
+    path = _write(tmp_path / "out")
+    doc = json.loads(path.read_text())
+    assert doc["commit"] == start and doc["commit_moved_to"] == _head(repo) and doc["allow_dirty"] is True
+    assert path.name.endswith(f"-{start}.json")
+
+
+def test_a_run_that_stayed_on_its_commit_records_no_move(repo, tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "_RUN_START", None)
+    common.driver_bench_parser("unit", "unit", "x").parse_args(["--quick"])
+    doc = json.loads(_write(tmp_path / "out").read_text())
+    assert doc["commit"] == _head(repo) and "commit_moved_to" not in doc
