@@ -21,7 +21,10 @@ COMMAND = ["--config", "configs/smoke.yaml",
 
 
 @pytest.fixture(scope="module")
-def files_run(tmp_path_factory):
+def files_run(tmp_path_factory, shared_ray):
+    """The command as a user types it; its driver joins the session's cluster (``shared_ray`` sets
+    ``RAY_ADDRESS``, which the command inherits, as under `ray job submit`) instead of starting one: what
+    is checked here is the data path, and the CLI's own cluster start is the other CLI tests' subject."""
     root = tmp_path_factory.mktemp("runs")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "sonar", "train", *COMMAND, f"run.root={root}",

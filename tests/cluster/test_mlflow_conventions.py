@@ -14,6 +14,7 @@ import pytest
 from sonar.cluster.driver import tracking
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import load_config
+from tests.ray_job import ray_for_module
 
 
 @pytest.fixture(autouse=True)
@@ -325,18 +326,9 @@ def test_a_failing_metrics_backend_never_stops_the_run():
 
 
 @pytest.mark.ray
-def test_real_ray_gauges_are_created_and_set_in_a_local_driver():
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        from sonar.cluster.driver.roles import start_local_node  # retried past Ray's fixed 30 s node-start wait
-
-        start_local_node(lambda: ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
-                                          log_to_driver=False, configure_logging=False))
-    try:
+def test_real_ray_gauges_are_created_and_set_in_a_local_driver(shared_ray):
+    """This process as a Ray driver: a job on the session's cluster (tests/ray_job.py)."""
+    with ray_for_module(__name__, shared_ray) as ray:
         tags = {}
 
         class Tags(tracking.NullSink):
@@ -351,6 +343,3 @@ def test_real_ray_gauges_are_created_and_set_in_a_local_driver():
         assert sink.gauges[K.REPLAY_DEPTH].info["name"] == "sonar_replay_depth"
         assert isinstance(sink.counter, M.Counter)
         assert tags["ray.job_id"] == ray.get_runtime_context().get_job_id()
-    finally:
-        if started:
-            ray.shutdown()

@@ -15,36 +15,21 @@ loops paused and resumed around the regroup, every worker at the learner's versi
 ``retry`` is made again on the replacement after it holds the weights; the elastic pool's grow and
 drain are regroups; the replaced worker's claims go back to the replay each time."""
 import os
-import sys
 import threading
 
 import pytest
 
+from tests.ray_job import ray_for_module
 from tests.waiting import wait_actor_dead, wait_until
 
 pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-    import ray.cloudpickle
-
-    # The fakes travel into the actors by value (the repository root is a package: this module's
-    # import name is not one Ray's worker processes can import).
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    started = False
-    if not ray.is_initialized():
-        from sonar.cluster.driver.roles import start_local_node  # retried past Ray's fixed 30 s node-start wait
-
-        start_local_node(lambda: ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-                                          log_to_driver=False, configure_logging=False))
-        started = True
-    yield ray
-    if started:
-        ray.shutdown()
+def ray_local(shared_ray):
+    """A job on the session's cluster (tests/ray_job.py): these fakes ask for no CPUs."""
+    with ray_for_module(__name__, shared_ray) as ray:
+        yield ray
 
 
 class Rendezvous:

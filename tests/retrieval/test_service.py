@@ -6,9 +6,7 @@ run the real actors on a local Ray cluster on 127.0.0.1 shared by the module.
 from __future__ import annotations
 
 import asyncio
-import os
 import pickle
-import sys
 import threading
 import time
 from dataclasses import replace
@@ -18,6 +16,7 @@ import pytest
 from sonar.cluster.wire.config import RetrievalConfig
 from sonar.retrieval.base import Hit, RetrievalError
 from sonar.retrieval.server import RetrievalServerImpl, _percentile
+from tests.ray_job import ray_for_module
 from tests.waiting import wait_actor_dead
 
 
@@ -146,27 +145,8 @@ def test_inner_errors_are_replies_not_crashes():
 # ------------------------------------------------------------------------------------ real Ray actors
 @pytest.fixture(scope="module")
 def ray_local(shared_ray):
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-    import ray.cloudpickle
-
-    # The fakes below travel into the actors by value: pytest names this module after the checkout's
-    # folder (the repository root is itself a package), which Ray's worker processes cannot import.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    started = False
-    if not ray.is_initialized():
-        if shared_ray:  # the session's cluster (tests/conftest.py), joined as a job of this module's own
-            ray.init(address=shared_ray, log_to_driver=False, configure_logging=False)
-        else:
-            from sonar.cluster.driver.roles import start_local_node  # retried past Ray's fixed 30 s node-start wait
-
-            start_local_node(lambda: ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-                                              log_to_driver=False, configure_logging=False))
-        started = True
-    yield ray
-    if started:
-        ray.shutdown()
+    with ray_for_module(__name__, shared_ray) as ray:
+        yield ray
 
 
 CFG = RetrievalConfig(timeout_s=10.0, batch_window_ms=20.0, max_batch=64, max_concurrency=2, replicas=1)
