@@ -26,6 +26,7 @@ from sonar.actors.engine import Engine, Generation, SamplingParams
 from sonar.cluster.wire.config import Config, StageConfig
 from sonar.cluster.wire.policy import load_policy
 from sonar.cluster.wire.protocol import Trajectory, encode_group, group_min_version
+from sonar.cluster.wire.startup import startup_without_gc
 
 
 class SwappingEngine:
@@ -126,6 +127,7 @@ class RolloutWorker:
     the hook through which code outside production (the benchmarks' simulators) wraps or replaces the
     engine; it crosses into the actor, so it must be picklable. None: the production engine as is."""
 
+    @startup_without_gc()  # transformers' or vLLM's imports and the policy load (cluster/wire/startup.py)
     def __init__(self, worker_id: int, cfg: Config, retriever, *, policy: str, eval_retriever=None,
                  engine_wrap=None):
         """``retriever``: what the rollout loop searches through, injected by the driver (the retrieval

@@ -23,6 +23,7 @@ from typing import Sequence
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, StageConfig
 from sonar.cluster.wire.protocol import StepResult
+from sonar.cluster.wire.startup import startup_without_gc
 
 
 REFERENCE_FILE = "reference.pt"
@@ -100,6 +101,7 @@ class Learner:
     """``policy``: the Hugging Face directory of the run's initial policy (the driver materialises it;
     the KL reference and the exports are built from it too)."""
 
+    @startup_without_gc()  # DeepSpeed's and transformers' imports, the policy load (cluster/wire/startup.py)
     def __init__(self, cfg: Config, policy: str, rank: int = 0, world_size: int | None = None,
                  master_port: int | None = None, master_addr: str | None = None, placement_group=None):
         """``world_size`` (default ``learner.num_ranks``) ranks form one DeepSpeed group. Started by the

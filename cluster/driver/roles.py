@@ -21,6 +21,7 @@ from sonar.cluster.driver.learner_ranks import remove_learner_group, start_learn
 from sonar.cluster.driver.reports import eval_table, startup_phase
 from sonar.cluster.driver.rollout_pool import RolloutPool, node_of
 from sonar.cluster.driver.run import Run, world_of
+from sonar.cluster.wire.startup import startup_without_gc
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, inflight_budget, to_yaml
 
@@ -184,6 +185,7 @@ def init_ray(cfg: Config) -> bool:
     return True
 
 
+@startup_without_gc()  # Ray's, transformers' and the index's imports, the policy (cluster/wire/startup.py)
 def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
     import ray
 
