@@ -1,6 +1,7 @@
-"""A role's start-up runs without the cyclic garbage collector (cluster/wire/startup.py), which is back on,
-with the start-up's reference cycles freed, when the start-up ends: the rollout worker's and the learner's
-``__init__`` and the driver's ``start_roles``."""
+"""A role's start-up runs without the cyclic garbage collector (cluster/wire/startup.py), which is back on
+when the start-up ends, with the start-up's reference cycles in its youngest generation (freed by its next
+young collection, not kept for a full one): the rollout worker's and the learner's ``__init__`` and the
+driver's ``start_roles``."""
 import gc
 import weakref
 
@@ -27,22 +28,23 @@ def collector_on():
     assert gc.isenabled()
 
 
-def test_paused_inside_and_back_on_with_the_blocks_cycles_freed_after():
+def test_paused_inside_and_back_on_with_the_blocks_cycles_young():
+    gc.collect()
     with startup_without_gc():
         assert not gc.isenabled()
+        before = gc.get_count()[0]
         ref = _cycle()
-        gc.collect(0)  # an explicit collection still works; automatic ones are what is paused
-        ref2 = _cycle()
+        assert gc.get_count()[0] > before  # allocations counted, no automatic collection run
     assert gc.isenabled()
-    assert ref() is None and ref2() is None  # freed by the one collection at the end, not left for later
+    gc.collect(0)  # the next young collection (the collector's own, a few allocations on)
+    assert ref() is None
 
 
-def test_back_on_and_collected_when_the_start_up_raises():
+def test_back_on_when_the_start_up_raises():
     with pytest.raises(RuntimeError, match="start-up failed"):
         with startup_without_gc():
-            ref = _cycle()
             raise RuntimeError("start-up failed")
-    assert gc.isenabled() and ref() is None
+    assert gc.isenabled()
 
 
 def test_a_pause_the_caller_holds_is_left_to_the_caller():
@@ -111,6 +113,7 @@ def test_the_learners_start_up_imports_deepspeed_with_the_collector_paused(monke
     assert seen == [False] and gc.isenabled()
 
 
+@pytest.mark.ray  # it calls start_roles (tests/backend_guard.py reads the call), whose init_ray is replaced here
 def test_the_drivers_start_roles_runs_with_the_collector_paused(monkeypatch):
     import sonar.cluster.driver.roles as R
     from sonar.cluster.wire.config import load_config
