@@ -6,7 +6,8 @@ training seed, as a separate process exactly as a user starts it (the CLI, its o
 record what its end-of-run summary prints (``<run>/summary.json``): held-out EM / F1 / ACC_R with
 search before and after RL, EM with search disabled, searches per question, RL trajectories/s,
 learner tokens/s, the policy lag bound and the replay accounting; plus the command's wall clock and
-the peak memory of all its processes (``bench.driver_harness.ProcessTreeSampler``, every 0.5 s: the
+the peak memory of all its processes (``bench.driver_harness.ProcessTreeSampler``, every 0.5 s or
+less often within its CPU budget: the
 command, its Ray cluster and actors, and this benchmark's own process, about 0.1 GiB).
 
 The README's results table and its run-time sentence are rendered from the JSON by this module

@@ -227,13 +227,26 @@ class ProcessTreeSampler:
     store's shared memory) and, where readable, PSS (proportional set size: shared pages split among
     their users, so the sum is the real footprint). Peaks are of the sums, over the samples.
     A process that exits between listing and reading is skipped.
+
+    Its own cost is bounded: one sample lists the machine's processes and reads every tree process's
+    ``smaps_rollup`` (PSS), which took about 0.1 s of CPU per sample with a Ray session's 20-30 processes
+    on a 2-core machine (py-spy over ``tests/bench/test_bench_e2e_quick.py``: 15 s of the pytest process's
+    CPU in two 30-second runs, taken from the run it measures). So the wait after a sample is at least
+    ``interval_s`` and at least that sample's CPU over ``cpu_budget`` (the share of one core the sampler may
+    use): on a machine where sampling is cheap it samples every ``interval_s``, on a loaded one less often.
+    ``result()`` reports the sampler's own CPU seconds and its mean interval.
     """
 
-    def __init__(self, interval_s: float = 0.5, pss: bool = True):
+    def __init__(self, interval_s: float = 0.5, pss: bool = True, cpu_budget: float = 0.05):
+        if not 0.0 < cpu_budget <= 1.0:
+            raise ValueError(f"ProcessTreeSampler: cpu_budget {cpu_budget!r} must be in (0, 1] (a share of one core)")
         import psutil
 
         self._psutil = psutil
         self.interval_s = interval_s
+        self.cpu_budget = cpu_budget
+        self.cpu_s = 0.0
+        """CPU seconds the samples took (this process's sampling thread: ``time.thread_time``)."""
         self.pss = pss
         self.root = psutil.Process(os.getpid())
         self._stop = threading.Event()
@@ -292,6 +305,13 @@ class ProcessTreeSampler:
         return os.path.basename(title.split()[0]) if title else "?"
 
     def sample(self) -> tuple[int, int]:
+        c0 = time.thread_time()
+        try:
+            return self._sample()
+        finally:
+            self.cpu_s += time.thread_time() - c0
+
+    def _sample(self) -> tuple[int, int]:
         rss = pss = 0
         by_role: dict[str, int] = {}
         procs = self.processes()
@@ -320,9 +340,10 @@ class ProcessTreeSampler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            t0 = time.monotonic()
+            t0, c0 = time.monotonic(), self.cpu_s
             self.sample()
-            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
+            gap = max(self.interval_s, (self.cpu_s - c0) / self.cpu_budget)  # the CPU budget (class docstring)
+            self._stop.wait(max(0.0, gap - (time.monotonic() - t0)))
 
     def __enter__(self) -> "ProcessTreeSampler":
         self.sample()
@@ -338,6 +359,8 @@ class ProcessTreeSampler:
     def result(self) -> dict:
         return {"peak_rss_gb": self.peak_rss / 2**30, "peak_pss_gb": self.peak_pss / 2**30,
                 "samples": self.samples, "interval_s": self.interval_s, "processes_at_peak": self.peak_procs,
+                "mean_interval_s": round(self.series[-1][0] / max(1, self.samples - 1), 3) if self.series else None,
+                "sampler_cpu_s": round(self.cpu_s, 3), "cpu_budget": self.cpu_budget,
                 "pss_by_role_at_peak_mb": {k: round(v / 2**20, 1) for k, v in
                                            sorted(self.peak_by_role.items(), key=lambda kv: -kv[1])}}
 

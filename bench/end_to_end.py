@@ -31,12 +31,13 @@ Throughput: ``rl/generated_tokens_per_s`` (model tokens written by all workers /
 batch tokens), ``rl/trajectories_per_s`` (trajectories consumed by the learner / RL loop seconds),
 ``sft/tokens_per_s``.
 
-Peak memory (``bench.driver_harness.ProcessTreeSampler``): every 0.5 s a background thread sums the
+Peak memory (``bench.driver_harness.ProcessTreeSampler``): every 0.5 s (less often where a sample costs
+more than 5 % of a core: the interval used is in the result) a background thread sums the
 memory of the driver and all its descendants -- with a local cluster started by this process, the
 GCS, raylet and (through the raylet) every actor -- plus any process whose command line names this
 Ray session's directory (covers a cluster that was joined, not started). PSS (shared pages split
 among their users) is the footprint; the RSS sum over-counts shared libraries and the object store
-and is reported too. A sampler can miss a peak shorter than 0.5 s.
+and is reported too. A sampler can miss a peak shorter than its interval.
 
 ``--quick`` (CI smoke test, < 1 minute): ``configs/smoke.yaml`` with 5 SFT steps, 3 RL steps and 8
 held-out questions -- it checks the plumbing and the JSON, not the numbers.
