@@ -246,6 +246,7 @@ class ProcessTreeSampler:
         self.interval_s = interval_s
         self.cpu_budget = cpu_budget
         self.cpu_s = 0.0
+        self._started = 0.0
         """CPU seconds the samples took (this process's sampling thread: ``time.thread_time``)."""
         self.pss = pss
         self.root = psutil.Process(os.getpid())
@@ -259,7 +260,7 @@ class ProcessTreeSampler:
         self.session_marker = self._session_marker()
         self.t0 = time.monotonic()
         self.series: list[tuple[float, int, int]] = []
-        """(seconds since creation, summed RSS bytes, summed PSS bytes) per sample."""
+        """(seconds since creation at the sample's start, summed RSS bytes, summed PSS bytes) per sample."""
 
     @staticmethod
     def _session_marker() -> str | None:
@@ -305,7 +306,7 @@ class ProcessTreeSampler:
         return os.path.basename(title.split()[0]) if title else "?"
 
     def sample(self) -> tuple[int, int]:
-        c0 = time.thread_time()
+        self._started, c0 = time.monotonic(), time.thread_time()
         try:
             return self._sample()
         finally:
@@ -332,7 +333,7 @@ class ProcessTreeSampler:
             role = self._role(p)
             by_role[role] = by_role.get(role, 0) + s
         self.samples += 1
-        self.series.append((time.monotonic() - self.t0, rss, pss))
+        self.series.append((self._started - self.t0, rss, pss))  # when the sample began
         if pss > self.peak_pss:
             self.peak_pss, self.peak_by_role, self.peak_procs = pss, by_role, len(procs)
         self.peak_rss = max(self.peak_rss, rss)
@@ -340,10 +341,10 @@ class ProcessTreeSampler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            t0, c0 = time.monotonic(), self.cpu_s
+            c0 = self.cpu_s
             self.sample()
             gap = max(self.interval_s, (self.cpu_s - c0) / self.cpu_budget)  # the CPU budget (class docstring)
-            self._stop.wait(max(0.0, gap - (time.monotonic() - t0)))
+            self._stop.wait(max(0.0, gap - (time.monotonic() - self._started)))  # start to start
 
     def __enter__(self) -> "ProcessTreeSampler":
         self.sample()
@@ -359,7 +360,8 @@ class ProcessTreeSampler:
     def result(self) -> dict:
         return {"peak_rss_gb": self.peak_rss / 2**30, "peak_pss_gb": self.peak_pss / 2**30,
                 "samples": self.samples, "interval_s": self.interval_s, "processes_at_peak": self.peak_procs,
-                "mean_interval_s": round(self.series[-1][0] / max(1, self.samples - 1), 3) if self.series else None,
+                "mean_interval_s": (round((self.series[-1][0] - self.series[0][0]) / (len(self.series) - 1), 3)
+                                    if len(self.series) > 1 else None),
                 "sampler_cpu_s": round(self.cpu_s, 3), "cpu_budget": self.cpu_budget,
                 "pss_by_role_at_peak_mb": {k: round(v / 2**20, 1) for k, v in
                                            sorted(self.peak_by_role.items(), key=lambda kv: -kv[1])}}
