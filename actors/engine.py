@@ -26,6 +26,7 @@ samples from, and reports, exactly ``softmax(raw_logits / T)`` over the full voc
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
@@ -364,6 +365,24 @@ class HFEngine:
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
     # ------------------------------------------------------------ weights
+    def sleep(self, level: int) -> dict:
+        """Colocated placement: free the device for the learner. On a GPU the model goes to host memory (at
+        either level: transformers has no cheaper way to give the memory back); on CPU there is nothing to
+        free. Returns ``{"seconds", "freed"}``."""
+        t0 = time.perf_counter()
+        freed = self.device.type == "cuda"
+        if freed:  # pragma: no cover - needs CUDA
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        return {"seconds": time.perf_counter() - t0, "freed": freed}
+
+    def wake_up(self, tags=None) -> dict:
+        """Undo :meth:`sleep` (the whole model at once: ``tags`` are vLLM's and change nothing here)."""
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":  # pragma: no cover - needs CUDA
+            self.model.to(self.device)
+        return {"seconds": time.perf_counter() - t0}
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy tensors into the model by parameter name and set ``self.version = version``.
 

@@ -160,7 +160,7 @@ class VLLMEngine:
                  dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 64, seed: int = 0,
                  kv_cache_gib: float = 0.0, gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, weight_update: str = "pause",
-                 owned_dir: str | None = None, tokenizer: Any = None):
+                 owned_dir: str | None = None, tokenizer: Any = None, sleep_mode: bool = False):
         if weight_update not in WEIGHT_UPDATE_MODES:
             raise ValueError(f"weight_update={weight_update!r} is not one of {list(WEIGHT_UPDATE_MODES)}")
         self.model_dir = model_dir
@@ -195,6 +195,13 @@ class VLLMEngine:
         if kv_cache_gib > 0:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
         import torch
+
+        # Colocated placement: vLLM's sleep mode (its CuMemAllocator) frees the GPU while the learner
+        # trains. vLLM refuses it where there is no such allocator ("Sleep mode is not supported on
+        # current platform", vllm/config/model.py): on CPU the engine only marks itself asleep (sleep()).
+        self.sleep_mode = bool(sleep_mode) and torch.cuda.is_available()
+        if self.sleep_mode:  # pragma: no cover - needs CUDA
+            kwargs["enable_sleep_mode"] = True
 
         if not torch.cuda.is_available():
             # Chunked prefill splits a long prefill across steps and, for a row with its own seed (every
@@ -241,7 +248,26 @@ class VLLMEngine:
                    max_num_seqs=r.max_batch_rows, seed=cfg.run.seed, kv_cache_gib=r.vllm_kv_cache_gib,
                    gpu_memory_utilization=r.vllm_gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
                    enable_prefix_caching=r.vllm_enable_prefix_caching, enforce_eager=r.vllm_enforce_eager,
-                   weight_update=r.weight_update, owned_dir=owned, tokenizer=tokenizer if text_stops else None)
+                   weight_update=r.weight_update, owned_dir=owned, tokenizer=tokenizer if text_stops else None,
+                   sleep_mode=cfg.cluster.placement == "colocated")
+
+    def sleep(self, level: int) -> dict:
+        """Colocated placement: free the GPU for the learner (vLLM's ``sleep``: level 1 offloads the weights
+        to host memory and drops the KV cache, level 2 drops the weights too). Nothing may be in flight (the
+        sync loop calls it between batches). On CPU vLLM has no sleep mode: nothing is freed (``freed``
+        False). Returns ``{"seconds", "freed"}``."""
+        t0 = time.perf_counter()
+        if self.sleep_mode:  # pragma: no cover - needs CUDA
+            self._call(self._llm.sleep(int(level)))
+        return {"seconds": time.perf_counter() - t0, "freed": self.sleep_mode}
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> dict:
+        """Undo :meth:`sleep` for ``tags`` (``["weights"]`` before a hand-over, ``["kv_cache"]`` after it;
+        None: both). Returns ``{"seconds"}``."""
+        t0 = time.perf_counter()
+        if self.sleep_mode:  # pragma: no cover - needs CUDA
+            self._call(self._llm.wake_up(list(tags) if tags is not None else None))
+        return {"seconds": time.perf_counter() - t0}
 
     # ------------------------------------------------------------ loop plumbing
     def _call(self, coro, timeout: float | None = None):

@@ -52,6 +52,9 @@ class SwappingEngine:
         self.buffers: list = []
         """The staging set (``BroadcastGroup.alloc_buffers``), filled by ``RolloutWorker.receive_weights``."""
         self.buffer_lock = threading.Lock()
+        self.asleep = False
+        """Colocated placement: the engine sleeps while the learner trains on its device (``RolloutWorker.sleep``);
+        a generate call then is a bug of the driver's phase order, and raises."""
 
     @property
     def version(self) -> int:
@@ -94,6 +97,9 @@ class SwappingEngine:
 
     def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams,
                  max_new_tokens_per_prompt: Sequence[int] | None = None) -> list[Generation]:
+        if self.asleep:
+            raise RuntimeError("generate on a sleeping engine: in colocated placement the learner is training on "
+                               "this device (the driver wakes the engines before it asks for rollouts)")
         self.apply_staged(block=False)
         return self.inner.generate(prompts, params, max_new_tokens_per_prompt)
 
@@ -232,6 +238,27 @@ class RolloutWorker:
             tensors = self._group.recv_weights(self._buckets, into=self.engine.buffers)
             self.engine.stage(version, tensors)
         return {"worker_id": self.worker_id, "version": version, "recv_s": time.perf_counter() - t0}
+
+    def sleep(self, level: int) -> dict:
+        """Colocated placement: the learner is about to train on this worker's device. The engine frees it
+        (``rollout.sleep_level``: vLLM's sleep mode; the HF engine moves its model to host memory; nothing
+        to free on CPU, ``freed`` False) and refuses to generate until :meth:`wake`. Nothing runs here then:
+        the sync loop asks for a batch only between a wake and a sleep."""
+        self.engine.apply_staged()  # a push received earlier goes in now, not into a sleeping engine
+        self.engine.asleep = True
+        inner = self.engine.inner
+        out = inner.sleep(int(level)) if callable(getattr(inner, "sleep", None)) else {"seconds": 0.0, "freed": False}
+        return {"worker_id": self.worker_id, **out}
+
+    def wake(self, tags: list | None = None) -> dict:
+        """Undo :meth:`sleep` for ``tags`` (vLLM: ``["weights"]`` before the hand-over, so the push loads into
+        resident weights, then ``["kv_cache"]``; None: both). The engine generates again once the KV
+        cache is back (``tags`` None or containing ``kv_cache``)."""
+        inner = self.engine.inner
+        out = inner.wake_up(tags) if callable(getattr(inner, "wake_up", None)) else {"seconds": 0.0}
+        if tags is None or "kv_cache" in tags:
+            self.engine.asleep = False
+        return {"worker_id": self.worker_id, **out}
 
     def apply_staged_weights(self) -> int:
         self.engine.apply_staged()

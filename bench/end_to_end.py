@@ -62,8 +62,9 @@ QUICK = {"config": "configs/smoke.yaml", "repeats": 1,
          "overrides": ["stages.0.steps=5", "stages.1.steps=3", "world.num_heldout_eval=8", "eval.no_search=false",
                        "eval.batch_size=8"]}
 log = logging.getLogger("sonar.bench")
-CRITICAL_KEYS = (K.CRIT_WALL, K.CRIT_GENERATE_SYNC, K.CRIT_HEALTH, K.CRIT_QUEUE_WAIT, K.CRIT_LEARNER_COMPUTE,
-                 K.CRIT_LEARNER_RPC, K.CRIT_BROADCAST, K.CRIT_ENGINE_LOAD, K.CRIT_LOG, K.CRIT_OTHER)
+CRITICAL_KEYS = (K.CRIT_WALL, K.CRIT_GENERATE_SYNC, K.CRIT_HEALTH, K.CRIT_SWITCH, K.CRIT_QUEUE_WAIT,
+                 K.CRIT_LEARNER_COMPUTE, K.CRIT_LEARNER_RPC, K.CRIT_BROADCAST, K.CRIT_ENGINE_LOAD, K.CRIT_LOG,
+                 K.CRIT_OTHER)
 """The driver's per-step critical-path split (``learner/critical/*``), reported as ``rl/critical/<part>``."""
 
 
@@ -217,6 +218,7 @@ CRITICAL_ROWS = (("generation in sync mode (the step's batch, before training)",
                  ("learner RPC (group decode, Ray round trip, version)", (K.CRIT_LEARNER_RPC,)),
                  ("weight broadcast (bucketed send)", (K.CRIT_BROADCAST,)),
                  ("engine load (workers receive and stage)", (K.CRIT_ENGINE_LOAD,)),
+                 ("phase switch (colocated: engines asleep and awake, learner states moved)", (K.CRIT_SWITCH,)),
                  ("logging, other", (K.CRIT_LOG, K.CRIT_OTHER)))
 """The critical-path table's rows: label and the parts it adds (a row whose parts are all 0 is left out)."""
 
@@ -228,8 +230,8 @@ def render_table(doc: dict, json_name: str) -> str:
 
     m = doc["metrics"]
 
-    def part(key: str) -> float:
-        return m["rl/critical/" + key.rsplit("/", 1)[1]]["median"]
+    def part(key: str) -> float:  # a result written before a part existed lacks it: 0
+        return m.get("rl/critical/" + key.rsplit("/", 1)[1], {"median": 0.0})["median"]
 
     wall = part(K.CRIT_WALL)
     lines = ["| part | s per step | share |", "|---|---|---|"]

@@ -329,6 +329,40 @@ class Learner:
                 sums.add(name, one[name])
         return {"version": self.version, "checksum": sums.value}
 
+    # ------------------------------------------------------------------ colocated placement
+    def _engines(self) -> list:
+        """The DeepSpeed engines of this rank: the policy's, and the PPO critic's when there is one."""
+        critic = getattr(self.critic, "engine", None) if self.critic is not None else None
+        return [self.engine] + ([critic] if critic is not None else [])
+
+    @on_all_ranks
+    def offload_states(self) -> dict:
+        """Colocated placement, after the hand-over: the states the engine on this GPU does not need wait in
+        host memory while it generates (``learner.offload_while_generating``; DeepSpeed's
+        ``offload_states``: optimizer states, fp32 master, gradients; the bf16 parameters stay, as the
+        memory plan's generation row counts). On CPU, or with the field off, nothing moves. Returns
+        ``{"seconds", "moved"}``."""
+        t0 = time.perf_counter()
+        moved = bool(self.on_gpu and self.cfg.learner.offload_while_generating)
+        if moved:  # pragma: no cover - needs CUDA (bench/gpu_check.py's DeepSpeed step)
+            import torch
+            from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
+
+            for engine in self._engines():
+                engine.offload_states(include=[S.optim_states, S.hp_params, S.lp_grads, S.contiguous_grad_buffer])
+            torch.cuda.empty_cache()
+        return {"seconds": time.perf_counter() - t0, "moved": moved}
+
+    @on_all_ranks
+    def reload_states(self) -> dict:
+        """Undo :meth:`offload_states` before the next step (the engines on this GPU are asleep)."""
+        t0 = time.perf_counter()
+        moved = bool(self.on_gpu and self.cfg.learner.offload_while_generating)
+        if moved:  # pragma: no cover - needs CUDA
+            for engine in self._engines():
+                engine.reload_states()
+        return {"seconds": time.perf_counter() - t0, "moved": moved}
+
     # ------------------------------------------------------------------ stages
     @on_all_ranks
     def begin_stage(self, stage_index: int, stage: StageConfig, start_step: int = 0,

@@ -18,6 +18,8 @@ is the remainder: Ray round trips outside the timed phases, bookkeeping).
   ``set_learner_version``);
 - ``broadcast_s``: the learner's bucketed send (``weights/sync_s``), ``engine_load_s``: the rest of
   the driver's push (the workers receive and stage, or vLLM loads the weights);
+- ``switch_s``: colocated placement only, the phase switches (engines to sleep and the learner's states
+  back before the step; engines awake and the learner's states out after the hand-over);
 - ``log_s``: replay/retrieval metrics, logging, checkpoint; ``other_s``: the remainder.
 
 The clock is injectable so a test pins the arithmetic with a fake clock (``tests/cluster/test_critical_path.py``).
@@ -30,7 +32,7 @@ from typing import Callable, Iterator
 
 from sonar.cluster.wire import metrics as K
 
-PHASES = ("generate_sync", "health", "learner_call", "waiting_calls", "push", "log")
+PHASES = ("generate_sync", "health", "switch", "learner_call", "waiting_calls", "push", "log")
 """The phases the driver loop times with ``StepClock.phase``."""
 
 
@@ -72,6 +74,7 @@ class StepClock:
             K.CRIT_LEARNER_RPC: call - wait - compute,
             K.CRIT_BROADCAST: broadcast,
             K.CRIT_ENGINE_LOAD: p["push"] - broadcast,
+            K.CRIT_SWITCH: p["switch"],
             K.CRIT_LOG: p["log"],
         }
         out[K.CRIT_OTHER] = wall - sum(v for k, v in out.items() if k != K.CRIT_WALL)
@@ -80,6 +83,6 @@ class StepClock:
         return out
 
 
-CRITICAL_PARTS = ("generate_sync", "health", "queue_wait", "learner_compute", "learner_rpc", "broadcast",
+CRITICAL_PARTS = ("generate_sync", "health", "switch", "queue_wait", "learner_compute", "learner_rpc", "broadcast",
                   "engine_load", "log", "other")
 """The parts of ``learner/critical/wall_s``, in the order the loop runs them."""

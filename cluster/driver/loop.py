@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
+from sonar.cluster.driver.colocate import Colocation
 from sonar.cluster.driver.critical_path import StepClock
 from sonar.cluster.driver.data import stage_questions, write_stage_prompts
 from sonar.cluster.driver.reports import (StageProgress, Throughput, evaluate, print_summary, record_prompts, replay_metrics,
@@ -99,6 +100,9 @@ def run_sft_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageC
     demos = prepare_demonstrations(cfg, run, roles.policy)
     # Wait: the learner must hold the demonstrations and this stage's settings before its first step.
     info = ray.get(roles.learner.begin_stage.remote(index, stage, start_step, demos))
+    colocation = Colocation(cfg, roles)
+    if colocation.active:
+        colocation.to_training()  # waits: the engines leave the devices to the learner for the whole stage
     log.info("stage %d (sft): %d demonstrations, %d steps", index, info.get("demonstrations", 0), stage.steps)
     progress = StageProgress(stage.steps, start_step, f"stage {index} {stage.name}")
     for step in range(start_step, stage.steps):
@@ -113,7 +117,9 @@ def run_sft_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageC
                      m[K.LEARNER_TOKENS_PER_S], progress.text(step + 1))
         maybe_checkpoint(cfg, roles, run, index, step + 1)  # waits for the learner's save when one is due
     progress.close()
-    run.log(roles.pool.push())  # waits until the workers hold the SFT weights: the next stage samples them
+    # Waits until the workers hold the SFT weights (colocated: handed over, the engines awake): the next
+    # stage samples them.
+    run.log(colocation.to_generation(StepClock()) if colocation.active else roles.pool.push())
 
 
 def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageConfig, start_step: int = 0) -> None:
@@ -140,6 +146,7 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
     steps, t_stage, throughput = start_step, time.monotonic(), Throughput()
     pool = Pool(cfg, len(roles.workers))  # resizes an elastic rollout pool at step boundaries (pool.py)
     clock = StepClock()  # the step's wall time split along the critical path (critical_path.py)
+    colocation = Colocation(cfg, roles)  # colocated placement: engines and learner take turns (colocate.py)
     progress = StageProgress(stage.steps, start_step, f"stage {index} {stage.name}")
     while steps < stage.steps:
         if sync:
@@ -151,9 +158,12 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
             worker_metrics.update(check_retrieval(cfg, roles))  # waits for every replica's ping (or the deadline)
         # Wait for one learner step. The learner waits at most 10 s for groups, so a stalled rollout
         # side comes back as `waiting` and meets the health check above instead of hanging here.
-        t_call = time.monotonic()
-        res = ray.get(roles.learner.rl_step.remote(roles.replay, stage, 10.0), timeout=cfg.cluster.step_timeout_s)
-        clock.parts["waiting_calls" if res.waiting else "learner_call"] += time.monotonic() - t_call
+        # Colocated: waits for every engine to sleep before the step, and after it for the hand-over and
+        # the engines' wake-up, so the next batch samples the new weights (a no-op in split placement).
+        with colocation.training(clock) as switched:
+            t_call = time.monotonic()
+            res = ray.get(roles.learner.rl_step.remote(roles.replay, stage, 10.0), timeout=cfg.cluster.step_timeout_s)
+            clock.parts["waiting_calls" if res.waiting else "learner_call"] += time.monotonic() - t_call
         record_prompts(run, res)
         if res.waiting:
             pool.step(roles.pool, res.metrics.get(K.LEARNER_WAIT_S, 0.0), 0)  # a starved learner grows it
@@ -161,13 +171,13 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
         steps += 1
         run.step += 1
         progress.update()
-        m = dict(res.metrics)
+        m = {**res.metrics, **switched}
         if roles.hooks.on_learner_step is not None:
             # Waits: a benchmark's simulated learner time (Hooks.on_learner_step), before the weights go out.
             t_hook = time.monotonic()
             m.update(roles.hooks.on_learner_step(res.metrics) or {})
             clock.parts["learner_call"] += time.monotonic() - t_hook
-        if steps % cfg.learner.broadcast_every == 0:  # waits for the collective: bounds the policy lag
+        if steps % cfg.learner.broadcast_every == 0 and not colocation.active:  # waits for the collective: bounds the policy lag
             with clock.phase("push"):
                 m.update(roles.pool.push())
         with clock.phase("log"):

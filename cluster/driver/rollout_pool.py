@@ -439,6 +439,18 @@ class RolloutPool:
         self.call("generate_groups", lambda w, i: w.generate_groups.remote(self.replay, index, stage, shares[i], step),
                   timeout=self.cfg.cluster.step_timeout_s, only=[i for i, s in enumerate(shares) if s])
 
+    def sleep(self, level: int) -> list[dict]:
+        """Colocated placement: every engine frees its device for the learner (``RolloutWorker.sleep``); their
+        answers. A worker that dies meanwhile is replaced and its replacement put to sleep too."""
+        return self.call("sleep", lambda w, i: w.sleep.remote(level), timeout=self.cfg.cluster.step_timeout_s,
+                         retry=True)
+
+    def wake(self, tags: list | None = None) -> list[dict]:
+        """Undo ``sleep`` for ``tags`` on every engine (``RolloutWorker.wake``); their answers. A replacement
+        starts awake, so a retry on it is harmless."""
+        return self.call("wake", lambda w, i: w.wake.remote(tags), timeout=self.cfg.cluster.step_timeout_s,
+                         retry=True)
+
     def health(self) -> dict:
         """Health check every iteration: every worker asked at once, one deadline for every answer
         (``cluster.health_timeout_s``: a silent worker costs one timeout per check, not one per worker).

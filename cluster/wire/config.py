@@ -394,6 +394,13 @@ class RolloutConfig:
     """Ray CPUs reserved per rollout worker (placement; torch runs one thread per worker)."""
     num_gpus_per_worker: float = ranged(0.0, ge=0)
     """Ray GPUs reserved per rollout worker (placement; the vLLM engine runs on the GPU Ray assigns)."""
+    sleep_level: int = ranged(1, ge=1, le=2)
+    """``cluster.placement=colocated``: how far an engine sleeps while the learner trains on its GPU (vLLM's
+    sleep mode, ``enable_sleep_mode``). 1: its weights are offloaded to host memory and its KV cache is
+    dropped (the wake-up copies the weights back, then the push overwrites them); 2: its weights are dropped
+    too (no host copy: the push after every step brings them back). The HF engine moves its model to host
+    memory at either level. On CPU there is no device memory to release, so a sleep marks the engine asleep
+    (it refuses to generate) and frees nothing (``actors/worker.py``)."""
     weight_update: str = "pause"
     """vllm engine: how a weight push lands while rows are being generated. pause: no new rows start,
     the rows in flight finish under the old weights, then the load (no row mixes two versions);
@@ -613,6 +620,12 @@ class LearnerConfig:
     """Address rank 0 binds the learner ranks' torch.distributed store on: auto (the node address Ray
     reports: 127.0.0.1 on a local loopback cluster, the node IP on a real one) | loopback (127.0.0.1
     always; all ranks must then share rank 0's node)."""
+    offload_while_generating: bool = False
+    """``cluster.placement=colocated``: while the engines on the learner's GPUs generate, the learner's
+    optimizer states and gradients wait in host memory (DeepSpeed's ``offload_states``, reloaded before the
+    next step; OpenRLHF's ``--deepspeed_enable_sleep``), so generation has the GPU less the bf16 parameters.
+    The memory plan's colocated generation row counts what stays (``cluster/wire/memory.py``). On CPU
+    there is nothing to move: the learner reports the phase and moves nothing."""
     offload_optimizer: bool = False
     """ZeRO-Offload of the optimizer state to CPU memory (needs learner.zero_stage >= 1). The learner
     then uses DeepSpeed's own AdamW (DeepSpeedCPUAdam, JIT-built on first use) instead of torch's."""
@@ -795,6 +808,16 @@ class ClusterConfig:
     mode: str = "async"
     """async: workers generate while the learner trains (bounded by replay.max_policy_lag);
     sync: generate a batch, then train, then broadcast, in lockstep (the baseline async is measured against)."""
+    placement: str = "split"
+    """split: the learner ranks and the rollout engines on devices of their own, weights pushed by a
+    broadcast group (NCCL between GPUs, gloo otherwise). colocated: each learner rank shares its device
+    with one engine and the two take turns (veRL's hybrid engine, OpenRLHF's ``--colocate_all_models``):
+    the engines generate a batch, sleep (``rollout.sleep_level``), the learner trains, the new weights are
+    handed over on the device (``cluster/wire/handover.py``: shared memory on CPU, CUDA IPC on GPU; NCCL
+    refuses two ranks of one GPU), the engines wake and generate again. Sync only (``cluster.mode=sync``):
+    generation and training cannot overlap on one device. On GPU it needs learner.num_gpus=1,
+    rollout.num_gpus_per_worker=1 (the GPU each shares) and one vLLM engine per learner rank
+    (rollout.num_workers = learner.num_ranks, tensor_parallel_size 1)."""
     bind_host: str = "auto"
     """Where the learner's weight-broadcast rendezvous listens and the workers dial it. auto: 127.0.0.1
     when the Ray cluster has one node, else the learner's node address (``ray.util.get_node_ip_address``);
@@ -897,6 +920,7 @@ _CHOICES = {
     "rollout.weight_update": ("pause", "interrupt"),
     "rollout.vllm_dtype": ("auto", "float32", "bfloat16", "float16"),
     "cluster.mode": ("async", "sync"),
+    "cluster.placement": ("split", "colocated"),
     "learner.lr_decay": ("constant", "cosine", "linear"),
     "learner.precision": ("auto", "fp32", "bf16"),
     "learner.dist_backend": ("auto", "gloo", "nccl"),
@@ -1093,6 +1117,7 @@ def validate(cfg: Config, notes: Optional[list] = None) -> Config:
         _check_stages(cfg)
         _check_eval(cfg)
         _check_cluster(cfg)
+        _check_colocated(cfg)
         _check_run(cfg)
         _check_tracking(cfg)
         _check_memory(cfg)  # last: the other checks' messages are more specific than a plan of a bad config
@@ -1318,6 +1343,8 @@ def _check_gpu_placement(cfg: Config) -> None:
     """NCCL with a CPU rank, and two NCCL ranks on one GPU, fail only once the broadcast group forms:
     refuse them here, naming the fields."""
     L, r = cfg.learner, cfg.rollout
+    if cfg.cluster.placement == "colocated":
+        return  # no broadcast group: the hand-over (``_check_colocated``)
     if L.dist_backend == "nccl" and (L.num_gpus <= 0 or r.num_gpus_per_worker <= 0):
         raise ValueError(f"learner.dist_backend='nccl' with learner.num_gpus={L.num_gpus} and "
                          f"rollout.num_gpus_per_worker={r.num_gpus_per_worker}: NCCL needs a GPU on every rank of "
@@ -1330,8 +1357,9 @@ def _check_gpu_placement(cfg: Config) -> None:
     if shared:
         raise ValueError(f"{', '.join(f'{k}={v}' for k, v in shared.items())} with an NCCL weight broadcast: a "
                          "fractional GPU lets Ray put two ranks of the group (the learner and an engine, or two "
-                         "engines) on one device, which NCCL refuses, and Sonar has no colocated mode; use whole "
-                         "GPUs, or learner.dist_backend='gloo'")
+                         "engines) on one device, which NCCL refuses; use whole GPUs, learner.dist_backend='gloo', or "
+                         "cluster.placement='colocated' (learner and engine take turns on one GPU, weights handed "
+                         "over by CUDA IPC)")
 
 
 def _check_learner(cfg: Config) -> None:
@@ -1535,6 +1563,56 @@ def _check_cluster(cfg: Config) -> None:
                                  "learner.num_cpus/num_gpus and rollout.num_cpus_per_worker/num_gpus_per_worker")
             if not (math.isfinite(amount) and amount >= 0):
                 raise ValueError(f"cluster.role_resources.{role}.{name}={amount} must be finite and >= 0")
+
+
+def _check_colocated(cfg: Config) -> None:
+    """``cluster.placement=colocated``: what taking turns on one device rules out, each refusal naming the
+    fields (``ClusterConfig.placement``)."""
+    c, L, r = cfg.cluster, cfg.learner, cfg.rollout
+    if c.placement != "colocated":
+        if L.offload_while_generating:
+            raise ValueError("learner.offload_while_generating=True needs cluster.placement='colocated' (in split "
+                             f"placement no engine shares the learner's GPU), got {c.placement!r}")
+        return
+    if c.mode != "sync":
+        raise ValueError(f"cluster.placement='colocated' with cluster.mode={c.mode!r}: generation and training take "
+                         "turns on one device, so they cannot overlap; use cluster.mode='sync', or "
+                         "cluster.placement='split' for asynchronous training")
+    if L.broadcast_every != 1:
+        raise ValueError(f"cluster.placement='colocated' with learner.broadcast_every={L.broadcast_every}: the "
+                         "engines wake with the weights of the step just trained (every step hands them over); "
+                         "set learner.broadcast_every=1")
+    if (r.min_workers is not None and r.min_workers != r.num_workers) or (
+            r.max_workers is not None and r.max_workers != r.num_workers):
+        raise ValueError(f"cluster.placement='colocated' with rollout.min_workers={r.min_workers}, "
+                         f"rollout.max_workers={r.max_workers}: each engine lives on a learner rank's device, so "
+                         f"the pool is fixed at rollout.num_workers={r.num_workers}")
+    if L.dist_backend == "nccl":
+        raise ValueError("cluster.placement='colocated' with learner.dist_backend='nccl': the weights do not "
+                         "cross a broadcast group (NCCL refuses two ranks on one GPU); they are handed over on "
+                         "the device (leave learner.dist_backend='auto')")
+    if L.offload_while_generating and L.zero_stage < 1:
+        raise ValueError(f"learner.offload_while_generating=True with learner.zero_stage={L.zero_stage}: DeepSpeed "
+                         "moves the states of a ZeRO optimizer only (stage 1, 2 or 3)")
+    gpu = L.num_gpus > 0 or r.num_gpus_per_worker > 0
+    if not gpu:
+        return
+    if L.num_gpus != 1 or r.num_gpus_per_worker != 1:
+        raise ValueError(f"cluster.placement='colocated' with learner.num_gpus={L.num_gpus:g} and "
+                         f"rollout.num_gpus_per_worker={r.num_gpus_per_worker:g}: each learner rank and its "
+                         "engine share one whole GPU, so set both to 1 (the placement gives each half of it in "
+                         "Ray's accounting)")
+    if r.tensor_parallel_size != 1:
+        raise ValueError(f"cluster.placement='colocated' with rollout.tensor_parallel_size={r.tensor_parallel_size}:"
+                         " each engine shares the GPU of one learner rank (tensor parallelism across colocated "
+                         "GPUs is not supported yet); use 1")
+    if r.num_workers != L.num_ranks:
+        raise ValueError(f"cluster.placement='colocated' with rollout.num_workers={r.num_workers} and "
+                         f"learner.num_ranks={L.num_ranks}: one engine per learner rank, on its GPU; set "
+                         f"rollout.num_workers={L.num_ranks}")
+    if r.engine != "vllm":
+        raise ValueError(f"cluster.placement='colocated' on GPUs with rollout.engine={r.engine!r}: the engine "
+                         "must free the GPU while the learner trains (vLLM's sleep mode); use rollout.engine='vllm'")
 
 
 def _check_tracking(cfg: Config) -> None:

@@ -14,10 +14,14 @@ def engine_dtype(cfg: Config) -> str:
 
 
 def broadcast_backend(cfg: Config) -> str:
-    """The weight broadcast's backend: NCCL only when every rank of the group (the learner and every
-    rollout worker) has a GPU and learner.dist_backend allows it; gloo otherwise (CPU tensors; a GPU
-    learner copies its buckets to host memory first)."""
+    """The weight push's backend. Split placement: NCCL only when every rank of the group (the learner and
+    every rollout worker) has a GPU and learner.dist_backend allows it; gloo otherwise (CPU tensors; a GPU
+    learner copies its buckets to host memory first). Colocated placement (``cluster.placement``): the
+    hand-over on the device the learner and its engine share, ``cuda_ipc`` on GPU, ``shm`` (shared
+    memory) on CPU (``cluster/wire/handover.py``)."""
     L = cfg.learner
+    if getattr(cfg.cluster, "placement", "split") == "colocated":
+        return "cuda_ipc" if L.num_gpus > 0 else "shm"
     if L.dist_backend == "gloo":
         return "gloo"
     return "nccl" if L.num_gpus > 0 and cfg.rollout.num_gpus_per_worker > 0 else "gloo"

@@ -439,8 +439,8 @@ class BroadcastGroup:
 
     def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str = "gloo",
                  prefix: str = "sonar-weights", timeout_s: float = 300.0, store: dist.TCPStore | None = None):
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"broadcast backend={backend!r} is not 'gloo' or 'nccl'")
+        if backend not in ("gloo", "nccl", "shm", "cuda_ipc"):
+            raise ValueError(f"broadcast backend={backend!r} is not 'gloo', 'nccl', 'shm' or 'cuda_ipc'")
         if store is not None and (rank != 0 or store.port != master_port):
             raise ValueError(f"BroadcastGroup: a bound store (port {store.port}) is rank 0's, for master_port "
                              f"{master_port}; got rank {rank}")
@@ -457,7 +457,12 @@ class BroadcastGroup:
         # every rank here (or the formation called off) before the backend's uninterruptible rendezvous
         presence_barrier(dist.PrefixStore(prefix + PRESENCE_SUFFIX, self._store), rank, world_size, timeout_s)
         pstore = dist.PrefixStore(prefix, self._store)
-        if backend == "gloo":  # pair sockets on the interface that reaches master_addr, nowhere else
+        if backend in ("shm", "cuda_ipc"):  # colocated: every rank maps one segment (cluster/wire/handover.py)
+            from sonar.cluster.wire.handover import HandoverCollective
+
+            device = torch.device("cpu") if backend == "shm" else torch.device("cuda", torch.cuda.current_device())
+            pg = HandoverCollective(pstore, rank, world_size, f"sonar-{master_port}-{prefix}", device)
+        elif backend == "gloo":  # pair sockets on the interface that reaches master_addr, nowhere else
             pg = dist.ProcessGroupGloo(pstore, rank, world_size, gloo_options(master_addr, timeout))
             device = torch.device("cpu")
         else:  # pragma: no cover - needs CUDA
@@ -731,6 +736,8 @@ class BroadcastGroup:
         return [torch.empty(b.numel, dtype=b.dtype, device=self.device) for b in buckets]
 
     def close(self) -> None:
+        if hasattr(self._pg, "close"):  # the hand-over's segment (gloo/NCCL groups go with their last reference)
+            self._pg.close()
         self._pg = None
         self._store = None
         self._slots, self._alias, self._owner = [None, None], [None, None], [None, None]

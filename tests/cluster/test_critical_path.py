@@ -40,8 +40,11 @@ def test_phases_split_the_wall_time_exactly():
         c.advance(0.7)
     with sc.phase("log"):
         c.advance(0.1)
+    with sc.phase("switch"):  # colocated placement: the engines' sleep and wake, the learner's offload
+        c.advance(0.4)
     m = sc.finish({K.LEARNER_WAIT_S: 0.6, K.LEARNER_STEP_TIME: 1.1, K.WEIGHTS_SYNC_S: 0.25})
-    assert m[K.CRIT_WALL] == pytest.approx(16.5)
+    assert m[K.CRIT_SWITCH] == pytest.approx(0.4)
+    assert m[K.CRIT_WALL] == pytest.approx(16.9)
     assert m[K.CRIT_GENERATE_SYNC] == pytest.approx(3.0)
     assert m[K.CRIT_HEALTH] == pytest.approx(0.2)
     assert m[K.CRIT_QUEUE_WAIT] == pytest.approx(10.6)
