@@ -33,11 +33,21 @@ from sonar.cluster.wire.config import Config
 class Colocation:
     """The phase switch of one run's roles (module docstring). ``roles``: the driver's ``Roles``."""
 
-    def __init__(self, cfg: Config, roles):
+    def __init__(self, cfg: Config, roles, get=None):
+        """``get``: how an actor call's ObjectRef is waited for, ``get(ref, timeout=...)`` (None: ``ray.get``;
+        a unit test passes its own to run the switch without Ray)."""
         self.cfg, self.roles = cfg, roles
+        self._get = get
         self.active = cfg.cluster.placement == "colocated"
         self.switches = 0
         """Training phases entered so far (each one sleep and one wake per engine)."""
+
+    def get(self, ref, timeout: float):
+        if self._get is not None:
+            return self._get(ref, timeout=timeout)
+        import ray
+
+        return ray.get(ref, timeout=timeout)
 
     @contextmanager
     def training(self, clock) -> Iterator[dict]:
@@ -58,13 +68,11 @@ class Colocation:
     def to_training(self) -> dict:
         """Every engine asleep, then the learner's states back: waits for both (the learner must not
         allocate on a device an engine still holds)."""
-        import ray
-
         pool, learner, c = self.roles.pool, self.roles.learner, self.cfg.cluster
         t0 = time.monotonic()
         slept = pool.sleep(self.cfg.rollout.sleep_level)  # waits: every engine has released its device
         t1 = time.monotonic()
-        ray.get(learner.reload_states.remote(), timeout=c.step_timeout_s)  # waits: the states are back
+        self.get(learner.reload_states.remote(), timeout=c.step_timeout_s)  # waits: the states are back
         self.switches += 1
         return {K.COLOCATE_SLEEP_S: t1 - t0, K.COLOCATE_RELOAD_S: time.monotonic() - t1,
                 K.COLOCATE_FREED: float(sum(bool(s.get("freed")) for s in slept))}
@@ -72,8 +80,6 @@ class Colocation:
     def to_generation(self, clock) -> dict:
         """Weights awake, hand-over, learner offload, KV cache awake: each waited for in turn (the next
         needs the memory the previous one freed, or the weights it loaded)."""
-        import ray
-
         pool, learner, c = self.roles.pool, self.roles.learner, self.cfg.cluster
         m: dict = {}
         with clock.phase("switch"):
@@ -86,7 +92,7 @@ class Colocation:
             m[K.COLOCATE_HANDOVER_S] = time.monotonic() - t1
         with clock.phase("switch"):
             t2 = time.monotonic()
-            ray.get(learner.offload_states.remote(), timeout=c.step_timeout_s)  # waits: the device is the engines'
+            self.get(learner.offload_states.remote(), timeout=c.step_timeout_s)  # waits: the device is the engines'
             t3 = time.monotonic()
             pool.wake(["kv_cache"])  # waits: every engine can generate
             wake_s += time.monotonic() - t3

@@ -1582,11 +1582,7 @@ def _check_colocated(cfg: Config) -> None:
         raise ValueError(f"cluster.placement='colocated' with learner.broadcast_every={L.broadcast_every}: the "
                          "engines wake with the weights of the step just trained (every step hands them over); "
                          "set learner.broadcast_every=1")
-    if (r.min_workers is not None and r.min_workers != r.num_workers) or (
-            r.max_workers is not None and r.max_workers != r.num_workers):
-        raise ValueError(f"cluster.placement='colocated' with rollout.min_workers={r.min_workers}, "
-                         f"rollout.max_workers={r.max_workers}: each engine lives on a learner rank's device, so "
-                         f"the pool is fixed at rollout.num_workers={r.num_workers}")
+    # (an elastic pool needs async mode: refused by the rollout checks already)
     if L.dist_backend == "nccl":
         raise ValueError("cluster.placement='colocated' with learner.dist_backend='nccl': the weights do not "
                          "cross a broadcast group (NCCL refuses two ranks on one GPU); they are handed over on "
