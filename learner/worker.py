@@ -195,7 +195,9 @@ class Learner:
         host = "127.0.0.1" if L.rendezvous == "loopback" else ray.util.get_node_ip_address()
         store = master_store(host, 0, self.world_size, RENDEZVOUS_TIMEOUT_S)
         cls = ray.remote(type(self))
-        self._peers = [cls.options(num_cpus=L.num_cpus, num_gpus=L.num_gpus, scheduling_strategy=(
+        from sonar.cluster.wire.resolved import ray_gpus
+
+        self._peers = [cls.options(num_cpus=L.num_cpus, num_gpus=ray_gpus(self.cfg, "learner"), scheduling_strategy=(
             PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=r))).remote(
                 self.cfg, self.policy, rank=r, world_size=self.world_size, master_port=store.port, master_addr=host)
             for r in range(1, self.world_size)]

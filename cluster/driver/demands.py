@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sonar.cluster.driver.learner_ranks import learner_bundles, needs_group
 from sonar.cluster.wire.config import Config, pool_bounds
+from sonar.cluster.wire.resolved import colocated_on_gpu
 
 
 def _bundle(cpu: float, gpu: float, extra: dict | None) -> dict:
@@ -43,9 +45,10 @@ def role_demands(cfg: Config, workers: int | None = None) -> Demands:
     L, r = cfg.learner, cfg.rollout
     n = pool_bounds(cfg)[1] if workers is None else workers
     learner = _bundle(L.num_cpus, L.num_gpus, extra.get("learner"))
-    group = (L.placement_strategy, [dict(learner) for _ in range(L.num_ranks)]) if L.num_ranks > 1 else None
+    group = (L.placement_strategy, learner_bundles(cfg, extra.get("learner"))) if needs_group(cfg) else None
     actors = [] if group else [learner]
-    actors += [_bundle(r.num_cpus_per_worker, r.num_gpus_per_worker, extra.get("rollout")) for _ in range(n)]
+    if not colocated_on_gpu(cfg):  # colocated on GPUs: each worker is in its learner rank's bundle
+        actors += [_bundle(r.num_cpus_per_worker, r.num_gpus_per_worker, extra.get("rollout")) for _ in range(n)]
     actors += [_bundle(cfg.retrieval.num_cpus_per_replica, 0.0, extra.get("retrieval"))
                for _ in range(cfg.retrieval.replicas)]
     return Demands(group, [b for b in actors if b])

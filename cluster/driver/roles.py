@@ -216,6 +216,7 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
     with startup_phase("learner and rollout workers"):
         learner, learner_pg = start_learner(cfg, policy, role_resources(cfg, "learner"))
         pool = RolloutPool(cfg, learner=learner, replay=replay, retrieval=retrieval, policy=policy,
+                           placement_group=learner_pg,
                            engine_wrap=hooks.engine_wrap, on_event=hooks.on_pool)
         pool.start(cfg.rollout.num_workers)
         try:

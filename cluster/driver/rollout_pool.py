@@ -66,9 +66,12 @@ DIED = _Died()
 """``call``'s result for a worker that died (or stayed silent) during the call and was replaced."""
 
 
-def start_worker(cfg: Config, i: int, retrieval: list, engine_wrap: Callable | None = None, *, policy: str):
+def start_worker(cfg: Config, i: int, retrieval: list, engine_wrap: Callable | None = None, *, policy: str,
+                 placement_group=None):
     """Rollout worker ``i``, searching through clients of the ``retrieval`` replicas (a client pickles:
     handles and settings), holding the policy loaded from the directory ``policy``. Not waited for.
+    ``placement_group``: the learner's, in colocated placement on GPUs: worker i goes into bundle i, the GPU
+    it shares with learner rank i (``worker_options``).
 
     Rollouts search with ``retrieval.timeout_s``: a slow search is data (a failed call, "no results").
     Evaluation searches wait up to ``cluster.step_timeout_s`` instead: a held-out measurement must not
@@ -76,7 +79,6 @@ def start_worker(cfg: Config, i: int, retrieval: list, engine_wrap: Callable | N
     import ray
 
     from sonar.actors.worker import RolloutWorker
-    from sonar.cluster.driver.demands import role_resources
     from sonar.retrieval.client import RetrievalClient
 
     # While no replica is healthy (dead, restarting), searches wait up to cluster.retrieval_wait_s for one.
@@ -84,10 +86,27 @@ def start_worker(cfg: Config, i: int, retrieval: list, engine_wrap: Callable | N
                              wait_healthy_s=cfg.cluster.retrieval_wait_s)
     eval_client = RetrievalClient(retrieval, timeout_s=cfg.cluster.step_timeout_s, name="service-eval",
                                   recheck_s=REPLICA_RECHECK_S, wait_healthy_s=cfg.cluster.retrieval_wait_s)
-    return ray.remote(RolloutWorker).options(
-        num_cpus=cfg.rollout.num_cpus_per_worker, num_gpus=cfg.rollout.num_gpus_per_worker,
-        resources=role_resources(cfg, "rollout"), max_concurrency=4, name=None).remote(
-            i, cfg, client, eval_retriever=eval_client, policy=policy, engine_wrap=engine_wrap)
+    return ray.remote(RolloutWorker).options(**worker_options(cfg, i, placement_group), max_concurrency=4,
+                                             name=None).remote(
+        i, cfg, client, eval_retriever=eval_client, policy=policy, engine_wrap=engine_wrap)
+
+
+def worker_options(cfg: Config, i: int, placement_group=None) -> dict:
+    """Ray options of rollout worker ``i``: its CPUs, GPUs and role resources; in colocated placement on
+    GPUs its share of bundle ``i`` of the learner's ``placement_group`` (``resolved.ray_gpus``)."""
+    from sonar.cluster.driver.demands import role_resources
+    from sonar.cluster.wire.resolved import colocated_on_gpu, ray_gpus
+
+    opts = dict(num_cpus=cfg.rollout.num_cpus_per_worker, num_gpus=ray_gpus(cfg, "rollout"),
+                resources=role_resources(cfg, "rollout"))
+    if colocated_on_gpu(cfg):
+        if placement_group is None:
+            raise ValueError(f"rollout worker {i}: cluster.placement='colocated' on GPUs starts each worker in its "
+                             "learner rank's bundle, and no learner placement group was given")
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=i)
+    return opts
 
 
 def node_ref(handle):
@@ -115,17 +134,20 @@ class RolloutPool:
     a replaced worker's claims back). ``start(i)``: starts worker ``i`` and returns its handle (default:
     ``start_worker`` with ``retrieval``, ``engine_wrap`` and ``policy``). ``transport``: default the
     broadcast group (``BroadcastTransport``). ``workers``: handles of workers already started (the pool
-    owns them from here on)."""
+    owns them from here on). ``placement_group``: the learner's, where colocated placement on GPUs starts
+    each worker in its rank's bundle (``worker_options``)."""
 
     def __init__(self, cfg: Config, *, learner=None, replay=None, retrieval: list | None = None, policy: str = "",
                  engine_wrap: Callable | None = None, transport: WeightTransport | None = None,
-                 start: Callable | None = None, on_event: Callable | None = None, workers: list | None = None):
+                 start: Callable | None = None, on_event: Callable | None = None, workers: list | None = None,
+                 placement_group=None):
         self.cfg = cfg
         self.learner, self.replay = learner, replay
         self.transport = transport if transport is not None else BroadcastTransport(learner, broadcast_backend(cfg))
         # ``retrieval`` is the roles' own list: a replica replaced in it reaches workers started later.
         self.retrieval = retrieval if retrieval is not None else []
-        self._start = start or (lambda i: start_worker(cfg, i, self.retrieval, engine_wrap, policy=policy))
+        self._start = start or (lambda i: start_worker(cfg, i, self.retrieval, engine_wrap, policy=policy,
+                                                       placement_group=placement_group))
         self.on_event = on_event
         self.workers: list = list(workers or [])
         """The members' handles, worker i at index i (ids stay 0..n-1). Read them; call them through ``call``."""

@@ -25,3 +25,23 @@ def broadcast_backend(cfg: Config) -> str:
     if L.dist_backend == "gloo":
         return "gloo"
     return "nccl" if L.num_gpus > 0 and cfg.rollout.num_gpus_per_worker > 0 else "gloo"
+
+
+COLOCATED_GPU_SHARE = 0.5
+"""Ray's accounting of one shared GPU in colocated placement: the learner rank and the engine that take turns
+on it each ask for this much of their common bundle (``{GPU: 1}``), so Ray puts both on the same device.
+Accounting only: each uses the whole GPU in its turn (the memory plan counts both, phase by phase)."""
+
+
+def colocated_on_gpu(cfg: Config) -> bool:
+    """Colocated placement with GPUs: each learner rank's bundle also holds one rollout worker."""
+    return getattr(cfg.cluster, "placement", "split") == "colocated" and cfg.learner.num_gpus > 0
+
+
+def ray_gpus(cfg: Config, role: str) -> float:
+    """Ray GPUs one actor of ``role`` ("learner": a rank; "rollout": a worker) asks for: its config field
+    (``learner.num_gpus``, ``rollout.num_gpus_per_worker``), or :data:`COLOCATED_GPU_SHARE` of the bundle it
+    shares in colocated placement on GPUs."""
+    if colocated_on_gpu(cfg):
+        return COLOCATED_GPU_SHARE
+    return float(cfg.learner.num_gpus if role == "learner" else cfg.rollout.num_gpus_per_worker)
