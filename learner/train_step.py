@@ -214,13 +214,20 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
     # The "old" policy of the PPO ratio: the learner's own logprobs before the first update, fixed for
     # every epoch and mini-batch. With one update they equal the current logprobs, so none is computed
     # (policy_loss then takes logprobs.detach()); with more, the ratio moves from the second update on.
-    need_prox = updates > 1 and algo.off_policy in ("tis", "decoupled")
+    # recompute_old_logprobs (off_policy none): the old policy is that recomputation too, and it always runs,
+    # so the engine-vs-learner gap is logged every step (veRL's compute_log_prob).
+    recompute = algo.off_policy == "none" and algo.recompute_old_logprobs
+    need_prox = (updates > 1 and algo.off_policy in ("tis", "decoupled")) or recompute
     cur = None
     if need_prox or kl_reward:
         cur = batch_logprobs(stepper.module, batch, temperature, lcfg.micro_batch_tokens, device,
                              lcfg.logits_chunk_tokens, dp)
         if need_prox:
             batch.proximal_logprobs = cur
+        # KL(engine || learner) from the engine's own samples: k3 with d = mu - learner (kl_estimate's order)
+        gap = kl_estimate(batch.behaviour_logprobs, cur, "k3") * batch.loss_mask
+        m[K.LEARNER_SAMPLING_KL_MEAN] = float(gap.sum() / max(1.0, float(batch.loss_mask.sum())))
+        m[K.LEARNER_SAMPLING_KL_MAX] = float(gap.max()) if gap.numel() else 0.0
     kl = None
     if kl_reward:
         # KL as a reward penalty: per-token KL(current || ref) of the batch, before the first update.

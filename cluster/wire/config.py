@@ -502,11 +502,21 @@ class AlgoConfig:
     off_policy: str = "tis"
     """none | tis | decoupled | vtrace | auto. How the learner corrects for rollouts sampled by another
     policy than the one it trains (a lagging version in async mode; the engine's precision even in sync):
-    none (the PPO ratio against the learner's own old logprobs, as every paper's released trainer does),
+    none (no correction: the PPO ratio against the engine's sampling logprobs, or with
+    ``recompute_old_logprobs`` against the learner's own, as the papers' released trainers do),
     tis (truncated importance weights, ``tis_cap``), decoupled, vtrace. auto: tis when
     ``cluster.mode=async``, none when sync, resolved at load (what ``sonar config show`` prints): the
     paper recipes train on-policy as released and take the correction when ``configs/async.yaml`` makes
     them asynchronous."""
+    recompute_old_logprobs: bool = False
+    """``off_policy='none'``: the PPO ratio's "old" policy is the learner's own logprobs of the batch,
+    recomputed in one no-grad pass before the first update (veRL's ``compute_log_prob``, OpenRLHF's
+    ``make_experience``: what the papers' trainers do), instead of the logprobs the engine reported while
+    sampling, which vLLM at top_p < 1 gives for the truncated distribution and computes with other
+    kernels. Either way every step logs the engine-vs-learner gap over trained tokens,
+    ``learner/sampling_kl/mean`` and ``/max`` (k3 of the engine's against the learner's logprobs, as veRL
+    logs it), whenever that pass runs (this field, a KL reward, or tis/decoupled with several updates).
+    The paper presets set it as their trainers do (``sonar config recipes``); off on CPU's exact engine."""
     tis_cap: float = ranged(2.0, gt=0)
     """Importance weight cap (> 0): ``tis`` truncates the weight exp(proximal - behaviour) to it;
     ``decoupled`` drops the tokens whose weight exceeds it."""

@@ -314,7 +314,8 @@ def policy_loss(inp: LossInputs, cfg: AlgoConfig) -> LossOutput:
         gradient; at r == hi or r == lo it still gets the full one. At r == 1 the gradient is the
         plain policy gradient -A * dlogp (divided by the aggregation's denominator).
       * ``off_policy``:
-          - ``none``: old = behaviour (mu); no weight. Correct only if mu is what the learner
+          - ``none``: old = behaviour (mu), or with ``recompute_old_logprobs`` the proximal (the learner's
+            recomputation before the first update, else ``logprobs.detach()``); no weight. Correct only if mu is what the learner
             would compute (same version, same kernel).
           - ``tis`` (truncated importance sampling, Yao et al. 2025 / veRL ``tis_imp_ratio_cap``):
             old = proximal (given, else ``logprobs.detach()``) and every token loss is multiplied by
@@ -362,8 +363,11 @@ def policy_loss(inp: LossInputs, cfg: AlgoConfig) -> LossOutput:
             metrics["approx_kl"] = _masked_mean(kl_estimate(lp_m, mu, "k3"), m)
     else:
         weight: Tensor | None = None
-        if cfg.off_policy == "none":
+        if cfg.off_policy == "none" and not cfg.recompute_old_logprobs:
             old = mu
+        elif cfg.off_policy == "none":  # the learner's own old logprobs (given, else the current ones): no weight
+            prox = inp.proximal_logprobs.detach().to(lp.dtype) if inp.proximal_logprobs is not None else lp.detach()
+            old = torch.where(m, prox, zeros)
         else:
             prox = inp.proximal_logprobs.detach().to(lp.dtype) if inp.proximal_logprobs is not None else lp.detach()
             old = torch.where(m, prox, zeros)
