@@ -121,6 +121,12 @@ def model_eos_ids(model_dir: str) -> set[int]:
     return out
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def check_architectures(model_dir: str) -> None:
     """Raise ValueError naming the directory unless vLLM implements one of its config's architectures
     (config load checks only that config.json names some: knowing which vLLM has needs vLLM imported)."""
@@ -160,7 +166,8 @@ class VLLMEngine:
                  dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 64, seed: int = 0,
                  kv_cache_gib: float = 0.0, gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, weight_update: str = "pause",
-                 owned_dir: str | None = None, tokenizer: Any = None, sleep_mode: bool = False):
+                 owned_dir: str | None = None, tokenizer: Any = None, sleep_mode: bool = False,
+                 max_num_batched_tokens: int | None = None):
         if weight_update not in WEIGHT_UPDATE_MODES:
             raise ValueError(f"weight_update={weight_update!r} is not one of {list(WEIGHT_UPDATE_MODES)}")
         self.model_dir = model_dir
@@ -210,6 +217,8 @@ class VLLMEngine:
             # prefill runs whole, so a step's token budget must hold the longest sequence.
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(int(max_model_len), 4096)
+        if max_num_batched_tokens:  # the run's (``resolved.vllm_batched_tokens``), on either device
+            kwargs["max_num_batched_tokens"] = int(max_num_batched_tokens)
         if self.tensor_parallel_size > 1:
             kwargs["distributed_executor_backend"] = "mp"  # vLLM's workers on this actor's GPUs, not Ray actors
         try:
@@ -240,7 +249,7 @@ class VLLMEngine:
 
             owned = model_dir = tempfile.mkdtemp(prefix="sonar-vllm-policy-")
             save_policy(model, tokenizer, model_dir)
-        from sonar.cluster.wire.config import engine_dtype
+        from sonar.cluster.wire.config import engine_dtype, vllm_batched_tokens
 
         r = cfg.rollout
         eos = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
@@ -249,7 +258,8 @@ class VLLMEngine:
                    gpu_memory_utilization=r.vllm_gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
                    enable_prefix_caching=r.vllm_enable_prefix_caching, enforce_eager=r.vllm_enforce_eager,
                    weight_update=r.weight_update, owned_dir=owned, tokenizer=tokenizer if text_stops else None,
-                   sleep_mode=cfg.cluster.placement == "colocated")
+                   sleep_mode=cfg.cluster.placement == "colocated",
+                   max_num_batched_tokens=vllm_batched_tokens(cfg, on_gpu=_cuda()))
 
     def sleep(self, level: int) -> dict:
         """Colocated placement: free the GPU for the learner (vLLM's ``sleep``: level 1 offloads the weights

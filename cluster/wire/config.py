@@ -30,7 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sonar.cluster.wire import plugins as _plugins
 from sonar.cluster.wire.paths import CONFIG_DIR, find_config, resolve_relative, resolve_run_root
-from sonar.cluster.wire.resolved import broadcast_backend, engine_dtype  # noqa: F401  (re-exported: callers import them from here)
+from sonar.cluster.wire.resolved import broadcast_backend, engine_dtype, vllm_batched_tokens  # noqa: F401  (re-exported: callers import them from here)
 
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
 
@@ -428,6 +428,13 @@ class RolloutConfig:
     vllm_enable_prefix_caching: bool = True
     """vllm engine: reuse the KV blocks of a shared token prefix (each turn of a trajectory resends the
     whole prefix, and a group's rows share their prompt). Reset at every weight load."""
+    vllm_max_num_batched_tokens: int = ranged(0, ge=0)
+    """vllm engine: tokens one engine step may process (vLLM's ``max_num_batched_tokens``, >= 0). 0: derived
+    (``resolved.vllm_batched_tokens``): on GPU every running row's decode token plus one whole prefill of
+    the longest context, ``rollout.max_batch_rows + protocol.max_total_tokens`` (vLLM's own default, 2,048
+    tokens, would let at most 2,048 of the rows decode per step and split every longer prompt); on CPU, where
+    chunked prefill is off, ``max(protocol.max_total_tokens, 4096)`` (a prefill must fit one step). Set by
+    hand, it is refused below what every row's decode token (GPU) or the longest prefill (CPU) needs."""
     vllm_enforce_eager: bool = True
     """vllm engine: no torch.compile / CUDA graphs. True on CPU (compilation costs minutes there and
     gains little for small models); set False on GPU, where CUDA graphs speed up decoding."""
@@ -1331,6 +1338,15 @@ def _check_vllm(cfg: Config) -> None:
     if r.tensor_parallel_size > 1 and r.num_gpus_per_worker < r.tensor_parallel_size:
         raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} > rollout.num_gpus_per_worker="
                          f"{r.num_gpus_per_worker}: each tensor-parallel rank needs a GPU of its own")
+    if r.engine == "vllm" and r.vllm_max_num_batched_tokens:
+        gpu, n = r.num_gpus_per_worker > 0, r.vllm_max_num_batched_tokens
+        need, why = ((r.max_batch_rows, f"rollout.max_batch_rows={r.max_batch_rows}: at most {n} of the rows could "
+                      "decode in one step") if gpu else
+                     (cfg.protocol.max_total_tokens, f"protocol.max_total_tokens={cfg.protocol.max_total_tokens}: "
+                      "chunked prefill is off on CPU, so the longest prefill must fit one step"))
+        if n < need:
+            raise ValueError(f"rollout.vllm_max_num_batched_tokens={n} < {why} (0 derives it: "
+                             f"{vllm_batched_tokens(cfg)})")
     if r.engine != "vllm" or not cfg.model.path:
         return
     conf = Path(cfg.model.path).expanduser() / "config.json"

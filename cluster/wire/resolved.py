@@ -45,3 +45,16 @@ def ray_gpus(cfg: Config, role: str) -> float:
     if colocated_on_gpu(cfg):
         return COLOCATED_GPU_SHARE
     return float(cfg.learner.num_gpus if role == "learner" else cfg.rollout.num_gpus_per_worker)
+
+
+def vllm_batched_tokens(cfg: Config, on_gpu: bool | None = None) -> int:
+    """vLLM's ``max_num_batched_tokens`` per engine step (``rollout.vllm_max_num_batched_tokens``, else
+    derived, see the field): on GPU ``max_batch_rows + max_total_tokens`` (every running row decodes a token
+    and one longest prefill fits beside them), on CPU ``max(max_total_tokens, 4096)`` (chunked prefill off).
+    ``on_gpu``: where the engine runs (None: ``rollout.num_gpus_per_worker > 0``)."""
+    r = cfg.rollout
+    if r.vllm_max_num_batched_tokens:
+        return int(r.vllm_max_num_batched_tokens)
+    gpu = r.num_gpus_per_worker > 0 if on_gpu is None else on_gpu
+    longest = int(cfg.protocol.max_total_tokens)
+    return int(r.max_batch_rows) + longest if gpu else max(longest, 4096)
