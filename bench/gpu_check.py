@@ -1,4 +1,4 @@
-"""GPU device check (issues 12 and 21): eight checks in under 10 minutes on one GPU, torch (and, for the
+"""GPU device check (issues 12, 21 and 51): nine checks in under 10 minutes on one GPU, torch (and, for the
 last, carried wheels) only.
 
     python bench/gpu_check.py --out $OUT/gpu.json [--wheels .gpu_wheels]     # from the repository root
@@ -23,8 +23,12 @@ Checks 1-7 import no Sonar module that needs Ray, DeepSpeed or MLflow: Sonar's w
    float64 chunk, not a float64 copy of the tensor (4.1 GiB), and gives the same value.
 7. ``nograd_forward_memory``: a no-grad forward of a 1.5B Qwen2 shape at 32k tokens keeping every hidden
    state against the trunk's last hidden state only (the learner's path): peak memory of each.
-8. ``zero2_rl_step``: one ZeRO-2 bf16 ``rl_step`` of Sonar's learner on a random Qwen2.5-1.5B at 32k tokens:
-   peak memory against the memory plan (``cluster/wire/memory.py``). Needs DeepSpeed and omegaconf, which the
+8. ``colocated_handover``: colocated placement's hand-over (``cluster/wire/handover.py``, ``cuda_ipc``): a
+   0.5B bf16 state pushed by Sonar's bucketed push into a second process on the same GPU through one CUDA
+   IPC segment (no NCCL): GB/s, checksums, the sender's memory beside the weights (one bucket).
+9. ``zero2_rl_step``: one ZeRO-2 bf16 ``rl_step`` of Sonar's learner on a random Qwen2.5-1.5B at 32k tokens:
+   peak memory against the memory plan (``cluster/wire/memory.py``); then DeepSpeed's ``offload_states`` as
+   ``learner.offload_while_generating`` calls it (memory freed against 12 bytes per parameter, and back). Needs DeepSpeed and omegaconf, which the
    check machine lacks: ``bench/gpu_wheels.sh`` downloads them (about 6 MB) into ``.gpu_wheels/`` to carry.
 
 Each check prints ``PASS``/``FAIL``/``SKIP`` with its figure; ``--out`` gets one JSON with every check, the
@@ -458,6 +462,87 @@ def check_nograd_forward_memory(torch, args) -> dict:
             **out, "figure": f"{fig}; same last hidden state: {same}"}
 
 
+# ------------------------------------------------------------------------------------------------ 9
+def _handover_receiver(port, name, n_pushes, device, specs, timeout_s, q_out):
+    import torch
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    W = load_by_path("sonar_wire_weights", "cluster/wire/weights.py")
+    H = load_by_path("sonar_wire_handover", "cluster/wire/handover.py")
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    pg = H.HandoverCollective(dist.PrefixStore(name, store), 1, 2, name, torch.device(device))
+    grp = W.BroadcastGroup.over(pg, 1, 2, device, timeout_s)
+    buckets = W.plan_buckets([W.TensorSpec(n, tuple(sh), getattr(torch, d)) for n, sh, d in specs])
+    mine = {n: torch.empty(tuple(sh), dtype=getattr(torch, d), device=device) for n, sh, d in specs}
+    for _ in range(n_pushes):
+        sums = W.Checksum()
+        grp.recv_streamed(buckets, lambda named: [mine[k].copy_(v) for k, v in named], sums)
+        q_out.put((dict(grp.last_push), sums.value))
+    grp.close()
+
+
+def check_colocated_handover(torch, args) -> dict:
+    """Colocated placement's hand-over (``cluster/wire/handover.py``, backend ``cuda_ipc``): Sonar's bucketed
+    push from this process (the learner) into a second process on the same GPU (an engine), through one CUDA
+    IPC segment of the largest bucket's size and the store's events, no NCCL. Figures: GB/s of the push
+    (copy in, IPC, copy out), the receiver's checksum against the sender's, and the sender's peak memory
+    beside the weights (one segment: the largest bucket). ``--cpu-smoke``: the ``shm`` backend (a /dev/shm
+    segment) on the same path."""
+    import torch.multiprocessing as mp
+    import torch.distributed as dist
+
+    W = load_by_path("sonar_wire_weights", "cluster/wire/weights.py")
+    H = load_by_path("sonar_wire_handover", "cluster/wire/handover.py")
+    state = qwen05b_state(torch, DEVICE, torch.bfloat16, args.state_layers, args.vocab)
+    specs = [W.TensorSpec(n, tuple(t.shape), t.dtype) for n, t in state.items()]
+    buckets = W.plan_buckets(specs)
+    want = W.checksum(state.items())
+    store = W.open_store("127.0.0.1", 2, timeout_s=args.group_timeout_s)
+    name = f"sonar-gpucheck-{store.port}"
+    ctx = mp.get_context("spawn")
+    q_out = ctx.Queue()
+    wire = [(sp.name, list(sp.shape), str(sp.dtype).removeprefix("torch.")) for sp in specs]
+    proc = ctx.Process(target=_handover_receiver, args=(store.port, name, args.repeats + 1, DEVICE, wire,
+                                                        args.group_timeout_s, q_out), daemon=True)
+    proc.start()
+    pg = H.HandoverCollective(dist.PrefixStore(name, store), 0, 2, name, torch.device(DEVICE))
+    grp = W.BroadcastGroup.over(pg, 0, 2, DEVICE, args.group_timeout_s)
+    times, sums = [], []
+    try:
+        sync(torch)
+        if DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        for _ in range(args.repeats + 1):  # the first push creates the segment and the receiver maps it: untimed
+            t = time.perf_counter()
+            sent = with_deadline(lambda: grp.send_weights(buckets, state), args.group_timeout_s, "hand-over push")
+            pushed, got = q_out.get(timeout=args.group_timeout_s)
+            times.append(time.perf_counter() - t)
+            sums.append(got)
+        peak_extra = (torch.cuda.max_memory_allocated() - base) / 2**30 if DEVICE == "cuda" else None
+    finally:
+        grp.close()
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    best = min(times[1:])
+    largest = max(b.nbytes for b in buckets) / 2**30
+    equal = all(abs(g - want) <= 1e-9 * abs(want) for g in sums)
+    ok = equal and (peak_extra is None or peak_extra <= largest + 0.25)
+    gbps = sent / best / 1e9
+    return {"status": "PASS" if ok else "FAIL", "bytes": sent, "gb_per_s": gbps, "push_s": times[1:],
+            "first_push_s": times[0], "checksums_equal": equal, "sender_peak_extra_gib": peak_extra,
+            "largest_bucket_gib": largest, "backend": "cuda_ipc" if DEVICE == "cuda" else "shm",
+            "figure": f"{gbps:.1f} GB/s push into a second process on the device, checksums "
+                      f"{'equal' if equal else 'DIFFER'}, sender +{peak_extra if peak_extra is None else round(peak_extra, 2)} "
+                      f"GiB (largest bucket {largest:.2f} GiB)"}
+
+
 # ------------------------------------------------------------------------------------------------ 8
 def import_sonar(args):
     """``sonar`` importable on a machine where it is not installed: a temporary folder holding a link named
@@ -559,21 +644,43 @@ def check_zero2_rl_step(torch, args) -> dict:
     sync(torch)
     step_s = time.perf_counter() - t
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    # colocated placement's learner.offload_while_generating (learner/worker.py: offload_states): what DeepSpeed
+    # moves to host memory (optimizer states, fp32 master, gradients; the bf16 parameters stay) and back
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
+
+    freed = offload_s = reload_s = None
+    if cuda:  # (on CPU there is no device memory to move: the CPU learner never offloads)
+        before = torch.cuda.memory_allocated()
+        t_off = time.perf_counter()
+        engine.offload_states(include=[S.optim_states, S.hp_params, S.lp_grads, S.contiguous_grad_buffer])
+        sync(torch)
+        offload_s = time.perf_counter() - t_off
+        freed = (before - torch.cuda.memory_allocated()) / 2**30
+        t_re = time.perf_counter()
+        engine.reload_states()
+        sync(torch)
+        reload_s = time.perf_counter() - t_re
+    n_params = sum(p.numel() for p in params)
+    expected_freed = 12 * n_params / 2**30  # fp32 master 4N + Adam m, v 8N (ZeRO-2, one rank); gradients beside
     planned = plan.learner.total / 2**30 if plan is not None and getattr(plan, "learner", None) is not None else None
     out = {"tokens": tokens, "rows": rows, "step_s": step_s, "peak_gib": peak, "plan_learner_gib": planned,
-           "plan_note": why, "loss": float(metrics.get(K.LEARNER_LOSS, float("nan")))}
+           "plan_note": why, "loss": float(metrics.get(K.LEARNER_LOSS, float("nan"))),
+           "offload_freed_gib": freed, "offload_expected_at_least_gib": expected_freed, "offload_s": offload_s,
+           "reload_s": reload_s}
     if not cuda:
         return {**out, "status": "PASS", "figure": f"CPU smoke rl_step in {step_s:.2f} s"}
-    ok = planned is not None and peak <= planned
+    ok = planned is not None and peak <= planned and freed >= 0.9 * expected_freed
     return {**out, "status": "PASS" if ok else "FAIL",
             "figure": f"peak {peak:.1f} GiB vs planned {planned if planned is None else round(planned, 1)} GiB "
-                      f"({tokens} tokens, {step_s:.1f} s)"}
+                      f"({tokens} tokens, {step_s:.1f} s); offload_states freed {freed:.1f} GiB "
+                      f"(>= {expected_freed:.1f} expected) in {offload_s:.1f} s, back in {reload_s:.1f} s"}
 
 
 # ------------------------------------------------------------------------------------------------ main
 CHECKS = {"nccl_broadcast": check_nccl_broadcast, "learner_step": check_learner_step, "cuda_ipc": check_cuda_ipc,
           "dp_sum_nccl": check_dp_sum_nccl, "push_memory_and_timing": check_push_memory_and_timing,
           "checksum_memory": check_checksum_memory, "nograd_forward_memory": check_nograd_forward_memory,
+          "colocated_handover": check_colocated_handover,
           "zero2_rl_step": check_zero2_rl_step}  # last: it leaves DeepSpeed's process group initialised
 
 

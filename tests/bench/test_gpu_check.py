@@ -45,13 +45,13 @@ def test_without_cuda_every_check_skips(tmp_path):
     assert r.returncode == 0, r.stderr
     assert set(doc["checks"]) == {"nccl_broadcast", "learner_step", "cuda_ipc", "dp_sum_nccl",
                                   "push_memory_and_timing", "checksum_memory", "nograd_forward_memory",
-                                  "zero2_rl_step"}
+                                  "colocated_handover", "zero2_rl_step"}
     assert all(c["status"] == "SKIP" for c in doc["checks"].values())
-    assert r.stdout.count("SKIP ") == 8
+    assert r.stdout.count("SKIP ") == 9
 
 
 TORCH_ONLY = ["nccl_broadcast", "learner_step", "cuda_ipc", "dp_sum_nccl", "push_memory_and_timing",
-              "checksum_memory", "nograd_forward_memory"]
+              "checksum_memory", "nograd_forward_memory", "colocated_handover"]
 
 
 @pytest.mark.slow
@@ -81,3 +81,6 @@ def test_cpu_smoke_runs_every_torch_only_check(tmp_path):
     assert 0 < push["peak_extra_bytes"] <= push["two_buckets_bytes"]
     assert all(p["call_s"] >= 0.9 * p["synced_s"] for p in push["pushes"])
     assert c["checksum_memory"]["equal"] and c["nograd_forward_memory"]["status"] == "PASS"
+    # colocated placement's hand-over into a second process (shm here, CUDA IPC on the GPU): every byte arrived
+    hand = c["colocated_handover"]
+    assert hand["backend"] == "shm" and hand["checksums_equal"] and hand["bytes"] > 0 and hand["gb_per_s"] > 0
