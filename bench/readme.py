@@ -29,6 +29,7 @@ from sonar.bench.common import READMES, REPO_ROOT, load_full_result, splice
 
 BLOCKS = {
     "default-run": default_run.render_table,
+    "default-run placements": default_run.render_placements_table,
     "learner": learner_bench.render_table,
     "async-vs-sync": async_vs_sync.render_table,
     "async-vs-sync variant": async_vs_sync.render_variant_table,
@@ -48,7 +49,7 @@ BLOCKS = {
     "soak": soak.render_table,
 }
 """Block kind -> the function that renders it (the kind's first word is the benchmark that wrote the JSON)."""
-MANY = {"async-vs-sync ablation"}
+MANY = {"async-vs-sync ablation", "default-run placements"}
 """The kinds rendered from several results at once."""
 MARKER = re.compile(r"<!-- ([a-z0-9-]+(?: [a-z0-9-]+)?) table: "
                     r"(bench/results/\S+?\.json(?:, bench/results/\S+?\.json)*)[ -]")
