@@ -124,7 +124,9 @@ class HandoverCollective:
             self._store.set(key, pickle.dumps((rebuild, args)))
             self._segment = (key, buf, None)
         else:
-            path = os.path.join(segment_dir(), f"{self.name}-{self._made}")
+            # the root's pid: a file left by a crashed process (killed between create and the first take)
+            # can never collide with a later group that reuses its store's port and prefix
+            path = os.path.join(segment_dir(), f"{self.name}-{os.getpid()}-{self._made}")
             seg = _FileSegment(path, nbytes, create=True)
             self._segment = (path, seg.tensor, seg)
             self._unlink_after = seq  # once this broadcast is taken, every receiver has it mapped
