@@ -1,4 +1,5 @@
-"""The GPU memory plan: what each learner GPU and each vLLM GPU will hold, computed at config load.
+"""The GPU memory plan: what each learner GPU and each vLLM GPU will hold (colocated placement: each GPU a
+learner rank shares with its engine, phase by phase), computed at config load.
 
 ``config.validate`` calls :func:`plan_for` last (``_check_memory``) and refuses a plan that does not fit
 the declared GPU memory, naming the fields to change; ``sonar config validate|show`` and ``sonar train``
@@ -80,9 +81,10 @@ vLLM takes ``rollout.vllm_gpu_memory_utilization`` x GPU memory (``vllm/v1/worke
 ``request_memory``: that much must be free at start) for its weights, activations and KV cache; with
 ``rollout.vllm_kv_cache_gib > 0`` it uses weights + activations + that KV instead. Weights: N x e / tp
 (e: ``config.engine_dtype`` bytes, tp = ``rollout.tensor_parallel_size``). Activation peak of vLLM's
-profile run (no autograd): 16,384 batched tokens (vLLM's default ``max_num_batched_tokens`` on a large
-GPU, ``vllm/engine/arg_utils.py``) x e x (3I/tp + 3H + (q + 2kv)/tp) + ``rollout.max_batch_rows`` x V x
-4 x 2 (the sampler's fp32 logits and probabilities). KV left = reservation - weights - activations;
+profile run (no autograd, ``max_num_batched_tokens`` tokens: the engine's step budget, which
+``actors/engine_vllm.py`` passes as ``resolved.vllm_batched_tokens``: ``rollout.vllm_max_num_batched_tokens``,
+else ``rollout.max_batch_rows + protocol.max_total_tokens`` on GPU) x e x (3I/tp + 3H + (q + 2kv)/tp) +
+``rollout.max_batch_rows`` x V x 4 x 2 (the sampler's fp32 logits and probabilities). KV left = reservation - weights - activations;
 tokens it holds: KV / (2 x L x kv_heads_per_gpu x head_dim x e) with kv_heads_per_gpu = max(1,
 kv_heads / tp). Outside the reservation (NCCL broadcast): the streamed receive buffers,
 ``weights.recv_buffer_bytes``, two buffers each as large as the largest bucket through it (a 7B: its
@@ -92,6 +94,41 @@ chunked checksum's float64 temporary ``weights.CHECKSUM_CHUNK_BYTES``, and the C
 constant. Refused when reservation + outside > GPU memory, when the weights and
 activations leave no KV for one ``protocol.max_total_tokens`` trajectory, or when tp does not divide
 the attention heads (vLLM refuses that itself, at start).
+
+**Colocated GPU** (``cluster.placement=colocated``: each learner rank shares its GPU with one vLLM engine
+of TP 1, sync mode; ``ClusterConfig.placement``, ``cluster/driver/colocate.py``). The two take turns, so
+the plan is one GPU per rank with the peak of three phases of an RL step, never alive together:
+
+    generation   vLLM reservation (as above) + the engine's receive buffers + its CUDA context
+                 + what the learner keeps: every held row of the learner plan, or, with
+                 ``learner.offload_while_generating``, its parameters (policy, critic), the KL reference,
+                 the hand-over's buffers and its context (DeepSpeed's ``offload_states``,
+                 ``stage_1_and_2.py`` / ``stage3.py``, moves the gradients, fp32 master and Adam to host
+                 memory and ends with ``empty_cache``, which frees ZeRO's reduce bucket and gathered layer)
+    training     the learner plan (its held rows and its largest transient phase) + the sleeping engine:
+                 its CUDA context and receive buffers. vLLM's sleep (``vllm/v1/worker/gpu_worker.py``
+                 ``Worker.sleep``, ``vllm/device_allocator/cumem.py`` ``CuMemAllocator.sleep``) releases what
+                 its allocator pool holds: level 1 copies the weights to host memory and drops the KV cache,
+                 level 2 drops both; tensors of torch's own allocator (the receive buffers) stay
+    hand-over    the engine's weights (woken alone, ``wake_up(tags=["weights"])``; the KV cache after the
+                 learner offloaded) N x e + its receive buffers + the layer reload's held copies + the
+                 checksum chunk + its context, beside the learner's held rows (it offloads after the push)
+
+The learner's push rows are the hand-over's (``cluster/wire/handover.py``, every rank: each hands over to
+its own engine): two send stream buffers as the NCCL push has them (under ZeRO-3 every bucket is
+flattened, the per-bucket gathers of ``learner/worker.py``) and the CUDA IPC segment, as large as the
+largest bucket (a 7B: its 1.09 GB embedding); no NCCL buffers. vLLM refuses to start unless
+``rollout.vllm_gpu_memory_utilization`` x GPU is free (``request_memory``, above, whatever
+``rollout.vllm_kv_cache_gib``): beside a resident learner that is learner kept + engine context +
+utilisation x GPU <= GPU, shown under the phases (the generation phase, which adds the receive buffers,
+is never smaller with a utilisation-sized reservation). That check assumes the runtime starts the engines
+beside a learner already in its generation state (its states offloaded first, with the flag): a learner
+holding its whole training state at that moment needs its held rows there instead. Refused, naming each phase with its figures and
+the single changes that fit (each re-planned): the utilisation, ``learner.offload_while_generating``,
+``learner.zero_stage``, ``learner.offload_optimizer``, more ranks (``learner.num_ranks`` and
+``rollout.num_workers`` together), the micro-batch; and when the reservation leaves KV for less than one
+``protocol.max_total_tokens`` trajectory. Host memory (the engine's weights asleep at level 1, the
+learner's offloaded states) is shown, not checked.
 
 Not modelled: CUDA graphs' memory (vLLM counts it inside its reservation), allocator fragmentation
 (partly in the 1.0 GiB constant), the CPU side (shown, not checked). The GPU memory each GPU has is
@@ -115,7 +152,7 @@ from typing import Mapping, Optional, Sequence
 
 # No import of config.py: config.validate calls this module (_check_memory), so ``Config`` here is an
 # annotation only and the two resolvers come from their own module (tests/test_layout.py: no cycles).
-from sonar.cluster.wire.resolved import broadcast_backend, engine_dtype
+from sonar.cluster.wire.resolved import broadcast_backend, engine_dtype, vllm_batched_tokens
 from sonar.cluster.wire.weights import (CHECKSUM_CHUNK_BYTES, DEFAULT_BUCKET_BYTES, TensorSpec, plan_buckets,
                                         recv_buffer_bytes, send_buffer_bytes)
 
@@ -125,9 +162,6 @@ CUDA_OVERHEAD_BYTES = 1 << 30
 DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
 """DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (``deepspeed/runtime/zero/config.py``),
 which ``learner/deepspeed_config.py`` leaves unset."""
-VLLM_BATCHED_TOKENS = 16384
-"""vLLM's default ``max_num_batched_tokens`` on a large GPU (``vllm/engine/arg_utils.py``), the size of
-its profile run."""
 LOGITS_COPIES = 3
 """fp32 [tokens, V] tensors alive at once in the logprob head: logits, softmax, gradient."""
 DEFAULT_GPU_MEMORY_GIB = 80.0
@@ -217,9 +251,50 @@ class GpuPlan:
 
 
 @dataclass(frozen=True)
+class SharedGpuPlan:
+    """One GPU that a learner rank shares with its vLLM engine (``cluster.placement=colocated``): one
+    :class:`GpuPlan` per phase of an RL step (generation, training, hand-over), never alive together, so
+    the GPU's peak is the largest phase's total."""
+
+    title: str
+    phases: tuple[GpuPlan, ...]
+    capacity: int
+    problems: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
+
+    def phase(self, name: str) -> GpuPlan:
+        """The phase whose title starts with ``name`` (generation, training, hand-over)."""
+        (g,) = [g for g in self.phases if g.title.startswith(name)]
+        return g
+
+    @property
+    def peak(self) -> GpuPlan:
+        return max(self.phases, key=lambda g: g.total)
+
+    @property
+    def total(self) -> int:
+        return self.peak.total
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def _format_rows(g: GpuPlan, indent: str, width: int) -> list[str]:
+    lines, peak = [], g.peak_phase
+    for r in g.rows:
+        tag = "" if r.phase in ("held", "inside") else (
+            f" [{_PHASES[r.phase]}{'' if r.phase == peak else ', not at the peak'}]")
+        lines.append(f"{indent}{r.name:<{width}} {r.gib:6.1f}  {r.note}{tag}".rstrip())
+    return lines
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
-    """A run's plan: the learner's rank-0 GPU and one vLLM GPU (None: that role uses no GPU), on GPUs of
-    ``gpu_memory_gib`` (``gpu_memory_source`` says where that figure came from)."""
+    """A run's plan: the learner's rank-0 GPU and one vLLM GPU (None: that role uses no GPU), or, in
+    colocated placement, the one GPU each learner rank shares with its engine (``colocated``; learner
+    and engine are then None), on GPUs of ``gpu_memory_gib`` (``gpu_memory_source`` says where that
+    figure came from)."""
 
     shape: ModelShape
     gpu_memory_gib: float
@@ -227,10 +302,15 @@ class MemoryPlan:
     learner: Optional[GpuPlan]
     engine: Optional[GpuPlan]
     notes: tuple[str, ...] = ()
+    colocated: Optional[SharedGpuPlan] = None
+
+    @property
+    def gpus(self) -> tuple:
+        return tuple(g for g in (self.learner, self.engine, self.colocated) if g is not None)
 
     @property
     def fits(self) -> bool:
-        return all(g.fits for g in (self.learner, self.engine) if g is not None)
+        return all(g.fits for g in self.gpus)
 
     def format(self) -> str:
         s = self.shape
@@ -242,20 +322,28 @@ class MemoryPlan:
             if g is None:
                 continue
             lines.append(f"  {g.title}")
-            peak = g.peak_phase
-            for r in g.rows:
-                tag = "" if r.phase in ("held", "inside") else (
-                    f" [{_PHASES[r.phase]}{'' if r.phase == peak else ', not at the peak'}]")
-                lines.append(f"    {r.name:<34} {r.gib:6.1f}  {r.note}{tag}".rstrip())
+            lines += _format_rows(g, "    ", 34)
             verdict = "fits" if g.fits else "DOES NOT FIT"
             lines.append(f"    {'total':<34} {g.total / GIB:6.1f}  of {g.capacity / GIB:.1f} GiB: {verdict}")
             lines += [f"    {x}" for x in g.extra]
+        c = self.colocated
+        if c is not None:
+            lines.append(f"  {c.title}")
+            for ph in c.phases:
+                lines.append(f"    {ph.title}")
+                lines += _format_rows(ph, "      ", 36)
+                lines.append(f"      {'phase total':<36} {ph.total / GIB:6.1f}")
+            verdict = "fits" if c.fits else "DOES NOT FIT"
+            peak = c.peak.title.split(":")[0]
+            lines.append(f"    {'total (peak: ' + peak + ')':<38} {c.total / GIB:6.1f}  of {c.capacity / GIB:.1f} GiB: "
+                         f"{verdict}")
+            lines += [f"    {x}" for x in c.extra]
         lines += [f"  {n}" for n in self.notes]
         return "\n".join(lines)
 
     def refusal(self) -> str:
         """Why the plan does not fit, with the figures and the fields to change ("" when it fits)."""
-        parts = [p for g in (self.learner, self.engine) if g is not None for p in g.problems]
+        parts = [p for g in self.gpus for p in g.problems]
         if not parts:
             return ""
         return f"memory plan: {'; '.join(parts)} (each GPU {self.gpu_memory_gib:.1f} GiB, {self.gpu_memory_source})"
@@ -466,6 +554,25 @@ def push_buckets(s: ModelShape, p: int) -> list:
     return plan_buckets([TensorSpec(name, shape, dtype) for name, shape in s.tensors], DEFAULT_BUCKET_BYTES)
 
 
+def _push_rows(cfg: Config, s: ModelShape, p: int) -> list[Row]:
+    """The learner's side of the weight push: NCCL's two send buffers (rank 0); the colocated hand-over's
+    send buffers and IPC segment (every rank: each hands over to the engine on its GPU); nothing with gloo
+    (a GPU learner flattens every bucket in host memory)."""
+    backend = broadcast_backend(cfg)
+    if backend == "nccl":
+        return [Row("weight push send buffers", send_buffer_bytes(push_buckets(s, p)),
+                    f"2 stream buffers of flattened buckets (<= {DEFAULT_BUCKET_BYTES >> 20} MiB), rank 0")]
+    if backend == "cuda_ipc":
+        buckets = push_buckets(s, p)
+        z3 = cfg.learner.zero_stage == 3  # ZeRO-3 pushes through per-bucket gathers: every bucket is flattened
+        return [Row("hand-over send buffers", send_buffer_bytes(buckets, in_place=not z3),
+                    "2 stream buffers, " + ("every bucket flattened (ZeRO-3 gathers)" if z3 else
+                                            f"multi-tensor buckets (<= {DEFAULT_BUCKET_BYTES >> 20} MiB)")),
+                Row("hand-over IPC segment", max(b.nbytes for b in buckets),
+                    "the largest bucket, mapped by the engine (cluster/wire/handover.py)")]
+    return []
+
+
 def layer_params(s: ModelShape) -> int:
     """Parameters of one decoder layer: (trunk - input embedding - final norm) / layers."""
     return (s.trunk_params - s.vocab_size * s.hidden_size - s.hidden_size) // s.num_layers
@@ -486,9 +593,7 @@ def learner_plan(cfg: Config, s: ModelShape, capacity: int) -> GpuPlan:
     if _critic_on(cfg):
         nc = s.trunk_params + s.hidden_size + 1
         rows += _states(nc, "critic: ", cfg, p, f"{_fmt_n(nc)} (trunk + head)", step="critic_step")
-    if broadcast_backend(cfg) == "nccl":  # gloo from a GPU learner flattens every bucket in host memory
-        rows.append(Row("weight push send buffers", send_buffer_bytes(push_buckets(s, p)),
-                        f"2 stream buffers of flattened buckets (<= {DEFAULT_BUCKET_BYTES >> 20} MiB), rank 0"))
+    rows += _push_rows(cfg, s, p)
     rows.append(Row("CUDA context + NCCL", CUDA_OVERHEAD_BYTES, "constant"))
     T = micro_tokens(cfg)
     ck = L.gradient_checkpointing
@@ -580,7 +685,7 @@ def _vllm_activation_bytes(cfg: Config, s: ModelShape, e: int, tp: int) -> int:
     H, I = s.hidden_size, s.intermediate_size
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     per_token = e * (3 * I // tp + 3 * H + (q + 2 * kv) // tp)
-    return VLLM_BATCHED_TOKENS * per_token + cfg.rollout.max_batch_rows * s.vocab_size * 4 * 2
+    return vllm_batched_tokens(cfg, on_gpu=True) * per_token + cfg.rollout.max_batch_rows * s.vocab_size * 4 * 2
 
 
 def kv_bytes_per_token(s: ModelShape, e: int, tp: int) -> int:
@@ -611,7 +716,8 @@ def engine_plan(cfg: Config, s: ModelShape, capacity: int) -> GpuPlan:
     rows = (
         Row("vLLM reservation", reserved, how),
         Row(f"  of which weights ({dtype})", weights, f"{e} B x {_fmt_n(s.params)} / TP {tp}", phase="inside"),
-        Row("  of which activation peak", act, f"{VLLM_BATCHED_TOKENS:,} batched tokens + sampler", phase="inside"),
+        Row("  of which activation peak", act, f"{vllm_batched_tokens(cfg, on_gpu=True):,} batched tokens + sampler",
+            phase="inside"),
         Row("  of which KV cache", max(kv, 0), f"{tokens:,} tokens ({per_tok:,} B per token)", phase="inside"),
         Row("broadcast receive buffers", recv, "2 stream buffers, each its largest bucket (a tensor, or "
             f"{DEFAULT_BUCKET_BYTES >> 20} MiB)" if nccl else "0 on the GPU: gloo receives in host memory"),
@@ -656,9 +762,222 @@ def engine_plan(cfg: Config, s: ModelShape, capacity: int) -> GpuPlan:
     return dataclasses.replace(plan, problems=tuple(problems))
 
 
+# ------------------------------------------------------------------------------- colocated placement
+
+def colocated(cfg: Config) -> bool:
+    """Whether the plan is colocated: ``cluster.placement=colocated`` with a vLLM engine and a learner on
+    GPUs (``config._check_colocated`` refuses any other colocated GPU layout)."""
+    return (getattr(cfg.cluster, "placement", "split") == "colocated" and cfg.learner.num_gpus > 0
+            and cfg.rollout.num_gpus_per_worker > 0 and cfg.rollout.engine == "vllm")
+
+
+def _stays_while_generating(name: str) -> bool:
+    """Learner rows that ``learner.offload_while_generating`` leaves on the GPU: parameters (policy, critic),
+    the KL reference (a frozen module apart from DeepSpeed's engine), the hand-over's buffers, the context.
+    The rest (gradients, fp32 master, Adam, ZeRO's reduce bucket and gathered layer) DeepSpeed's
+    ``offload_states`` moves to host memory or frees (``empty_cache`` at its end)."""
+    return name.endswith(" parameters") or name.startswith(("KL reference", "hand-over ", "CUDA context"))
+
+
+def _engine_side(cfg: Config, s: ModelShape, capacity: int) -> dict:
+    """The engine's figures on a shared GPU (TP 1): weights, activation peak, reservation, KV, buffers."""
+    r = cfg.rollout
+    e, tp, p = _DTYPE_BYTES[engine_dtype(cfg)], r.tensor_parallel_size, train_bytes(cfg)
+    weights, act = s.params * e // tp, _vllm_activation_bytes(cfg, s, e, tp)
+    util_bytes = int(math.ceil(capacity * r.vllm_gpu_memory_utilization))
+    if r.vllm_kv_cache_gib > 0:
+        kv = int(r.vllm_kv_cache_gib * GIB)
+        reserved = weights + act + kv
+        how = f"weights + activations + rollout.vllm_kv_cache_gib={r.vllm_kv_cache_gib:g}"
+    else:
+        reserved, how = util_bytes, (f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization:g} x "
+                                     f"{capacity / GIB:.1f} GiB")
+        kv = reserved - weights - act
+    per_tok = kv_bytes_per_token(s, e, tp)
+    return dict(e=e, tp=tp, weights=weights, act=act, util_bytes=util_bytes, reserved=reserved, how=how, kv=kv,
+                per_tok=per_tok, tokens=max(kv, 0) // per_tok, recv=recv_buffer_bytes(push_buckets(s, p)),
+                held=p * layer_params(s), p=p)
+
+
+def colocated_plan(cfg: Config, s: ModelShape, capacity: int, check: bool = True) -> SharedGpuPlan:
+    """The GPU a learner rank shares with its engine, phase by phase (module docstring, "Colocated
+    GPU"); ``check``: also the refusal with the single changes that fit (each re-planned)."""
+    L, r = cfg.learner, cfg.rollout
+    lp = learner_plan(cfg, s, 1 << 62)  # its rows only: the refusal is this GPU's
+    en = _engine_side(cfg, s, capacity)
+    dtype = engine_dtype(cfg)
+    held = [x for x in lp.rows if x.phase == "held"]
+    off = L.offload_while_generating
+    ctx = Row("engine CUDA context", CUDA_OVERHEAD_BYTES, "constant")
+    recv = Row("engine receive buffers", en["recv"],
+               "2 stream buffers, each its largest bucket (kept between pushes)")
+
+    # generation: the engine awake, what the learner keeps beside it
+    kept = [x for x in held if not off or _stays_while_generating(x.name)]
+    moved = [x for x in held if x not in kept and x.bytes]
+    gen_learner = [Row(f"learner: {x.name}", x.bytes, x.note) for x in kept]
+    if moved:
+        gen_learner.append(Row("learner: in host memory", 0, f"{sum(x.bytes for x in moved) / GIB:.1f} GiB: "
+                               "gradients, fp32 master, Adam, ZeRO buffers (DeepSpeed's offload_states)"))
+    keeps = ("the learner keeps its parameters, its optimizer states in host memory (learner.offload_while_generating)"
+             if off else "the learner keeps every state (learner.offload_while_generating=false)")
+    gen = GpuPlan(f"generation: the engine awake; {keeps}",
+                  (Row("vLLM reservation", en["reserved"], en["how"]),
+                   Row(f"  of which weights ({dtype})", en["weights"], f"{en['e']} B x {_fmt_n(s.params)}",
+                       phase="inside"),
+                   Row("  of which activation peak", en["act"],
+                       f"{vllm_batched_tokens(cfg, on_gpu=True):,} batched tokens + sampler", phase="inside"),
+                   Row("  of which KV cache", max(en["kv"], 0),
+                       f"{en['tokens']:,} tokens ({en['per_tok']:,} B per token)", phase="inside"),
+                   recv, ctx, *gen_learner), capacity)
+
+    # training: the engine asleep (its weights and KV cache released), the learner's whole plan
+    level = ("level 1: weights offloaded to host memory, KV cache dropped" if r.sleep_level == 1 else
+             "level 2: weights and KV cache dropped")
+    train = GpuPlan(f"training: the engine asleep ({level}); the learner's states back",
+                    lp.rows + (Row("engine asleep: receive buffers", en["recv"], "kept between pushes"),
+                               Row("engine asleep: CUDA context", CUDA_OVERHEAD_BYTES, "constant")), capacity)
+
+    # hand-over: the engine's weights awake (KV cache not yet), the learner's states still on the GPU
+    resident = sum(x.bytes for x in held)
+    hand = GpuPlan("hand-over: the engine's weights awake, its KV cache not yet; the learner offloads after",
+                   (Row(f"engine weights ({dtype})", en["weights"], f"{en['e']} B x {_fmt_n(s.params)}"
+                        + (" (woken from host memory)" if r.sleep_level == 1 else " (allocated, then overwritten)")),
+                    recv,
+                    Row("engine held copies (layer reload)", en["held"],
+                        f"<= one decoder layer, {en['p']} B x {_fmt_n(layer_params(s))}"),
+                    Row("engine checksum chunk (float64)", CHECKSUM_CHUNK_BYTES, "weights.CHECKSUM_CHUNK_BYTES"),
+                    ctx,
+                    Row("learner: resident (as in training)", resident,
+                        "the training phase's rows less its transients: states, buffers, context")), capacity)
+
+    title = (f"colocated GPU, one per learner rank ({L.num_ranks}): learner rank 0 of {L.num_ranks} (ZeRO-"
+             f"{L.zero_stage}, {'bf16' if en['p'] == 2 else 'fp32'}, micro-batch {micro_tokens(cfg):,} tokens) and "
+             f"its vLLM engine (TP {en['tp']}, {dtype}, sleep level {r.sleep_level})")
+    keeps = sum(x.bytes for x in kept)
+    extra = [f"vLLM's start (vllm/v1/worker/utils.py request_memory): rollout.vllm_gpu_memory_utilization x GPU = "
+             f"{en['util_bytes'] / GIB:.1f} GiB must be free beside the learner's {keeps / GIB:.1f} and the engine's "
+             f"context: {(keeps + CUDA_OVERHEAD_BYTES + en['util_bytes']) / GIB:.1f} GiB"]
+    if r.sleep_level == 1:
+        extra.append(f"host memory per engine (its weights while asleep, level 1): {en['weights'] / GIB:.1f} GiB, "
+                     "not checked")
+    if off and moved:
+        extra.append(f"host memory per rank (the learner's states while generating): "
+                     f"{sum(x.bytes for x in moved) / GIB:.1f} GiB, not checked")
+    extra += list(lp.extra)
+    plan = SharedGpuPlan(title, (gen, train, hand), capacity, extra=tuple(extra))
+    if check:
+        issues = _colocated_issues(cfg, plan, en)
+        if issues:
+            plan = dataclasses.replace(plan, problems=(_colocated_problem(cfg, s, capacity, issues),))
+    return plan
+
+
+def _learner_keeps(gen: GpuPlan) -> int:
+    """What the learner keeps on the GPU while its engine generates (the generation phase's learner rows)."""
+    return sum(x.bytes for x in gen.rows if x.name.startswith("learner: "))
+
+
+def _colocated_issues(cfg: Config, plan: SharedGpuPlan, en: dict) -> list[tuple[str, str]]:
+    """What does not fit on a shared GPU, phase by phase: (phase, the figures); [] = it fits."""
+    cap, out = plan.capacity, []
+    gen, train, hand = plan.phases
+    keeps, beside = _learner_keeps(gen), en["recv"] + CUDA_OVERHEAD_BYTES  # the engine's own, outside vLLM's pool
+    start = keeps + CUDA_OVERHEAD_BYTES + en["util_bytes"]
+    if gen.total > cap:
+        out.append(("generation", f"generation needs {gen.total / GIB:.1f} GiB (the vLLM reservation "
+                                  f"{en['reserved'] / GIB:.1f}, the engine's buffers and context {beside / GIB:.1f}, "
+                                  f"what the learner keeps {keeps / GIB:.1f})"))
+    elif start > cap:  # a fixed KV cache: vLLM still asks for the utilisation at start
+        out.append(("generation", f"vLLM's start needs rollout.vllm_gpu_memory_utilization x GPU = "
+                                  f"{en['util_bytes'] / GIB:.1f} GiB free beside the learner's {keeps / GIB:.1f} and "
+                                  f"its context (vllm/v1/worker/utils.py request_memory): {start / GIB:.1f} GiB"))
+    if en["tokens"] < cfg.protocol.max_total_tokens:
+        out.append(("kv", f"the vLLM reservation ({en['reserved'] / GIB:.1f} GiB) less weights "
+                          f"({en['weights'] / GIB:.1f}) and activations ({en['act'] / GIB:.1f}) leaves KV for "
+                          f"{en['tokens']:,} tokens, fewer than one protocol.max_total_tokens="
+                          f"{cfg.protocol.max_total_tokens:,} trajectory"))
+    if train.total > cap:
+        out.append(("training", f"training needs {train.total / GIB:.1f} GiB (the learner's peak "
+                                f"{(train.total - beside) / GIB:.1f}, the sleeping engine's {beside / GIB:.1f})"))
+    if hand.total > cap:
+        resident = hand.rows[-1].bytes
+        out.append(("hand-over", f"the hand-over needs {hand.total / GIB:.1f} GiB (the learner's resident "
+                                 f"{resident / GIB:.1f}, the engine's weights, buffers and context "
+                                 f"{(hand.total - resident) / GIB:.1f})"))
+    return out
+
+
+def _colocated_fits(cfg: Config, s: ModelShape, capacity: int) -> tuple[bool, float]:
+    """(fits, peak GiB) of a what-if."""
+    plan = colocated_plan(cfg, s, capacity, check=False)
+    return not _colocated_issues(cfg, plan, _engine_side(cfg, s, capacity)), plan.total / GIB
+
+
+def _colocated_problem(cfg: Config, s: ModelShape, capacity: int, issues: list[tuple[str, str]]) -> str:
+    """The refusal of a shared GPU: each phase's figures, then the single changes that fit (each re-planned),
+    or every change with its peak when none alone does."""
+    L, r, cap = cfg.learner, cfg.rollout, capacity / GIB
+    options: list[tuple[str, bool]] = []
+
+    def try_(label: str, changes: Mapping[str, object]) -> bool:
+        ok, peak = _colocated_fits(replace_fields(cfg, changes), s, capacity)
+        options.append((f"{label} (peak {peak:.1f} GiB)", ok))
+        return ok
+
+    kinds = {kind for kind, _ in issues}
+    if kinds & {"generation", "kv"}:
+        # the largest utilisation that vLLM's start allows beside the learner and, for a reservation sized by
+        # it, that the generation phase's other rows leave room for: lower when the engine takes too much,
+        # higher when its KV cache is too small (never lower for a KV cache already too small)
+        gen = colocated_plan(cfg, s, capacity, check=False).phases[0]
+        room = [capacity - _learner_keeps(gen) - CUDA_OVERHEAD_BYTES]
+        if r.vllm_kv_cache_gib == 0:
+            room.append(capacity - (gen.total - _engine_side(cfg, s, capacity)["reserved"]))
+        u_max = math.floor(min(room) / capacity * 100) / 100
+        lower = 0 < u_max < r.vllm_gpu_memory_utilization and "kv" not in kinds
+        higher = u_max > r.vllm_gpu_memory_utilization and r.vllm_kv_cache_gib == 0
+        if lower or higher:
+            try_(f"{'lower' if lower else 'raise'} rollout.vllm_gpu_memory_utilization to {u_max:g}",
+                 {"rollout.vllm_gpu_memory_utilization": u_max})
+        if r.vllm_kv_cache_gib > 0:
+            try_(f"lower rollout.vllm_kv_cache_gib to {r.vllm_kv_cache_gib / 2:g}",
+                 {"rollout.vllm_kv_cache_gib": r.vllm_kv_cache_gib / 2})
+    if not L.offload_while_generating:
+        try_("set learner.offload_while_generating=true", {"learner.offload_while_generating": True})
+    if L.zero_stage < 3 and L.num_ranks > 1:
+        try_("raise learner.zero_stage to 3", {"learner.zero_stage": 3})
+    if not L.offload_optimizer:
+        z = max(L.zero_stage, 1)
+        try_("learner.offload_optimizer=true" + ("" if z == L.zero_stage else f" with learner.zero_stage={z}"),
+             {"learner.offload_optimizer": True, "learner.zero_stage": z})
+    more = [n for n in (2, 4, 8, 16, 32, 64) if n > L.num_ranks]
+    for n in more:  # more GPUs, the fewest that fit: one engine per learner rank, so the two counts move together
+        before = len(options)
+        if try_(f"more ranks: learner.num_ranks={n} and rollout.num_workers={n}",
+                {"learner.num_ranks": n, "rollout.num_workers": n}) or n == more[-1]:
+            break
+        del options[before:]
+    if not L.gradient_checkpointing:
+        try_("learner.gradient_checkpointing=true", {"learner.gradient_checkpointing": True})
+    if L.logits_chunk_tokens == 0 or L.logits_chunk_tokens > 1024:
+        try_("learner.logits_chunk_tokens=1024", {"learner.logits_chunk_tokens": 1024})
+    m = max(L.micro_batch_tokens // 2, cfg.protocol.max_total_tokens)
+    if m < micro_tokens(cfg):
+        try_(f"lower learner.micro_batch_tokens to {m:,}", {"learner.micro_batch_tokens": m})
+    fitting = [o for o, ok in options if ok]
+    head = (f"colocated GPU (learner rank 0 of {L.num_ranks} and its vLLM engine) does not fit the GPU's "
+            f"{cap:.1f} GiB: " + "; ".join(text for _, text in issues))
+    if fitting:
+        return f"{head}: {'; or '.join(fitting)}"
+    return f"{head}; no single change fits, combine: {'; '.join(o for o, _ in options)}"
+
+
 def plan(cfg: Config, shape: ModelShape, gpu_gib: float, source: str = "given") -> MemoryPlan:
     """The plan of ``cfg`` for a model of ``shape`` on GPUs of ``gpu_gib`` GiB (pure arithmetic)."""
     capacity = int(gpu_gib * GIB)
+    if colocated(cfg):
+        return MemoryPlan(shape, gpu_gib, source, None, None, colocated=colocated_plan(cfg, shape, capacity))
     learner = learner_plan(cfg, shape, capacity) if cfg.learner.num_gpus > 0 else None
     engine = None
     notes = []

@@ -1,7 +1,9 @@
-"""The README's table of what fits, per model shape and GPU type, from the memory plan
-(``cluster/wire/memory.py``): ``python -m sonar.cluster.wire.memory_table DIR...`` prints it, and
-tests/cluster/test_memory_plan.py keeps the README equal to its output. Separate from memory.py because
-it builds configs (``Config()``), and config.py calls memory.py."""
+"""The README's tables of what fits, per model shape and GPU type, from the memory plan
+(``cluster/wire/memory.py``): ``python -m sonar.cluster.wire.memory_table DIR...`` prints the split table
+(learner GPUs and vLLM GPUs apart), ``--colocated`` the table of 8 shared GPUs (``cluster.placement=
+colocated``, the Search-R1 and RAG-R1 presets' layout), and tests/cluster/test_memory_plan.py and
+tests/cluster/test_memory_colocated.py keep the README equal to their output. Separate from memory.py
+because it builds configs (``Config()``), and config.py calls memory.py."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +12,8 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from sonar.cluster.wire.config import Config
-from sonar.cluster.wire.memory import GIB, ModelShape, engine_plan, kv_bytes_per_token, learner_plan, replace_fields, shape_from_dir
-
+from sonar.cluster.wire.memory import (GIB, ModelShape, colocated_plan, engine_plan, kv_bytes_per_token, learner_plan,
+                                       replace_fields, shape_from_dir)
 
 
 TABLE_GPUS = (("80 GB (H100, A100-80G)", 79.1), ("48 GB (L40S)", 44.4), ("40 GB (A100-40G)", 39.4))
@@ -85,13 +87,64 @@ def table(dirs: Sequence[str | Path]) -> str:
     return "\n".join(out)
 
 
+COLOCATED_SCENARIO = {
+    "cluster.placement": "colocated", "cluster.mode": "sync", "learner.num_ranks": 8, "rollout.num_workers": 8,
+    "rollout.num_gpus_per_worker": 1.0, "rollout.tensor_parallel_size": 1, "learner.offload_while_generating": True,
+    "rollout.sleep_level": 2,
+}
+"""The colocated table's layout: the presets' (configs/search_r1.yaml, rag_r1.yaml, as the papers' veRL scripts
+run): 8 GPUs, each a learner rank and its vLLM engine, the learner's optimizer states in host memory while
+the engine generates, the engine asleep at level 2 while the learner trains."""
+COLOCATED_UTILS = (0.6, 0.5, 0.4)
+"""``rollout.vllm_gpu_memory_utilization`` tried in order: the presets' (and the scripts') 0.6 first."""
+
+
+def _search_colocated(s: ModelShape, gib: float):
+    for util in COLOCATED_UTILS:
+        for z in (2, 3):
+            for mbt in (32768, 16384, 8192):
+                c = table_config({**COLOCATED_SCENARIO, "learner.zero_stage": z, "learner.micro_batch_tokens": mbt,
+                                  "rollout.vllm_gpu_memory_utilization": util})
+                cp = colocated_plan(c, s, int(gib * GIB))
+                if cp.fits and cp.total <= TABLE_HEADROOM * gib * GIB:
+                    kv = next(r for r in cp.phases[0].rows if r.name.strip().endswith("KV cache"))
+                    return z, mbt, util, cp, kv.gib, kv.bytes // kv_bytes_per_token(s, 2, 1)
+    return None
+
+
+def colocated_table(dirs: Sequence[str | Path]) -> str:
+    """The README's colocated table: for each model directory and each GPU type of :data:`TABLE_GPUS`, 8
+    shared GPUs as :data:`COLOCATED_SCENARIO`, the first setting that fits within :data:`TABLE_HEADROOM` (the
+    utilisation of :data:`COLOCATED_UTILS` in order, then ZeRO-2 before ZeRO-3, then the largest
+    micro-batch of 32k/16k/8k tokens), with each phase's GiB."""
+    out = ["| model (parameters) | GPU (GiB) | 8 shared GPUs: ZeRO, micro-batch, vLLM util | generation GiB | "
+           "training GiB | hand-over GiB | KV GiB (tokens) |",
+           "|---|---|---|---|---|---|---|"]
+    for d in dirs:
+        s = shape_from_dir(d)
+        name = f"{Path(d).name} ({s.params / 1e9:.2f}B)"
+        for label, gib in TABLE_GPUS:
+            got = _search_colocated(s, gib)
+            if got is None:
+                out.append(f"| {name} | {label}: {gib:g} | no fit (utilisation 0.4, ZeRO-3, 8k) | - | - | - | - |")
+                continue
+            z, mbt, util, cp, kv_gib, tokens = got
+            gen, train, hand = (f"{g.total / GIB:.1f}" for g in cp.phases)
+            out.append(f"| {name} | {label}: {gib:g} | ZeRO-{z}, {mbt // 1024}k, {util:g} | {gen} | {train} | {hand} | "
+                       f"{kv_gib:.1f} ({tokens:,}) |")
+    return "\n".join(out)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sonar.cluster.wire.memory_table",
                                  description="GPU memory plans of model shapes (config.json directories)")
     ap.add_argument("dirs", nargs="+", metavar="DIR",
                     help="model directories (each with a config.json): print the README's markdown table")
+    ap.add_argument("--colocated", action="store_true",
+                    help="the colocated table (8 GPUs, each a learner rank and its vLLM engine) instead of the "
+                         "split one")
     args = ap.parse_args(argv)
-    print(table(args.dirs))
+    print(colocated_table(args.dirs) if args.colocated else table(args.dirs))
     return 0
 
 

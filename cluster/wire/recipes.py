@@ -6,7 +6,9 @@ and line it comes from, how it was converted, and -- only where Sonar's recipe k
 purpose -- why. ``tests/cluster/test_recipes.py`` loads each preset and requires every row without a
 ``differs`` to hold the upstream value exactly (and every row with one to really differ, so a reason
 never outlives its deviation); the README's recipe tables are this module's :func:`markdown` output
-(``sonar config recipes``), kept equal by the same test.
+(``sonar config recipes``), kept equal by the same test. Each table opens with the model upstream trains and
+the GPUs it trains on beside the preset's (:data:`GPUS`, :func:`preset_gpus`); its rows include the placement
+(``cluster.placement``, the GPU counts, vLLM's share of a GPU) and the retriever.
 
 Sources are pinned commits of the released code:
 
@@ -19,6 +21,7 @@ Pure: the standard library and the config schema only.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +72,16 @@ def mismatches(name: str, cfg: Any) -> list[str]:
     return out
 
 
+def preset_gpus(cfg: Any) -> int:
+    """GPUs a loaded config asks for: colocated, one per learner rank (its engine shares it); split, the
+    learner's plus every engine's."""
+    L, r = cfg.learner, cfg.rollout
+    learner = math.ceil(L.num_ranks * L.num_gpus)
+    if cfg.cluster.placement == "colocated":
+        return learner
+    return learner + math.ceil(r.num_workers * r.num_gpus_per_worker)
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) or isinstance(b, float):
         try:
@@ -94,7 +107,10 @@ def _fmt(v: Any) -> str:
 def markdown(name: str, cfg: Any) -> str:
     """Recipe ``name``'s table: field | Sonar preset | upstream | source | note (the README's block)."""
     model, where = MODELS[name]
-    lines = [f"**`configs/{name}.yaml`**: upstream trains {model} ({where}).", "",
+    n, layout, src = GPUS[name]
+    have = preset_gpus(cfg)
+    lines = [f"**`configs/{name}.yaml`**: upstream trains {model} ({where}) on {n} GPUs: {_cell(layout)} ({src}). "
+             f"The preset: {have} GPUs, {cfg.cluster.placement}.", "",
              f"| `{name}` field | preset | upstream | source | note |", "|---|---|---|---|---|"]
     for r in RECIPES[name]:
         have = get_field(cfg, r.field)
@@ -118,6 +134,32 @@ _GEN = f"{SR1} search_r1/llm_agent/generation.py"
 _MQ = f"{RAG} RAG-R1/train_ppo_mq.sh"
 _AY = f"{RAG} RAG-R1/verl/trainer/config/ppo_trainer.yaml"
 _AGEN = f"{RAG} RAG-R1/rag_r1/llm_agent/generation.py"
+_HYBRID = "verl/trainer/main_ppo.py:151-165"
+_SLEEP = "verl/third_party/vllm/vllm_v_0_6_3/worker.py:283-291"
+
+_SONAR_RETRIEVER = ("Sonar's preset searches Elasticsearch BM25 with a dense (MiniLM) rerank of 50 candidates, no GPU "
+                    "index to build")
+
+
+def _verl_colocated(repo: str, script: str, n: tuple[str, str], tp: str, util: str, offload: str, retriever: Row):
+    """The hybrid engine's placement rows (Search-R1's veRL fork, which RAG-R1 ships unchanged)."""
+    return (
+        Row("cluster.placement", "colocated", f"{repo} {'RAG-R1/' if repo == RAG else ''}{_HYBRID}",
+            "veRL's hybrid engine: actor + vLLM, critic and reference in one pool of n_gpus_per_node x nnodes GPUs"),
+        Row("learner.num_ranks", 8, f"{script}:{n[0]}", f"trainer.n_gpus_per_node=8 x trainer.nnodes=1 ({n[1]})"),
+        Row("rollout.num_workers", 8, f"{script}:{tp}", "one vLLM engine per GPU (tensor_model_parallel_size=1)"),
+        Row("rollout.tensor_parallel_size", 1, f"{script}:{tp}"),
+        Row("rollout.num_gpus_per_worker", 1.0, f"{script}:{tp}", "the GPU it shares with a learner rank"),
+        Row("rollout.vllm_gpu_memory_utilization", 0.6, f"{script}:{util}"),
+        Row("rollout.sleep_level", 2, f"{repo} {'RAG-R1/' if repo == RAG else ''}{_SLEEP}",
+            "offload_model_weights points the weights at empty host tensors (dropped, not copied); the KV cache "
+            "is freed after generation (free_cache_engine)"),
+        Row("learner.offload_while_generating", True, f"{script}:{offload}",
+            "fsdp_config optimizer_offload, grad_offload (and param_offload) = true",
+            caveat=f"veRL also moves the actor's parameters to host memory between phases ({SR1} "
+                   "verl/workers/fsdp_workers.py:438-441, 471-473); Sonar keeps its bf16 parameters on the GPU"),
+        retriever,
+    )
 
 _R1_ALGO = lambda i: (  # noqa: E731  (both stages share the scripts' algorithm flags)
     Row(f"stages.{i}.lr", 2e-6, f"{_L1 if i == 0 else _L2}:27", "--actor_learning_rate"),
@@ -186,6 +228,20 @@ RECIPES.update({
         Row("learner.precision", "bf16", f"{_L1}:69"),
         Row("learner.zero_stage", 2, f"{_L1}:68"),
         Row("learner.gradient_checkpointing", True, f"{_L1}:76"),
+        Row("cluster.placement", "split", f"{_L1}:43-51",
+            "OpenRLHF without --colocate_all_models: the vLLM engine on GPUs of its own, weights over NCCL "
+            "(--vllm_sync_backend nccl)"),
+        Row("learner.num_ranks", 5, f"{_L1}:48", "--actor_num_gpus_per_node 5; the reference on the same GPUs "
+            "(--colocate_actor_ref), as Sonar's KL reference lives in the learner"),
+        Row("rollout.num_workers", 1, f"{_L1}:49", "--vllm_num_engines 1"),
+        Row("rollout.tensor_parallel_size", 2, f"{_L1}:50", "--vllm_tensor_parallel_size 2"),
+        Row("rollout.num_gpus_per_worker", 2.0, f"{_L1}:50", "one GPU per tensor-parallel rank"),
+        Row("rollout.vllm_gpu_memory_utilization", 0.9,
+            f"{R1} OpenRLHF-RAG/openrlhf/trainer/ray/vllm_engine.py:118-128", "not passed to vllm.LLM: vLLM's default"),
+        Row("retrieval.backend", "bge-large-en-v1.5 + FAISS, POST /queries", f"{R1} train/wiki_corpus_load.py:21-84",
+            f"its own server ({_EM}:1058,1190: k=3): Wikipedia abstracts (enwiki-20171001, HotpotQA's) or KILT "
+            "passages",
+            differs=f"{_SONAR_RETRIEVER}; no Sonar backend speaks this server's /queries API (raw corpus lines)"),
     ),
     "search_r1": (
         Row("protocol.name", "search_r1", f"{_GEN}:422-429", "<search> / <information> / <answer>"),
@@ -231,6 +287,11 @@ RECIPES.update({
         Row("protocol.on_invalid", "message", f"{_GEN}:395-401", "My previous action is invalid..."),
         Row("cluster.mode", "sync", f"{SR1} verl/trainer/ppo/ray_trainer.py:695-843", "the hybrid engine: on-policy"),
         Row("learner.gradient_checkpointing", True, f"{_G}:43"),
+        *_verl_colocated(SR1, _G, ("69-70", "8 GPUs of one node"), "54", "56", "50-52", Row(
+            "retrieval.backend", "http", f"{SR1} retrieval_launch.sh:3-13",
+            "search_r1/search/retrieval_server.py: e5-base-v2 + a FAISS Flat index of wiki-18 on GPU, POST /retrieve",
+            differs=f"{_SONAR_RETRIEVER}; retrieval.backend=http retrieval.rerank=none (retrieval.http.url, default "
+                    "http://127.0.0.1:8000/retrieve) searches upstream's server unchanged")),
     ),
     "rag_r1": (
         Row("protocol.name", "rag_r1_multi", f"{_AGEN}:474-475", "comma-separated queries in one <search>"),
@@ -280,8 +341,25 @@ RECIPES.update({
         Row("protocol.on_invalid", "message", f"{_AGEN}:420-426"),
         Row("cluster.mode", "sync", f"{SR1} verl/trainer/ppo/ray_trainer.py:695-843"),
         Row("learner.gradient_checkpointing", True, f"{_MQ}:42"),
+        *_verl_colocated(RAG, _MQ, ("62-63", "8 GPUs of one node"), "38", "40", "34-36,52-54", Row(
+            "retrieval.backend", "http", f"{RAG} RAG-R1/start_retrieval.py:58-121",
+            "bge-large-en-v1.5 + a FAISS Flat (inner product) index of KILT's Wikipedia in 100-word passages, "
+            "sharded over the GPUs, POST /retrieve (Search-R1's API)",
+            differs=f"{_SONAR_RETRIEVER}; retrieval.backend=http retrieval.rerank=none (retrieval.http.url) searches "
+                    "upstream's server unchanged")),
     ),
 })
+
+GPUS = {
+    "r1_searcher": (7, "5 for the actor and reference ranks, 2 for one vLLM engine of TP 2 (split), of the node's 8 "
+                       "(CUDA_VISIBLE_DEVICES=0-7)", f"{_L1}:20,45-51"),
+    "search_r1": (8, "one node, each GPU an actor rank and its vLLM engine (veRL's hybrid engine, colocated)",
+                  f"{_G}:69-70"),
+    "rag_r1": (8, "one node, each GPU an actor and critic rank and its vLLM engine (veRL's hybrid engine, colocated)",
+               f"{_MQ}:62-63"),
+}
+"""GPUs upstream's script places its training on, how, and where the script says so (the presets ask for as
+many: ``tests/cluster/test_recipes.py``)."""
 
 MODELS = {
     "r1_searcher": ("Meta-Llama-3.1-8B-Instruct (stage 2 starts from stage 1)", f"{_L1}:19"),

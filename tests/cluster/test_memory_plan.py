@@ -256,12 +256,13 @@ def test_7b_vllm_gpu_by_hand():
                 "rollout.vllm_gpu_memory_utilization": 0.85, "rollout.max_batch_rows": 64})
     E = M.plan(cfg, M.shape_from_dir(D7), 80.0).engine
     reserved = -(-80 * GIB * 85 // 100)  # ceil(total x 0.85), vLLM's request_memory
-    act = 16384 * 2 * (3 * 18944 + 3 * 3584 + 3584 + 2 * 512) + 64 * 152_064 * 4 * 2
+    # the profile run: the engine's step budget, 64 decoding rows + one 8,192-token prefill (resolved.vllm_batched_tokens)
+    act = (64 + 8192) * 2 * (3 * 18944 + 3 * 3584 + 3584 + 2 * 512) + 64 * 152_064 * 4 * 2
     kv = reserved - 2 * N7 - act
     assert (_row(E, "vLLM reservation"), _row(E, "of which weights (bfloat16)")) == (reserved, 2 * N7)
     assert _row(E, "of which KV cache") == kv
     per_token = 2 * 28 * 4 * 128 * 2  # K and V, layers, kv heads, head dim, bf16
-    assert kv // per_token == 965_048 and _gib(kv) == 51.5
+    assert kv // per_token == 985_514 and _gib(kv) == 52.6
     assert M.layer_params(M.shape_from_dir(D7)) == LAYER7
     assert (_row(E, "broadcast receive buffers"), _row(E, "held copies (layerwise reload)")) == (RECV7, 2 * LAYER7)
     outside = RECV7 + 2 * LAYER7 + (32 << 20) + GIB  # receive buckets, a layer's held copies, checksum chunk, CUDA + NCCL

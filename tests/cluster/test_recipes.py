@@ -45,18 +45,64 @@ def test_every_row_names_a_real_field_and_a_pinned_source():
             assert r.source.split(" ")[0] in (R.R1, R.SR1, R.RAG) and ":" in r.source.split(" ", 1)[1], r
 
 
+PLACEMENT = {"r1_searcher": "split", "search_r1": "colocated", "rag_r1": "colocated"}
+"""How each paper's script places its roles: OpenRLHF's learner and vLLM GPUs apart (R1-Searcher), veRL's
+hybrid engine (Search-R1, RAG-R1)."""
+
+
 @pytest.mark.parametrize("name", list(R.RECIPES))
 def test_recipes_fit_their_gpus_with_the_papers_model(name):
-    """``sonar config validate --config NAME model.path=<the paper's model>`` passes the memory plan
-    (16 GPUs of 80 GB; the learner's ranks and every vLLM engine)."""
+    """``sonar config validate --config NAME model.path=<the paper's model>`` passes the memory plan on
+    GPUs of 80 GB (and of 79.1 GiB, what torch reports for them): split, the learner's ranks and every
+    vLLM engine; colocated, each GPU a learner rank and its engine, every phase."""
     from sonar.cluster.wire import memory as M
 
-    cfg = recipe(name, overrides=[f"model.path={SHAPES / PAPER_SHAPE[name]}"])
-    plan, why = M.plan_for(cfg, environ={})
-    assert why is None and plan.fits and plan.learner is not None and plan.engine is not None, plan.format()
-    assert all(g.total <= g.capacity for g in (plan.learner, plan.engine))
-    with pytest.raises(ValueError, match="memory plan: learner rank 0 needs"):  # not vacuous: a 24 GiB GPU is refused
+    for gib in ("80", "79.1"):
+        cfg = recipe(name, overrides=[f"model.path={SHAPES / PAPER_SHAPE[name]}", f"cluster.gpu_memory_gib={gib}"])
+        plan, why = M.plan_for(cfg, environ={})
+        assert why is None and plan.fits, plan.format()
+        if PLACEMENT[name] == "colocated":
+            assert plan.learner is None and plan.engine is None and plan.colocated is not None
+            assert [g.title.split(":")[0] for g in plan.colocated.phases] == ["generation", "training", "hand-over"]
+        else:
+            assert plan.colocated is None and plan.learner is not None and plan.engine is not None
+        assert plan.gpus and all(g.total <= g.capacity for g in plan.gpus)
+    refused = "colocated GPU .* does not fit the GPU's 24.0 GiB" if PLACEMENT[name] == "colocated" else \
+        "learner rank 0 needs"
+    with pytest.raises(ValueError, match=f"memory plan: {refused}"):  # not vacuous: a 24 GiB GPU is refused
         recipe(name, overrides=[f"model.path={SHAPES / PAPER_SHAPE[name]}", "cluster.gpu_memory_gib=24"])
+
+
+@pytest.mark.parametrize("name", list(R.RECIPES))
+def test_recipes_ask_for_upstreams_gpus_placed_as_upstream_places_them(name):
+    """The preset's GPU count (colocated: one per learner rank; split: the learner's plus every engine's)
+    is the script's, its placement the script's, and the recipe's table says both beside upstream's."""
+    cfg = recipe(name)
+    assert R.preset_gpus(cfg) == R.GPUS[name][0]
+    assert cfg.cluster.placement == PLACEMENT[name]
+    fields = {r.field for r in R.RECIPES[name]}
+    assert {"cluster.placement", "learner.num_ranks", "rollout.num_workers", "rollout.tensor_parallel_size",
+            "rollout.num_gpus_per_worker", "rollout.vllm_gpu_memory_utilization", "retrieval.backend"} <= fields
+    head = R.markdown(name, cfg).splitlines()[0]
+    assert f"on {R.GPUS[name][0]} GPUs: " in head and head.endswith(f"The preset: {R.GPUS[name][0]} GPUs, "
+                                                                    f"{PLACEMENT[name]}.")
+    if PLACEMENT[name] == "colocated":  # veRL's hybrid engine: the engine drops its weights, the optimizer on host
+        assert (cfg.rollout.sleep_level, cfg.learner.offload_while_generating) == (2, True)
+        assert cfg.rollout.num_workers == cfg.learner.num_ranks == 8 and cfg.rollout.vllm_gpu_memory_utilization == 0.6
+
+
+@pytest.mark.parametrize("name", list(R.RECIPES))
+def test_the_retriever_row_says_how_to_reach_upstreams_server(name):
+    """Upstream retrieves from a dense index behind a server; the presets search Elasticsearch BM25 with a
+    dense rerank, and say so. Search-R1's and RAG-R1's servers speak the /retrieve API that
+    ``retrieval.backend=http`` sends: that override alone makes the row agree."""
+    (row,) = [r for r in R.RECIPES[name] if r.field == "retrieval.backend"]
+    assert row.differs.startswith("Sonar's preset searches Elasticsearch BM25 with a dense (MiniLM) rerank")
+    cfg = recipe(name)
+    assert (cfg.retrieval.backend, cfg.retrieval.rerank) == ("elasticsearch", "dense")
+    if row.upstream == "http":
+        got = R.mismatches(name, recipe(name, overrides=["retrieval.backend=http", "retrieval.rerank=none"]))
+        assert got == [f"retrieval.backend: marked as differing ({row.differs}) but equals upstream 'http'"]
 
 
 @pytest.mark.parametrize("name", list(R.RECIPES))
@@ -66,9 +112,12 @@ def test_recipes_are_on_policy_and_async_yaml_changes_only_the_mode_the_lag_and_
     assert {st.algo.off_policy for st in sync.stages} == {"none"}
     assert (asyn.cluster.mode, asyn.replay.max_policy_lag) == ("async", 2)
     assert {st.algo.off_policy for st in asyn.stages} == {"tis"}
+    # overlap needs GPUs of its own: a colocated recipe becomes split (twice the GPUs), its learner resident
+    assert (asyn.cluster.placement, asyn.learner.offload_while_generating) == ("split", False)
     a, b = to_dict(sync), to_dict(asyn)
     for d in (a, b):
         d["cluster"].pop("mode"), d["replay"].pop("max_policy_lag")
+        d["cluster"].pop("placement"), d["learner"].pop("offload_while_generating")
         for st in d["stages"]:
             st["algo"].pop("off_policy")
     assert a == b
