@@ -24,6 +24,7 @@ from sonar.cluster.driver.run import Run, world_of
 from sonar.cluster.wire.startup import startup_without_gc
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, inflight_budget, to_yaml
+from sonar.cluster.wire.resolved import colocated_on_gpu
 
 log = logging.getLogger("sonar")
 
@@ -215,6 +216,11 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
         budget, cfg.learner.groups_per_step if budget else 0)
     with startup_phase("learner and rollout workers"):
         learner, learner_pg = start_learner(cfg, policy, role_resources(cfg, "learner"))
+        if colocated_on_gpu(cfg):
+            # Waits: vLLM refuses to start unless vllm_gpu_memory_utilization of the GPU is free, so each
+            # engine must start beside the learner in its generation-phase memory (states offloaded), as the
+            # memory plan's generation row counts it.
+            ray.get(learner.offload_states.remote(), timeout=cfg.cluster.step_timeout_s)
         pool = RolloutPool(cfg, learner=learner, replay=replay, retrieval=retrieval, policy=policy,
                            placement_group=learner_pg,
                            engine_wrap=hooks.engine_wrap, on_event=hooks.on_pool)
