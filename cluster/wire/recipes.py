@@ -176,6 +176,8 @@ _R1_ALGO = lambda i: (  # noqa: E731  (both stages share the scripts' algorithm 
     Row(f"stages.{i}.algo.dynamic_sampling", False, f"{_ARGS}:358-361", "the filter flags are declared, never used"),
     Row(f"stages.{i}.algo.off_policy", "none", f"{R1} OpenRLHF-RAG/openrlhf/trainer/ppo_trainer.py:242-258",
         "synchronous: generate, train, push, clear the buffer; auto resolves to none in sync mode"),
+    Row(f"stages.{i}.algo.recompute_old_logprobs", True, f"{_EM}:808-809",
+        "make_experience: action_log_probs = self.actor(sequences, ...): the ratio's old policy is the actor's"),
 )
 
 _VERL_OPTIMIZER = lambda yaml: (  # noqa: E731  (Search-R1's veRL fork, which RAG-R1 ships unchanged)
@@ -272,6 +274,8 @@ RECIPES.update({
             "equal-reward groups stay (zero advantage)"),
         Row("stages.0.algo.off_policy", "none", f"{SR1} verl/trainer/ppo/ray_trainer.py:729-740",
             "old logprobs recomputed by the actor; auto resolves to none in sync mode"),
+        Row("stages.0.algo.recompute_old_logprobs", True, f"{SR1} verl/trainer/ppo/ray_trainer.py:738-740",
+            "actor_rollout_wg.compute_log_prob before the update: the ratio's old policy is the actor's, not vLLM's"),
         Row("stages.0.reward.name", "search_r1", f"{SR1} verl/utils/reward_score/qa_em.py:73-110"),
         Row("rollout.temperature", 1.0, f"{_G}:63"),
         Row("rollout.top_p", 0.95, f"{_SY}:71", "the yaml default; the script does not set it"),
@@ -318,6 +322,8 @@ RECIPES.update({
         Row("stages.0.algo.clip_high", 0.2, f"{_AY}:34"),
         Row("stages.0.algo.off_policy", "none", f"{SR1} verl/trainer/ppo/ray_trainer.py:729-740",
             "auto resolves to none in sync mode"),
+        Row("stages.0.algo.recompute_old_logprobs", True, f"{RAG} RAG-R1/verl/trainer/ppo/ray_trainer.py:738-740",
+            "actor_rollout_wg.compute_log_prob before the update: the ratio's old policy is the actor's, not vLLM's"),
         Row("critic.value_clip", 0.5, f"{_AY}:126", "cliprange_value"),
         Row("critic.gamma", 1.0, f"{_AY}:150"),
         Row("critic.lam", 1.0, f"{_AY}:151"),
