@@ -43,16 +43,20 @@ cover_em                    acc_r + format_weight * format
 search_r1, rag_r1           em if answered else 0 (Search-R1 ``qa_em.compute_score_em``, format_score
                             0; RAG-R1 ships the same file unchanged): no format term
 r1_stage1, paper            0.5 * retrieval + 0.5 * format; retrieval = at least one search call
-r1_stage1, code_llama       (+1 if answered and acc_r else -1) + 0.5 * retrieval + 0.5 * format, with
-                            the Llama stage-1 server's rules (below)
+r1_stage1, code_llama       (+1 if the servers' answer covers a gold else -1) + 0.5 * retrieval + 0.5 *
+                            format, with the Llama stage-1 server's rules (below)
 r1_stage2, paper            f1_r1 + penalty, penalty = format_penalty if the finish reason is broken
-r1_stage2, code_qwen        (f1_r1 if answered else 0) + penalty if any Qwen-server rule fails
-r1_stage2, code_llama       (f1_r1 if answered else 0) + penalty if any Llama stage-2 rule fails
+r1_stage2, code_qwen        f1_r1 of the servers' answer (0 without one) + penalty if any Qwen-server
+                            rule fails
+r1_stage2, code_llama       the same with the Llama stage-2 server's rules
 ==========================  ======================================================================
 
 The code variants read the decoded response (``ResponseText``), as R1-Searcher's reward servers read
 the ``solution`` string: ``full`` is everything after the prompt (model text and injected documents),
-``model`` the model's own text (the servers' solution with the document blocks cut out). Rules:
+``model`` the model's own text (the servers' solution with the document blocks cut out). The answer is
+the servers' too (``server_answer``): the last answer_open's text in the whole response, whichever turn
+wrote it, so an answer written before a later search still scores, where ``traj.prediction`` is the
+last turn's; the answer metrics in ``parts`` are recomputed on it. Rules:
 
 * documents (all three servers): the counts of query_open, query_close, docs_open, docs_close and of
   search calls that brought at least one document back are equal (the servers count
@@ -68,8 +72,8 @@ the ``solution`` string: ``full`` is everything after the prompt (model text and
   whitespace words.
 * Qwen and Llama stage 2: no CJK character (U+4E00..U+9FFF) in ``model``.
 
-A trajectory that did not finish ``answered`` fails the answer-count rule, so it is broken in every
-code variant. What the paper says and what each server does differ; README.md ("Rewards and metrics:
+The finish reason is not read (but ``retrieval_error``, scored 0): a response without an answer fails
+the answer-count rule, so it is broken in every code variant, as on the servers. What the paper says and what each server does differ; README.md ("Rewards and metrics:
 paper vs released code") tabulates every difference.
 """
 from __future__ import annotations
@@ -239,14 +243,26 @@ def _has_cjk(s: str) -> bool:
     return any("\u4e00" <= ch <= "\u9fff" for ch in s)
 
 
+def server_answer(text: ResponseText, tags: "TagSet") -> str | None:
+    """The answer R1-Searcher's reward servers read in the whole response, whichever turn wrote it: the
+    text after the *last* answer_open up to the next answer_close, stripped (``extract_answer_math``,
+    ``train/reward_server_qwen_zero.py:109-110``, the Llama servers' lines 81-82 / 108-109); None unless
+    both tags occur somewhere in the response (the servers then score 0, or -1 in stage 1: qwen_zero.py:192-193,
+    llama_stage1.py:164-165, llama_stage2.py:191-192)."""
+    f = text.full
+    if tags.answer_open not in f or tags.answer_close not in f:
+        return None
+    return f.split(tags.answer_open)[-1].split(tags.answer_close)[0].strip()
+
+
 def r1_format_failures(variant: str, traj: "Trajectory", text: ResponseText, tags: "TagSet") -> list[str]:
     """The R1-Searcher reward-server rules that ``traj`` breaks (stage 2 servers), by name; [] = none.
 
     ``variant``: code_qwen (``train/reward_server_qwen_zero.py``) or code_llama
-    (``train/reward_server_llama_stage2.py``)."""
+    (``train/reward_server_llama_stage2.py``). Only the response text and the search calls are read, not
+    the finish reason: a response without an answer breaks the answer-count rule, and one whose answer
+    was written in an earlier turn (a turn that then searched) passes it, as on the servers."""
     out = []
-    if traj.finish_reason != FinishReason.ANSWERED:
-        out.append("no answer")
     if not _documents_ok(traj, text, tags)[0]:
         out.append("documents")
     if not _think_answer_ok(text, tags):
@@ -256,7 +272,8 @@ def r1_format_failures(variant: str, traj: "Trajectory", text: ResponseText, tag
     if variant == "code_qwen":
         if "Assistant" in text.full or "assistant" in text.full:
             out.append("assistant")
-        pred = traj.prediction or ""
+        # the server's answer_text (qwen_zero.py:233): the last opener's text even without both tags
+        pred = text.full.split(tags.answer_open)[-1].split(tags.answer_close)[0].strip()
         # The server's rule is on the plain substrings (reward_server_qwen_zero.py:233-237), so it also
         # fires on an answer that names them without the tag's delimiters.
         if "begin_of_query" in pred or "begin_of_documents" in pred:
@@ -349,17 +366,21 @@ def trajectory_reward(cfg: "RewardConfig", traj: "Trajectory", text: ResponseTex
 
 def _r1_code(cfg: "RewardConfig", traj: "Trajectory", text: ResponseText, tags: "TagSet",
              parts: dict[str, float]) -> float:
-    answered = traj.finish_reason == FinishReason.ANSWERED
+    """The servers' score, read off the whole response (``server_answer``), not the last turn's parse: the
+    answer metrics in ``parts`` are recomputed on the servers' answer (0 without one)."""
+    pred = server_answer(text, tags)
+    parts.update(em=exact_match(pred, traj.golds), f1=f1(pred, traj.golds), acc_r=acc_r(pred, traj.golds),
+                 f1_r1=f1_r1(pred, traj.golds))
     if cfg.name == "r1_stage1":  # reward_server_llama_stage1.py
         docs_ok, n_docs = _documents_ok(traj, text, tags)
         parts["retrieval"] = 1.0 if docs_ok and n_docs >= 1 else 0.0
-        parts["format"] = 1.0 if answered and _think_answer_ok(text, tags) else 0.0
-        base = 1.0 if answered and parts["acc_r"] else -1.0
+        parts["format"] = 1.0 if _think_answer_ok(text, tags) else 0.0
+        base = 1.0 if pred is not None and parts["acc_r"] else -1.0
         return base + R1_STAGE1_RETRIEVAL * parts["retrieval"] + R1_STAGE1_FORMAT * parts["format"]
     failures = r1_format_failures(cfg.variant, traj, text, tags)
     parts["format"] = 0.0 if failures else 1.0
     parts["penalty"] = float(cfg.format_penalty) if failures else 0.0
-    return (parts["f1_r1"] if answered else 0.0) + parts["penalty"]
+    return parts["f1_r1"] + parts["penalty"]
 
 
 # ---------------------------------------------------------------- the registry (built-ins and plug-ins)

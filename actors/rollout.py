@@ -5,15 +5,17 @@ Shape of one call (``rollout_groups``): every item becomes ``group_size`` trajec
 
 1. ``_generate``: one batched ``engine.generate`` over every active trajectory (run in a thread via
    ``asyncio.to_thread`` so the event loop stays free), stopping on ``tags.query_close``,
-   ``tags.answer_close`` (not under R1-Searcher's own rules, ``protocol.rules=upstream``:
-   ``upstream.stop_tags``) and EOS: on the tags' ids when they are special tokens of the tokenizer, on
-   their strings when they are plain text (``prompts.stop_plan``; ``model.tags``); each row is capped
-   at ``min(max_new_tokens_per_turn, budget left)``;
+   ``tags.answer_close`` (not under the papers' own rules, ``protocol.rules=upstream``, which stop at
+   ``query_close`` only: ``upstream.stop_tags``) and EOS: on the tags' ids when they are special tokens
+   of the tokenizer, on their strings when they are plain text (``prompts.stop_plan``; ``model.tags``);
+   each row is capped at ``min(max_new_tokens_per_turn, budget left)``;
 2. ``_act``: each row's new ids become a MODEL segment (ids, sampling logprobs, engine version); ONLY
    those ids are decoded (special tokens kept), cut after the first stop string (the token that
    completed it may carry more text, as BPE merges ``"</search>\n"``; upstream cuts at the first
    ``</search>`` too), and parsed with ``actors.parsing.parse_turn`` (``actors.upstream.parse_turn_upstream``
-   under ``protocol.rules=upstream``);
+   under ``protocol.rules=upstream``). Under Search-R1's / RAG-R1's own rules a turn without
+   ``query_close`` first loses the ids after the token that completes its first ``answer_close``, and
+   any turn a final EOS (``_upstream_cut``), as their loops cut and decode each turn;
 3. ``_search``: every query of every trajectory that searched this turn goes out in ONE batched
    search (identical query strings are sent once; ``retrieval.base.search_async`` awaits any
    retriever, blocking or not), then ``_inject``, per trajectory: the documents are de-duplicated
@@ -79,12 +81,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sonar.actors.engine import Engine, Generation, SamplingParams, cut_at_stop
+from sonar.actors.engine import Engine, Generation, SamplingParams, StopStrings, cut_at_stop
 from sonar.actors.multiquery import dedupe_step
 from sonar.actors.parsing import parse_turn
 from sonar.actors.prompts import TagSet, render_documents, render_invalid, render_prompt, stop_plan
 from sonar.actors.tools import ToolContext, ToolOutput, first_tool_call, render_output
-from sonar.actors.upstream import parse_turn_upstream, stop_tags
+from sonar.actors.upstream import answer_cut, drops_eos, parse_turn_upstream, stop_tags
 from sonar.cluster.wire.config import ProtocolConfig
 from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, ToolCall, Trajectory
 from sonar.retrieval.base import AsyncRetriever, Hit, RetrievalError, Retriever, check_retriever, search_async
@@ -206,6 +208,10 @@ class _Call:
     stats: RolloutStats
     tools: tuple = ()
     """The tools other than search (``actors/tools.py``), parsed before the protocol's actions."""
+    answer_cut: str | None = None
+    """``upstream.answer_cut``: a turn without ``query_close`` is cut after this tag once generated."""
+    eos_drop: int | None = None
+    """The EOS id a turn's final token is dropped for (``upstream.drops_eos``), or None."""
 
 
 def _accepts_caps(engine: Engine) -> bool:
@@ -274,9 +280,12 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
 
     t_start = time.perf_counter()
     tools = tuple(tools or ())
+    eos = getattr(tokenizer, "eos_token_id", None)
     call = _Call(engine, retriever if search_enabled else None, tokenizer, tags, proto, temperature, top_p, k,
                  seed, parse_fn, retrieval_timeout_s, *_stops(tokenizer, tags, proto.rules, tools),
-                 tuple(render_invalid(tags, tokenizer, proto.prompt)), _accepts_caps(engine), RolloutStats(), tools)
+                 tuple(render_invalid(tags, tokenizer, proto.prompt)), _accepts_caps(engine), RolloutStats(), tools,
+                 answer_cut(tags, proto.rules),
+                 int(eos) if eos is not None and drops_eos(tags, proto.rules) else None)
     groups, states = _prepare(items, group_size, call, actor_id, stage)
     if per_trajectory:
         await asyncio.gather(*(_run_trajectory(call, s, row) for row, s in enumerate(states) if not s.done))
@@ -424,12 +433,14 @@ def _act(call: _Call, active: list[_State], gens: list[Generation],
         # prefix of an autoregressive sample is itself a valid sample, logprobs unchanged.
         ids = np.asarray(g.token_ids, dtype=np.int32)[:cap]
         lps = np.asarray(g.logprobs, dtype=np.float32)[:cap]
+        text = call.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+        if call.answer_cut is not None or call.eos_drop is not None:
+            ids, lps, text = _upstream_cut(call, ids, lps, text)
         if len(ids):
             s.traj.segments.extend(model_segments(ids, lps, int(g.version), g.version_spans))
             s.ctx.extend(int(t) for t in ids)
             call.stats.turns += 1
             call.stats.generated_tokens += len(ids)
-        text = call.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
         if call.stop_strings:
             text = cut_at_stop(text, call.stop_strings)
         tc = first_tool_call(text, call.tools, (call.tags.query_open, call.tags.answer_open)) if call.tools else None
@@ -458,6 +469,24 @@ def _act(call: _Call, active: list[_State], gens: list[Generation],
         else:
             raise TypeError(f"parse_fn returned {action!r}; expected Search, Answer or Malformed")
     return searching, tooling
+
+
+def _upstream_cut(call: _Call, ids: np.ndarray, lps: np.ndarray, text: str) -> tuple[np.ndarray, np.ndarray, str]:
+    """Search-R1's / RAG-R1's cut of a generated turn (``protocol.rules=upstream``; ``upstream.answer_cut``,
+    ``upstream.drops_eos``): a turn that holds no ``query_close`` but ``answer_close`` keeps its ids up to
+    the token that completes the first ``answer_close`` (the rest was generated past the answer and is
+    dropped, as upstream drops that text); otherwise a final EOS is dropped (upstream decodes without
+    special tokens). The kept ids are a prefix of the sample, their logprobs unchanged."""
+    k = len(ids)
+    if call.answer_cut is not None and call.tags.query_close not in text and call.answer_cut in text:
+        matcher = StopStrings(call.tokenizer, (call.answer_cut,))
+        k = next((j + 1 for j, t in enumerate(ids.tolist()) if matcher.push(t) is not None), k)
+    elif call.eos_drop is not None and k and int(ids[-1]) == call.eos_drop:
+        k -= 1
+    if k == len(ids):
+        return ids, lps, text
+    ids, lps = ids[:k], lps[:k]
+    return ids, lps, call.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
 
 
 def _invalid(call: _Call, s: _State) -> None:

@@ -14,18 +14,27 @@ R1-Searcher (``RUCAIBox/R1-Searcher@631167c``, ``OpenRLHF-RAG/openrlhf/trainer/p
     the *last* opener, double quotes removed, stripped, whitespace collapsed (lines 1142-1145). Nothing is
     left: the rollout ends without a search (lines 1161-1171: ``Malformed(EMPTY_QUERY)``, with the recipe's
     ``on_invalid: end``).
-  * Any other turn ends the rollout. Its answer is what the reward servers read: the text between the
-    *last* ``<answer>`` and the next ``</answer>``, stripped (``train/reward_server_qwen_zero.py:109-110``),
-    possibly empty; nested or model-written tags are the servers' business (their tag counts), not the
-    parser's. Without an ``<answer> ... </answer>`` pair there is no answer (``Malformed``; the servers
-    score a missing answer tag as 0 before their penalty).
+  * Any other turn ends the rollout. Its answer is the text between the turn's *last* ``<answer>`` and
+    the next ``</answer>``, stripped (the servers' ``extract_answer_math``,
+    ``train/reward_server_qwen_zero.py:109-110``), possibly empty; nested or model-written tags are the
+    servers' business (their tag counts), not the parser's. Without an ``<answer> ... </answer>`` pair in
+    the turn there is no answer (``Malformed``). The servers themselves read the whole response, not the
+    last turn: an answer written in a turn that then searched still scores there, and the code reward
+    variants read it the same way (``rewards.server_answer``); ``traj.prediction`` stays the last turn's.
 
 Search-R1 (``PeterGriffinJin/Search-R1@a14dc3a``, ``search_r1/llm_agent/generation.py``) and RAG-R1
 (``inclusionAI/AWorld-RL@4aeef7b``, ``RAG-R1/rag_r1/llm_agent/generation.py``)
-  * The turn is cut after the first ``</search>`` if there is one, else after the first ``</answer>``
-    (lines 61-66 / 64-69). (Sonar stops generating at either closing tag, which yields the same cut
-    except when an ``</answer>`` comes before a later ``</search>``: upstream then keeps the answer
-    and the search text and still acts on the first block, as here.)
+  * The engine stops at no tag, only at EOS or the turn's token limit (``vllm_rollout.py:105-121``: no
+    ``stop`` in the sampling parameters, ``detokenize=False``); the turn is then cut after the first
+    ``</search>`` if there is one, else after the first ``</answer>`` (lines 61-66 / 64-69), and decoded
+    with ``skip_special_tokens=True`` before being re-tokenised (lines 56-59 / 59-62), so no EOS stays.
+    Here the engine stops at ``</search>`` only (:func:`stop_tags`: everything after it is cut away
+    anyway), a turn without it is cut after the first ``</answer>`` once generated, its later tokens
+    dropped (:func:`answer_cut`; a prefix of a sample is a sample), and a final EOS is dropped
+    (:func:`drops_eos`). So ``<search> q <answer> a </answer> </search>`` is the search
+    ``q <answer> a </answer>`` as upstream, where stopping at ``</answer>`` would make it an answer, and
+    ``<answer> a </answer> <search> q </search>`` keeps its search text (the action is still the answer).
+    Sonar never re-tokenises: the ids are the sampled ones up to the token that completes the tag.
   * The action is the *first* match of ``<(search|answer)>(.*?)</\\1>`` (non-greedy, across lines),
     stripped, whatever it contains (lines 422-429): nested tags are content, an ``<information>`` tag the
     model wrote is ignored, and no quotes are stripped.
@@ -52,12 +61,34 @@ RULES = ("sonar", "upstream")
 
 
 def stop_tags(tags: TagSet, rules: str) -> tuple[str, ...]:
-    """The closing tags a turn stops at: both (query and answer) under Sonar's rules and Search-R1's /
-    RAG-R1's (generating on after the first closing tag only produces text that upstream cuts away);
-    only the query's under R1-Searcher's, which does not stop at ``</answer>``."""
-    if rules == "upstream" and tags.name == "r1_searcher":
+    """The closing tags a turn stops at: both (query and answer) under Sonar's rules; only the query's
+    under every paper's own rules. R1-Searcher's one stop string is ``<|end_of_query|>``; Search-R1's
+    and RAG-R1's engines stop at none (EOS or the turn's token limit), and everything after the first
+    ``</search>`` is cut away, so stopping there is the same; stopping at ``</answer>`` is not (a later
+    ``</search>`` moves the cut: ``<search> q <answer> a </answer> </search>`` is a search), so the
+    turn generates on and :func:`answer_cut` cuts it afterwards."""
+    if rules == "upstream":
         return (tags.query_close,)
     return tuple(dict.fromkeys((tags.query_close, tags.answer_close)))
+
+
+def answer_cut(tags: TagSet, rules: str) -> str | None:
+    """The tag after whose first occurrence a turn that holds no ``query_close`` is cut once generated,
+    its later tokens dropped (Search-R1 / RAG-R1 under their own rules: ``answer_close``,
+    ``_postprocess_responses``, Search-R1 ``generation.py:61-66``, RAG-R1 ``generation_mq.py:62-67``);
+    None: nothing is cut (Sonar's rules stop there; R1-Searcher keeps the whole turn)."""
+    if rules == "upstream" and tags.name != "r1_searcher":
+        return tags.answer_close
+    return None
+
+
+def drops_eos(tags: TagSet, rules: str) -> bool:
+    """Whether a turn's final EOS is dropped from the trajectory: Search-R1 and RAG-R1 decode each turn
+    with ``skip_special_tokens=True`` and re-tokenise the text (Search-R1 ``generation.py:56-59``, RAG-R1
+    ``generation_mq.py:57-60``), so no EOS stays in the response, in particular none before the
+    invalid-action message that follows a turn without an action. R1-Searcher keeps the engine's ids
+    (``experience_maker.py:1124-1125``), its EOS included."""
+    return rules == "upstream" and tags.name != "r1_searcher"
 
 
 def parse_turn_upstream(text: str, tags: TagSet, max_queries: int) -> Search | Answer | Malformed:

@@ -227,8 +227,10 @@ SERVER_RULES = [
     # the Qwen server tests the plain substrings (reward_server_qwen_zero.py:233-237), tag delimiters or not
     (solution(answer="see begin_of_documents"), {"prediction": "see begin_of_documents"}, ["tag in answer"], []),
     (solution(answer="begin_of_query"), {"prediction": "begin_of_query"}, ["tag in answer"], []),
+    # no answer anywhere: the answer counts fail; the Qwen server's answer_text is then the whole solution
+    # (qwen_zero.py:233), which names begin_of_query; there is no separate finish-reason rule
     (ResponseText(full=Q + DOCS, model=Q), {"prediction": None, "finish": FinishReason.MAX_TOKENS},
-     ["no answer", "think/answer tags"], ["no answer", "think/answer tags"]),
+     ["think/answer tags", "tag in answer", "long answer"], ["think/answer tags"]),
 ]
 
 
@@ -240,6 +242,88 @@ def test_server_rules(text, kw, qwen, llama):
     answered = kw.get("finish", FinishReason.ANSWERED) == FinishReason.ANSWERED
     assert r(code("code_qwen"), text, **kw).total == pytest.approx(pred_f1 * answered - 2.0 * bool(qwen))
     assert r(code("code_llama", penalty=-1.0), text, **kw).total == pytest.approx(pred_f1 * answered - 1.0 * bool(llama))
+
+
+def _server(kind: str, solution: str, gold: str) -> float:
+    """R1-Searcher's reward servers on one solution (everything after the prompt), restated from the
+    released code: qwen_zero.py:109-110 and 184-250, llama_stage2.py:108-109 and 183-227,
+    llama_stage1.py:81-82 and 156-200 (one gold; R1-Searcher's normalisation, whose metrics
+    test_metric_rows pins)."""
+    pred = solution.split("<answer>")[-1].split("</answer>")[0].strip()
+    has = "<answer>" in solution and "</answer>" in solution
+    counts = {solution.count(t) for t in ("<|begin_of_documents|>\n", "<|end_of_documents|>\n\n", "<|begin_of_query|>",
+                                          "<|end_of_query|>", "<|begin_of_documents|>", "<|end_of_documents|>",
+                                          "<|begin_of_documents|>\n(1)")}
+    think_answer = (solution.count("<think>") == 0 and solution.count("</think>") == 1
+                    and solution.count("<answer>") == solution.count("</answer>") == 1)
+    outside = re.sub(r"<\|begin_of_documents\|>.*?<\|end_of_documents\|>", "", solution, flags=re.DOTALL)
+    cjk = any("\u4e00" <= c <= "\u9fff" for c in outside)
+    if kind == "llama_stage1":
+        score = 1.0 if has and acc_r(pred, gold) else -1.0
+        return score + 0.5 * (len(counts) == 1 and solution.count("<|begin_of_query|>") >= 1) + 0.5 * think_answer
+    score = f1_r1(pred, gold) if has else 0.0
+    broken = len(counts) != 1 or not think_answer or cjk
+    if kind == "qwen":
+        broken |= ("Assistant" in solution or "assistant" in solution or "begin_of_query" in pred
+                   or "begin_of_documents" in pred or len(pred.split()) > 10)
+        return score - 2.0 * broken
+    return score - 1.0 * broken
+
+
+SEARCH = "<|begin_of_query|> capital of france<|end_of_query|>\n\n<|begin_of_documents|>\n(1)Paris   capital\n" \
+         "<|end_of_documents|>\n\n"
+# (solution, search calls that brought documents back): what the servers score, whichever turn answered
+SOLUTIONS = [
+    (" so </think>\n\n<answer> Paris </answer>", 0),
+    (" first " + SEARCH + " so </think>\n\n<answer> Paris </answer>", 1),
+    # the answer written in the turn that then searched; the last turn has none (Sonar scored the last turn only)
+    (" </think>\n\n<answer> Paris </answer> to check " + SEARCH + " it holds.", 1),
+    (" <answer> Paris </answer> " + SEARCH + " </think>\n\n<answer> Rome </answer>", 1),  # two answers: the last
+    (" </think> guess " + SEARCH + " nothing", 1),                                         # no answer anywhere
+    (" </think> </answer> x <answer> Paris", 0),                                           # both tags, out of order
+    (" </think>\n\n<answer> Paris </answer> " + SEARCH.replace("(1)", ""), 1),           # a block without "(1)"
+]
+
+
+@pytest.mark.parametrize("solution,with_docs", SOLUTIONS)
+@pytest.mark.parametrize("finish", [FinishReason.ANSWERED, FinishReason.MALFORMED, FinishReason.MAX_TURNS])
+def test_code_variants_score_the_whole_response_as_the_servers_do(solution, with_docs, finish):
+    """Side by side with the servers' own rules: the code variants read the answer where the servers do
+    (the last <answer> of the whole response, any turn) and ignore the finish reason and the last
+    turn's parse (``traj.prediction``, here None)."""
+    text = ResponseText(full=solution, model=solution, think_prefilled=True)
+    t = traj(prediction=None if finish != FinishReason.ANSWERED else "Paris", finish=finish, searches=with_docs)
+    if "(1)" not in solution and "<|begin_of_query|>" in solution:  # the search brought nothing back
+        t = traj(prediction=t.prediction, finish=finish, searches=0, failed=1)
+    for kind, cfg in (("qwen", code("code_qwen")), ("llama_stage2", code("code_llama", penalty=-1.0)),
+                      ("llama_stage1", code("code_llama", name="r1_stage1"))):
+        assert trajectory_reward(cfg, t, text, T).total == pytest.approx(_server(kind, solution, "Paris")), kind
+
+
+def test_an_answer_before_a_later_search_scores_through_the_rollout():
+    """R1-Searcher's own rules through the rollout loop (the toy prompt does not prefill <think>, so the model
+    opens it): the first turn answers, then searches (a turn that
+    ends at <|end_of_query|> is a search, experience_maker.py:1142), the last turn writes no answer. The
+    rollout ends malformed with no prediction, and the servers still read the earlier answer: F1 1, and
+    the counts hold, so no penalty (Sonar scored only the last turn: 0 - 2)."""
+    from sonar.actors.rollout import PromptItem, rollout_groups
+
+    from .test_rollout import TOK, FakeRetriever, ScriptedEngine
+
+    def script(ctx, turn):
+        if turn == 0:
+            return (f"{T.think_open} {T.think_close} {T.answer_open} paris {T.answer_close} "
+                    f"{T.query_open} capital france {T.query_close}")
+        return "france is a country [EOS]"
+
+    proto = ProtocolConfig(name="r1_searcher", rules="upstream", on_invalid="end", max_turns=4, docs_per_query=1)
+    groups, _ = asyncio.run(rollout_groups(
+        [PromptItem("q", "what is the capital of france", ["paris"])], engine=ScriptedEngine(script),
+        retriever=FakeRetriever(), tokenizer=TOK, tags=T, proto=proto, temperature=1.0, group_size=1, k=1,
+        reward_fn=make_reward_fn(code("code_qwen"), TOK, T)))
+    t = groups[0][0]
+    assert (t.finish_reason, t.prediction, len(t.searches)) == (FinishReason.MALFORMED, None, 1)
+    assert t.reward == pytest.approx(1.0) and t.reward_parts["f1_r1"] == 1.0 and t.reward_parts["penalty"] == 0.0
 
 
 def test_think_rule_without_prefill_wants_one_think_open():

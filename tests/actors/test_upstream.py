@@ -13,8 +13,8 @@ import pytest
 
 from sonar.actors import parsing as P
 from sonar.actors.parsing import Answer, Malformed, Search, parse_turn
-from sonar.actors.prompts import get_protocol
-from sonar.actors.upstream import parse_turn_upstream, stop_tags
+from sonar.actors.prompts import get_protocol, render_invalid
+from sonar.actors.upstream import answer_cut, drops_eos, parse_turn_upstream, stop_tags
 
 R1 = get_protocol("r1_searcher")
 SR = get_protocol("search_r1")
@@ -65,10 +65,86 @@ def test_rag_r1_upstream_still_counts_what_the_step_budget_drops():
     assert parse_turn_upstream("<search> a,b,c,d </search>", MQ, 3) == Search(["a", "b", "c"], dropped=1)
 
 
-def test_r1_searcher_upstream_turns_stop_only_at_the_query_close():
+def test_upstream_turns_stop_only_at_the_query_close():
+    """R1-Searcher's one stop string is <|end_of_query|> (EM 1087); Search-R1's and RAG-R1's engines stop
+    at no tag (vllm_rollout.py:105-121) and cut after the first </search>, else the first </answer>, so
+    Sonar stops at </search> only and cuts at </answer> afterwards (answer_cut); Sonar's rules stop at both."""
     assert stop_tags(R1, "upstream") == (R1.query_close,)
     assert stop_tags(R1, "sonar") == (R1.query_close, R1.answer_close)
-    assert stop_tags(SR, "upstream") == stop_tags(SR, "sonar") == ("</search>", "</answer>")
+    assert stop_tags(SR, "upstream") == stop_tags(MQ, "upstream") == ("</search>",)
+    assert stop_tags(SR, "sonar") == ("</search>", "</answer>")
+    assert (answer_cut(SR, "upstream"), answer_cut(MQ, "upstream")) == ("</answer>", "</answer>")
+    assert answer_cut(R1, "upstream") is answer_cut(SR, "sonar") is None
+    assert (drops_eos(SR, "upstream"), drops_eos(MQ, "upstream"), drops_eos(R1, "upstream"),
+            drops_eos(SR, "sonar")) == (True, True, False, False)
+
+
+def _search_r1_turn(generated: str) -> tuple[str, str | None, str]:
+    """Search-R1's own handling of one generated turn, restated from the released code (GEN 56-66 and
+    422-429; RAG-R1's generation.py:59-69 and 445-459 are the same): the engine ran to EOS, the text is
+    decoded without special tokens, cut after the first </search> if any, else after the first
+    </answer>, and the first <search>/<answer> block (non-greedy, across lines) is the action.
+    Returns (kept text, action, content)."""
+    import re
+
+    text = generated.replace("[EOS]", "").strip()
+    if "</search>" in text:
+        text = text.split("</search>")[0] + "</search>"
+    elif "</answer>" in text:
+        text = text.split("</answer>")[0] + "</answer>"
+    m = re.search(r"<(search|answer)>(.*?)</\1>", text, re.DOTALL)
+    return text, (m.group(1) if m else None), (m.group(2).strip() if m else "")
+
+
+# what the policy would write in one turn if nothing stopped it (the engine runs to EOS upstream)
+GENERATED_TURNS = [
+    "<search> capital <answer> paris </answer> france </search> city [EOS]",   # </answer> inside an open search
+    "<answer> paris </answer> city <search> france </search> [EOS]",           # a search after the answer
+    "<answer> paris </answer> and city [EOS]",                                 # text after the answer
+    "<search> capital france </search> <answer> paris </answer> [EOS]",
+    "<answer> paris <search> france </answer> [EOS]",
+    "what is the capital [EOS]",                                                # no action: the message
+]
+
+
+@pytest.mark.parametrize("generated", GENERATED_TURNS)
+def test_upstream_search_r1_turn_keeps_what_upstream_keeps_and_acts_as_it_does(generated):
+    """Through the real rollout loop (search_r1 tags as special tokens of a word-level tokenizer, a
+    scripted engine that honours the stop ids): under rules=upstream the first turn's MODEL segment
+    decodes to exactly the text Search-R1 keeps of the same generation, and its action is upstream's
+    (a search with that query, or the answer, or the invalid-action message). Under the old plan
+    (stop at </answer> as well) the first case was an answer and the second lost its search text."""
+    from sonar.actors.rollout import PromptItem, rollout_groups
+    from sonar.cluster.wire.config import ProtocolConfig
+    from sonar.cluster.wire.protocol import FinishReason, SegmentKind
+
+    from .test_rollout import TOK, FakeRetriever, ScriptedEngine
+
+    def script(ctx, turn):
+        return generated if turn == 0 else "<answer> berlin </answer> [EOS]"
+
+    proto = ProtocolConfig(name="search_r1", rules="upstream", on_invalid="message", max_turns=3, docs_per_query=1)
+    retriever = FakeRetriever()
+    engine = ScriptedEngine(script)
+    groups, _ = asyncio.run(rollout_groups(
+        [PromptItem("q", "what is the capital of france", ["paris"])], engine=engine, retriever=retriever,
+        tokenizer=TOK, tags=SR, proto=proto, temperature=1.0, group_size=1, k=1,
+        reward_fn=lambda t: type("R", (), {"total": 0.0, "parts": {}})()))
+    traj = groups[0][0]
+    assert engine.calls[0]["params"].stop_token_ids == (TOK.convert_tokens_to_ids("</search>"), TOK.eos_token_id)
+    kept, action, content = _search_r1_turn(TOK.decode(TOK.encode(generated, add_special_tokens=False)))
+    first = next(s for s in traj.segments if s.kind == SegmentKind.MODEL)
+    assert TOK.decode(first.token_ids.tolist(), skip_special_tokens=False) == kept
+    assert TOK.eos_token_id not in first.token_ids.tolist()
+    if action == "search":
+        assert [c.queries for c in traj.searches] == [[content]] and traj.prediction == "berlin"
+    elif action == "answer":
+        assert (traj.finish_reason, traj.prediction, traj.searches) == (FinishReason.ANSWERED, content, [])
+    else:  # the message follows the turn directly: no EOS before it
+        after = traj.segments[[id(s) for s in traj.segments].index(id(first)) + 1]
+        assert after.kind == SegmentKind.RETRIEVAL
+        assert after.token_ids.tolist() == render_invalid(SR, TOK, proto.prompt)
+        assert (traj.prediction, traj.searches) == ("berlin", [])
 
 
 def test_upstream_rules_through_the_rollout_loop_score_r1_searchers_trailing_text():
