@@ -62,6 +62,9 @@ class Batch:
     """[B, T-1] float32 V_old of the critic (ppo), fixed for the batch; None otherwise."""
     returns: Tensor | None = None
     """[B, T-1] float32 value targets of the critic (ppo), fixed for the batch; None otherwise."""
+    old_terminal_values: Tensor | None = None
+    """[B] float32 V_old of the state after each row's last token where the critic trains it toward 0
+    (``critic.trains_terminal_value``, RAG-R1's fork), NaN for the rows it does not; None when it trains none."""
     response_mask: Tensor | None = None
     """[B, T-1] float32; 1 iff the predicted token t+1 follows the prompt (MODEL or RETRIEVAL), the
     critic's tokens under ``critic.tokens='response'``; ``collate`` always sets it."""

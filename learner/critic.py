@@ -26,6 +26,16 @@ warms the critic's up over 1.5 % of training in RAG-R1's script).
 
 Notation: B sequences, T tokens; values are [B, T-1], column t = V of the state "tokens <= t", the
 state in which token t+1 is chosen (aligned with ``Batch.loss_mask``).
+
+The state after the last token (``trains_terminal_value``: on with ``critic.tokens='response'``, RAG-R1's
+preset). RAG-R1's veRL fork (and Search-R1's) reads its values on the response grid shifted by one and
+masks them, and the value loss, with ``attention_mask[:, -R-1:-1]``, while GAE and whitening use
+``attention_mask[:, -R:]``; so for every response shorter than the batch's longest it also trains the value
+of the state after the last token, toward its GAE return, which is exactly 0 (``terminal_rows``). Sonar does
+the same there: that state joins the recursion and the value loss (its V_old on
+``Batch.old_terminal_values``), never the whitening or the policy loss. With RAG-R1's gamma = lam = 1 the
+advantages are unchanged (the terminal value cancels); the critic gets one more target per row, and the
+value loss's token mean counts it. Current veRL masks values with the response mask: no such state.
 """
 from __future__ import annotations
 
@@ -73,10 +83,12 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 hidden: Tensor | None = None) -> Tensor:
+        """[b, t] float32: the value of every state "tokens <= t", the last one (after the final token)
+        included; ``Critic.values`` drops it, the terminal value (``terminal_value``) reads it."""
         if self.trunk is not None:
             hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         # the head computes in the module's dtype (bf16 under a bf16 engine, float32 otherwise)
-        return self.head(hidden.to(self.head.weight.dtype)).float().squeeze(-1)[:, :-1]
+        return self.head(hidden.to(self.head.weight.dtype)).float().squeeze(-1)
 
 
 class Critic:
@@ -155,6 +167,11 @@ class Critic:
     # ------------------------------------------------------------------ forward
     def values(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """[b, t-1] float32 values of a (micro-)batch; differentiable in the critic's own parameters."""
+        return self.all_values(input_ids, attention_mask)[:, :-1]
+
+    def all_values(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """[b, t] float32: ``values`` and, in column t-1, the value of the state after the last token;
+        a row shorter than t has its own terminal state in column ``length - 1``."""
         if self.policy_trunk is not None:
             with torch.no_grad():
                 hidden = self.policy_trunk(input_ids=input_ids, attention_mask=attention_mask,
@@ -176,15 +193,24 @@ class Critic:
         """V_old: [B, T-1] float32 (on CPU) for the whole batch, 0 off the critic's tokens (``mask``). ``dp``: each rank
         forwards its shard of the rows and the ranks' rows are summed on the device (as
         ``train_step.batch_logprobs``)."""
-        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
+        return self.predict_all(batch, dp)[0]
+
+    @torch.no_grad()
+    def predict_all(self, batch: Batch, dp: tuple[int, int] = (0, 1)) -> tuple[Tensor, Tensor]:
+        """(``predict``'s V_old [B, T-1], the value of the state after each row's last token [B]), float32 on
+        CPU, from one forward."""
+        B, T = batch.input_ids.shape
+        out = torch.zeros((B, T), dtype=torch.float32, device=self.device)
         for idx, real in rank_packs(batch.lengths.tolist(), self.lcfg.micro_batch_tokens, dp):
             mb = batch.select(idx).to(self.device)
-            v = self.values(mb.input_ids, mb.attention_mask)
+            v = self.all_values(mb.input_ids, mb.attention_mask)
             if real:
                 out[torch.as_tensor(idx, device=self.device)[:, None],
                     torch.arange(v.shape[1], device=self.device)[None, :]] = v
         out = sum_disjoint_rows_(out, dp).cpu()
-        return torch.where(self.mask(batch) > 0, out, torch.zeros_like(out))
+        terminal = out[torch.arange(B), (batch.lengths - 1).clamp(min=0)]
+        old = out[:, :-1]
+        return torch.where(self.mask(batch) > 0, old, torch.zeros_like(old)), terminal
 
     # ------------------------------------------------------------------ update
     def update(self, batch: Batch, old_values: Tensor, returns: Tensor,
@@ -200,7 +226,8 @@ class Critic:
         gradients; the logged loss and clip fraction are the whole batch's."""
         if dp[1] > 1 and self.engine is None:
             raise ValueError(f"a plain-PyTorch critic trains on one rank, not dp={dp}: pass ds_config")
-        tokens = float((self.mask(batch) > 0).sum())
+        terminal = batch.old_terminal_values
+        tokens = float((self.mask(batch) > 0).sum()) + (0.0 if terminal is None else float(terminal.isfinite().sum()))
         loss_total, clip_sum = 0.0, 0.0
         packs = rank_packs(batch.lengths.tolist(), self.lcfg.micro_batch_tokens, dp)
         self.model.train()
@@ -210,8 +237,11 @@ class Critic:
             rows = torch.as_tensor(idx)
             old = old_values[rows, :w].to(self.device)
             ret = returns[rows, :w].to(self.device)
-            v = self.values(mb.input_ids, mb.attention_mask)
-            mb_mask = self.mask(mb)
+            # every state of the micro-batch (column w: after the longest row's last token), and the terminal
+            # states the fork trains (target 0, clipped around their V_old like every other value)
+            v = self.all_values(mb.input_ids, mb.attention_mask)
+            v, old, ret, mb_mask = _with_terminal_states(
+                v, old, ret, self.mask(mb), None if terminal is None else terminal[rows].to(self.device), mb.lengths)
             out = value_loss(v, old, ret, mb_mask, self.cfg.value_clip, tokens=tokens)
             scale = (microbatch_loss_scale(dp_world_size=dp[1]) if real else 0.0) if dp[1] > 1 else 1.0
             self.stepper.backward(out.loss * scale if dp[1] > 1 else out.loss, boundary=i == len(packs) - 1)
@@ -290,17 +320,70 @@ class Critic:
         self.steps = int(state["steps"])
 
 
+def trains_terminal_value(cfg: CriticConfig) -> bool:
+    """Whether the critic also trains V of the state after each response's last token toward 0, as RAG-R1's
+    veRL fork does (``terminal_rows``): ``critic.terminal_value`` where the config has that field (None:
+    as below), else exactly when ``critic.tokens='response'`` (the fork's masks)."""
+    flag = getattr(cfg, "terminal_value", None)
+    return cfg.tokens == "response" if flag is None else bool(flag)
+
+
+def terminal_rows(batch: Batch) -> Tensor:
+    """[B] bool: the rows whose terminal state RAG-R1's veRL fork trains. Its critic reads the values of the
+    response grid shifted by one, ``values[:, -R-1:-1]`` masked by ``attention_mask[:, -R-1:-1]`` in
+    ``compute_values`` and in the value loss (``dp_critic.py:93,100,136,178``, Search-R1's fork the same),
+    while GAE and whitening use ``attention_mask[:, -R:]`` (``ray_trainer.py:131``). R is the batch's
+    longest response (``generation.py`` pads the responses to it), so every row with a shorter response
+    keeps one more value: the state after its last token, whose GAE return is exactly 0 (no reward, no
+    later value) and which bootstraps its last token with weight gamma * (1 - lam) (none at RAG-R1's
+    gamma = lam = 1). The longest responses have no such slot."""
+    n = (batch.response_mask if batch.response_mask is not None else batch.loss_mask).gt(0).sum(dim=1)
+    return (n < n.max()) & (batch.lengths >= 1) if n.numel() else torch.zeros(0, dtype=torch.bool)
+
+
+def _pad_column(x: Tensor) -> Tensor:
+    return torch.cat([x, torch.zeros_like(x[:, :1])], dim=1)
+
+
+def _with_terminal_states(values: Tensor | None, old: Tensor, returns: Tensor, mask: Tensor, terminal_old: Tensor | None,
+                          lengths: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The value loss's grid, [b, t]: ``values`` (every state, [b, t]) beside V_old, the returns and the mask
+    ([b, t-1], padded by one column), with each row's terminal state (column length - 1) added where
+    ``terminal_old`` is finite: V_old there, return 0, mask 1."""
+    old, returns, mask = _pad_column(old), _pad_column(returns), _pad_column(mask.to(old.dtype))
+    if terminal_old is not None:
+        rows = torch.nonzero(terminal_old.isfinite()).flatten()
+        cols = lengths.to(rows.device)[rows] - 1
+        old[rows, cols] = terminal_old[rows].to(old.dtype)
+        returns[rows, cols] = 0.0
+        mask[rows, cols] = 1.0
+    return values, old, returns, mask
+
+
 def gae_advantages(critic: Critic, batch: Batch, kl: Tensor | None, kl_coef: float,
                    dp: tuple[int, int] = (0, 1)) -> tuple[Tensor, Tensor, Tensor]:
     """PPO's advantages for ``batch`` from the critic: V_old (no grad), the outcome on the last trained
     token minus ``kl_coef * kl`` per trained token, GAE with ``critic.gamma`` / ``critic.lam``, then
     whitening over the batch (``critic.whiten``). Returns (advantages float32, V_old, returns), all
-    [B, T-1] on CPU, 0 where loss_mask is 0. ``dp``: V_old split across the data-parallel ranks (``predict``)."""
-    old_values = critic.predict(batch, dp)
+    [B, T-1] on CPU, 0 where loss_mask is 0. ``dp``: V_old split across the data-parallel ranks (``predict``).
+
+    With ``trains_terminal_value`` the states after the last token of ``terminal_rows`` join the recursion
+    (return 0) and the value loss: their V_old is set on ``batch.old_terminal_values`` (NaN elsewhere), which
+    ``Critic.update`` reads; otherwise that field is set to None."""
+    old_values, terminal = critic.predict_all(batch, dp)
     mask = critic.mask(batch)  # critic.tokens: the model's tokens, or the whole response (RAG-R1's fork)
     # kl is 0 off the model's tokens (train_step multiplies it by loss_mask), as the fork's info_mask makes it
     rewards = outcome_token_rewards(batch.rewards, mask, kl, kl_coef if kl is not None else 0.0)
-    adv, returns = gae(rewards, old_values, mask, critic.cfg.gamma, critic.cfg.lam)
+    rows = terminal_rows(batch) if trains_terminal_value(critic.cfg) else None
+    if rows is not None and bool(rows.any()):
+        batch.old_terminal_values = torch.where(rows, terminal, torch.full_like(terminal, float("nan")))
+        _, v_all, _, m_all = _with_terminal_states(None, old_values, torch.zeros_like(old_values), mask,
+                                                   batch.old_terminal_values, batch.lengths)
+        adv, returns = gae(_pad_column(rewards), v_all, m_all, critic.cfg.gamma, critic.cfg.lam)
+        adv, returns = adv[:, :-1], returns[:, :-1] * (mask > 0)
+    else:
+        batch.old_terminal_values = None
+        adv, returns = gae(rewards, old_values, mask, critic.cfg.gamma, critic.cfg.lam)
     if critic.cfg.whiten:
         adv = masked_whiten(adv, mask)
     # the policy loss reads only the model's tokens (retrieved tokens are never trained)

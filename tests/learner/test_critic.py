@@ -231,3 +231,105 @@ def test_critic_config_errors_name_the_field_and_value(overrides, named):
 def test_ppo_runs_one_sample_per_prompt():
     cfg = load_config([], ["rollout.group_size=1", "stages.0.algo.name=ppo"])
     assert cfg.rollout.group_size == 1 and cfg.critic.mode == "separate"
+
+
+def _fork_critic(prompts, responses, V, V_new, scores, gamma, lam, clip):
+    """RAG-R1's veRL fork on the same rollouts, restated from the released code (inclusionAI/AWorld-RL@4aeef7b
+    RAG-R1/verl: workers/critic/dp_critic.py:93-100 and 136 (values of the response grid shifted by one,
+    masked by attention_mask[:, -R-1:-1]), 178-188 (the value loss under that mask), trainer/ppo/ray_trainer.py:
+    126-137 (GAE, its eos_mask = attention_mask[:, -R:]), trainer/ppo/core_algos.py:93-107 (the recursion,
+    next value 0 after the grid) and 234-238 (the clipped loss, a masked mean); Search-R1's fork is the same).
+    The prompts are left-padded to the longest, the responses right-padded to the longest, R.
+    ``V[b][j]`` / ``V_new[b][j]``: the old / current value of row b's state "tokens <= j" (its own positions).
+    Returns ({(b, j): advantage}, {(b, j): return}, value loss), keyed by the position j of the token that
+    follows the state, as Sonar's columns."""
+    B, R = len(prompts), max(len(r) for r in responses)
+    values = torch.zeros(B, R, dtype=torch.float64)
+    vpreds = torch.zeros(B, R, dtype=torch.float64)
+    eos_shifted = torch.zeros(B, R, dtype=torch.float64)   # attention_mask[:, -R-1:-1]
+    response_mask = torch.zeros(B, R, dtype=torch.float64)  # attention_mask[:, -R:]
+    rewards = torch.zeros(B, R, dtype=torch.float64)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        P, n = len(p), len(r)
+        for i in range(R):
+            # grid column i reads the state before response token i: the row's own position P - 1 + i,
+            # attended while that position is a real token (i <= n)
+            if i <= n:
+                eos_shifted[b, i] = 1.0
+                values[b, i], vpreds[b, i] = V[b][P - 1 + i], V_new[b][P - 1 + i]
+            response_mask[b, i] = float(i < n)
+        rewards[b, n - 1] = scores[b]
+    values, vpreds = values * eos_shifted, vpreds
+    last, adv_rev = 0.0, []
+    for t in reversed(range(R)):
+        nxt = values[:, t + 1] if t < R - 1 else 0.0
+        last = rewards[:, t] + gamma * nxt - values[:, t] + gamma * lam * last
+        adv_rev.append(last)
+    adv = torch.stack(adv_rev[::-1], dim=1)
+    returns = adv + values
+    m = response_mask > 0
+    mean, var = adv[m].mean(), adv[m].var(unbiased=True)
+    white = (adv - mean) * torch.rsqrt(var + 1e-8)
+    clipped = values + (vpreds - values).clamp(-clip, clip)
+    per = torch.maximum((vpreds - returns) ** 2, (clipped - returns) ** 2)
+    loss = 0.5 * float((per * eos_shifted).sum() / eos_shifted.sum())
+    A, G = {}, {}
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        for i in range(len(r)):
+            A[(b, len(p) - 1 + i)] = float(white[b, i])
+            G[(b, len(p) - 1 + i)] = float(returns[b, i])
+    return A, G, loss
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.8)])
+def test_response_tokens_critic_trains_the_terminal_state_as_rag_r1s_fork(policy, gamma, lam):
+    """critic.tokens='response' (RAG-R1's preset) against the fork's own critic and GAE, restated above:
+    the state after the last token of every response shorter than the batch's longest is a value the fork
+    trains toward return 0 (it sits in the shifted value mask and not in the GAE/whitening mask), and it
+    bootstraps the last token with weight gamma * (1 - lam). Sonar's advantages on the model's tokens,
+    returns on the response and value loss equal the fork's, on rows of different prompt and response
+    lengths; without the terminal states (the old rule) the value loss differs."""
+    from sonar.learner.critic import terminal_rows, trains_terminal_value
+
+    rng = np.random.default_rng(3)
+    shapes = [(3, [2, 4, 1]), (6, [1, 2, 2]), (4, [3, 3, 3]), (5, [1, 4, 1])]  # prompt; model, retrieval, model
+    trajs, prompts, responses = [], [], []
+    for b, (P, (m1, d, m2)) in enumerate(shapes):
+        prompt = np.concatenate([[10 + b], rng.integers(4, VOCAB, P - 1)])  # the first id names the row
+        segs = [Segment(SegmentKind.PROMPT, prompt),
+                Segment(SegmentKind.MODEL, rng.integers(4, VOCAB, m1), np.full(m1, -1.0, np.float32), 0),
+                Segment(SegmentKind.RETRIEVAL, rng.integers(4, VOCAB, d)),
+                Segment(SegmentKind.MODEL, rng.integers(4, VOCAB, m2), np.full(m2, -1.0, np.float32), 0)]
+        trajs.append(Trajectory(f"t{b}", f"g{b}", f"q{b}", 0, segs, reward=float(b % 2) - 0.3,
+                                finish_reason=FinishReason.ANSWERED))
+        prompts.append(list(prompt))
+        responses.append([0] * (m1 + d + m2))
+    batch = collate(trajs, None, 0)
+    T = batch.input_ids.shape[1]
+    g = torch.Generator().manual_seed(5)
+    V, V_new = torch.randn(len(trajs), T, generator=g), torch.randn(len(trajs), T, generator=g)
+    cfg = CriticConfig(gamma=gamma, lam=lam, tokens="response", value_clip=0.5, whiten=True)
+    critic = Critic(cfg, LearnerConfig(micro_batch_tokens=24), policy_dir=str(policy))
+    assert trains_terminal_value(cfg) and not trains_terminal_value(CriticConfig())
+    table = {"now": V}
+
+    def all_values(input_ids, attention_mask):  # the row's values by its first id, on the micro-batch's width
+        rows = [int(i) - 10 for i in input_ids[:, 0]]
+        return table["now"][rows, :input_ids.shape[1]].float() + 0.0 * critic.head.bias
+
+    critic.all_values = all_values
+    adv, old, ret = gae_advantages(critic, batch, None, 0.0)
+    n = [len(r) for r in responses]
+    assert terminal_rows(batch).tolist() == [k < max(n) for k in n]  # the longest responses have no slot
+    A, G, fork_loss = _fork_critic(prompts, responses, V.double(), V_new.double(), batch.rewards.double(),
+                                   gamma, lam, 0.5)
+    for (b, j), a in A.items():
+        if batch.loss_mask[b, j] > 0:
+            assert float(adv[b, j]) == pytest.approx(a, abs=1e-5), (b, j)
+        assert float(ret[b, j]) == pytest.approx(G[(b, j)], abs=1e-5), (b, j)
+    table["now"] = V_new
+    out = critic.update(batch, old, ret)
+    assert out[K.LEARNER_CRITIC_VALUE_LOSS] == pytest.approx(fork_loss, rel=1e-5)
+    # the old rule (no terminal state) is another loss
+    batch.old_terminal_values = None
+    assert critic.update(batch, old, ret)[K.LEARNER_CRITIC_VALUE_LOSS] != pytest.approx(fork_loss, rel=1e-3)
