@@ -357,8 +357,14 @@ def render_documents(tags: TagSet, per_query_docs: list[list[tuple[str, str]]], 
     * ``short``: ``{docs_open} <|doc|> title : text <|doc|> ... {docs_close}``; an empty or failed
       search gives ``<|doc|> no results``. Multi-query: each group starts ``query : <q>`` and an empty
       group reads ``<|doc|> no results``.
-    * R1-Searcher (``r1_searcher_*``, its ``experience_maker.py``): ``\\n\\n{docs_open}\\n(1)title
-      text\\n(2)...{docs_close}\\n\\n``; no documents: ``None``.
+    * R1-Searcher (``r1_searcher_*``, its ``experience_maker.py:1197-1207``): ``\\n\\n{docs_open}\\n(1)title
+      \\ntext\\n(2)...{docs_close}\\n\\n``; no documents: ``None``. With ``rules='upstream'`` each document is the
+      line of R1-Searcher's training corpus, as its retrieval server returns it and the loop prints it after
+      cutting the leading id (``train/wiki_corpus_load.py:12-16,36``, ``experience_maker.py:1200-1201``):
+      ``(1)Title: t Text:  x`` (the HotpotQA abstracts its training mounts, ``wiki_corpus_load.py hotpotqa``;
+      its released HotpotQA evaluation records show that line on every document). Its KILT corpus, mounted
+      to evaluate 2Wiki, MuSiQue and Bamboogle, prints ``(1)t   x`` instead (``split_kilt_to_100.py:47``): not
+      rendered here.
     * Search-R1 (``search_r1``, its ``generation.py``): ``\\n\\n{docs_open}Doc 1(Title: t) text\\nDoc 2
       ...{docs_close}\\n\\n``; with ``rules='upstream'`` the title keeps the double quotes of wiki-18's
       ``contents`` line, which upstream prints as it is (``generation.py:460-469``; Sonar's corpus reader
@@ -382,7 +388,9 @@ def render_documents(tags: TagSet, per_query_docs: list[list[tuple[str, str]]], 
 
     if style in ("r1_searcher_base", "r1_searcher_instruct", "r1_searcher_eval"):
         docs = [doc(t, x) for group in per_query_docs for t, x in group]
-        body = "".join(f"({j + 1}){t}\n{x}\n" for j, (t, x) in enumerate(docs)) or "None"
+        # upstream prints its corpus line (id cut off): the training corpus's is "Title: t Text:  x"
+        line = "({j})Title: {t} Text:  {x}\n" if rules == "upstream" else "({j}){t}\n{x}\n"
+        body = "".join(line.format(j=j + 1, t=t, x=x) for j, (t, x) in enumerate(docs)) or "None"
         text = f"\n\n{tags.docs_open}\n{body}{tags.docs_close}\n\n"
     elif style == "search_r1":
         docs = [doc(t, x) for group in per_query_docs for t, x in group]

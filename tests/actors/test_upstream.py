@@ -233,6 +233,31 @@ def test_search_r1_upstream_prompt_ends_the_question_with_a_mark_and_titles_keep
         "\n\n<information>Doc 1(Title: Paris) Paris is the capital.</information>\n\n"
 
 
+def test_r1_searcher_upstream_documents_are_its_corpus_lines():
+    """R1-Searcher's loop prints each hit as its corpus line with the leading id cut (experience_maker.py:
+    1200-1201: re.sub(r'^\\d+\\s+', '', doc), then "(j)" + line + "\\n"), and its training corpus lines read
+    "<id>\\tTitle: <title> Text:  <text>" (wiki_corpus_index_bulid/samples/train_np_title_abs_sample_100.tsv,
+    line 2, below; every document of data/eval_results/hotpotqa_*.jsonl has that layout). Sonar's own rules
+    keep "(j)title\\ntext"."""
+    import re
+
+    from sonar.actors.prompts import render_documents
+
+    class Chars:
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+    line = "1\tTitle: Lucy Mair Text:  Lucy Philip Mair (28 January 1901 – 1 April 1986) was a British anthropologist."
+    title, text = "Lucy Mair", "Lucy Philip Mair (28 January 1901 – 1 April 1986) was a British anthropologist."
+    printed = re.sub(r"^\d+\s+", "", line)
+    upstream = f"\n\n{R1.docs_open}\n(1){printed}\n{R1.docs_close}\n\n"
+    render = lambda rules, docs=[[(title, text)]]: "".join(map(chr, render_documents(  # noqa: E731
+        R1, docs, Chars(), 1000, style="r1_searcher_base", rules=rules)))
+    assert render("upstream") == upstream
+    assert render("sonar") == f"\n\n{R1.docs_open}\n(1){title}\n{text}\n{R1.docs_close}\n\n"
+    assert render("upstream", [[]]) == f"\n\n{R1.docs_open}\nNone{R1.docs_close}\n\n"  # no hit: "None" (1204)
+
+
 def test_rag_r1_upstream_shows_each_query_its_own_documents_repeats_included():
     """generation_mq.py:492-507: every query gets its own top-k, a document already shown for an earlier
     query of the step included; Sonar's rules skip it and backfill."""
