@@ -83,10 +83,9 @@ import numpy as np
 
 from sonar.actors.engine import Engine, Generation, SamplingParams, StopStrings, cut_at_stop
 from sonar.actors.multiquery import dedupe_step
-from sonar.actors.parsing import parse_turn
 from sonar.actors.prompts import TagSet, render_documents, render_invalid, render_prompt, stop_plan
 from sonar.actors.tools import ToolContext, ToolOutput, first_tool_call, render_output
-from sonar.actors.upstream import answer_cut, drops_eos, parse_turn_upstream, stop_tags
+from sonar.actors.upstream import answer_cut, drops_eos, stop_tags, turn_parser
 from sonar.cluster.wire.config import ProtocolConfig
 from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, ToolCall, Trajectory
 from sonar.retrieval.base import AsyncRetriever, Hit, RetrievalError, Retriever, check_retriever, search_async
@@ -222,12 +221,12 @@ def _accepts_caps(engine: Engine) -> bool:
     return "max_new_tokens_per_prompt" in ps or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps.values())
 
 
-def _stops(tokenizer, tags: TagSet, rules: str = "sonar", tools=()) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def _stops(tokenizer, tags: TagSet, rules: str = "sonar", tools=(), prompt: str = "") -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Generation stops on the closing tags of ``protocol.rules`` (``upstream.stop_tags``: the query's and
     the answer's, or only the query's for R1-Searcher's own rules; their ids when they are special
     tokens, their strings when plain text: ``prompts.stop_plan``), on each other tool's closing tag
     and on EOS (duplicates removed)."""
-    ids, texts = stop_plan(tokenizer, tags, (*stop_tags(tags, rules), *(t.close_tag for t in tools)))
+    ids, texts = stop_plan(tokenizer, tags, (*stop_tags(tags, rules, prompt), *(t.close_tag for t in tools)))
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is not None:
         ids = (*ids, int(eos))
@@ -250,7 +249,8 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
     ``k``: hits requested per query (>= ``proto.docs_per_query``; extra hits backfill de-duplication).
     ``seed``: turn t samples with seed ``seed + t`` (None: unseeded).
     ``parse_fn``: defaults to ``actors.parsing.parse_turn(text, tags, max_queries)`` (``proto.rules=sonar``) or
-    ``actors.upstream.parse_turn_upstream`` (``upstream``: the paper's released parsing); actions are
+    ``actors.upstream.parse_turn_upstream`` (``upstream``: the paper's released parsing; with R1-Searcher's
+    evaluation prompt, its evaluation script's, ``upstream.turn_parser``); actions are
     dispatched by type name (``Search`` / ``Answer`` / ``Malformed``).
     ``retrieval_timeout_s``: bound on one batched retriever call; a timeout fails that turn's searches
     (error ``"timeout"``), like any exception from the retriever.
@@ -276,13 +276,13 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
     if retriever is not None:
         check_retriever(retriever)
     if parse_fn is None:  # protocol.rules: Sonar's strict parser or the paper's own (actors/upstream.py)
-        parse_fn = parse_turn_upstream if proto.rules == "upstream" else parse_turn
+        parse_fn = turn_parser(tags, proto.rules, proto.prompt)
 
     t_start = time.perf_counter()
     tools = tuple(tools or ())
     eos = getattr(tokenizer, "eos_token_id", None)
     call = _Call(engine, retriever if search_enabled else None, tokenizer, tags, proto, temperature, top_p, k,
-                 seed, parse_fn, retrieval_timeout_s, *_stops(tokenizer, tags, proto.rules, tools),
+                 seed, parse_fn, retrieval_timeout_s, *_stops(tokenizer, tags, proto.rules, tools, proto.prompt),
                  tuple(render_invalid(tags, tokenizer, proto.prompt)), _accepts_caps(engine), RolloutStats(), tools,
                  answer_cut(tags, proto.rules),
                  int(eos) if eos is not None and drops_eos(tags, proto.rules) else None)

@@ -22,6 +22,14 @@ R1-Searcher (``RUCAIBox/R1-Searcher@631167c``, ``OpenRLHF-RAG/openrlhf/trainer/p
     last turn: an answer written in a turn that then searched still scores there, and the code reward
     variants read it the same way (``rewards.server_answer``); ``traj.prediction`` stays the last turn's.
 
+R1-Searcher's evaluation (``evaluation/eval_search_loacl.py``; ``protocol.prompt=r1_searcher_eval`` with
+``rules=upstream``: :func:`parse_turn_r1_searcher_eval`)
+  * A turn stops at ``<|end_of_query|>`` or ``</answer>`` (line 172); whichever closed it decides: the answer
+    after the last ``<answer>``, or a search of the text after the last ``<|begin_of_query|>`` with ``"``,
+    ``'`` and ``...`` removed (lines 215-228); nested answers, several query openers and a documents block
+    the model wrote are accepted (Sonar's rules refuse them). Not followed: the script reads at most ten
+    turns and ignores the tenth (line 203: "I don't know."), where ``max_turns=9`` lets a tenth turn answer.
+
 Search-R1 (``PeterGriffinJin/Search-R1@a14dc3a``, ``search_r1/llm_agent/generation.py``) and RAG-R1
 (``inclusionAI/AWorld-RL@4aeef7b``, ``RAG-R1/rag_r1/llm_agent/generation.py``)
   * The engine stops at no tag, only at EOS or the turn's token limit (``vllm_rollout.py:105-121``: no
@@ -52,7 +60,7 @@ import functools
 import re
 
 from sonar.actors.parsing import (EMPTY_QUERY, NO_ACTION, NO_TAGS, UNTERMINATED_ANSWER, Answer, Malformed,
-                                  Search)
+                                  Search, parse_turn)
 from sonar.actors.multiquery import plan_step
 from sonar.actors.prompts import TagSet
 
@@ -60,14 +68,33 @@ RULES = ("sonar", "upstream")
 """``protocol.rules``: Sonar's strict parser (``actors.parsing.parse_turn``) or the paper's own (this module)."""
 
 
-def stop_tags(tags: TagSet, rules: str) -> tuple[str, ...]:
-    """The closing tags a turn stops at: both (query and answer) under Sonar's rules; only the query's
-    under every paper's own rules. R1-Searcher's one stop string is ``<|end_of_query|>``; Search-R1's
+EVAL_PROMPT = "r1_searcher_eval"
+"""The prompt style of R1-Searcher's evaluation script: with ``rules=upstream`` its turns are read as that
+script reads them (:func:`parse_turn_r1_searcher_eval`), not as its training loop does."""
+
+
+def reads_r1_searcher_eval(tags: TagSet, rules: str, prompt: str) -> bool:
+    """``protocol.rules=upstream`` with R1-Searcher's evaluation prompt (``protocol.prompt=r1_searcher_eval``)."""
+    return rules == "upstream" and tags.name == "r1_searcher" and prompt == EVAL_PROMPT
+
+
+def turn_parser(tags: TagSet, rules: str, prompt: str = ""):
+    """The parser of ``protocol.rules`` (and, for R1-Searcher's evaluation, ``protocol.prompt``):
+    ``parsing.parse_turn``, :func:`parse_turn_upstream` or :func:`parse_turn_r1_searcher_eval`."""
+    if rules != "upstream":
+        return parse_turn
+    return parse_turn_r1_searcher_eval if reads_r1_searcher_eval(tags, rules, prompt) else parse_turn_upstream
+
+
+def stop_tags(tags: TagSet, rules: str, prompt: str = "") -> tuple[str, ...]:
+    """The closing tags a turn stops at: both (query and answer) under Sonar's rules and under R1-Searcher's
+    evaluation script (``eval_search_loacl.py:172``: ``<|end_of_query|>`` and ``</answer>``, beside the
+    EOS strings); only the query's under every paper's own training rules. R1-Searcher's one stop string is ``<|end_of_query|>``; Search-R1's
     and RAG-R1's engines stop at none (EOS or the turn's token limit), and everything after the first
     ``</search>`` is cut away, so stopping there is the same; stopping at ``</answer>`` is not (a later
     ``</search>`` moves the cut: ``<search> q <answer> a </answer> </search>`` is a search), so the
     turn generates on and :func:`answer_cut` cuts it afterwards."""
-    if rules == "upstream":
+    if rules == "upstream" and not reads_r1_searcher_eval(tags, rules, prompt):
         return (tags.query_close,)
     return tuple(dict.fromkeys((tags.query_close, tags.answer_close)))
 
@@ -113,6 +140,33 @@ def _r1_searcher(text: str, tags: TagSet) -> Search | Answer | Malformed:
         return Malformed(UNTERMINATED_ANSWER)
     body, _, rest = last.partition(tags.answer_close)
     return Answer(body.strip(), trailing=bool(rest.strip()))
+
+
+def parse_turn_r1_searcher_eval(text: str, tags: TagSet, max_queries: int) -> Search | Answer | Malformed:
+    """One turn read as R1-Searcher's evaluation script reads it (``evaluation/eval_search_loacl.py:215-260``;
+    the turn stops at ``</answer>`` or ``<|end_of_query|>``, whichever closes first): a turn that stopped at
+    ``</answer>`` and holds ``<answer>`` is the answer after its *last* ``<answer>`` (stripped here; the
+    metrics normalise whitespace); a turn that stopped at ``<|end_of_query|>`` and holds
+    ``<|begin_of_query|>`` searches the text after the *last* opener with ``"``, ``'`` and ``...`` removed
+    and tabs made spaces (line 228), whitespace then collapsed here (an all-blank query, which the script
+    still sends, is an empty search step); nothing left is ``Malformed(EMPTY_QUERY)`` (its
+    "query_inst_error"); anything else is ``Malformed`` (its "shot_down"). Nested tags, several openers
+    and a documents block the model wrote are not checked, as there."""
+    if max_queries < 1:
+        raise ValueError(f"max_queries={max_queries} must be >= 1")
+    body = text.rstrip()
+    if body.endswith(tags.answer_close) and tags.answer_open in body:
+        return Answer(body[: -len(tags.answer_close)].split(tags.answer_open)[-1].strip())
+    if body.endswith(tags.query_close) and tags.query_open in body:
+        raw = body[: -len(tags.query_close)].split(tags.query_open)[-1]
+        raw = raw.replace('"', "").replace("'", "").replace("\t", " ").replace("...", "")
+        if not raw:
+            return Malformed(EMPTY_QUERY)
+        query = " ".join(raw.split())
+        return Search([query] if query else [])
+    if tags.answer_open in body and tags.answer_close not in body:
+        return Malformed(UNTERMINATED_ANSWER)
+    return Malformed(NO_ACTION if any(t in body for t in tags.special_tokens()) else NO_TAGS)
 
 
 @functools.lru_cache(maxsize=None)

@@ -211,6 +211,84 @@ def test_r1_searchers_evaluation_prompt_is_eval_search_loacl_py_base_prompt_v0()
             cfg.protocol.max_turns) == ("r1_searcher_eval", "base", 5, 5, 9)
 
 
+def _r1_eval_script(turn: str):
+    """R1-Searcher's evaluation script on one turn, restated (evaluation/eval_search_loacl.py:172-173 and
+    215-260): vLLM stopped at "<|end_of_query|>" or "</answer>" and its text excludes the stop string."""
+    stop = next((t for t in (R1.query_close, R1.answer_close) if turn.endswith(t)), None)
+    generated = turn[: -len(stop)] if stop else turn
+    if "<answer>" in generated and stop == "</answer>":
+        return "answer", generated.split("<answer>")[-1].split("</answer>")[0]
+    if "<|begin_of_query|>" in generated and stop == "<|end_of_query|>":
+        query = generated.split("<|begin_of_query|>")[-1].split("<|end_of_query|>")[0]
+        query = query.replace('"', "").replace("'", "").replace("\t", " ").replace("...", "")
+        return ("search", query) if query else ("query_inst_error", None)
+    return "shot_down", None
+
+
+EVAL_TURNS = [  # (turn text up to its stop, Sonar's own rules)
+    ("<answer> a <answer> b </answer>", Malformed(P.NESTED)),
+    (f"{QO} x {QO} y {QC}", Malformed(P.NESTED)),
+    (f"{R1.docs_open} fake {R1.docs_close} </think> <answer> Paris </answer>", Malformed(P.DOCS_TAG)),
+    (f'{QO} "it\'s" a...b\tc {QC}', Search(['"it\'s" a...b\tc'])),
+    (f"{QO} q <answer> a </answer>", Malformed(P.NESTED)),
+    (f"<answer> a {QO} q {QC}", Malformed(P.NESTED)),
+    (f"{QO}{QC}", Malformed(P.EMPTY_QUERY)),
+    (f"{QO} ' {QC}", Search(["'"])),
+    ("<answer> cut by the limit", Malformed(P.UNTERMINATED_ANSWER)),
+    (f"no opener {QC}", Malformed(P.QUERY_CLOSE_WITHOUT_OPEN)),
+]
+
+
+@pytest.mark.parametrize("turn,sonar", EVAL_TURNS)
+def test_r1_searcher_evaluation_reading_is_its_eval_scripts(turn, sonar):
+    """protocol.rules=upstream with protocol.prompt=r1_searcher_eval reads a turn as the evaluation script
+    does (restated above): nested answers, several query openers and a model-written documents block are
+    accepted, the query loses its quotes and "...", where Sonar's own rules (the overlay's rules=sonar)
+    refuse or keep them."""
+    from sonar.actors.upstream import parse_turn_r1_searcher_eval, turn_parser
+
+    assert turn_parser(R1, "upstream", "r1_searcher_eval") is parse_turn_r1_searcher_eval
+    assert stop_tags(R1, "upstream", "r1_searcher_eval") == (R1.query_close, R1.answer_close)
+    kind, content = _r1_eval_script(turn)
+    got = parse_turn_r1_searcher_eval(turn, R1, 1)
+    if kind == "answer":
+        assert got == Answer(content.strip())
+    elif kind == "search":
+        assert got == Search([" ".join(content.split())] if content.split() else [])
+    elif kind == "query_inst_error":
+        assert got == Malformed(P.EMPTY_QUERY)
+    else:
+        assert isinstance(got, Malformed)
+    assert parse_turn(turn, R1, 1) == sonar
+
+
+def test_r1_searcher_evaluation_reading_through_the_rollout_and_the_overlay():
+    """The overlay with rules=upstream (``--config r1_searcher --config r1_searcher_eval
+    protocol.rules=upstream``) loads, stops at both closing tags and acts as the evaluation script: the
+    last of two query openers is searched, the last of two answer openers is the prediction."""
+    from sonar.actors.rollout import PromptItem, rollout_groups
+    from sonar.cluster.wire.config import load_config
+
+    from .test_rollout import TOK, FakeRetriever, ScriptedEngine
+
+    cfg = load_config(["r1_searcher", "r1_searcher_eval"], ["protocol.rules=upstream"], notes=[])
+    assert (cfg.protocol.rules, cfg.protocol.prompt) == ("upstream", "r1_searcher_eval")
+
+    def script(ctx, turn):
+        if turn == 0:
+            return f"{QO} a {QO} capital france {QC}"
+        return f"{R1.think_close} {R1.answer_open} berlin {R1.answer_open} paris {R1.answer_close} more [EOS]"
+
+    engine = ScriptedEngine(script)
+    groups, _ = asyncio.run(rollout_groups(
+        [PromptItem("q", "what is the capital of france", ["paris"])], engine=engine, retriever=FakeRetriever(),
+        tokenizer=TOK, tags=R1, proto=cfg.protocol, temperature=0.0, group_size=1, k=5,
+        reward_fn=lambda t: type("R", (), {"total": 0.0, "parts": {}})()))
+    t = groups[0][0]
+    assert engine.calls[0]["params"].stop_token_ids[:2] == tuple(TOK.convert_tokens_to_ids([QC, R1.answer_close]))
+    assert [c.queries for c in t.searches] == [["capital france"]] and t.prediction == "paris"
+
+
 def test_search_r1_upstream_prompt_ends_the_question_with_a_mark_and_titles_keep_their_quotes():
     """nq_search.py:61-63 (strip, then '?' unless present) and generation.py:460-469 (the title is the
     corpus's first line as it is: wiki-18 quotes it)."""
