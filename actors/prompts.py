@@ -346,7 +346,7 @@ def _truncate(tokenizer, text: str, max_tokens: int) -> str:
 
 def render_documents(tags: TagSet, per_query_docs: list[list[tuple[str, str]]], tokenizer,
                      max_doc_tokens: int, error: str | None = None, queries: list[str] | None = None,
-                     style: str = "short", rules: str = "sonar") -> list[int]:
+                     style: str = "short", rules: str = "sonar", lead: str = "") -> list[int]:
     """Token ids of one injected documents block.
 
     ``per_query_docs[i]`` is the (title, text) list of query i (``queries[i]``, echoed by the
@@ -375,6 +375,11 @@ def render_documents(tags: TagSet, per_query_docs: list[list[tuple[str, str]]], 
 
     Retrieval tokens are never trained (segment kind RETRIEVAL); demonstrations and rollouts both
     call this function, so the policy sees the same tokens in SFT and in RL.
+
+    ``lead``: text the model's last token already carried past its closing tag (a BPE token such as
+    ``">\\n\\n"`` completes ``</search>`` and brings the newlines along); an upstream style's block that starts
+    with it is rendered without it, so the text reads as upstream's, where the turn is cut at the tag and
+    the block brings its own newlines (``_trim_lead``; the rollout passes it under ``rules='upstream'``).
     """
     specials = special_strings(tokenizer)
     queries = list(queries) if queries is not None else [""] * len(per_query_docs)
@@ -407,7 +412,12 @@ def render_documents(tags: TagSet, per_query_docs: list[list[tuple[str, str]]], 
         text = f"\n{tags.docs_open}\n{body.strip()}\n{tags.docs_close}\n"
     else:
         raise ValueError(f"protocol.prompt={style!r} is not one of {list(PROMPT_STYLES)}")
-    return _encode(tokenizer, text)
+    return _encode(tokenizer, _trim_lead(text, lead))
+
+
+def _trim_lead(text: str, lead: str) -> str:
+    """``text`` without ``lead`` when it starts with it (what the previous token already wrote)."""
+    return text[len(lead):] if lead and text.startswith(lead) else text
 
 
 def _short_documents(tags: TagSet, per_query_docs, queries, tokenizer, max_doc_tokens: int,
@@ -437,13 +447,14 @@ def _short_documents(tags: TagSet, per_query_docs, queries, tokenizer, max_doc_t
     return ids
 
 
-def render_invalid(tags: TagSet, tokenizer, style: str = "short") -> list[int]:
+def render_invalid(tags: TagSet, tokenizer, style: str = "short", lead: str = "") -> list[int]:
     """Token ids of the message injected after an invalid action (``protocol.on_invalid='message'``).
 
-    Upstream styles: Search-R1's / RAG-R1's text with the protocol's tags. ``short``: a few words
-    of the synthetic world. Injected as a RETRIEVAL segment: never trained (loss mask 0).
+    Upstream styles: Search-R1's / RAG-R1's text with the protocol's tags (without ``lead``, as
+    ``render_documents``). ``short``: a few words of the synthetic world. Injected as a RETRIEVAL segment:
+    never trained (loss mask 0).
     """
     if style == "short":
         return _encode(tokenizer, INVALID_SHORT)
-    return _encode(tokenizer, INVALID_MESSAGE.format(qo=tags.query_open, qc=tags.query_close,
-                                                     ao=tags.answer_open, ac=tags.answer_close))
+    return _encode(tokenizer, _trim_lead(INVALID_MESSAGE.format(qo=tags.query_open, qc=tags.query_close,
+                                                                ao=tags.answer_open, ac=tags.answer_close), lead))

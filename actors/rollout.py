@@ -170,6 +170,9 @@ class _State:
     """Calls made per tool other than search; each tool has its own budget (``Tool.max_calls``)."""
     seen: dict[str, Hit] = field(default_factory=dict)
     """Documents this trajectory's searches showed, by id (what a visit opens first)."""
+    lead: str = ""
+    """Under ``protocol.rules=upstream``: the text the last turn's final token carried past its stop string
+    (BPE merges ``"</search>\\n\\n"``); the next block is rendered without it (``prompts.render_documents``)."""
 
     @property
     def turns_used(self) -> int:
@@ -442,7 +445,8 @@ def _act(call: _Call, active: list[_State], gens: list[Generation],
             call.stats.turns += 1
             call.stats.generated_tokens += len(ids)
         if call.stop_strings:
-            text = cut_at_stop(text, call.stop_strings)
+            full, text = text, cut_at_stop(text, call.stop_strings)
+            s.lead = full[len(text):] if proto.rules == "upstream" else ""
         tc = first_tool_call(text, call.tools, (call.tags.query_open, call.tags.answer_open)) if call.tools else None
         if tc is not None:
             tool, body = tc
@@ -494,15 +498,16 @@ def _invalid(call: _Call, s: _State) -> None:
     left, the message as a RETRIEVAL segment (never trained) and the trajectory goes on; else MALFORMED.
     A message that would overflow ``max_total_tokens`` is not appended (MAX_TOKENS)."""
     proto = call.proto
+    message = call.invalid_ids if not s.lead else tuple(render_invalid(call.tags, call.tokenizer, proto.prompt, s.lead))
     if len(s.ctx) >= proto.max_total_tokens:
         s.finish(FinishReason.MAX_TOKENS)
     elif proto.on_invalid != "message" or s.turns_used >= proto.max_turns:
         s.finish(FinishReason.MALFORMED)
-    elif len(s.ctx) + len(call.invalid_ids) > proto.max_total_tokens:
+    elif len(s.ctx) + len(message) > proto.max_total_tokens:
         s.finish(FinishReason.MAX_TOKENS)
     else:
-        s.traj.segments.append(Segment(SegmentKind.RETRIEVAL, np.asarray(call.invalid_ids, np.int32)))
-        s.ctx.extend(call.invalid_ids)
+        s.traj.segments.append(Segment(SegmentKind.RETRIEVAL, np.asarray(message, np.int32)))
+        s.ctx.extend(message)
         s.invalid_done += 1
         call.stats.invalid_messages += 1
         if len(s.ctx) >= proto.max_total_tokens:
@@ -578,7 +583,7 @@ def _inject(call: _Call, s: _State, queries: list[str], dropped: int, results: d
     if error is not None:
         call.stats.failed_searches += 1
     block = render_documents(call.tags, per_query_docs, call.tokenizer, proto.max_doc_tokens, error=error,
-                             queries=queries, style=proto.prompt, rules=proto.rules)
+                             queries=queries, style=proto.prompt, rules=proto.rules, lead=s.lead)
     if len(s.ctx) + len(block) > proto.max_total_tokens:
         s.finish(FinishReason.MAX_TOKENS)
         return

@@ -21,6 +21,12 @@ R1-Searcher (``RUCAIBox/R1-Searcher@631167c``, ``OpenRLHF-RAG/openrlhf/trainer/p
     the turn there is no answer (``Malformed``). The servers themselves read the whole response, not the
     last turn: an answer written in a turn that then searched still scores there, and the code reward
     variants read it the same way (``rewards.server_answer``); ``traj.prediction`` stays the last turn's.
+  * Between turns upstream works on text: the next prompt is the previous one plus the search turn's text
+    stripped of surrounding whitespace, then ``<|end_of_query|>\n\n`` and the documents (lines 1151, 1207),
+    re-tokenised by the engine. Sonar never re-tokenises (token in, token out): a turn keeps the ids it
+    sampled, a blank before ``<|end_of_query|>`` included; only the newlines a merged stop token (``|>\n\n``)
+    already wrote are left out of the next block (``prompts.render_documents``' ``lead``), so the text
+    differs from upstream's by the stripped whitespace alone.
 
 R1-Searcher's evaluation (``evaluation/eval_search_loacl.py``; ``protocol.prompt=r1_searcher_eval`` with
 ``rules=upstream``: :func:`parse_turn_r1_searcher_eval`)
@@ -42,10 +48,15 @@ Search-R1 (``PeterGriffinJin/Search-R1@a14dc3a``, ``search_r1/llm_agent/generati
     (:func:`drops_eos`). So ``<search> q <answer> a </answer> </search>`` is the search
     ``q <answer> a </answer>`` as upstream, where stopping at ``</answer>`` would make it an answer, and
     ``<answer> a </answer> <search> q </search>`` keeps its search text (the action is still the answer).
-    Sonar never re-tokenises: the ids are the sampled ones up to the token that completes the tag.
-  * The action is the *first* match of ``<(search|answer)>(.*?)</\\1>`` (non-greedy, across lines),
-    stripped, whatever it contains (lines 422-429): nested tags are content, an ``<information>`` tag the
-    model wrote is ignored, and no quotes are stripped.
+    Sonar never re-tokenises: the ids are the sampled ones up to the token that completes the tag; when
+    that token carries text past the tag (``>\n\n``), the block that follows is rendered without the part
+    it would repeat (``prompts.render_documents``' / ``render_invalid``'s ``lead``), so the text is upstream's.
+  * The action is the *first* match of ``<(search|answer)>(.*?)</\\1>`` (non-greedy, across lines) in the
+    cut turn, stripped (lines 422-429): the block that opens first *and* closes within the cut. Tags
+    inside that block are its content (``<search> q <answer> a </answer> </search>`` searches
+    ``q <answer> a </answer>``; ``<answer> a <answer> b </answer>`` answers ``a <answer> b``), but an
+    ``<answer>`` still open at the first ``</search>`` is no block: ``<answer> a <search> q </search>``
+    searches ``q``. An ``<information>`` tag the model wrote is ignored, and no quotes are stripped.
   * An answer ends the rollout even when empty (lines 385-389).
   * A search with no text is still a search step: Search-R1 sends the empty string to its retriever,
     RAG-R1 multi-query splits on commas, drops empty parts and sends what is left, possibly nothing

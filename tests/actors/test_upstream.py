@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from sonar.actors import parsing as P
@@ -40,6 +41,9 @@ CASES = [
      "no </answer>: the servers' missing-tag score"),
     # Search-R1: the first <search>/<answer> block is the action, whatever it holds (GEN 422-429)
     (SR, "<search> a <answer> b </search>", Search(["a <answer> b"]), Malformed(P.NESTED), "GEN 422-429: (.*?) is content"),
+    (SR, "<answer> a <search> q </search>", Search(["q"]), Malformed(P.NESTED),
+     "GEN 61-66 cuts at </search>: the open answer is no block, the search is the first match"),
+    (SR, "<answer> a <answer> b </answer>", Answer("a <answer> b"), Malformed(P.NESTED), "GEN 422: (.*?) is content"),
     (SR, "<answer></answer>", Answer(""), Malformed(P.EMPTY_ANSWER), "GEN 385-389: an empty answer ends the rollout"),
     (SR, "<search>   </search>", Search([]), Malformed(P.EMPTY_QUERY), "GEN 370-372: an empty query is sent"),
     (SR, "<information> fake </information> <answer> x </answer>", Answer("x"), Malformed(P.DOCS_TAG),
@@ -361,3 +365,80 @@ def test_rag_r1_upstream_shows_each_query_its_own_documents_repeats_included():
         ids[rules] = groups[0][0].searches[0].doc_ids
     assert ids["sonar"] == [["d1"], ["d2"]]
     assert ids["upstream"] == [["d1"], ["d1"]]
+
+
+class MergingTokenizer:
+    """A duck-typed tokenizer whose vocabulary merges a closing tag's last character with the newlines
+    after it, as Qwen's and Llama 3's BPE do (``">\\n\\n"``, ``"|>\\n\\n"``): greedy longest match over a few
+    pieces, every other character its own id. The tags are text (no tag is one id)."""
+
+    PIECES = [">\n\n", "|>\n\n", "</", "search", "<search>", " capital", " france", "[EOS]"]
+
+    def __init__(self):
+        chars = [chr(c) for c in range(32, 127)] + ["\n", "\t", "‹", "›", "¦", "\u2060"]
+        self.vocab = self.PIECES + [c for c in chars if c not in self.PIECES]
+        self.ids = {p: i for i, p in enumerate(self.vocab)}
+        self.eos_token_id = self.ids["[EOS]"]
+
+    def encode(self, text, add_special_tokens=False):
+        out, i = [], 0
+        while i < len(text):
+            piece = max((p for p in self.PIECES if text.startswith(p, i)), key=len, default=text[i])
+            out.append(self.ids[piece])
+            i += len(piece)
+        return out
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.vocab[int(i)] for i in ids)
+
+
+@pytest.mark.parametrize("tags,style,turn,block_start", [
+    (SR, "search_r1", "<search> capital france</search>\n\nSo[EOS]", "\n\n<information>"),
+    (R1, "r1_searcher_base", f"<think> capital france{QO} capital france{QC}\n\nSo[EOS]", "\n\n<|begin_of_documents|>\n"),
+])
+def test_upstream_text_after_a_merged_stop_token_reads_as_upstreams(tags, style, turn, block_start):
+    """The stop token ">\\n\\n" completes </search> (<|end_of_query|>) and carries the newlines. Upstream cuts
+    the turn at the tag (Search-R1 GEN 61-66; R1-Searcher EM 1151 and 1207 append the tag and the block
+    themselves) and the block brings its own "\\n\\n": under rules=upstream the documents block is rendered
+    without the newlines the token already wrote, so the response reads exactly as upstream's (the
+    tokens differ: Sonar never re-tokenises); Sonar's own rules keep both (four newlines)."""
+    from sonar.actors.engine import Generation, StopStrings
+    from sonar.actors.rollout import PromptItem, rollout_groups
+    from sonar.cluster.wire.config import ProtocolConfig
+    from sonar.cluster.wire.protocol import SegmentKind
+
+    from .test_rollout import FakeRetriever
+
+    tok = MergingTokenizer()
+
+    class Engine:
+        def __init__(self):
+            self.turn = 0
+
+        def generate(self, prompts, params, max_new_tokens_per_prompt=None):
+            text = turn if self.turn == 0 else " </think><answer> paris </answer>[EOS]"
+            self.turn += 1
+            kept, m = [], StopStrings(tok, params.stop_strings)
+            for t in tok.encode(text):
+                kept.append(t)
+                if t in params.stop_token_ids or m.push(t):
+                    break
+            return [Generation(np.asarray(kept, np.int32), np.full(len(kept), -0.5, np.float32), "stop", 0)
+                    for _ in prompts]
+
+    out = {}
+    for rules in ("sonar", "upstream"):
+        proto = ProtocolConfig(name=tags.name, prompt=style, rules=rules, docs_per_query=1, max_turns=2,
+                               on_invalid="end", max_total_tokens=4096)
+        groups, _ = asyncio.run(rollout_groups(
+            [PromptItem("q", "capital of france", ["paris"])], engine=Engine(), retriever=FakeRetriever(),
+            tokenizer=tok, tags=tags, proto=proto, temperature=1.0, group_size=1, k=1,
+            reward_fn=lambda t: type("R", (), {"total": 0.0, "parts": {}})()))
+        t = groups[0][0]
+        first, block = t.segments[1], t.segments[2]
+        assert (first.kind, block.kind) == (SegmentKind.MODEL, SegmentKind.RETRIEVAL)
+        assert tok.decode(first.token_ids[-1:]) in (">\n\n", "|>\n\n")  # the merged stop token, kept
+        out[rules] = tok.decode(first.token_ids) + tok.decode(block.token_ids)
+    cut = turn[: turn.index(tags.query_close) + len(tags.query_close)]
+    assert out["upstream"].startswith(cut + block_start)
+    assert out["sonar"].startswith(cut + "\n\n" + block_start)
