@@ -45,7 +45,7 @@ SHRINK = [
     "protocol.max_doc_tokens=24",
 ]
 TIMES: dict[str, float] = {}
-"""Seconds of each run (``train``), for the record (the report at the end of the module's runs)."""
+"""Seconds of each run's ``train`` call, also printed (``pytest -s`` shows them)."""
 
 
 def _run(tmp_path_factory, name: str):
