@@ -1004,7 +1004,22 @@ def plan_for(cfg: Config, environ: Optional[Mapping[str, str]] = None) -> tuple[
     return plan(cfg, shape, gib, source), None
 
 
+def sync_floor_of(cfg: Config, s: ModelShape):
+    """``deadlines.sync_batch_floor`` for this model: its weights and KV bytes per token in the engine's dtype."""
+    from sonar.cluster.wire.deadlines import sync_batch_floor
+
+    e = _DTYPE_BYTES[engine_dtype(cfg)]
+    return sync_batch_floor(cfg, e * s.params, 2 * s.num_layers * s.num_kv_heads * s.head_dim * e)
+
+
 def describe(cfg: Config, environ: Optional[Mapping[str, str]] = None) -> str:
     """What the CLI prints: the plan, the "not checked" line, or "" (no GPU)."""
     p, why = plan_for(cfg, environ)
-    return p.format() if p is not None else (why or "")
+    if p is None:
+        return why or ""
+    r = cfg.rollout
+    if cfg.cluster.mode == "sync" and r.engine == "vllm" and r.num_gpus_per_worker > 0:
+        floor = sync_floor_of(cfg, p.shape)
+        return (p.format() + f"\nsync batch deadline: cluster.step_timeout_s={cfg.cluster.step_timeout_s:g} s against "
+                f"a floor of {floor.text()} (cluster/wire/deadlines.py)")
+    return p.format()
