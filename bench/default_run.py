@@ -240,21 +240,21 @@ def _setting(doc: dict) -> str:
 def render_placements_table(results: list[tuple[str, dict]]) -> str:
     """README's colocated-placement block: the default preset's runs under each placement and mode (one
     default-run result each, the same seeds), held-out EM with search per seed after RL, and whether every
-    colocated seed lies inside the spread (min..max over seeds) of each split setting."""
+    colocated seed lies inside the spread (min..max over seeds) of each split setting. No throughput: the
+    settings ran one after another, not side by side."""
     docs = [d for _, d in results]
     seeds = docs[0]["extra"]["runs"]
     lines = [PLACEMENTS_BEGIN + ", ".join(f"bench/results/{n}" for n, _ in results)
              + " (`sonar bench readme` renders this block) -->",
              "| placement, mode | " + " | ".join(f"EM seed {r['seed']}: SFT → RL" for r in seeds)
-             + " | RL trajectories/s (median) | whole command (median) |",
-             "|---|" + "---|" * len(seeds) + "---|---|"]
+             + " | load average at each start |",
+             "|---|" + "---|" * len(seeds) + "---|"]
     for d in docs:
         runs = {r["seed"]: r for r in d["extra"]["runs"]}
         cells = [f"{_pct(runs[r['seed']]['em_before_search'])} → **{_pct(runs[r['seed']]['em_after_search'])}**"
                  if r["seed"] in runs else "-" for r in seeds]
-        m = d["metrics"]
-        lines.append(f"| {_setting(d)} | " + " | ".join(cells)
-                     + f" | {m['trajectories_per_s']['median']:.0f} | {_minutes(m['command_wall_s']['median'])} |")
+        load = ", ".join(f"{r['loadavg']['start'][0]:.1f}" for r in d["extra"]["runs"] if r.get("loadavg"))
+        lines.append(f"| {_setting(d)} | " + " | ".join(cells) + f" | {load or '-'} |")
     colocated = [d for d in docs if _setting(d).startswith("colocated")]
     verdicts = []
     for split in (d for d in docs if not _setting(d).startswith("colocated")):
@@ -264,7 +264,9 @@ def render_placements_table(results: list[tuple[str, dict]]) -> str:
         verdicts.append(f"{'inside' if inside else 'outside'} the spread of split {_setting(split).split(', ')[1]} "
                         f"({_pct(lo)} to {_pct(hi)})")
     n = sorted({v for d in docs for r in d["extra"]["runs"] for v in r["eval_n"].values() if v})
-    lines += ["", f"Colocated held-out EM after RL: {'; '.join(verdicts)}. Measured by `sonar bench default-run` with "
+    lines += ["", f"Colocated held-out EM after RL: {'; '.join(verdicts)}. Throughput is not compared here: the settings "
+                  "ran one after another on a machine shared with other work (the load column). Measured by "
+                  "`sonar bench default-run` with "
                   f"each setting's overrides, one process per seed, on commit {docs[0]['commit'][:10]} "
                   f"({docs[0]['timestamp'][:10]}); held-out: {', '.join(map(str, n))} questions.", PLACEMENTS_END]
     return "\n".join(lines)

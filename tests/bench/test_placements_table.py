@@ -4,8 +4,8 @@ from sonar.bench.default_run import render_placements_table
 
 
 def _doc(placement, mode, ems, overrides=True):
-    runs = [{"seed": s, "em_before_search": 0.8, "em_after_search": e, "eval_n": {"after_search": 375}}
-            for s, e in enumerate(ems)]
+    runs = [{"seed": s, "em_before_search": 0.8, "em_after_search": e, "eval_n": {"after_search": 375},
+             "loadavg": {"start": [2.5 + s, 1.0, 1.0]}} for s, e in enumerate(ems)]
     over = [f"cluster.placement={placement}", f"cluster.mode={mode}"] if overrides else []
     return {"config": {"overrides": over, "resolved": {"cluster": {"placement": placement, "mode": mode}}},
             "extra": {"runs": runs}, "commit": "0123456789abcdef", "timestamp": "2026-12-06T10:00:00",
@@ -18,7 +18,7 @@ def test_rows_per_setting_and_the_spread_verdict():
                                    ("a.json", _doc("split", "async", [0.92, 0.95], overrides=False))])
     assert out.startswith("<!-- default-run placements table: bench/results/c.json, bench/results/s.json, "
                           "bench/results/a.json")
-    assert "| colocated, sync | 80.0 % → **91.0 %** | 80.0 % → **93.0 %** | 150 |" in out
+    assert "| colocated, sync | 80.0 % → **91.0 %** | 80.0 % → **93.0 %** | 2.5, 3.5 |" in out
     assert "| split, async |" in out  # the preset's own setting, read from the resolved config
     assert "inside the spread of split sync (90.0 % to 94.0 %)" in out
     assert "outside the spread of split async (92.0 % to 95.0 %)" in out  # 91.0 % < 92.0 %
