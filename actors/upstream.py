@@ -26,7 +26,8 @@ R1-Searcher (``RUCAIBox/R1-Searcher@631167c``, ``OpenRLHF-RAG/openrlhf/trainer/p
     re-tokenised by the engine. Sonar never re-tokenises (token in, token out): a turn keeps the ids it
     sampled, a blank before ``<|end_of_query|>`` included; only the newlines a merged stop token (``|>\n\n``)
     already wrote are left out of the next block (``prompts.render_documents``' ``lead``), so the text
-    differs from upstream's by the stripped whitespace alone.
+    differs from upstream's by the stripped whitespace, and by any other text a stop token carries past
+    the tag (``>.`` keeps its ``.``, which upstream cuts away).
 
 R1-Searcher's evaluation (``evaluation/eval_search_loacl.py``; ``protocol.prompt=r1_searcher_eval`` with
 ``rules=upstream``: :func:`parse_turn_r1_searcher_eval`)
@@ -50,7 +51,8 @@ Search-R1 (``PeterGriffinJin/Search-R1@a14dc3a``, ``search_r1/llm_agent/generati
     ``<answer> a </answer> <search> q </search>`` keeps its search text (the action is still the answer).
     Sonar never re-tokenises: the ids are the sampled ones up to the token that completes the tag; when
     that token carries text past the tag (``>\n\n``), the block that follows is rendered without the part
-    it would repeat (``prompts.render_documents``' / ``render_invalid``'s ``lead``), so the text is upstream's.
+    it would repeat (``prompts.render_documents``' / ``render_invalid``'s ``lead``), so the text is upstream's
+    (text that is not the start of the block, ``>.``'s ``.``, stays: upstream cuts it away).
   * The action is the *first* match of ``<(search|answer)>(.*?)</\\1>`` (non-greedy, across lines) in the
     cut turn, stripped (lines 422-429): the block that opens first *and* closes within the cut. Tags
     inside that block are its content (``<search> q <answer> a </answer> </search>`` searches
