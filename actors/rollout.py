@@ -224,7 +224,8 @@ def _accepts_caps(engine: Engine) -> bool:
     return "max_new_tokens_per_prompt" in ps or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps.values())
 
 
-def _stops(tokenizer, tags: TagSet, rules: str = "sonar", tools=(), prompt: str = "") -> tuple[tuple[int, ...], tuple[str, ...]]:
+def _stops(tokenizer, tags: TagSet, rules: str = "sonar", tools=(),
+           prompt: str = "") -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Generation stops on the closing tags of ``protocol.rules`` (``upstream.stop_tags``: the query's and
     the answer's, or only the query's for R1-Searcher's own rules; their ids when they are special
     tokens, their strings when plain text: ``prompts.stop_plan``), on each other tool's closing tag

@@ -102,11 +102,12 @@ def turn_parser(tags: TagSet, rules: str, prompt: str = ""):
 def stop_tags(tags: TagSet, rules: str, prompt: str = "") -> tuple[str, ...]:
     """The closing tags a turn stops at: both (query and answer) under Sonar's rules and under R1-Searcher's
     evaluation script (``eval_search_loacl.py:172``: ``<|end_of_query|>`` and ``</answer>``, beside the
-    EOS strings); only the query's under every paper's own training rules. R1-Searcher's one stop string is ``<|end_of_query|>``; Search-R1's
-    and RAG-R1's engines stop at none (EOS or the turn's token limit), and everything after the first
-    ``</search>`` is cut away, so stopping there is the same; stopping at ``</answer>`` is not (a later
-    ``</search>`` moves the cut: ``<search> q <answer> a </answer> </search>`` is a search), so the
-    turn generates on and :func:`answer_cut` cuts it afterwards."""
+    EOS strings); only the query's under every paper's own training rules. R1-Searcher's one stop string
+    is ``<|end_of_query|>``; Search-R1's and RAG-R1's engines stop at none (EOS or the turn's token
+    limit), and everything after the first ``</search>`` is cut away, so stopping there is the same;
+    stopping at ``</answer>`` is not (a later ``</search>`` moves the cut: ``<search> q <answer> a
+    </answer> </search>`` is a search), so the turn generates on and :func:`answer_cut` cuts it
+    afterwards."""
     if rules == "upstream" and not reads_r1_searcher_eval(tags, rules, prompt):
         return (tags.query_close,)
     return tuple(dict.fromkeys((tags.query_close, tags.answer_close)))

@@ -345,8 +345,8 @@ def _pad_column(x: Tensor) -> Tensor:
     return torch.cat([x, torch.zeros_like(x[:, :1])], dim=1)
 
 
-def _with_terminal_states(values: Tensor | None, old: Tensor, returns: Tensor, mask: Tensor, terminal_old: Tensor | None,
-                          lengths: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _with_terminal_states(values: Tensor | None, old: Tensor, returns: Tensor, mask: Tensor,
+                          terminal_old: Tensor | None, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The value loss's grid, [b, t]: ``values`` (every state, [b, t]) beside V_old, the returns and the mask
     ([b, t-1], padded by one column), with each row's terminal state (column length - 1) added where
     ``terminal_old`` is finite: V_old there, return 0, mask 1."""

@@ -394,7 +394,8 @@ class MergingTokenizer:
 
 @pytest.mark.parametrize("tags,style,turn,block_start", [
     (SR, "search_r1", "<search> capital france</search>\n\nSo[EOS]", "\n\n<information>"),
-    (R1, "r1_searcher_base", f"<think> capital france{QO} capital france{QC}\n\nSo[EOS]", "\n\n<|begin_of_documents|>\n"),
+    (R1, "r1_searcher_base", f"<think> capital france{QO} capital france{QC}\n\nSo[EOS]",
+     "\n\n<|begin_of_documents|>\n"),
 ])
 def test_upstream_text_after_a_merged_stop_token_reads_as_upstreams(tags, style, turn, block_start):
     """The stop token ">\\n\\n" completes </search> (<|end_of_query|>) and carries the newlines. Upstream cuts
