@@ -25,7 +25,8 @@ Checks 1-7 import no Sonar module that needs Ray, DeepSpeed or MLflow: Sonar's w
    state against the trunk's last hidden state only (the learner's path): peak memory of each.
 8. ``colocated_handover``: colocated placement's hand-over (``cluster/wire/handover.py``, ``cuda_ipc``): a
    0.5B bf16 state pushed by Sonar's bucketed push into a second process on the same GPU through one CUDA
-   IPC segment (no NCCL): GB/s, checksums, the sender's memory beside the weights (one bucket).
+   IPC segment (no NCCL): GB/s, checksums, the sender's memory beside the weights against the plan (the
+   push's two stream buffers and a segment of the largest bucket).
 9. ``zero2_rl_step``: one ZeRO-2 bf16 ``rl_step`` of Sonar's learner on a random Qwen2.5-1.5B at 32k tokens:
    peak memory against the memory plan (``cluster/wire/memory.py``); then DeepSpeed's ``offload_states`` as
    ``learner.offload_while_generating`` calls it (memory freed against 12 bytes per parameter, and back). Needs DeepSpeed and omegaconf, which the
@@ -475,8 +476,9 @@ def _handover_receiver(port, name, n_pushes, device, specs, timeout_s, q_out):
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-    pg = H.HandoverCollective(dist.PrefixStore(name, store), 1, 2, name, torch.device(device))
-    grp = W.BroadcastGroup.over(pg, 1, 2, device, timeout_s)
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    pg = H.HandoverCollective(dist.PrefixStore(name, store), 1, 2, name, dev)
+    grp = W.BroadcastGroup.over(pg, 1, 2, dev, timeout_s)
     buckets = W.plan_buckets([W.TensorSpec(n, tuple(sh), getattr(torch, d)) for n, sh, d in specs])
     mine = {n: torch.empty(tuple(sh), dtype=getattr(torch, d), device=device) for n, sh, d in specs}
     for _ in range(n_pushes):
@@ -510,8 +512,11 @@ def check_colocated_handover(torch, args) -> dict:
     proc = ctx.Process(target=_handover_receiver, args=(store.port, name, args.repeats + 1, DEVICE, wire,
                                                         args.group_timeout_s, q_out), daemon=True)
     proc.start()
-    pg = H.HandoverCollective(dist.PrefixStore(name, store), 0, 2, name, torch.device(DEVICE))
-    grp = W.BroadcastGroup.over(pg, 0, 2, DEVICE, args.group_timeout_s)
+    # the device with its index, as BroadcastGroup itself resolves it: a parameter on cuda:0 is sent in place
+    # only if it is on the group's device (torch.device("cuda") != torch.device("cuda", 0))
+    dev = torch.device("cuda", torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
+    pg = H.HandoverCollective(dist.PrefixStore(name, store), 0, 2, name, dev)
+    grp = W.BroadcastGroup.over(pg, 0, 2, dev, args.group_timeout_s)
     times, sums = [], []
     try:
         sync(torch)
@@ -532,15 +537,20 @@ def check_colocated_handover(torch, args) -> dict:
             proc.kill()
     best = min(times[1:])
     largest = max(b.nbytes for b in buckets) / 2**30
+    # what the sender holds beside the weights, as the memory plan counts it: the push's two stream buffers
+    # (multi-tensor buckets are flattened there first) and the IPC segment (one largest bucket)
+    planned = (W.send_buffer_bytes(buckets) + max(b.nbytes for b in buckets)) / 2**30
     equal = all(abs(g - want) <= 1e-9 * abs(want) for g in sums)
-    ok = equal and (peak_extra is None or peak_extra <= largest + 0.25)
+    ok = equal and (peak_extra is None or peak_extra <= planned + 0.05)
     gbps = sent / best / 1e9
     return {"status": "PASS" if ok else "FAIL", "bytes": sent, "gb_per_s": gbps, "push_s": times[1:],
             "first_push_s": times[0], "checksums_equal": equal, "sender_peak_extra_gib": peak_extra,
-            "largest_bucket_gib": largest, "backend": "cuda_ipc" if DEVICE == "cuda" else "shm",
+            "largest_bucket_gib": largest, "planned_extra_gib": planned,
+            "backend": "cuda_ipc" if DEVICE == "cuda" else "shm",
             "figure": f"{gbps:.1f} GB/s push into a second process on the device, checksums "
                       f"{'equal' if equal else 'DIFFER'}, sender +{peak_extra if peak_extra is None else round(peak_extra, 2)} "
-                      f"GiB (largest bucket {largest:.2f} GiB)"}
+                      f"GiB (planned {planned:.2f}: two stream buffers and a segment of the largest bucket, "
+                      f"{largest:.2f} GiB)"}
 
 
 # ------------------------------------------------------------------------------------------------ 8
