@@ -3,7 +3,9 @@
 A result under ``bench/results/`` (any folder but ``legacy/``) is a full run (not ``--quick``) written from
 a clean tree, by a commit of this history that holds the benchmark's script. What fails that lives in
 ``bench/results/legacy/``, which says why for each file, and only what fails it may live there. Every
-result path the READMEs quote exists. No Ray, no runs: JSON and git only.
+result path the READMEs quote exists. ``bench/results/gpu/`` holds ``bench/gpu_check.py``'s records from the
+device machine instead: each names a commit of this history, the GPU, torch, and a status per check. No Ray,
+no runs: JSON and git only.
 """
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ from sonar.bench.run import BENCHMARKS, find_module
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
 LEGACY = RESULTS / "legacy"
-CURRENT = sorted(p for p in RESULTS.rglob("*.json") if LEGACY not in p.parents)
+GPU = RESULTS / "gpu"
+"""``bench/gpu_check.py``'s records from the device machine: not ``sonar bench`` results (checked below)."""
+CURRENT = sorted(p for p in RESULTS.rglob("*.json") if LEGACY not in p.parents and GPU not in p.parents)
 OLD = sorted(LEGACY.glob("*.json"))
 
 
@@ -99,3 +103,12 @@ def test_every_result_the_readmes_quote_exists(doc_name):
     assert quoted, f"{doc_name} quotes no result"
     missing = sorted(q for q in quoted if not (REPO / q).is_file())
     assert not missing, f"{doc_name} quotes results that are not there: {missing}"
+
+
+@pytest.mark.parametrize("path", sorted(GPU.glob("*.json")), ids=lambda p: p.name)
+def test_a_gpu_check_record_names_its_commit_device_and_every_check(path):
+    doc = json.loads(path.read_text())
+    assert doc["script"] == "bench/gpu_check.py" and doc["device"] == "cuda" and doc["gpu"] and doc["torch"]
+    assert doc["checks"] and all(c["status"] in ("PASS", "FAIL", "SKIP") for c in doc["checks"].values())
+    if _history():
+        assert _git("cat-file", "-e", f"{doc['commit']}^{{commit}}").returncode == 0, doc["commit"]
