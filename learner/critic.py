@@ -322,10 +322,9 @@ class Critic:
 
 def trains_terminal_value(cfg: CriticConfig) -> bool:
     """Whether the critic also trains V of the state after each response's last token toward 0, as RAG-R1's
-    veRL fork does (``terminal_rows``): ``critic.terminal_value`` where the config has that field (None:
-    as below), else exactly when ``critic.tokens='response'`` (the fork's masks)."""
-    flag = getattr(cfg, "terminal_value", None)
-    return cfg.tokens == "response" if flag is None else bool(flag)
+    veRL fork does (``terminal_rows``): ``critic.terminal_value``, or where it is None exactly when
+    ``critic.tokens='response'`` (the fork's masks)."""
+    return cfg.tokens == "response" if cfg.terminal_value is None else bool(cfg.terminal_value)
 
 
 def terminal_rows(batch: Batch) -> Tensor:

@@ -582,6 +582,10 @@ class CriticConfig:
     as RAG-R1's veRL fork does (``compute_advantage``: ``response_mask = attention_mask[:,
     -response_length:]``, whitened by ``masked_whiten`` over it; the critic's loss over the same mask).
     The policy loss is over the model's tokens either way."""
+    terminal_value: Optional[bool] = None
+    """Train V of the state after each response's last token toward its return 0, as RAG-R1's veRL fork does
+    (values and value loss under ``attention_mask[:, -R-1:-1]``, for every response shorter than the batch's
+    longest; ``learner/critic.py``: ``trains_terminal_value``). None: on exactly with ``critic.tokens='response'``."""
 
 
 @dataclass(frozen=True)
