@@ -260,9 +260,16 @@ def render_placements_table(results: list[tuple[str, dict]]) -> str:
     for split in (d for d in docs if not _setting(d).startswith("colocated")):
         lo = min(r["em_after_search"] for r in split["extra"]["runs"])
         hi = max(r["em_after_search"] for r in split["extra"]["runs"])
-        inside = all(lo <= r["em_after_search"] <= hi for c in colocated for r in c["extra"]["runs"])
-        verdicts.append(f"{'inside' if inside else 'outside'} the spread of split {_setting(split).split(', ')[1]} "
-                        f"({_pct(lo)} to {_pct(hi)})")
+        ems = [r["em_after_search"] for c in colocated for r in c["extra"]["runs"]]
+        where = ("inside" if all(lo <= e <= hi for e in ems) else
+                 "at or above" if all(e >= lo for e in ems) else "at or below" if all(e <= hi for e in ems) else
+                 "across")
+        verdicts.append(f"{where} the spread of split {_setting(split).split(', ')[1]} ({_pct(lo)} to {_pct(hi)})")
+    n_q = max((r["eval_n"].get("after_search", 0) for d in docs for r in d["extra"]["runs"]), default=0)
+    if n_q:  # the binomial standard error of one seed's EM at the split's level, for scale
+        p_hat = sum(r["em_after_search"] for d in docs for r in d["extra"]["runs"]) / sum(len(d["extra"]["runs"]) for d in docs)
+        verdicts.append(f"one seed's EM has a binomial standard error of {100 * (p_hat * (1 - p_hat) / n_q) ** 0.5:.1f} pt "
+                        f"at {n_q} questions")
     n = sorted({v for d in docs for r in d["extra"]["runs"] for v in r["eval_n"].values() if v})
     lines += ["", f"Colocated held-out EM after RL: {'; '.join(verdicts)}. Throughput is not compared here: the settings "
                   "ran one after another on a machine shared with other work (the load column). Measured by "
