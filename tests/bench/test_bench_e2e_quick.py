@@ -127,7 +127,11 @@ def test_end_to_end_quick(tmp_path, shared_ray):
     # steps' wall times fit inside the RL loop's own clock (the rollout view sums lanes and may not).
     parts = [k for k in m if k.startswith("rl/critical/") and k not in ("rl/critical/wall_s",
                                                                          "rl/critical/parts_over_wall")]
-    assert len(parts) == 9 and all(m[k]["median"] >= -1e-9 for k in parts if not k.endswith("other_s"))
+    from sonar.cluster.driver.critical_path import CRITICAL_PARTS
+
+    assert len(parts) == len(CRITICAL_PARTS) and all(m[k]["median"] >= -1e-9 for k in parts
+                                                     if not k.endswith("other_s"))
+    assert m["rl/critical/switch_s"]["median"] == 0.0  # split placement: no phase switch
     assert sum(m[k]["median"] for k in parts) == pytest.approx(m["rl/critical/wall_s"]["median"], rel=1e-6)
     assert m["rl/critical/wall_s"]["median"] * m["rl/steps"]["median"] <= m["rl/loop_seconds"]["median"] + 1e-6
     assert m["rl/critical/compute_s"]["median"] > 0
