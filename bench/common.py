@@ -471,7 +471,9 @@ def block_result(text: str, begin: str) -> str | None:
     return m.group(1) if m else None
 
 
-READMES = ("README.md", "bench/README.md")
+DOCS = ("README.md", "cluster/README.md", "actors/README.md", "retrieval/README.md", "tests/README.md")
+"""The user documents: the top-level README.md and each room's own (bench/README.md is the benchmarks')."""
+READMES = ("README.md", "cluster/README.md", "bench/README.md")
 """The documents whose results blocks ``sonar bench readme`` renders from the JSON each block names."""
 
 

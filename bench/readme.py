@@ -1,4 +1,4 @@
-"""``sonar bench readme``: every results table of README.md and bench/README.md, rendered from the JSON it names.
+"""``sonar bench readme``: every results table of README.md, cluster/README.md and bench/README.md, rendered from the JSON it names.
 
 Question (issue 24: the READMEs' results tables are regenerated from the JSONs by a script, so they cannot
 drift): none; this runs nothing. A results block in a document opens with

@@ -1,4 +1,4 @@
-"""Every command and path README.md names is real (issue 25: documents that match the code, kept so).
+"""Every command and path README.md (and each room's README it links) names is real (issue 25: documents that match the code, kept so).
 
 - each ``sonar ...`` / ``python -m sonar ...`` command, in a code block or an inline code span, names a
   verb that exists (``sonar config <what>``, ``sonar bench <NAME>`` included) and only options that
@@ -20,7 +20,9 @@ import pytest
 from tests.cluster.test_cli_verbs import _bench_parser
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+from sonar.bench.common import DOCS  # noqa: E402  (the top-level README and each room's own)
+
+README = "\n\n".join((ROOT / d).read_text() for d in DOCS)
 TOP_FOLDERS = ("actors", "learner", "retrieval", "cluster", "configs", "tests", "bench", ".ci")
 
 
@@ -163,3 +165,11 @@ def test_the_extraction_sees_blocks_spans_and_alternatives():
     assert _commands("run `python -m cluster train` or `python bench/gpu_check.py --out x`") == [
         "python -m cluster train", "python bench/gpu_check.py --out x"]
     assert not runnable("cluster") and runnable("sonar") and runnable("json.tool")
+
+
+def test_the_readme_stays_short_and_links_every_rooms_readme():
+    """The top-level README teaches in under 3,000 words and points to each room's README for the detail."""
+    top = (ROOT / "README.md").read_text()
+    assert len(top.split()) < 3000, f"README.md has {len(top.split())} words: move detail to a room's README"
+    for doc in [*DOCS[1:], "bench/README.md"]:
+        assert f"]({doc})" in top, f"README.md does not link {doc}"

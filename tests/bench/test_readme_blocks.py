@@ -329,7 +329,9 @@ def test_sonar_bench_readme_checks_and_rewrites_the_blocks(tmp_path, capsys):
     roles = {"driver": {"rss_mb_after_warmup": 798.4, "rss_mb_end": 800.3, "slope_mb_per_min": 0.46}}
     (tmp_path / "bench" / "results" / "s.json").write_text(json.dumps(_result("soak", {}, {}, {"roles": roles})))
     stale = "intro\n<!-- soak table: bench/results/s.json (old) -->\n| role | 1 |\n<!-- /soak table -->\nafter\n"
-    (tmp_path / "README.md").write_text("no blocks\n")
+    for doc in common.READMES:  # every document the command reads; only bench/README.md has a block here
+        (tmp_path / doc).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / doc).write_text("no blocks\n")
     (tmp_path / "bench" / "README.md").write_text(stale)
     assert readme.main(["--check", "--root", str(tmp_path)]) == 1
     assert "bench/README.md: soak" in capsys.readouterr().err

@@ -231,7 +231,7 @@ def test_split_placement_is_planned_as_before():
 def test_the_readme_colocated_table_is_the_generated_one():
     from sonar.cluster.wire import memory_table
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "cluster" / "README.md").read_text()
     begin, end = "<!-- memory-table-colocated:begin -->\n", "<!-- memory-table-colocated:end -->"
     assert begin in readme and end in readme, "README.md lost its colocated memory-table markers"
     shown = readme.split(begin, 1)[1].split(end, 1)[0].strip()

@@ -408,7 +408,7 @@ def test_train_logs_the_plan_before_it_starts(monkeypatch, caplog):
 def test_the_readme_table_is_the_generated_one():
     from sonar.cluster.wire import memory_table
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "cluster" / "README.md").read_text()
     begin, end = "<!-- memory-table:begin -->\n", "<!-- memory-table:end -->"
     assert begin in readme and end in readme, "README.md lost its memory-table markers"
     shown = readme.split(begin, 1)[1].split(end, 1)[0].strip()

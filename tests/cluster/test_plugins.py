@@ -183,7 +183,7 @@ def test_the_readme_example_loads_and_names_the_fixture_plugins(tmp_path, monkey
     import re
 
     root = Path(__file__).resolve().parents[2]
-    text = (root / "README.md").read_text()
+    text = (root / "actors" / "README.md").read_text()
     block = re.search(r"<!-- plugins-example:begin -->\n```yaml\n(.*?)```\n<!-- plugins-example:end -->", text, re.S)
     assert block, "README has no plugins-example block"
     (tmp_path / "my_experiment.yaml").write_text(block.group(1))

@@ -146,7 +146,7 @@ def test_readme_recipe_tables_are_what_sonar_config_recipes_prints(capsys):
 
     assert main(["config", "recipes"]) == 0
     printed = capsys.readouterr().out
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "actors" / "README.md").read_text()
     assert text.count(BEGIN) == 1 and text.count(END) == 1
     block = text.split(BEGIN)[1].split(END)[0].strip("\n")
     assert block == printed.strip("\n"), "README's recipe tables are stale: paste `sonar config recipes`"
