@@ -1163,12 +1163,12 @@ def _check_memory(cfg: Config) -> None:
     CLI says the plan was not checked)."""
     if not (cfg.learner.num_gpus > 0 or cfg.rollout.num_gpus_per_worker > 0):
         return
-    from sonar.cluster.wire.memory import MemoryPlanError, plan_for
+    from sonar.cluster.wire.memory import MemoryPlanError, plan_for, sync_floor_of
 
     plan, _ = plan_for(cfg)
     if plan is not None and not plan.fits:
         raise MemoryPlanError(plan)  # a ValueError: the refusal with its figures; ``.plan`` the whole plan
-    floor = sync_floor(cfg, plan)
+    floor = sync_floor_of(cfg, plan.shape) if plan is not None else None
     if floor is not None and cfg.cluster.step_timeout_s < floor.seconds:
         raise ValueError(
             f"cluster.step_timeout_s={cfg.cluster.step_timeout_s:g} bounds a whole sync batch (cluster.mode='sync'), "
@@ -1176,16 +1176,6 @@ def _check_memory(cfg: Config) -> None:
             "(cluster/wire/deadlines.py); raise cluster.step_timeout_s, or bound the batch (protocol.max_turns, "
             "protocol.max_new_tokens_per_turn, learner.groups_per_step, rollout.num_workers)")
 
-
-def sync_floor(cfg: Config, plan) -> Optional["SyncFloor"]:  # noqa: F821 - deadlines.SyncFloor
-    """The sync batch's decode-time floor (``cluster/wire/deadlines.py``) for a sync run on vLLM GPUs whose
-    model shape the memory ``plan`` read; None otherwise."""
-    r = cfg.rollout
-    if plan is None or cfg.cluster.mode != "sync" or r.engine != "vllm" or r.num_gpus_per_worker <= 0:
-        return None
-    from sonar.cluster.wire.memory import sync_floor_of
-
-    return sync_floor_of(cfg, plan.shape)
 
 
 PLUGIN_FIELDS = {"retrieval.backend": "retriever", "reward.name": "reward", "format": "dataset", "tools": "tool"}

@@ -1005,7 +1005,11 @@ def plan_for(cfg: Config, environ: Optional[Mapping[str, str]] = None) -> tuple[
 
 
 def sync_floor_of(cfg: Config, s: ModelShape):
-    """``deadlines.sync_batch_floor`` for this model: its weights and KV bytes per token in the engine's dtype."""
+    """``deadlines.sync_batch_floor`` for this model (its weights and KV bytes per token in the engine's
+    dtype) where ``cluster.step_timeout_s`` bounds a whole batch: sync mode on vLLM GPUs; else None."""
+    r = cfg.rollout
+    if cfg.cluster.mode != "sync" or r.engine != "vllm" or r.num_gpus_per_worker <= 0:
+        return None
     from sonar.cluster.wire.deadlines import sync_batch_floor
 
     e = _DTYPE_BYTES[engine_dtype(cfg)]
@@ -1017,9 +1021,8 @@ def describe(cfg: Config, environ: Optional[Mapping[str, str]] = None) -> str:
     p, why = plan_for(cfg, environ)
     if p is None:
         return why or ""
-    r = cfg.rollout
-    if cfg.cluster.mode == "sync" and r.engine == "vllm" and r.num_gpus_per_worker > 0:
-        floor = sync_floor_of(cfg, p.shape)
+    floor = sync_floor_of(cfg, p.shape)
+    if floor is not None:
         return (p.format() + f"\nsync batch deadline: cluster.step_timeout_s={cfg.cluster.step_timeout_s:g} s against "
                 f"a floor of {floor.text()} (cluster/wire/deadlines.py)")
     return p.format()
