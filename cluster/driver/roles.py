@@ -23,7 +23,7 @@ from sonar.cluster.driver.rollout_pool import RolloutPool, node_of
 from sonar.cluster.driver.run import Run, world_of
 from sonar.cluster.wire.startup import startup_without_gc
 from sonar.cluster.wire import metrics as K
-from sonar.cluster.wire.config import Config, inflight_budget, to_yaml
+from sonar.cluster.wire.config import Config, inflight_budget, to_yaml, worker_capacity
 from sonar.cluster.wire.resolved import colocated_on_gpu
 
 log = logging.getLogger("sonar")
@@ -213,7 +213,8 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
     budget = inflight_budget(cfg)  # 0: no admission control, so no version-aware slots either
     replay = ray.remote(num_cpus=0)(ReplayQueue).options(max_concurrency=1000).remote(
         cfg.replay.capacity_groups, cfg.replay.max_policy_lag, cfg.replay.stale_policy, num_train, cfg.run.seed,
-        budget, cfg.learner.groups_per_step if budget else 0)
+        budget, cfg.learner.groups_per_step if budget else 0, worker_capacity(cfg),
+        bool(budget) and cfg.replay.just_in_time)
     with startup_phase("learner and rollout workers"):
         learner, learner_pg = start_learner(cfg, policy, role_resources(cfg, "learner"))
         if colocated_on_gpu(cfg):

@@ -671,7 +671,14 @@ class ReplayConfig:
     rollout.groups_per_request (AReaL's staleness-aware admission); 0: unlimited (only capacity_groups
     and the lag drop bound). Sync mode is never gated: its batch is the step. With a budget, a claim
     also names the policy version the worker holds and must fit in the groups the learner takes while
-    that version is fresh (cluster/wire/replay.py, version-aware admission)."""
+    that version is fresh (cluster/wire/replay.py, version-aware admission). With a budget, a worker also
+    holds at most the groups its engine decodes at once (``worker_capacity``) and the least-loaded waiting
+    worker claims first."""
+    just_in_time: bool = True
+    """Async runs with a budget: when the learner is the bottleneck, a claim waits until its group would
+    be done no earlier than the learner's take before the one that trains it (measured generation time
+    and take interval, cluster/wire/replay.py), instead of filling the pipeline to the staleness bound
+    with groups that would only age in the queue. A rollout-bound run is not held back."""
 
 
 @dataclass(frozen=True)
@@ -1015,6 +1022,17 @@ def inflight_budget(cfg: "Config") -> int:
     if b == -1:  # never below one request, or every request would have to run alone
         return max((cfg.replay.max_policy_lag + 1) * cfg.learner.groups_per_step, cfg.rollout.groups_per_request)
     return b
+
+
+def worker_capacity(cfg: "Config") -> int:
+    """Groups one rollout worker may hold claimed at once under an admission budget (0: no bound): what an
+    engine that batches concurrent calls decodes together, ``rollout.max_batch_rows // rollout.group_size``
+    (at least 1). A static engine runs one lane's request at a time, and its lanes
+    (``rollout.batches_in_flight`` x ``rollout.groups_per_request``) already bound it."""
+    r = cfg.rollout
+    if not inflight_budget(cfg) or not (r.continuous_batching or r.engine == "vllm"):
+        return 0
+    return max(1, r.max_batch_rows // r.group_size)
 
 
 def schema_fields(cls: Optional[type] = None, prefix: str = ""):

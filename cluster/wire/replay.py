@@ -34,6 +34,28 @@ times many go stale (measured: ~30 % of generated trajectories at L = 1 and 2, s
 costs). Hand-out is oldest policy version first (FIFO among equals), so a late group is trained
 while it is still fresh instead of behind newer ones.
 
+Scheduling (async runs with a budget; every decision here is pure, so ``bench/sim/scheduler_sim.py``
+drives this same code with simulated engines and learner):
+
+- *Engine capacity.* A worker may hold at most ``worker_capacity`` claimed groups (the groups its engine
+  decodes at once: ``rollout.max_batch_rows // rollout.group_size``; AReaL's ``max_concurrent_rollouts``
+  per engine). More would only queue inside that engine while another idles.
+- *Least loaded first.* While several workers wait for room, a claim is granted to the one holding the
+  fewest claimed groups (veRL's ``AsyncLLMServerManager`` sends each request to the least-loaded
+  server): claims balance over the engines instead of racing (a race split one run's 32 trajectories
+  [32, 0, 0, 0]).
+- *Just in time* (``replay.just_in_time``). When the learner is the bottleneck, filling the pipeline to
+  the staleness bound buys nothing: the groups only age in the queue. With ``gen_s`` (measured seconds
+  from a claim to its group's put) and ``take_s`` (measured seconds between the learner's takes), a claim
+  whose last group sits at pipeline position ``p`` (groups claimed or queued before it, plus its own) is
+  taken at the ``k = ceil(p / B)``-th take from the last one, so it waits until
+
+      now >= last_take + (k - 1) * take_s - gen_s
+
+  (it is done no earlier than the take before the one that trains it). In a rollout-bound run every
+  position up to the engines' capacity passes at once (Little's law: positions <= gen_s / take_s * B),
+  so it throttles only the learner-bound side. Before the first measured take it admits as before.
+
 Prompts: workers claim prompt indices from a seeded epoch permutation. A claim is released when its
 group is put; the claims of a dead worker are requeued at the front, so no prompt is lost. A put is
 accepted only against an outstanding claim (one claim admits one group), so a put that outlived its
@@ -42,6 +64,7 @@ dead worker cannot train a requeued prompt a second time.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -114,15 +137,64 @@ class PromptCursor:
         self._perm = self._permutation(self.epoch)
 
 
+class JustInTime:
+    """Estimates behind just-in-time admission (module doc): exponentially weighted means of the seconds
+    from a claim to its group's put (``gen_s``) and of the seconds between the learner's whole-batch takes
+    (``take_s``), and the time of the last take. Pure: the caller passes every clock reading (seconds,
+    any monotonic origin), so a simulator drives it on its own clock."""
+
+    ALPHA = 0.3
+    """Weight of the newest observation: about the last 3 takes count, so a change of regime (the learner
+    or the engines slowing down) is followed within a few steps."""
+
+    def __init__(self):
+        self.gen_s: float | None = None
+        self.take_s: float | None = None
+        self.last_take: float | None = None
+
+    def _mean(self, old: float | None, x: float) -> float:
+        return x if old is None else (1 - self.ALPHA) * old + self.ALPHA * x
+
+    def observe_put(self, seconds: float) -> None:
+        self.gen_s = self._mean(self.gen_s, max(0.0, seconds))
+
+    def observe_take(self, now: float) -> None:
+        if self.last_take is not None:
+            self.take_s = self._mean(self.take_s, max(0.0, now - self.last_take))
+        self.last_take = now
+
+    def reset_takes(self) -> None:
+        """A stage starts: the gap since the last stage's take (evaluation, a checkpoint) is no take interval."""
+        self.take_s, self.last_take = None, None
+
+    def earliest(self, position: int, per_take: int) -> float | None:
+        """When a claim whose last group sits at pipeline ``position`` (>= 1) should start, with the
+        learner taking ``per_take`` groups at a time; None before the estimates exist."""
+        if self.gen_s is None or self.take_s is None or self.last_take is None or per_take <= 0:
+            return None
+        k = math.ceil(max(1, position) / per_take)
+        return self.last_take + (k - 1) * self.take_s - self.gen_s
+
+
 class ReplayCore:
     def __init__(self, capacity_groups: int, max_policy_lag: int, stale_policy: str,
-                 num_prompts: int, seed: int, max_inflight_groups: int = 0, groups_per_step: int = 0):
+                 num_prompts: int, seed: int, max_inflight_groups: int = 0, groups_per_step: int = 0,
+                 worker_capacity: int = 0, just_in_time: bool = False):
         if max_inflight_groups < 0:
             raise ValueError(f"max_inflight_groups={max_inflight_groups} must be >= 0 (0: unlimited)")
         if groups_per_step < 0:
             raise ValueError(f"groups_per_step={groups_per_step} must be >= 0 (0: no version-aware admission)")
+        if worker_capacity < 0:
+            raise ValueError(f"worker_capacity={worker_capacity} must be >= 0 (0: no per-worker bound)")
+        if just_in_time and groups_per_step <= 0:
+            raise ValueError("just_in_time admission needs groups_per_step > 0 (the learner's take)")
         self.max_inflight = max_inflight_groups
         self.groups_per_step = groups_per_step
+        self.worker_capacity = worker_capacity
+        self.jit = JustInTime() if just_in_time else None
+        self.waiting: dict[int, int] = {}
+        """Claim calls waiting for room, per worker (``ReplayQueue.claim`` registers them): least loaded first."""
+        self._claimed_at: dict[tuple[int, int], float] = {}  # (worker, prompt) -> clock at its claim
         self.handed_at_version = 0
         """Groups handed to the learner at ``learner_version`` (its current step's batch so far)."""
         if stale_policy not in ("drop", "downweight"):
@@ -164,19 +236,49 @@ class ReplayCore:
             return None
         return (version + self.max_lag + 1 - self.learner_version) * self.groups_per_step - self.handed_at_version
 
-    def may_claim(self, n: int, version: int = -1) -> bool:
+    def load(self, worker_id: int) -> int:
+        """Groups ``worker_id`` has claimed and not yet put."""
+        return len(self.claims.get(worker_id, ()))
+
+    def _fits_worker(self, worker_id: int, n: int) -> bool:
+        """Within the worker's engine capacity, or the worker holds nothing (a request larger than the
+        capacity must still run alone, or it never would)."""
+        load = self.load(worker_id)
+        return self.worker_capacity == 0 or load == 0 or load + n <= self.worker_capacity
+
+    def defers(self, worker_id: int, n: int) -> bool:
+        """Another worker waits for room holding fewer claimed groups, and its claim fits its engine:
+        it goes first (least loaded first)."""
+        mine = self.load(worker_id)
+        return any(w != worker_id and k > 0 and self.load(w) < mine and self._fits_worker(w, n)
+                   for w, k in self.waiting.items())
+
+    def may_claim(self, n: int, version: int = -1, worker_id: int | None = None, now: float | None = None) -> bool:
         """Admission: within the budget and, for a claim that names its policy ``version``, within
         the groups the learner takes while that version is fresh; or the pipeline is empty (a
-        request larger than the budget must still run, or nothing ever would)."""
+        request larger than the budget must still run, or nothing ever would). A claim that names its
+        ``worker_id`` must also fit that worker's engine and yield to a less-loaded waiting worker; one
+        that passes the clock reading ``now`` waits for its just-in-time start (module doc)."""
         if self.max_inflight == 0:
             return True
+        if worker_id is not None and (not self._fits_worker(worker_id, n) or self.defers(worker_id, n)):
+            return False
         slots = self.fresh_slots(version)
         if slots is not None and slots <= 0:
             return False  # stale before any take: wait for newer weights (the next push brings them)
         inflight = self.inflight()
         if inflight == 0:
             return True
-        return inflight + n <= self.max_inflight and (slots is None or inflight + n <= slots)
+        if inflight + n > self.max_inflight or (slots is not None and inflight + n > slots):
+            return False
+        return self.jit_wait_s(n, now) <= 0
+
+    def jit_wait_s(self, n: int, now: float | None) -> float:
+        """Seconds until a claim of ``n`` groups may start just in time (0: now; module doc)."""
+        if self.jit is None or now is None:
+            return 0.0
+        t = self.jit.earliest(self.inflight() + n, self.groups_per_step)
+        return 0.0 if t is None else max(0.0, t - now)
 
     def version_blocked(self, n: int, version: int) -> bool:
         """Refused for the claim's policy version: only newer weights open the way, since a take
@@ -185,9 +287,12 @@ class ReplayCore:
         slots, inflight = self.fresh_slots(version), self.inflight()
         return slots is not None and (slots <= 0 or (inflight > 0 and inflight + n > slots))
 
-    def claim(self, worker_id: int, n: int) -> list[int]:
+    def claim(self, worker_id: int, n: int, now: float | None = None) -> list[int]:
         idx = self.cursor.take(n)
         self.claims.setdefault(worker_id, []).extend(idx)
+        if now is not None:
+            for i in idx:
+                self._claimed_at[(worker_id, i)] = now
         return idx
 
     def holds_claim(self, worker_id: int, prompt_index: int) -> bool:
@@ -197,6 +302,8 @@ class ReplayCore:
     def release_worker(self, worker_id: int) -> int:
         """Requeue every outstanding claim of a dead worker; returns how many."""
         lost = self.claims.pop(worker_id, [])
+        for i in lost:
+            self._claimed_at.pop((worker_id, i), None)
         self.cursor.requeue(lost)
         self.counts["requeued_prompts"] += len(lost)
         return len(lost)
@@ -205,6 +312,7 @@ class ReplayCore:
         claims = self.claims.get(worker_id, [])
         if prompt_index in claims:
             claims.remove(prompt_index)
+        self._claimed_at.pop((worker_id, prompt_index), None)
         self.cursor.requeue([prompt_index])
         self.counts["requeued_prompts"] += 1
 
@@ -212,10 +320,15 @@ class ReplayCore:
     def full(self) -> bool:
         return len(self.groups) >= self.capacity
 
-    def add(self, g: QueuedGroup) -> None:
+    def add(self, g: QueuedGroup, now: float | None = None) -> None:
+        """Queue a finished group, releasing its claim; ``now``: the clock reading, which times the
+        group's generation from its claim (just-in-time admission's ``gen_s``)."""
         claims = self.claims.get(g.worker_id, [])
         if g.prompt_index in claims:
             claims.remove(g.prompt_index)
+        t0 = self._claimed_at.pop((g.worker_id, g.prompt_index), None)
+        if self.jit is not None and now is not None and t0 is not None:
+            self.jit.observe_put(now - t0)
         self.groups.append(g)
         self.counts["produced"] += g.num_trajs
         self.counts["produced_groups"] += 1
@@ -246,11 +359,12 @@ class ReplayCore:
         return dropped
 
     def take(self, n_groups: int, learner_version: int,
-             whole: bool = False) -> tuple[list[tuple[bytes, int, int]], int]:
+             whole: bool = False, now: float | None = None) -> tuple[list[tuple[bytes, int, int]], int]:
         """Pop up to n fresh groups, oldest policy version first (FIFO among equals); stale ones are
         dropped and counted. Returns ([(payload, lag, prompt_index)], dropped trajectories); dropped
         prompts go to ``dropped_prompts``. ``whole``: all n or none (the stale dropped either way), so a
-        learner step trains exactly its configured batch, however long the groups take to arrive."""
+        learner step trains exactly its configured batch, however long the groups take to arrive.
+        ``now``: the clock reading; a whole batch handed out is a take just-in-time admission times."""
         self.advance(learner_version)
         out: list[tuple[bytes, int]] = []
         dropped = 0
@@ -273,6 +387,8 @@ class ReplayCore:
             self.counts["consumed_groups"] += 1
             self.handed_at_version += 1
             out.append((g.payload, lag, g.prompt_index))
+        if whole and out and self.jit is not None and now is not None:
+            self.jit.observe_take(now)
         return out, dropped
 
     def drain(self) -> int:
@@ -325,9 +441,10 @@ class ReplayQueue:
     """Async Ray actor around ReplayCore. Create with ``ray.remote(ReplayQueue)``."""
 
     def __init__(self, capacity_groups: int, max_policy_lag: int, stale_policy: str, num_prompts: int, seed: int,
-                 max_inflight_groups: int = 0, groups_per_step: int = 0):
+                 max_inflight_groups: int = 0, groups_per_step: int = 0, worker_capacity: int = 0,
+                 just_in_time: bool = False):
         self.core = ReplayCore(capacity_groups, max_policy_lag, stale_policy, num_prompts, seed, max_inflight_groups,
-                               groups_per_step)
+                               groups_per_step, worker_capacity, just_in_time)
         self._cond: asyncio.Condition | None = None
         self._closed = False
 
@@ -341,21 +458,31 @@ class ReplayQueue:
         queue is closed (the caller retries, so a stopping worker is never stuck in here).
         ``version``: the policy version the worker samples with (-1: unknown, flat budget only)."""
         cond = self._c()
+        core = self.core
         deadline = time.monotonic() + wait_s
         async with cond:
-            while not self.core.may_claim(n, version) and not self._closed:
-                if self.core.version_blocked(n, version):
-                    return []  # the worker asks again with the weights it holds then
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+            core.waiting[worker_id] = core.waiting.get(worker_id, 0) + 1  # least loaded first: others yield to it
+            try:
+                while not core.may_claim(n, version, worker_id, time.monotonic()) and not self._closed:
+                    if core.version_blocked(n, version):
+                        return []  # the worker asks again with the weights it holds then
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return []
+                    # A claim held back just in time wakes when its start comes, not only on a put or take.
+                    jit = core.jit_wait_s(n, time.monotonic())
+                    try:
+                        await asyncio.wait_for(cond.wait(), timeout=min(remaining, jit) if jit > 0 else remaining)
+                    except asyncio.TimeoutError:
+                        pass
+                if self._closed and not core.may_claim(n, version):
                     return []
-                try:
-                    await asyncio.wait_for(cond.wait(), timeout=remaining)
-                except asyncio.TimeoutError:
-                    pass
-            if self._closed and not self.core.may_claim(n, version):
-                return []
-            return self.core.claim(worker_id, n)
+                return core.claim(worker_id, n, time.monotonic())
+            finally:
+                core.waiting[worker_id] -= 1
+                if not core.waiting[worker_id]:
+                    del core.waiting[worker_id]
+                cond.notify_all()  # the loads changed (or this claim gave up): a waiting worker may now go first
 
     async def release_worker(self, worker_id: int) -> int:
         cond = self._c()
@@ -390,7 +517,7 @@ class ReplayQueue:
             if self._closed:
                 self.core.requeue_claim(worker_id, prompt_index)  # never silently lost
                 return False
-            self.core.add(QueuedGroup(payload, min_version, num_trajs, prompt_index, worker_id))
+            self.core.add(QueuedGroup(payload, min_version, num_trajs, prompt_index, worker_id), time.monotonic())
             cond.notify_all()
             return True
 
@@ -406,7 +533,7 @@ class ReplayQueue:
         dropped = 0
         async with cond:
             while True:
-                got, d = self.core.take(n_groups, learner_version, whole=True)
+                got, d = self.core.take(n_groups, learner_version, whole=True, now=time.monotonic())
                 dropped += d
                 if got or d:
                     cond.notify_all()  # room in the queue: a blocked put may go on
@@ -444,7 +571,10 @@ class ReplayQueue:
             return n
 
     async def reopen(self) -> None:
+        """A stage starts: accept claims and puts again; the take interval is measured afresh."""
         self._closed = False
+        if self.core.jit is not None:
+            self.core.jit.reset_takes()
 
     async def set_num_prompts(self, num_prompts: int) -> bool:
         """``ReplayCore.set_num_prompts``: the driver calls it before an RL stage (and before a resume)."""

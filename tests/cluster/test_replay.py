@@ -349,11 +349,11 @@ def _check_admission(core, budget: int, events: list):
     """Wrap core.claim: every admitted request fits the budget, or runs alone in an empty pipeline."""
     real = core.claim
 
-    def claim(worker_id, n):
+    def claim(worker_id, n, now=None):
         before = core.inflight()
         assert before + n <= budget or before == 0, (before, n, budget)
         events.append((before, n))
-        return real(worker_id, n)
+        return real(worker_id, n, now)
 
     core.claim = claim
 
@@ -617,3 +617,128 @@ def test_a_whole_take_hands_the_full_batch_or_nothing_and_drops_the_stale_either
     # the default (incremental) take still hands what there is
     core.add(group(core.claim(0, 1)[0], 2))
     assert len(core.take(3, learner_version=2)[0]) == 1
+
+
+# ---------------------------------------------------------------- scheduling (module doc "Scheduling")
+def _sched(capacity=0, jit=False, budget=100, B=4, lag=10):
+    return ReplayCore(capacity_groups=1000, max_policy_lag=lag, stale_policy="drop", num_prompts=1000, seed=0,
+                      max_inflight_groups=budget, groups_per_step=B, worker_capacity=capacity, just_in_time=jit)
+
+
+def test_a_worker_holds_at_most_its_engine_capacity_but_a_lone_oversized_request_runs():
+    core = _sched(capacity=3)
+    assert core.may_claim(2, worker_id=0)
+    core.claim(0, 2)
+    assert not core.may_claim(2, worker_id=0)  # 2 + 2 > 3: it would queue inside a full engine
+    assert core.may_claim(1, worker_id=0)
+    assert core.may_claim(2, worker_id=1)  # another engine has room
+    big = _sched(capacity=3)
+    assert big.may_claim(5, worker_id=0)  # holds nothing: a request larger than the engine still runs
+    core.add(group(core.claims[0][0], 0, worker=0))
+    assert core.load(0) == 1 and core.may_claim(2, worker_id=0)
+
+
+def test_least_loaded_waiting_worker_claims_first():
+    core = _sched(capacity=8)
+    core.claim(0, 3)
+    core.claim(1, 1)
+    core.waiting = {0: 1, 1: 1}
+    assert not core.may_claim(1, worker_id=0)  # worker 1 waits holding fewer: it goes first
+    assert core.may_claim(1, worker_id=1)
+    core.claim(1, 2)  # now 3 each: neither yields
+    assert core.may_claim(1, worker_id=0) and core.may_claim(1, worker_id=1)
+    core.waiting = {1: 1}
+    core.claim(1, 2)  # worker 1 holds 5 and waits; worker 0 (3) is not waiting: nobody to yield to
+    assert core.may_claim(1, worker_id=0)
+    full = _sched(capacity=3)
+    full.claim(0, 3)
+    full.claim(1, 2)
+    full.waiting = {0: 1, 1: 1}
+    assert full.may_claim(1, worker_id=1)  # worker 0 holds more
+    full.claim(2, 1)
+    full.waiting = {2: 1, 1: 1}
+    assert not full.may_claim(1, worker_id=1)  # worker 2 (1 group) fits: it goes first
+    assert not full.defers(2, 1)
+
+
+def test_least_loaded_ignores_a_waiter_whose_engine_is_full():
+    core = _sched(capacity=2)
+    core.claim(0, 2)  # full
+    core.claim(1, 2)
+    core.claim(1, 1)  # (a lone oversized history: 3 > 2) worker 1 holds more than 0
+    core.waiting = {0: 1, 1: 1}
+    # worker 0 holds fewer but cannot take 1 more (2 + 1 > 2): worker 1 is not made to wait for it
+    assert not core.defers(1, 1)
+
+
+def test_just_in_time_closed_form():
+    from sonar.cluster.wire.replay import JustInTime
+
+    j = JustInTime()
+    assert j.earliest(5, 4) is None  # no estimates yet: admit as before
+    j.observe_put(3.0)
+    j.observe_take(100.0)
+    assert j.earliest(5, 4) is None  # one take: no interval yet
+    j.observe_take(110.0)
+    assert j.take_s == 10.0 and j.gen_s == 3.0
+    # position p is trained at the ceil(p/B)-th take after the last: start gen_s before the take before it
+    assert j.earliest(4, 4) == 110.0 + 0 * 10.0 - 3.0
+    assert j.earliest(5, 4) == 110.0 + 1 * 10.0 - 3.0
+    assert j.earliest(12, 4) == 110.0 + 2 * 10.0 - 3.0
+    j.observe_take(130.0)  # interval 20: exponentially weighted with ALPHA
+    assert j.take_s == pytest.approx((1 - JustInTime.ALPHA) * 10.0 + JustInTime.ALPHA * 20.0)
+    j.reset_takes()
+    assert j.earliest(5, 4) is None
+
+
+def _take_batch(core, B, version, now):
+    for i, w in enumerate(list(core.claims)):
+        for p in list(core.claims[w]):
+            core.add(group(p, version, worker=w), now)
+    return core.take(B, version, whole=True, now=now)
+
+
+def test_just_in_time_holds_back_a_learner_bound_pipeline_and_not_a_rollout_bound_one():
+    B = 4
+    # Learner-bound: groups take 2 s to generate, the learner takes a batch every 10 s.
+    core = _sched(jit=True, B=B)
+    for t0 in (0.0, 10.0):
+        core.claim(0, B, now=t0 - 2.0)
+        out, _ = _take_batch(core, B, 0, now=t0)
+        assert len(out) == B
+    assert core.jit.take_s == 10.0 and core.jit.gen_s == 2.0
+    core.claim(0, B, now=10.0)  # the next batch (positions 1..4) is admitted at once
+    assert core.may_claim(B, now=10.5) is False  # positions 5..8: trained two takes on, start at 10 + 10 - 2
+    assert core.jit_wait_s(B, 10.5) == pytest.approx(7.5)
+    assert core.may_claim(B, now=18.0) is True
+    # Rollout-bound: groups take 10 s, the learner takes every 2 s (it waits for groups): positions up to
+    # gen_s / take_s * B = 20 groups start at once.
+    fast = _sched(jit=True, B=B)
+    fast.claim(0, B, now=-10.0)
+    _take_batch(fast, B, 0, now=0.0)
+    fast.claim(0, B, now=-8.0)
+    _take_batch(fast, B, 0, now=2.0)
+    assert fast.jit.take_s == 2.0 and fast.jit.gen_s == pytest.approx((1 - 0.3) * 10.0 + 0.3 * 10.0)
+    fast.claim(0, 16, now=2.0)
+    assert fast.jit_wait_s(4, 2.0) == 0 and fast.may_claim(4, now=2.0)  # position 20: 2 + 4 * 2 - 10 <= now
+    assert fast.jit_wait_s(12, 2.0) == pytest.approx(2.0)  # position 28: starts at 2 + 6 * 2 - 10 = 4, 2 s on
+
+
+def test_queue_grants_room_to_the_least_loaded_waiting_worker():
+    """Two workers wait on a full budget; the one that holds fewer groups gets the slot a take frees."""
+
+    async def scenario():
+        q = ReplayQueue(8, 100, "drop", 200, 0, max_inflight_groups=2)
+        held = await q.claim(0, 2)
+        assert await q.put(b"g", 0, 1, held[0], 0)  # worker 0: one group queued, one claimed (budget full)
+        w0 = asyncio.ensure_future(q.claim(0, 1, wait_s=60.0))
+        w1 = asyncio.ensure_future(q.claim(1, 1, wait_s=60.0))
+        await await_until(lambda: q.core.waiting == {0: 1, 1: 1}, what="both claims to wait")
+        got = await q.get(1, 0, timeout_s=5.0)  # frees one slot
+        assert len(got["groups"]) == 1
+        await await_until(w1.done, what="the less-loaded worker's claim")
+        assert len(w1.result()) == 1 and not w0.done()  # worker 0 (holding 1) still waits: budget full again
+        await q.close()
+        assert await w0 == []
+
+    asyncio.run(scenario())
