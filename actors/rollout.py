@@ -77,7 +77,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 
@@ -244,7 +244,9 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
                          parse_fn: Callable[[str, TagSet, int], Any] | None = None,
                          retrieval_timeout_s: float | None = None,
                          top_p: float = 1.0, per_trajectory: bool = False,
-                         tools: list | None = None) -> tuple[list[list[Trajectory]], RolloutStats]:
+                         tools: list | None = None,
+                         on_group: Callable[[int, list[Trajectory]], Awaitable[None]] | None = None,
+                         ) -> tuple[list[list[Trajectory]], RolloutStats]:
     """Roll out ``group_size`` trajectories per item; returns (groups in item order, stats).
 
     ``retriever``: any retriever of ``retrieval.base`` (a blocking ``batch_search`` runs in a thread,
@@ -267,6 +269,9 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
     a RETRIEVAL segment, recorded as a ``ToolCall``; each has its own budget. Row r's turn t then samples with its own seed
     (``row_seed(seed, r, t)``), since rows no longer share one call's generator. ``generate_s`` and
     ``retrieve_s`` are then summed over trajectories whose calls overlap: they can exceed ``wall_s``.
+    ``on_group(index, group)`` (per-trajectory only): awaited as soon as each group's last trajectory
+    ends, rewarded, so the caller hands that group on at once instead of holding it until the call's
+    slowest group ends (the replay's claim on it is released then); the groups are returned as well.
     """
     if group_size < 1:
         raise ValueError(f"group_size={group_size} must be >= 1")
@@ -291,8 +296,20 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
                  answer_cut(tags, proto.rules),
                  int(eos) if eos is not None and drops_eos(tags, proto.rules) else None)
     groups, states = _prepare(items, group_size, call, actor_id, stage)
+    handed: set[int] = set()  # groups already finished and given to on_group
     if per_trajectory:
-        await asyncio.gather(*(_run_trajectory(call, s, row) for row, s in enumerate(states) if not s.done))
+        async def run_group(gi: int) -> None:
+            rows = range(gi * group_size, (gi + 1) * group_size)  # _prepare lays groups out contiguously
+            await asyncio.gather(*(_run_trajectory(call, states[r], r) for r in rows if not states[r].done))
+            if on_group is not None:
+                for r in rows:
+                    _finish(call, states[r].traj, reward_fn)
+                handed.add(gi)
+                await on_group(gi, groups[gi])
+
+        await asyncio.gather(*(run_group(gi) for gi in range(len(groups))))
+    elif on_group is not None:
+        raise ValueError("on_group needs per_trajectory=True (lockstep turns end every group together)")
     turn = 0
     while active := [s for s in states if not s.done]:
         gens, caps = await _generate(call, active, turn)
@@ -302,8 +319,9 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
         if tooling:
             await _tools_and_inject(call, tooling, turn)
         turn += 1
-    for s in states:
-        _finish(call, s.traj, reward_fn)
+    for row, s in enumerate(states):
+        if row // group_size not in handed:
+            _finish(call, s.traj, reward_fn)
     call.stats.trajectories = len(states)
     call.stats.wall_s = time.perf_counter() - t_start
     return groups, call.stats

@@ -427,18 +427,29 @@ async def _aproduce(w: "RolloutWorker", replay, stage_index: int, stage: StageCo
         await asyncio.sleep(0.05)  # a closed queue answers at once: do not spin on it
         return
     items = [w._prompt_item(i, stage) for i in idx]
-    groups, rstats = await _arollout(w, items, stage_index, stage, w.cfg.rollout.temperature, seed=seed)
-    for i, group in zip(idx, groups):
+
+    async def hand_off(j: int, group: list[Trajectory]) -> None:
+        i = idx[j]
         if w.cfg.cluster.requeue_failed_searches and infra_failed(group):
             # A search failed for infrastructure reasons (dead replica, timeout...): not trained, and
             # the prompt goes back to the replay's cursor (cluster.requeue_failed_searches).
             await asyncio.wrap_future(replay.requeue.remote(w.worker_id, i).future())
             with w._lock:
                 w._stats["requeued_infra"] = w._stats.get("requeued_infra", 0) + 1
-            continue
+            return
         ok = await asyncio.wrap_future(replay.put.remote(
             encode_group(group), group_min_version(group), len(group), i, w.worker_id).future())
         w._record(group, ok)
+
+    # Per trajectory, each group is handed off as soon as its last trajectory ends, releasing its claim:
+    # a request's groups never wait for its slowest one (the replay's budget and the learner see them at
+    # once). In lockstep every group of the request ends at the same turn anyway.
+    per_group = w.cfg.rollout.per_trajectory
+    groups, rstats = await _arollout(w, items, stage_index, stage, w.cfg.rollout.temperature, seed=seed,
+                                     on_group=hand_off if per_group else None)
+    if not per_group:
+        for j, group in enumerate(groups):
+            await hand_off(j, group)
     with w._lock:
         w._stats["gen_s"] += rstats.generate_s
         w._stats["retrieve_s"] += rstats.retrieve_s
@@ -446,7 +457,7 @@ async def _aproduce(w: "RolloutWorker", replay, stage_index: int, stage: StageCo
 
 
 async def _arollout(w: "RolloutWorker", items, stage_index: int, stage: StageConfig, temperature: float,
-                    search_enabled: bool = True, seed: int | None = None):
+                    search_enabled: bool = True, seed: int | None = None, on_group=None):
     from sonar.actors.rewards import make_reward_fn
     from sonar.actors.rollout import rollout_groups
 
@@ -456,4 +467,4 @@ async def _arollout(w: "RolloutWorker", items, stage_index: int, stage: StageCon
         group_size=w.cfg.rollout.group_size if temperature > 0 else 1,
         k=w.cfg.retrieval.k, reward_fn=make_reward_fn(stage.reward, w.tokenizer, w.tags),
         actor_id=w.worker_id, stage=stage_index, search_enabled=search_enabled, seed=seed,
-        per_trajectory=w.cfg.rollout.per_trajectory, tools=w.tools)
+        per_trajectory=w.cfg.rollout.per_trajectory, tools=w.tools, on_group=on_group)

@@ -88,6 +88,29 @@ def test_per_trajectory_a_slow_row_does_not_delay_another_rows_search():
     assert all(t.finish_reason == "answered" and len(t.searches) == 1 for g in groups for t in g)
 
 
+def test_per_trajectory_hands_each_group_off_when_its_own_rows_end():
+    """A request's groups are not held for its slowest: france's group reaches on_group (rewarded) while
+    germany's rows are still in their first turn, which waits for that hand-off."""
+    handed = threading.Event()
+    engine = SlowRowEngine(handed)
+    got: list[tuple[int, list]] = []
+
+    async def on_group(i, group):
+        got.append((i, [t.reward for t in group]))
+        handed.set()
+
+    groups, _ = asyncio.run(rollout_groups(ITEMS, engine=engine, retriever=FakeRetriever(), tokenizer=TOK, tags=TAGS,
+                                           proto=ProtocolConfig(), temperature=1.0, group_size=2, k=1,
+                                           reward_fn=em_reward, seed=5, per_trajectory=True, on_group=on_group))
+    assert engine.waited == [True, True]  # germany's turn saw france's group handed off first
+    assert [i for i, _ in got] == [0, 1] and got[0][1] == [t.reward for t in groups[0]]
+    assert all(r == 1.0 for r in got[0][1])  # france's rows answered paris: rewarded before the hand-off
+    with pytest.raises(ValueError, match="on_group needs per_trajectory"):
+        asyncio.run(rollout_groups(ITEMS, engine=engine, retriever=FakeRetriever(), tokenizer=TOK, tags=TAGS,
+                                   proto=ProtocolConfig(), temperature=1.0, group_size=2, k=1, reward_fn=em_reward,
+                                   on_group=on_group))
+
+
 def test_lockstep_rows_wait_for_the_slowest_turn_before_searching():
     """The contrast the per-trajectory mode removes: in lockstep the turn's one batched search goes
     out only after every row's turn, so france's query travels with germany's."""
