@@ -182,6 +182,7 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
     histogram are this rank's share."""
     t0 = time.perf_counter()
     n_groups = len(groups)
+    lag_of = {g[0].group_id: int(lag) for g, lag in zip(groups, lags) if g}  # per-lag off-policy metrics
     groups = apply_staleness(groups, lags, rcfg)
     kept = [g for g in groups if difficulty[0] <= success_rate(g) <= difficulty[1]]
     n_filtered, groups = len(groups) - len(kept), kept
@@ -228,6 +229,8 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
         gap = kl_estimate(batch.behaviour_logprobs, cur, "k3") * batch.loss_mask
         m[K.LEARNER_SAMPLING_KL_MEAN] = float(gap.sum() / max(1.0, float(batch.loss_mask.sum())))
         m[K.LEARNER_SAMPLING_KL_MAX] = float(gap.max()) if gap.numel() else 0.0
+        for lag, v in per_lag_mean(gap, batch.loss_mask, [lag_of.get(g, 0) for g in batch.group_ids]).items():
+            m[K.LEARNER_SAMPLING_KL_LAG.format(lag=lag)] = v
     kl = None
     if kl_reward:
         # KL as a reward penalty: per-token KL(current || ref) of the batch, before the first update.
@@ -243,6 +246,8 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
     parts: list[tuple[dict, float]] = []
     critic_parts: list[dict] = []
     is_hist: dict[str, int] = {}
+    lag_hist: dict[int, dict[str, int]] = {}  # per policy lag: the same histogram
+    beyond: dict[int, list[float]] = {}  # per policy lag: [tokens beyond tis_cap, trained tokens]
     losses, norms, n_micro = [], [], 0
     for epoch in range(algo.ppo_epochs):
         for rows in minis:
@@ -275,6 +280,16 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
                     ratio = torch.exp(torch.where(mb.loss_mask > 0, prox - mb.behaviour_logprobs, torch.zeros_like(lp)))
                     for k, v in importance_weight_histogram(ratio, IS_EDGES, mb.loss_mask).items():
                         is_hist[k] = is_hist.get(k, 0) + v
+                    row_lags = torch.tensor([lag_of.get(g, 0) for g in mb.group_ids], device=ratio.device)
+                    for lag in row_lags.unique().tolist():
+                        rows = row_lags == lag
+                        mask = mb.loss_mask[rows]
+                        h = lag_hist.setdefault(lag, {})
+                        for k, v in importance_weight_histogram(ratio[rows], IS_EDGES, mask).items():
+                            h[k] = h.get(k, 0) + v
+                        b = beyond.setdefault(lag, [0.0, 0.0])
+                        b[0] += float(((ratio[rows] > algo.tis_cap) & (mask > 0)).sum())
+                        b[1] += float((mask > 0).sum())
             norms.append(stepper.step())
             losses.append(dp_sum(loss_total, dp, device))
             n_micro += len(mbs)
@@ -286,11 +301,29 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
     if not train_policy:
         return m
     m.update({K.LEARNER_IS_WEIGHT_HIST.format(bin=k): float(v) for k, v in is_hist.items()})
+    for lag, h in lag_hist.items():
+        m.update({K.LEARNER_IS_WEIGHT_LAG_HIST.format(lag=lag, bin=k): float(v) for k, v in h.items()})
+        m[K.LEARNER_IS_BEYOND_CAP_LAG.format(lag=lag)] = beyond[lag][0] / max(1.0, beyond[lag][1])
+    if beyond:
+        m[K.LEARNER_IS_BEYOND_CAP] = sum(b[0] for b in beyond.values()) / max(1.0, sum(b[1] for b in beyond.values()))
     m.update({K.LEARNER_LOSS_PART.format(part=k): v for k, v in _weighted(parts).items()})
     m.update({K.LEARNER_LOSS: float(np.mean(losses)), K.LEARNER_GRAD_NORM: float(np.mean(norms)),
               K.LEARNER_TOKENS_PER_S: float(batch.lengths.sum()) / dt, K.LEARNER_MICRO_BATCHES: n_micro,
               K.LEARNER_TRAINED_TOKENS: batch.denominators().tokens})
     return m
+
+
+def per_lag_mean(values: torch.Tensor, mask: torch.Tensor, row_lags: list[int]) -> dict[int, float]:
+    """Mean of ``values`` [B, T] over the tokens with ``mask`` > 0, per policy lag of the rows
+    (``row_lags``: [B]); a lag whose rows train no token is left out."""
+    lags = torch.tensor(row_lags, dtype=torch.long, device=values.device)
+    out = {}
+    for lag in lags.unique().tolist():
+        rows = lags == lag
+        n = float((mask[rows] > 0).sum())
+        if n > 0:
+            out[int(lag)] = float((values[rows] * (mask[rows] > 0)).sum() / n)
+    return out
 
 
 def mini_batch_rows(n: int, mini_batches: int) -> list[list[int]]:

@@ -234,6 +234,36 @@ def test_importance_weight_histogram_counts_every_trained_token():
     assert len(hist) == 7 and sum(hist.values()) == m["learner/trained_tokens"]
 
 
+def test_off_policy_metrics_per_policy_lag():
+    """Per lag: the importance-weight histogram (its bins sum to the overall one), the share of tokens
+    beyond tis_cap (a group sampled at logprob -50 is wholly beyond it, one at logprob 0 never: the
+    learner's logprob is <= 0) and the sampling KL (token-weighted, the lags' means make the overall)."""
+    g = groups(3)
+    for t in g[2]:
+        for seg in t.segments:
+            if seg.kind == SegmentKind.MODEL:
+                seg.logprobs = np.full(len(seg.token_ids), -50.0, np.float32)
+    for grp in g[:2]:
+        for t in grp:
+            for seg in t.segments:
+                if seg.kind == SegmentKind.MODEL:
+                    seg.logprobs = np.zeros(len(seg.token_ids), np.float32)
+    model = tiny_model()
+    m = rl_step(TorchStepper(model, torch.optim.SGD(model.parameters(), lr=0.0), 0.0), g, [0, 0, 1],
+                AlgoConfig(dynamic_sampling=False, off_policy="none", recompute_old_logprobs=True),
+                LearnerConfig(micro_batch_tokens=30), ReplayConfig(), 1.0, 0)
+    assert m["learner/is_weight/beyond_cap/lag/1"] == 1.0 and m["learner/is_weight/beyond_cap/lag/0"] == 0.0
+    tokens = {lag: sum(v for k, v in m.items() if k.startswith(f"learner/is_weight/lag/{lag}/hist/")) for lag in (0, 1)}
+    assert tokens[0] + tokens[1] == m["learner/trained_tokens"] and tokens[1] > 0
+    assert m["learner/is_weight/beyond_cap"] == pytest.approx(tokens[1] / (tokens[0] + tokens[1]))
+    overall = {k.rsplit("/", 1)[1]: v for k, v in m.items() if k.startswith("learner/is_weight/hist/")}
+    for b, v in overall.items():
+        assert v == sum(m.get(f"learner/is_weight/lag/{lag}/hist/{b}", 0) for lag in (0, 1))
+    kl = m["learner/sampling_kl/lag/0"] * tokens[0] + m["learner/sampling_kl/lag/1"] * tokens[1]
+    assert m["learner/sampling_kl/lag/1"] > m["learner/sampling_kl/lag/0"] >= 0
+    assert kl / (tokens[0] + tokens[1]) == pytest.approx(m["learner/sampling_kl/mean"], rel=1e-5)
+
+
 @pytest.mark.slow
 def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_afterwards():
     """The learner's DeepSpeed import skips the autotuner's ``import mlflow`` (2-3 s of every learner's
