@@ -94,6 +94,7 @@ import json
 import logging
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -330,18 +331,19 @@ def measure(res: dict, cfg, sim=None) -> dict:
     if sim is not None and getattr(sim, "learner_cost", "none") != "none":
         from sonar.bench.sim import reference as R
 
-        trained = float(sum(series(h, K.LEARNER_TRAJECTORIES)))
         rollout_gpus = cfg.rollout.num_workers
         gpus = rollout_gpus if sim.colocated else rollout_gpus + sim.learner_gpus
-        trained_tokens = trained * sim.learner_tokens_per_traj
-        flops = row_steps * 2.0 * R.MODEL_PARAMS + trained_tokens * R.FLOPS_PER_TRAINED_TOKEN
+        trained_tokens = float(sum(series(h, "sim/learner_tokens")))  # real-job tokens the learner was charged for
+        flops = (row_steps * R.FORWARD_FLOPS_PER_PARAM * R.MODEL_PARAMS
+                 + R.learner_flops(trained_tokens, max(0, sim.learner_updates), max(0, sim.learner_forwards)))
         m.update({
             "gpus": float(gpus),
             "generated_tokens_per_s_per_gpu": row_steps / wall / gpus,  # decode tokens, simulated tails included
             "trained_tokens_per_s_per_gpu": trained_tokens / wall / gpus,
             "trained_traj_per_s_per_gpu": consumed / wall / gpus,
             # the simulated job's model-FLOPs utilisation over all its GPUs and the whole RL loop: decode at
-            # 2N FLOP per token, training at 8N per trained token (prefill and recompute not counted)
+            # 2N FLOP per token, training as the learner was charged (reference.learner_flops); prefill and
+            # recompute not counted
             "mfu": flops / (wall * gpus * R.PEAK_BF16_FLOPS),
             "sim_learner_s": sum(series(h, "sim/learner_s")),
         })
@@ -351,9 +353,94 @@ def measure(res: dict, cfg, sim=None) -> dict:
         m["decode_steps_per_worker"] = sum(w.get("engine_steps", 0.0) for w in workers) / n_w
     if res.get("eval"):
         m["heldout_em"] = float(res["eval"]["search"]["em"])
-    return {"metrics": m, "lag_hist": lag_histogram(h), "rewards": rewards, "curve": reward_curve(h, res),
+    return {"metrics": m, "realised": realised(res, cfg, sim), "lag_hist": lag_histogram(h), "rewards": rewards,
+            "curve": reward_curve(h, res),
             "timeline": timeline(h, res, cfg.rollout.max_batch_rows),
             "replay": res["replay"], "workers": workers, "startup_s": startup}
+
+
+def turn_distribution(marker_rows: dict[int, float]) -> dict:
+    """Turns per trajectory from the paced engines' admitted rows by documents-tag count in their prompt
+    (``paced_engine.py``): a trajectory's turn k holds k-1 more tags than its first turn, so with c0 the fewest
+    tags, the rows with c0 + k - 1 tags are the turn-k rows, one per trajectory that reached turn k (``n_k``),
+    and P(turns = k) = (n_k - n_(k+1)) / n_1. Returns {mean, p90, max} (None for each when nothing was counted)."""
+    rows = {int(c): float(n) for c, n in marker_rows.items() if n > 0}
+    if not rows:
+        return {"mean": None, "p90": None, "max": None}
+    c0, top = min(rows), max(rows)
+    reached = [rows.get(c, 0.0) for c in range(c0, top + 1)]  # n_1, n_2, ...
+    first = reached[0]
+    cum, p90 = 0.0, None
+    for k, n_k in enumerate(reached, start=1):
+        cum += (n_k - (reached[k] if k < len(reached) else 0.0)) / first
+        if p90 is None and cum >= 0.9 - 1e-12:
+            p90 = float(k)
+    return {"mean": sum(reached) / first, "p90": p90, "max": float(len(reached))}
+
+
+def realised(res: dict, cfg, sim=None) -> dict:
+    """What one run realised of its workload, in the units of ``reference.REALISED`` (None where this run
+    cannot measure it): turns per trajectory (mean, p90, max: ``turn_distribution`` of the paced engines'
+    rows), searches per trajectory (the workers' searches / trajectories), the row-weighted mean decode
+    context in real-job tokens (context tokens / rows the decode cost was charged for, over every step),
+    hidden tokens per generated trajectory (the engines' draws), learner tokens per trained trajectory (real-job
+    tokens the simulated learner was charged, ``sim/learner_tokens``) and the learner's share of GPU time
+    (its FLOP seconds x its GPUs over the RL loop x all the layout's GPUs)."""
+    from sonar.bench.driver_harness import rl_stage, series
+
+    st = rl_stage(res)
+    h, workers, wall = st["history"], st["workers"], float(st["loop_seconds"])
+    tot = lambda key: sum(float(w.get(key, 0.0)) for w in workers)  # noqa: E731
+    trajs = tot("trajectories")
+    marks: dict[int, float] = {}
+    for w in workers:
+        for k, v in w.items():
+            if k.startswith("engine_turn_marker_rows_"):
+                c = int(k.rsplit("_", 1)[1])
+                marks[c] = marks.get(c, 0.0) + float(v)
+    turns = turn_distribution(marks)
+    if turns["mean"] is None and trajs and any("engine_rows" in w for w in workers):
+        turns["mean"] = tot("engine_rows") / trajs  # one engine row per turn: the mean without the spread
+    out = {"turns_mean": turns["mean"], "turns_p90": turns["p90"], "turns_max": turns["max"],
+           "searches_mean": tot("searches") / trajs if trajs else None,
+           "decode_context_mean": (tot("engine_charged_ctx_tokens") / tot("engine_charged_rows")
+                                   if tot("engine_charged_rows") else None),
+           "hidden_tokens_per_traj": tot("engine_tail_tokens") / trajs if trajs and any(
+               "engine_tail_tokens" in w for w in workers) else None,
+           "learner_tokens_per_traj": None, "learner_gpu_share": None}
+    if sim is not None and getattr(sim, "learner_cost", "none") != "none":
+        trained = float(sum(series(h, K.LEARNER_TRAJECTORIES)))
+        gpus = cfg.rollout.num_workers + (0 if sim.colocated else sim.learner_gpus)
+        out["learner_tokens_per_traj"] = float(sum(series(h, "sim/learner_tokens"))) / trained if trained else None
+        out["learner_gpu_share"] = (float(sum(series(h, "sim/learner_compute_s"))) * sim.learner_gpus / (wall * gpus)
+                                    if wall > 0 else None)
+    return out
+
+
+def realised_of_setting(runs: list[dict]) -> dict:
+    """One setting's realised workload over its seeds: the mean of each figure (the largest for ``turns_max``),
+    and the per-seed values under ``per_seed``."""
+    fields = list(runs[0]["realised"]) if runs else []
+    out: dict = {}
+    for f in fields:
+        vals = [r["realised"][f] for r in runs if r["realised"].get(f) is not None]
+        out[f] = None if not vals else (max(vals) if f == "turns_max" else float(np.mean(vals)))
+    out["per_seed"] = [r["realised"] for r in runs]
+    return out
+
+
+def workload_check(label: dict, realised_by_setting: dict, quick: bool) -> dict:
+    """``extra.workload_check``: the label's realised ranges against every setting's realised workload
+    (``reference.realised_vs_label``); ``mismatches`` names the setting in each message. Quick runs (the
+    untrained policy, a smaller world) and workloads that state no ranges are skipped, and say why."""
+    from sonar.bench.sim.reference import TOLERANCE, realised_vs_label
+
+    if quick:
+        return {"skipped": "quick: plumbing only (the untrained policy on a smaller world cannot realise the label)"}
+    if not label.get("realised"):
+        return {"skipped": f"workload {label.get('workload')!r} states no realised ranges"}
+    mismatches = [f"{name}: {msg}" for name, r in realised_by_setting.items() for msg in realised_vs_label(label, r)]
+    return {"tolerance": TOLERANCE, "label": label["realised"], "mismatches": mismatches, "passed": not mismatches}
 
 
 TIMELINE_PHASES = (("generate_sync", K.CRIT_GENERATE_SYNC), ("queue_wait", K.CRIT_QUEUE_WAIT),
@@ -664,6 +751,7 @@ def run(cfg_bench: dict) -> tuple[dict, dict]:
         },
         "sft": sft_info,
         "loadavg": load,
+        "realised": {name: realised_of_setting(reps) for name, reps in per.items()},
         "settings": {name: [{"seed": r["seed"], "metrics": r["metrics"], "lag_hist": r["lag_hist"],
                              "replay": r["replay"], "workers": r["workers"], "startup_s": r["startup_s"],
                              "loadavg_after": r["loadavg_after"], "overrides": r["overrides"]} for r in reps]
@@ -943,6 +1031,10 @@ def _table_lines(doc: dict) -> list[str]:
             lines.append(f"| lag {lag} | {b}{' (better)' if b == best else ''} | "
                          f"{_interval(row['speedup_rl_loop'])}× | {_tost(row['equal_reward']['heldout_em'], 'pt')} | "
                          f"{_tost(row['equal_reward']['reward_last'], '{:.3f}')} | {met} |")
+    mismatches = (ex.get("workload_check") or {}).get("mismatches")
+    if mismatches:
+        lines += ["", f"**The run did not realise its workload's label** (accepted with `--accept-mismatch`; "
+                      f"tolerance {ex['workload_check']['tolerance']:.0%}):", ""] + [f"- {m}" for m in mismatches]
     hw = doc["hardware"]
     wl = cfg.get("workload", {}).get("workload", "bench")
     lines += ["", f"Measured by `{' '.join(doc['argv'])}` on commit {doc['commit'][:10]} ({doc['timestamp'][:10]}; "
@@ -1071,6 +1163,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="bench: configs/bench.yaml as it is; reference-7b: the reference 7B job on H100s simulated "
                         "around the tiny policy (bench/sim/reference.py: prefill, KV recompute, a search cluster's "
                         "queueing, a FLOP-costed learner)")
+    p.add_argument("--accept-mismatch", action="store_true",
+                   help="write the result even when the run did not realise its workload's label (bench/sim/"
+                        "reference.py: realised_vs_label); the mismatches are recorded in extra.workload_check and "
+                        "shown by the README block. Without it such a run exits 3 and writes nothing")
     p.add_argument("--margin-em", type=float, default=MARGINS["heldout_em"],
                    help="equivalence margin of final held-out EM, async - sync, absolute (default %(default)s)")
     p.add_argument("--margin-reward", type=float, default=MARGINS["reward_last"],
@@ -1131,6 +1227,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     metrics, extra = run(cfg)
     extra["wall_s"] = round(time.time() - t0, 1)
+    extra["workload_check"] = check = workload_check(cfg["workload"], extra["realised"], args.quick)
+    if check.get("mismatches"):
+        print(f"[{NAME}] the run did not realise its workload's label ({cfg['workload']['workload']}, tolerance "
+              f"{check['tolerance']:.0%}):", file=sys.stderr)
+        for msg in check["mismatches"]:
+            print(f"[{NAME}]   {msg}", file=sys.stderr)
+        if not args.accept_mismatch:
+            print(f"[{NAME}] no result written; --accept-mismatch writes it with the mismatches recorded "
+                  "(extra.workload_check.mismatches)", file=sys.stderr)
+            return 3
+        check["accepted"] = True
     path = write_result(NAME, cfg, metrics, lambda png: plot(metrics, extra, png), args.out, extra=extra)
     print(f"[{NAME}] wrote {path} and {path.with_suffix('.png').name} in {extra['wall_s']} s")
     fmt = lambda c: "n/a" if c.get("mean") is None else (  # noqa: E731

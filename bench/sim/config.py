@@ -85,9 +85,11 @@ class SimConfig:
     counts this many in the cost models (>= 1), so the tiny policy's short contexts stand for a real job's."""
     learner_cost: str = "none"
     """SIMULATED learner time, placed before the weights go out (the driver's ``on_learner_step`` hook):
-    none (the real CPU learner's own time, as before), or flops_7b: a step lasts at least ``trained
-    trajectories x learner_tokens_per_traj x 8 x 7.25e9 FLOP / (learner_gpus x learner_mfu x 989.4 TFLOPS)``
-    (``hooks.LearnerTime``; the constants and their sources in ``reference.py``)."""
+    none (the real CPU learner's own time, as before), or flops_7b: a step lasts at least
+    ``(6N x learner_updates + 2N x learner_forwards) x tokens / (learner_gpus x learner_mfu x 989.4 TFLOPS)``
+    with N = 7.25e9 and tokens = ``context_scale`` x the tiny-world tokens of the trajectories it trained +
+    ``learner_hidden_tokens_per_traj`` for each (``hooks.LearnerTime``; ``reference.learner_step_s``, which
+    states the sources)."""
     learner_gpus: int = 1
     """flops_7b: the GPUs the simulated learner trains on (>= 1)."""
     learner_mfu: float = 0.4
@@ -97,13 +99,22 @@ class SimConfig:
     training share the GPUs, so every learner step also pays ``colocated_switch_s`` to switch between them."""
     colocated_switch_s: float = 0.0
     """Seconds one switch between generation and training costs in the colocated layout (>= 0)."""
-    learner_tokens_per_traj: float = 0.0
-    """flops_7b: tokens the simulated learner trains per trajectory (> 0): prompt, retrieved text and
-    generation of a real-size trajectory (``reference.py`` derives it for its workload)."""
+    learner_hidden_tokens_per_traj: float = 0.0
+    """flops_7b: hidden reasoning tokens charged to the learner per trained trajectory (>= 0): the learner never
+    sees the paced engine's hidden tokens, so they are charged at their expectation (``reference.py``
+    derives it for its workload; results record the hidden tokens the engines drew beside it)."""
+    learner_updates: int = -1
+    """flops_7b: forward-and-backward passes over the batch per step (>= 0); -1: derived from the RL stage's
+    ``algo`` when validated with the production config (``reference.learner_passes``)."""
+    learner_forwards: int = -1
+    """flops_7b: extra forward passes over the batch per step (>= 0: old-logprob recompute, KL reference, V_old);
+    -1: derived like ``learner_updates``."""
 
     def validate(self, cfg: Any = None) -> "SimConfig":
         """Raise ValueError naming the ``sim.*`` field and its value; with ``cfg`` (the production
-        ``Config``), also the combinations with ``rollout.*`` that cannot run."""
+        ``Config``), also the combinations with ``rollout.*`` that cannot run. Returns the config, with
+        ``cfg`` and a simulated learner the copy whose -1 (derived) learner passes are resolved from
+        ``cfg``'s RL stage (``reference.learner_passes``)."""
         if self.engine not in ENGINES:
             raise ValueError(f"sim.engine={self.engine!r} is not one of {list(ENGINES)}")
         if self.decode_cost not in DECODE_COSTS:
@@ -121,9 +132,13 @@ class SimConfig:
                 raise ValueError(f"sim.learner_gpus={self.learner_gpus} must be an integer >= 1")
             if not (math.isfinite(self.learner_mfu) and 0 < self.learner_mfu <= 1):
                 raise ValueError(f"sim.learner_mfu={self.learner_mfu} must be in (0, 1]")
-            if not (math.isfinite(self.learner_tokens_per_traj) and self.learner_tokens_per_traj > 0):
-                raise ValueError(f"sim.learner_tokens_per_traj={self.learner_tokens_per_traj} must be a finite number "
-                                 f"> 0 with sim.learner_cost={self.learner_cost!r}")
+            h = self.learner_hidden_tokens_per_traj
+            if not (math.isfinite(h) and h >= 0):
+                raise ValueError(f"sim.learner_hidden_tokens_per_traj={h} must be a finite number >= 0")
+            for name in ("learner_updates", "learner_forwards"):
+                v = getattr(self, name)
+                if not (isinstance(v, int) and v >= -1):
+                    raise ValueError(f"sim.{name}={v} must be an integer >= 0 (-1: derived from the RL stage's algo)")
         elif self.colocated:
             raise ValueError("sim.colocated=true needs sim.learner_cost='flops_7b' (the CPU learner cannot train on "
                              "the rollout GPUs)")
@@ -158,7 +173,26 @@ class SimConfig:
                 raise ValueError(f"sim.engine='bench' needs rollout.engine='hf' and rollout.continuous_batching=false, "
                                  f"got rollout.engine={r.engine!r}, rollout.continuous_batching={r.continuous_batching} "
                                  "(the bench engine is a static-batch transformers engine)")
+        if cfg is not None and self.learner_cost != "none" and -1 in (self.learner_updates, self.learner_forwards):
+            return dataclasses.replace(self, **self._passes_of(cfg)).validate()
         return self
+
+    def _passes_of(self, cfg: Any) -> dict:
+        """``learner_updates`` / ``learner_forwards`` of the production config's RL stages (-1 ones only)."""
+        from sonar.bench.sim.reference import learner_passes
+
+        mode = getattr(getattr(cfg, "critic", None), "mode", "separate")
+        passes = {learner_passes(st.algo, mode) for st in cfg.stages if st.kind == "rl"}
+        if len(passes) != 1:
+            raise ValueError(f"sim.learner_updates={self.learner_updates}, sim.learner_forwards={self.learner_forwards}: "
+                             f"derived from the RL stages' algo, which give {sorted(passes) or 'none'}; set both")
+        (updates, forwards), = passes
+        out = {}
+        if self.learner_updates == -1:
+            out["learner_updates"] = updates
+        if self.learner_forwards == -1:
+            out["learner_forwards"] = forwards
+        return out
 
     @property
     def simulates_decode(self) -> bool:

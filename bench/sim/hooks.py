@@ -11,7 +11,7 @@
 - ``on_step = LearnerDelay(sim.learner_delay_ms)`` for the driver (``sim.learner_delay_ms`` > 0): a
   simulated longer learner step, after the weights went out;
 - ``on_learner_step = LearnerTime(...)`` for the driver (``sim.learner_cost=flops_7b``): a real-size
-  learner's step time, before the weights go out (so the workers keep generating with the old ones
+  learner's step time for the trajectories it trained, before the weights go out (so the workers keep generating with the old ones
   meanwhile, as they would while a 7B learner trains).
 
 A hook that would change nothing is None, so a ``SimConfig()`` runs production untouched. Both are
@@ -56,13 +56,26 @@ class SimEngineWrap:
 
             return PacedContinuousHFEngine.like(engine, step_ms=s.decode_ms_per_token if cost is None else None,
                                                 cost=cost, prefill=Prefill7BCost() if s.prefill_cost == "gpu_7b" else None,
-                                                context_scale=s.context_scale, **pacing)
+                                                context_scale=s.context_scale, turn_marker=turn_marker(cfg, tokenizer),
+                                                **pacing)
         from sonar.bench.sim.decode_latency import DecodeLatencyEngine
 
         return DecodeLatencyEngine(engine, s.decode_ms_per_token if cost is None else None, cost=cost, **pacing)
 
     def __repr__(self) -> str:
         return f"SimEngineWrap({self.sim})"
+
+
+def turn_marker(cfg, tokenizer) -> int | None:
+    """The token id of the protocol's documents tag (``<information>``: the rollout appends it once per search
+    step, so a prompt's count of it tells its turn), or None when the tokenizer splits it into several ids."""
+    from sonar.actors.prompts import get_protocol
+
+    try:
+        ids = tokenizer.encode(get_protocol(cfg.protocol.name).docs_open, add_special_tokens=False)
+    except Exception:  # noqa: BLE001 - a tokenizer without encode: the histogram is not counted
+        return None
+    return int(ids[0]) if len(ids) == 1 else None
 
 
 class SimRetrieverWrap:
@@ -105,45 +118,83 @@ class LearnerDelay:
 
 
 class LearnerTime:
-    """The driver's ``on_learner_step`` hook for ``sim.learner_cost=flops_7b``: a real-size learner's step.
+    """The driver's ``on_learner_step`` hook for ``sim.learner_cost=flops_7b``: a real-size learner's step,
+    charged for the trajectories that step actually trained.
 
-    A step that trained ``n`` trajectories lasts ``n x tokens_per_traj / tokens_per_s`` seconds, with
-    ``tokens_per_s = gpus x mfu x PEAK_FLOPS / FLOPS_PER_TOKEN`` (``reference.py``: 8 x 7.25e9 FLOP per
-    trained token, 989.4 TFLOPS); the driver waits out what the real CPU learner did not already spend,
-    before the push. The step's ``learner/step_time_s`` becomes the simulated one (the critical-path split
-    then counts it as learner compute); a real step that took longer is kept and counted
-    (``sim/learner_overrun``). A skipped step (no trajectory trained) costs nothing. ``switch_s`` (the
-    colocated layout): every step also switches the GPUs from generation to training and back."""
+    Tokens (real-job tokens, ``reference.real_tokens``): ``context_scale`` x the tiny-world sequence tokens of
+    the trained batch (prompt, retrieved text and the policy's tokens of every trained trajectory: what the
+    learner forwards and back-propagates; ``learner/tokens_per_s`` x ``learner/step_time_s`` of the step,
+    which ``rl_step`` computes from the batch's ``lengths``) + ``hidden_per_traj`` for each trained trajectory
+    (the paced engine's hidden reasoning, at its expectation: the learner never sees it). Seconds:
+    ``reference.learner_step_s(tokens, gpus, mfu, updates, forwards)``. The driver waits out what the real
+    CPU learner did not already spend, before the push. The step's ``learner/step_time_s`` becomes the
+    simulated one (the critical-path split then counts it as learner compute); a real step that took longer
+    is kept and counted (``sim/learner_overrun``). A skipped step (no trajectory trained) costs nothing. A
+    step that trained trajectories without reporting its tokens (a PPO critic-warmup step) is charged the
+    mean tiny tokens per trajectory of the steps before it. ``switch_s`` (the colocated layout): every step
+    also switches the GPUs from generation to training and back.
 
-    def __init__(self, tokens_per_traj: float, gpus: int, mfu: float, switch_s: float = 0.0):
-        from sonar.bench.sim.reference import learner_tokens_per_s
+    Reported per step: ``sim/learner_s`` (all the simulated time, switch included), ``sim/learner_compute_s``
+    (the FLOP time alone: the learner's busy GPU time is that x ``gpus``) and ``sim/learner_tokens`` (real-job
+    tokens charged)."""
 
-        self.tokens_per_traj, self.gpus, self.mfu = float(tokens_per_traj), int(gpus), float(mfu)
+    def __init__(self, gpus: int, mfu: float, *, updates: int, forwards: int, context_scale: float = 1.0,
+                 hidden_per_traj: float = 0.0, switch_s: float = 0.0):
+        from sonar.bench.sim.reference import learner_step_s
+
+        if updates < 0 or forwards < 0:
+            raise ValueError(f"LearnerTime: updates={updates}, forwards={forwards} must be >= 0 (sim.learner_updates "
+                             "and sim.learner_forwards are derived from the RL stage's algo when the SimConfig is "
+                             "validated with the production config)")
+        self.gpus, self.mfu, self.updates, self.forwards = int(gpus), float(mfu), int(updates), int(forwards)
+        self.context_scale, self.hidden_per_traj = float(context_scale), float(hidden_per_traj)
         self.switch_s = float(switch_s)
-        self.tokens_per_s = learner_tokens_per_s(self.gpus, self.mfu)
+        learner_step_s(0.0, self.gpus, self.mfu, self.updates, self.forwards)  # validates before the first step
         self.simulated_s = 0.0
         self.overruns = 0
+        self._tiny = [0.0, 0.0]  # (tiny tokens, trajectories) of the steps that reported their tokens
 
-    def step_s(self, trajectories: float) -> float:
-        """Simulated seconds of a learner step that trained ``trajectories`` trajectories."""
+    def tokens(self, trajectories: float, tiny_tokens: float | None) -> float:
+        """Real-job tokens of a step that trained ``trajectories`` trajectories of ``tiny_tokens`` tiny-world
+        sequence tokens in all (None: unknown, the mean per trajectory so far)."""
+        from sonar.bench.sim.reference import real_tokens
+
         n = max(0.0, float(trajectories))
-        return 0.0 if n == 0 else self.switch_s + n * self.tokens_per_traj / self.tokens_per_s
+        if tiny_tokens is None:
+            tiny_tokens = n * self._tiny[0] / self._tiny[1] if self._tiny[1] else 0.0
+        return real_tokens(tiny_tokens, self.context_scale, n * self.hidden_per_traj)
+
+    def compute_s(self, tokens: float) -> float:
+        """Simulated FLOP seconds of a learner step over ``tokens`` real-job tokens (no switch)."""
+        from sonar.bench.sim.reference import learner_step_s
+
+        return learner_step_s(tokens, self.gpus, self.mfu, self.updates, self.forwards)
 
     def __call__(self, metrics: dict) -> dict:
         import time
 
         from sonar.cluster.wire import metrics as K
 
-        target = self.step_s(metrics.get(K.LEARNER_TRAJECTORIES, 0.0) or 0.0)
+        n = float(metrics.get(K.LEARNER_TRAJECTORIES, 0.0) or 0.0)
         real = float(metrics.get(K.LEARNER_STEP_TIME, 0.0) or 0.0)
+        tps = metrics.get(K.LEARNER_TOKENS_PER_S)
+        tiny = float(tps) * real if tps is not None and n > 0 else None  # = batch.lengths.sum(): both use its dt
+        if tiny is not None:
+            self._tiny[0] += tiny
+            self._tiny[1] += n
+        tokens = self.tokens(n, tiny) if n > 0 else 0.0
+        compute = self.compute_s(tokens) if n > 0 else 0.0
+        target = compute + self.switch_s if n > 0 else 0.0
         if target > real:
             time.sleep(target - real)  # simulated learner compute, not synchronisation: nothing waits on it
         self.simulated_s += target
         self.overruns += real > target > 0
-        return {K.LEARNER_STEP_TIME: max(target, real), "sim/learner_s": target, "sim/learner_overrun": float(real > target > 0)}
+        return {K.LEARNER_STEP_TIME: max(target, real), "sim/learner_s": target, "sim/learner_compute_s": compute,
+                "sim/learner_tokens": tokens, "sim/learner_overrun": float(real > target > 0)}
 
     def __repr__(self) -> str:
-        return (f"LearnerTime(tokens_per_traj={self.tokens_per_traj}, gpus={self.gpus}, mfu={self.mfu}, "
+        return (f"LearnerTime(gpus={self.gpus}, mfu={self.mfu}, updates={self.updates}, forwards={self.forwards}, "
+                f"context_scale={self.context_scale}, hidden_per_traj={self.hidden_per_traj}, "
                 f"switch_s={self.switch_s})")
 
 
@@ -155,7 +206,9 @@ def sim_hooks(sim: SimConfig) -> Hooks:
                                   sim.retrieval_per_query_ms)
                  if sim.retrieval_latency_ms > 0 or sim.retrieval_per_query_ms > 0 else None)
     on_step = LearnerDelay(sim.learner_delay_ms) if sim.learner_delay_ms > 0 else None
-    learner = (LearnerTime(sim.learner_tokens_per_traj, sim.learner_gpus, sim.learner_mfu,
-                           sim.colocated_switch_s if sim.colocated else 0.0)
+    learner = (LearnerTime(sim.learner_gpus, sim.learner_mfu, updates=sim.learner_updates,
+                           forwards=sim.learner_forwards, context_scale=sim.context_scale,
+                           hidden_per_traj=sim.learner_hidden_tokens_per_traj,
+                           switch_s=sim.colocated_switch_s if sim.colocated else 0.0)
                if sim.learner_cost == "flops_7b" else None)
     return Hooks(engine_wrap=engine, retriever_wrap=retriever, on_step=on_step, on_learner_step=learner)

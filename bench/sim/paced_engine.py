@@ -28,6 +28,14 @@ real job's longer ones; simulated tail tokens count one each.
 Every step where the real work (the tiny model's forward, sampling, bookkeeping) took longer than the
 simulated step is counted (``overrun_steps``, ``overrun_s``): the simulated clock fell behind there.
 
+What the workload realised, for the benchmark's workload check (``engine_stats``): the rows and context
+tokens every decode step was charged for (``charged_rows``, ``charged_ctx_tokens``: their ratio is the
+row-weighted mean decode context in real-job tokens), the hidden tokens drawn (``tail_tokens``), and with
+``turn_marker`` (the token id of the protocol's documents tag, which the rollout appends once per search
+step) the admitted rows by how many markers their prompt holds (``turn_marker_rows_<count>``): a
+trajectory's turn k prompt holds k-1 more than its first turn's, so the rows with k-1 more markers than
+the fewest are the turn-k rows, one per trajectory that reached turn k.
+
 Step accounting: rows held at the start of a step each spend it on one simulated token; a row whose
 real tokens end in a step is held from the next one. A slot frees at the end of the step that
 consumed the row's last simulated token, before the next step's admission; the caller gets the
@@ -38,6 +46,8 @@ from __future__ import annotations
 
 import math
 import time
+
+import numpy as np
 
 from sonar.actors.engine_continuous import ContinuousHFEngine
 from sonar.bench.sim.decode_latency import ReasoningLengths
@@ -50,7 +60,8 @@ class PacedContinuousHFEngine(ContinuousHFEngine):
 
     def __init__(self, model, eos_token_id: int | None, device="cpu", max_batch: int = 64, *,
                  step_ms: float | None = None, cost=None, median_tokens: float = 16.0, sigma: float = 0.7,
-                 max_tokens: int = 256, seed: int = 0, prefill=None, context_scale: float = 1.0):
+                 max_tokens: int = 256, seed: int = 0, prefill=None, context_scale: float = 1.0,
+                 turn_marker: int | None = None):
         if cost is None:
             if step_ms is None or not math.isfinite(step_ms) or step_ms <= 0:
                 raise ValueError(f"step_ms={step_ms} must be a finite number > 0 (sim.decode_ms_per_token)")
@@ -88,6 +99,16 @@ class PacedContinuousHFEngine(ContinuousHFEngine):
         the contexts the costs were charged for."""
         self._paced_version: int | None = None
         """The weights version the previous step ran with (None before the first step); decode thread."""
+        self.charged_rows = 0
+        """Sum over decode steps of the rows the cost was charged for."""
+        self.charged_ctx_tokens = 0
+        """Sum over decode steps of the context tokens the cost was charged for (real-job tokens)."""
+        self.tail_tokens = 0
+        """Hidden (simulated) tokens drawn for the turns released so far."""
+        self.turn_marker = turn_marker
+        """Token id counted in every admitted prompt (None: not counted)."""
+        self.marker_rows: dict[int, int] = {}
+        """Admitted rows by the number of ``turn_marker`` tokens in their prompt."""
 
     @classmethod
     def like(cls, engine: ContinuousHFEngine, **pacing) -> "PacedContinuousHFEngine":
@@ -97,6 +118,7 @@ class PacedContinuousHFEngine(ContinuousHFEngine):
 
     def _release(self, r) -> None:
         tail = int(self.lengths.draw(1)[0])
+        self.tail_tokens += tail
         self._tailing.append((r, tail, len(r.prompt) + len(r.ids) + tail))
 
     def _held(self) -> list:
@@ -128,10 +150,14 @@ class PacedContinuousHFEngine(ContinuousHFEngine):
         self._paced_version = version
         sizes = [int(round(self.context_scale * len(r.prompt))) for r in admit]
         if sizes:
+            marks = ([int(np.count_nonzero(np.asarray(r.prompt) == self.turn_marker)) for r in admit]
+                     if self.turn_marker is not None else [])
             with self._cv:
                 self.ctx_admitted[0] += len(sizes)
                 self.ctx_admitted[1] += sum(sizes)
                 self.ctx_admitted[2] = max(self.ctx_admitted[2], max(sizes))
+                for c in marks:
+                    self.marker_rows[c] = self.marker_rows.get(c, 0) + 1
         if self.prefill is None:
             return 0.0, 0.0
         pre = self.prefill(sum(sizes)) if sizes else 0.0
@@ -145,7 +171,8 @@ class PacedContinuousHFEngine(ContinuousHFEngine):
     def _step(self, admit) -> None:
         t0 = time.perf_counter()
         pre_ms, rec_ms = self.step_prefill_ms(admit)
-        step_s = (self.cost(*self.step_load(admit)) + pre_ms + rec_ms) / 1000.0
+        rows, ctx = self.step_load(admit)
+        step_s = (self.cost(rows, ctx) + pre_ms + rec_ms) / 1000.0
         n = len(self._tailing)  # held since before this step: each spends it on one simulated token
         super()._step(admit)    # may append rows whose real tokens ended in this step (held from the next)
         still = []
@@ -160,6 +187,8 @@ class PacedContinuousHFEngine(ContinuousHFEngine):
             time.sleep(spare)  # simulated model time, not synchronisation: nothing waits on it
         with self._cv:
             self.simulated_s += step_s
+            self.charged_rows += rows
+            self.charged_ctx_tokens += ctx
             self.prefill_s += pre_ms / 1000.0
             self.recompute_s += rec_ms / 1000.0
             if spare < 0:
@@ -176,7 +205,9 @@ class PacedContinuousHFEngine(ContinuousHFEngine):
                       sim_recomputes=self.sim_recomputes, overrun_steps=self.overrun_steps,
                       overrun_s=self.overrun_s, context_scale=self.context_scale,
                       ctx_admitted_n=self.ctx_admitted[0], ctx_admitted_tokens=self.ctx_admitted[1],
-                      ctx_admitted_max=self.ctx_admitted[2],
+                      ctx_admitted_max=self.ctx_admitted[2], charged_rows=self.charged_rows,
+                      charged_ctx_tokens=self.charged_ctx_tokens, tail_tokens=self.tail_tokens,
+                      **{f"turn_marker_rows_{c}": n for c, n in self.marker_rows.items()},
                       prefill_cost=getattr(self.prefill, "name", None if self.prefill is None
                                            else type(self.prefill).__name__))
         return st

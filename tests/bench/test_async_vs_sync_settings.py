@@ -44,8 +44,7 @@ def test_colocated_generates_and_trains_on_every_gpu_and_pays_the_switch():
     assert sim.learner_gpus == gpus and sim.colocated and sim.colocated_switch_s == R.COLOCATED_SWITCH_S
     lt = sim_hooks(sim).on_learner_step
     assert lt.switch_s == R.COLOCATED_SWITCH_S
-    assert lt.step_s(64) == pytest.approx(R.COLOCATED_SWITCH_S + 64 * R.TOKENS_PER_TRAJ / R.learner_tokens_per_s(gpus))
-    assert lt.step_s(0) == 0.0
+    assert lt.gpus == gpus and lt.compute_s(1000.0) == pytest.approx(1000.0 / R.learner_tokens_per_s(gpus))
     # the disaggregated async run of the same workload: its own GPUs, no switch
     _, sim_async = _load(R.overrides(), "async", 2)
     assert sim_hooks(sim_async).on_learner_step.switch_s == 0.0 and sim_async.learner_gpus == R.LEARNER_GPUS
@@ -85,7 +84,7 @@ def _res(colocated: bool) -> dict:
     """A two-step RL stage of two workers, as run_training reports it (only what measure reads)."""
     h = [{K.LEARNER_VERSION: v, K.LEARNER_STEP_TIME: 1.0, K.LEARNER_TRAJECTORIES: 32.0, K.LEARNER_GROUPS: 8.0,
           K.LEARNER_GROUPS_ZERO_SIGNAL: 4.0, K.ROLLOUT_REWARD_MEAN: 0.5, K.REPLAY_PRODUCED: 64.0 * v,
-          "sim/learner_s": 0.75} for v in (1, 2)]
+          "sim/learner_s": 0.75, "sim/learner_compute_s": 0.5, "sim/learner_tokens": 32 * 3000.0} for v in (1, 2)]
     w = {"gen_s": 5.0, "retrieve_s": 1.0, "model_tokens": 1000.0, "engine_steps": 100.0,
          "engine_live_row_steps": 4000.0, "engine_simulated_s": 8.0, "engine_prefill_s": 1.0,
          "engine_recompute_s": 0.5, "engine_sim_recomputes": 2.0, "engine_overrun_steps": 10.0,
@@ -103,13 +102,13 @@ def test_measure_reports_per_gpu_throughput_mfu_and_where_simulated_time_went(co
 
     cfg, _ = load_cfg([A.CONFIG], ["rollout.num_workers=2"])
     sim = SimConfig(decode_cost="gpu_7b", learner_cost="flops_7b", learner_gpus=2 if colocated else 1,
-                    learner_tokens_per_traj=3000.0, colocated=colocated)
+                    learner_updates=1, learner_forwards=1, colocated=colocated)
     m = A.measure(_res(colocated), cfg, dataclasses.replace(sim))["metrics"]
     gpus = 2 if colocated else 3  # colocated: the learner trains on the two rollout GPUs
     assert m["gpus"] == gpus
     assert m["generated_tokens_per_s_per_gpu"] == pytest.approx(8000 / 10 / gpus)
     assert m["trained_tokens_per_s_per_gpu"] == pytest.approx(64 * 3000 / 10 / gpus)
-    flops = 8000 * 2 * R.MODEL_PARAMS + 64 * 3000 * 8 * R.MODEL_PARAMS
+    flops = 8000 * 2 * R.MODEL_PARAMS + 64 * 3000 * (6 + 2) * R.MODEL_PARAMS  # 1 update + 1 forward
     assert m["mfu"] == pytest.approx(flops / (10 * gpus * R.PEAK_BF16_FLOPS))
     assert m["sim_learner_s"] == pytest.approx(1.5) and m["zero_signal_share"] == pytest.approx(0.5)
     assert m["sim_overrun_step_share"] == pytest.approx(20 / 200) and m["ctx_admitted_mean"] == pytest.approx(2000)

@@ -84,6 +84,13 @@ def test_async_vs_sync_quick(tmp_path, shared_ray):
     assert row["equal_reward"]["heldout_em"]["async_within_sync_ci95"] is None  # unknown with one seed
     assert row["equal_reward"]["heldout_em"]["tost"]["equivalent"] is None and row["goal"]["equal_heldout_em"] is None
     assert extra["run_order"] == {"0": ["sync", "async_lag2"]}  # seed index 0: the settings' own order
+    # issue 52: the realised workload is recorded; the quick run's check is skipped, and says so
+    assert extra["workload_check"] == {"skipped": "quick: plumbing only (the untrained policy on a smaller world "
+                                                  "cannot realise the label)"}
+    for s in ("sync", "async_lag2"):
+        r = extra["realised"][s]
+        assert r["turns_mean"] >= 1.0 and r["turns_max"] >= r["turns_p90"] >= 1.0 and r["searches_mean"] >= 0.0
+        assert r["decode_context_mean"] > 0 and r["hidden_tokens_per_traj"] > 0
     assert extra["equivalence"]["margins"] == {"heldout_em": 0.03, "reward_last": 0.05}
     for s in ("sync", "async_lag2"):
         (curve,) = extra["reward_curves"][s]
