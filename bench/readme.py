@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from sonar.bench import (async_vs_sync, codec_and_queue, default_run, end_to_end, engines, learner_bench, multi_query,
-                         retrieval_bench, rollout_scaling, sensitivity, soak, weight_sync)
+                         retrieval_bench, rollout_scaling, schedule_sim, sensitivity, soak, weight_sync)
 from sonar.bench.common import READMES, REPO_ROOT, load_full_result, splice
 
 BLOCKS = {
@@ -47,6 +47,7 @@ BLOCKS = {
     "end-to-end": end_to_end.render_table,
     "engines": engines.render_table,
     "soak": soak.render_table,
+    "schedule-sim": schedule_sim.render_table,
 }
 """Block kind -> the function that renders it (the kind's first word is the benchmark that wrote the JSON)."""
 MANY = {"async-vs-sync ablation", "default-run placements"}

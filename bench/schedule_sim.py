@@ -1,0 +1,294 @@
+"""``sonar bench schedule-sim``: async against sync and colocated, on a discrete-event simulator that drives
+Sonar's own scheduler (``bench/sim/scheduler_sim.py``), for a short and a long search workload.
+
+Question (issue 52): at a fixed GPU budget, how much faster does async train than the best synchronous
+layout, on a Search-R1-shaped and on an ASearcher-shaped job, how close does it come to what overlap can
+give at all (Amdahl: the learner's share of GPU time), how does that carry to 64-1,024 GPUs, and what does
+each of the scheduler's options buy? And does the simulator agree with the real system where both ran?
+
+- **8 GPUs**: the rollout:learner split swept (async at lag 1 and 2, sync_split at each split; colocated on
+  all 8), ``--seeds`` seeds each; best async against the best synchronous layout, steady-state trained
+  trajectories/s (the first version and the final drain left out, reported apart), 95 % intervals over
+  seeds (``bench/stats.py: mean_ci``), the stale share, and the pipeline bound ``G / (g + l)`` (``g``, ``l``:
+  rollout and learner GPU-seconds per trajectory at the run's loads).
+- **Projection**: 8, 64, 512 and 1,024 GPUs, prompts per version scaled with the GPUs, the best of a
+  coarse split sweep per size (at 512 and 1,024 the split fraction that was best at 64, one seed).
+- **Ablation** at 8 GPUs (async, lag 2, the best async split): the pre-change scheduler (no engine
+  capacity, no least-loaded first, no just in time, a request's groups put together) and each option on.
+- **Validation**: the four settings of ``bench/results/async-vs-sync-vm-9e6c75151e.json`` (a real run of
+  the system with slept GPU costs) on the workload that run realised (``workloads.validation_workload``),
+  its async with the pre-change scheduler; DES trained traj/s over the whole 8-step run against the
+  measured, relative error, goal within 10 %.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from sonar.bench.common import REPO_ROOT, base_parser, bench_settings, readme_block, summarise, write_result
+from sonar.bench.sim import workloads as W
+from sonar.bench.sim.scheduler_sim import Sim, simulate
+from sonar.bench.stats import mean_ci
+
+NAME = "schedule-sim"
+GROUPS_PER_GPU = 4
+"""Groups per version per GPU (32 groups of 8 = 256 trajectories per version at 8 GPUs; assumed, the
+order of Search-R1's 512 prompts x 5 on 8 GPUs scaled down)."""
+GROUPS_PER_GPU_LONG = 1
+"""The long workload's: a trajectory is ~30x the tokens, so a version of 8 groups at 8 GPUs (assumed)."""
+FULL = {"seeds": [0, 1, 2, 3, 4], "gpus": 8, "splits": [3, 4, 5, 6, 7], "lags": [1, 2], "versions": 10,
+        "projection": [8, 64, 512, 1024], "projection_splits": [0.5, 0.625, 0.75, 0.875], "projection_versions": 3,
+        "projection_seeds_small": [0, 1, 2], "validation_seeds": [0, 1, 2, 3, 4]}
+QUICK = {"seeds": [0, 1], "gpus": 8, "splits": [5, 6], "lags": [2], "versions": 4,
+         "projection": [8, 16], "projection_splits": [0.75], "projection_versions": 3,
+         "projection_seeds_small": [0], "validation_seeds": [0]}
+VALIDATION_SETTINGS = {
+    "sync": dict(mode="sync_split", rollout_gpus=4, learner_gpus=2, groups_per_step=8, versions=8),
+    "sync_full": dict(mode="sync_split", rollout_gpus=4, learner_gpus=2, groups_per_step=32, versions=2),
+    "colocated": dict(mode="colocated", rollout_gpus=4, learner_gpus=2, groups_per_step=8, versions=8),
+    "async_lag2": dict(mode="async", rollout_gpus=4, learner_gpus=2, groups_per_step=8, versions=8, lag=2,
+                       capacity_groups=16, lanes=8, groups_per_request=2),
+}
+"""The validation run's settings (its ``config.resolved``: 4 rollout workers, learner 2 GPUs, 8 groups of 8
+per step, 8 steps; sync_full 32 groups x 2 steps; colocated on 6; async lag 2, replay capacity 16, 8 lanes of
+2 groups; a budget of (2 + 1) x 8)."""
+REALISED_KEYS = ("searches_per_traj", "model_tokens_per_traj", "decode_row_steps_per_trained_traj",
+                 "ctx_admitted_mean", "zero_signal_share")
+
+
+def groups_per_step(w, gpus: int) -> int:
+    return gpus * (GROUPS_PER_GPU_LONG if w.name == "long" else GROUPS_PER_GPU)
+
+
+def runs(w, sims: list[Sim]) -> list[dict]:
+    return [simulate(w, s) for s in sims]
+
+
+def ci(rows: list[dict], key: str) -> dict:
+    return mean_ci([r[key] for r in rows])
+
+
+def light(r: dict) -> dict:
+    """A run's result without its per-step lists (the JSON stays small)."""
+    return {k: v for k, v in r.items() if k not in ("step_s", "step_end_s")}
+
+
+# ------------------------------------------------------------------------------------ the 8-GPU comparison
+def compare(w, cfg: dict) -> dict:
+    G, seeds = cfg["gpus"], cfg["seeds"]
+    B = groups_per_step(w, G)
+    settings: dict[str, list[dict]] = {}
+    for gr in cfg["splits"]:
+        base = Sim(rollout_gpus=gr, learner_gpus=G - gr, groups_per_step=B, versions=cfg["versions"])
+        for lag in cfg["lags"]:
+            settings[f"async_lag{lag}_{gr}+{G - gr}"] = runs(w, [replace(base, lag=lag, seed=s) for s in seeds])
+        settings[f"sync_split_{gr}+{G - gr}"] = runs(w, [replace(base, mode="sync_split", seed=s) for s in seeds])
+    settings["colocated_8"] = runs(w, [Sim(mode="colocated", rollout_gpus=G - 1, learner_gpus=1, groups_per_step=B,
+                                           versions=cfg["versions"], seed=s) for s in seeds])
+    table = {k: {"trained_traj_per_s": ci(v, "trained_traj_per_s"), "run_traj_per_s": ci(v, "run_traj_per_s"),
+                 "first_version_s": ci(v, "first_version_s"), "stale_share": ci(v, "stale_share"),
+                 "rollout_idle_share": ci(v, "rollout_idle_share"), "learner_idle_share": ci(v, "learner_idle_share"),
+                 "balanced_rollout_gpus": ci(v, "balanced_rollout_gpus"),
+                 "untrained_at_end": ci(v, "untrained_at_end"),
+                 "lag_hist": v[0]["lag_hist"], "workload": v[0]["workload"]} for k, v in settings.items()}
+    best_async = max((k for k in table if k.startswith("async")), key=lambda k: table[k]["trained_traj_per_s"]["mean"])
+    best_sync = max((k for k in table if not k.startswith("async")),
+                    key=lambda k: table[k]["trained_traj_per_s"]["mean"])
+    ratio = mean_ci([a["trained_traj_per_s"] / b["trained_traj_per_s"]
+                     for a, b in zip(settings[best_async], settings[best_sync])])  # paired per seed
+    # The pipeline bound: every GPU busy, rollout and learner GPU-seconds per trajectory as measured in the
+    # best sync layout (its loads): G / (g + l) trajectories/s; sync spends g + l per trajectory on the same
+    # GPUs in turn, a perfect pipeline max over the two pools.
+    ref = settings[best_sync]
+    g = statistics.mean(r["rollout_gpu_s_per_traj"] for r in ref)
+    l_ = statistics.mean(r["learner_gpu_s_per_traj"] for r in ref)
+    bound = G / (g + l_)
+    return {"groups_per_step": B, "table": table, "best_async": best_async, "best_sync": best_sync,
+            "ratio": ratio, "bound_traj_per_s": bound,
+            "bound_ratio": bound / table[best_sync]["trained_traj_per_s"]["mean"],
+            "async_share_of_bound": table[best_async]["trained_traj_per_s"]["mean"] / bound,
+            "learner_gpu_share": l_ / (g + l_), "runs": {k: [light(r) for r in v] for k, v in settings.items()}}
+
+
+def ablation(w, cfg: dict, best_async: str) -> dict:
+    G = cfg["gpus"]
+    gr = int(best_async.rsplit("_", 1)[1].split("+")[0])
+    base = Sim(rollout_gpus=gr, learner_gpus=G - gr, groups_per_step=groups_per_step(w, G), versions=cfg["versions"],
+               lag=2)
+    pre = base.pre_change()
+    variants = {"pre-change": pre, "+ engine capacity": replace(pre, worker_capacity=True),
+                "+ least loaded first": replace(pre, least_loaded=True),
+                "+ just in time": replace(pre, just_in_time=True), "+ per-group put": replace(pre, per_group_put=True),
+                "production (all on)": base}
+    out = {}
+    for k, s in variants.items():
+        rs = runs(w, [replace(s, seed=x) for x in cfg["seeds"]])
+        spread = [max(r["group_load"]) / max(1e-9, statistics.mean(r["group_load"])) for r in rs]
+        out[k] = {"trained_traj_per_s": ci(rs, "trained_traj_per_s"), "stale_share": ci(rs, "stale_share"),
+                  "max_over_mean_worker_groups": mean_ci(spread), "learner_idle_share": ci(rs, "learner_idle_share"),
+                  "rollout_idle_share": ci(rs, "rollout_idle_share")}
+    return {"split": f"{gr}+{G - gr}", "lag": 2, "variants": out}
+
+
+def projection(w, cfg: dict) -> dict:
+    out, best_frac = {}, None
+    for G in cfg["projection"]:
+        B = groups_per_step(w, G)
+        seeds = cfg["projection_seeds_small"] if G <= 64 else [0]
+        fracs = cfg["projection_splits"] if G <= 64 else [best_frac]
+        rows = {}
+        for f in fracs:
+            gr = min(G - 1, max(1, round(G * f)))
+            base = Sim(rollout_gpus=gr, learner_gpus=G - gr, groups_per_step=B, versions=cfg["projection_versions"])
+            for name, s in (("async", base), ("sync_split", replace(base, mode="sync_split"))):
+                rs = runs(w, [replace(s, seed=x) for x in seeds])
+                rows[f"{name}_{gr}+{G - gr}"] = (f, statistics.mean(r["trained_traj_per_s"] for r in rs))
+        col = runs(w, [Sim(mode="colocated", rollout_gpus=G - 1, learner_gpus=1, groups_per_step=B,
+                           versions=cfg["projection_versions"], seed=x) for x in seeds])
+        rows[f"colocated_{G}"] = (None, statistics.mean(r["trained_traj_per_s"] for r in col))
+        ba = max((k for k in rows if k.startswith("async")), key=lambda k: rows[k][1])
+        bs = max((k for k in rows if not k.startswith("async")), key=lambda k: rows[k][1])
+        if G <= 64:
+            best_frac = rows[ba][0]
+        trajs = B * w.group_size * (cfg["projection_versions"] - 1)
+        out[str(G)] = {"groups_per_step": B, "seeds": seeds, "rates": {k: v[1] for k, v in rows.items()},
+                       "best_async": ba, "best_sync": bs, "ratio": rows[ba][1] / rows[bs][1],
+                       "trajs_steady": trajs, "async_s": trajs / rows[ba][1], "sync_s": trajs / rows[bs][1]}
+    return out
+
+
+# ------------------------------------------------------------------------------------ validation
+def validation(cfg: dict, root: Path = REPO_ROOT) -> dict:
+    doc = json.loads((root / "bench" / "results" / W.VALIDATION_RESULT).read_text())
+    S = doc["extra"]["settings"]
+    # The policy's turns follow from the lockstep settings' decode row-steps (every decoded row is trained
+    # there); async's row-steps per trained trajectory also count the rows in flight when the stage ended.
+    lockstep_rows = statistics.mean(r["metrics"]["decode_row_steps_per_trained_traj"]
+                                    for k in ("sync", "sync_full", "colocated") for r in S[k])
+    out = {}
+    for name, kw in VALIDATION_SETTINGS.items():
+        realised = {k: statistics.mean(r["metrics"][k] for r in S[name]) for k in REALISED_KEYS}
+        realised["decode_row_steps_per_trained_traj"] = lockstep_rows
+        w = W.validation_workload(realised)
+        sims = [Sim(seed=s, **kw) for s in cfg["validation_seeds"]]
+        sims = [s.pre_change() if s.mode == "async" else s for s in sims]
+        rs = runs(w, sims)
+        measured = [r["metrics"]["trained_traj_per_s"] for r in S[name]]
+        des = [r["run_traj_per_s"] for r in rs]
+        m, d = statistics.mean(measured), statistics.mean(des)
+        out[name] = {"measured": mean_ci(measured), "des": mean_ci(des), "rel_error": d / m - 1.0,
+                     "within_10pct": abs(d / m - 1.0) <= 0.10,
+                     "measured_rows_per_step": statistics.mean(r["metrics"]["engine_mean_live_rows"] for r in S[name]),
+                     "des_rows_per_step": statistics.mean(r["workload"]["rows_per_step_mean"] for r in rs),
+                     "measured_wall_s": statistics.mean(r["metrics"]["wall_s"] for r in S[name]),
+                     "des_wall_s": statistics.mean(r["wall_s"] for r in rs),
+                     "measured_lag_hist": S[name][0]["lag_hist"], "des_lag_hist": rs[0]["lag_hist"],
+                     "des_group_load": rs[0]["group_load"], "workload": w.note, "des_workload": rs[0]["workload"]}
+    return out
+
+
+# ------------------------------------------------------------------------------------ README block
+def _ci(c: dict, fmt: str = "{:.2f}") -> str:
+    if c["n"] < 2 or math.isnan(c["half"]):
+        return fmt.format(c["mean"])
+    return f"{fmt.format(c['mean'])} ± {fmt.format(c['half'])}"
+
+
+def render_table(doc: dict, json_name: str) -> str:
+    """bench/README.md's schedule-sim block: validation, the 8-GPU comparison per workload, the ablation and
+    the projection (pure: no runs; `sonar bench readme`, tests/bench/test_readme_blocks.py)."""
+    e = doc["extra"]
+    lines = ["Validation against the real system (`" + W.VALIDATION_RESULT + "`, trained traj/s over the 8-step "
+             "run, mean ± 95 % half-width over seeds):", "",
+             "| setting | measured | simulated | error | rows per decode step, measured → simulated |",
+             "|---|---|---|---|---|"]
+    for k, v in e["validation"].items():
+        lines.append(f"| {k} | {_ci(v['measured'])} | {_ci(v['des'])} | {100 * v['rel_error']:+.1f} % | "
+                     f"{v['measured_rows_per_step']:.1f} → {v['des_rows_per_step']:.1f} |")
+    lines += ["", "8 GPUs, steady-state trained traj/s (mean ± 95 % half-width over seeds; split = rollout + learner GPUs):",
+              "", "| workload | best async | best sync | async / sync | stale | overlap bound | async of bound | "
+                  "learner share | turns mean / p90 / max | tool calls | decode ctx | learner tokens/traj |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for wn, c in e["compare"].items():
+        a, s = c["table"][c["best_async"]], c["table"][c["best_sync"]]
+        wl = a["workload"]
+        lines.append(f"| {wn} | `{c['best_async']}` {_ci(a['trained_traj_per_s'], '{:.3g}')} | `{c['best_sync']}` "
+                     f"{_ci(s['trained_traj_per_s'], '{:.3g}')} | {_ci(c['ratio'])}× | "
+                     f"{100 * a['stale_share']['mean']:.1f} % | {c['bound_ratio']:.2f}× | "
+                     f"{100 * c['async_share_of_bound']:.0f} % | {100 * c['learner_gpu_share']:.0f} % | "
+                     f"{wl['turns_mean']:.1f} / {wl['turns_p90']:.0f} / {wl['turns_max']} | {wl['tool_calls_mean']:.1f} | "
+                     f"{wl['decode_context_mean']:,.0f} | {wl['learner_tokens_per_traj']:,.0f} |")
+    lines += ["", "Ablation at 8 GPUs (async, lag 2, the best async split), steady-state trained traj/s and the busiest "
+              "worker's groups over the mean:", "",
+              "| variant | " + " | ".join(f"{wn} traj/s | {wn} busiest/mean" for wn in e["ablation"]) + " |",
+              "|---|" + "---|---|" * len(e["ablation"])]
+    names = list(next(iter(e["ablation"].values()))["variants"])
+    for k in names:
+        cells = []
+        for wn, ab in e["ablation"].items():
+            v = ab["variants"][k]
+            cells += [_ci(v["trained_traj_per_s"], "{:.3g}"), f"{v['max_over_mean_worker_groups']['mean']:.2f}"]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    lines += ["", "Projection (best of a coarse split sweep per size; compute seconds for the same steady-state "
+              "trajectories, async → best sync):", "",
+              "| GPUs | " + " | ".join(f"{wn} async / best sync | {wn} seconds" for wn in e["projection"]) + " |",
+              "|---|" + "---|---|" * len(e["projection"])]
+    sizes = list(next(iter(e["projection"].values())))
+    for G in sizes:
+        cells = []
+        for wn, pr in e["projection"].items():
+            p = pr[G]
+            cells += [f"{p['ratio']:.2f}× (`{p['best_async']}` / `{p['best_sync']}`)",
+                      f"{p['async_s']:,.0f} → {p['sync_s']:,.0f} s"]
+        lines.append(f"| {int(G):,} | " + " | ".join(cells) + " |")
+    lines += ["", f"Simulated by `sonar bench schedule-sim` on commit {doc['commit']} ({len(e['seeds'])} seeds at 8 GPUs; "
+              f"{e['wall_s']:.0f} s of CPU)."]
+    return readme_block(NAME, json_name, lines)
+
+
+# ------------------------------------------------------------------------------------ main
+def run(cfg: dict) -> tuple[dict, dict]:
+    extra = {"seeds": cfg["seeds"], "validation": validation(cfg), "compare": {}, "ablation": {}, "projection": {},
+             "workloads": {k: {f: (v if not isinstance(v, tuple) else list(v)) for f, v in asdict(w).items()}
+                           for k, w in W.WORKLOADS.items()}}
+    metrics = {"validation_rel_error": {k: summarise([v["rel_error"]]) for k, v in extra["validation"].items()}}
+    for name, w in W.WORKLOADS.items():
+        c = compare(w, cfg)
+        extra["compare"][name] = c
+        extra["ablation"][name] = ablation(w, cfg, c["best_async"])
+        extra["projection"][name] = projection(w, cfg)
+        metrics.setdefault("async_over_best_sync", {})[name] = summarise(
+            [a["trained_traj_per_s"] / b["trained_traj_per_s"] for a, b in
+             zip(c["runs"][c["best_async"]], c["runs"][c["best_sync"]])])
+    return metrics, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = base_parser(NAME, __doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, nargs="+", help="seeds at 8 GPUs (default 0-4)")
+    args = p.parse_args(argv)
+    cfg = bench_settings(args, QUICK, FULL)
+    cfg.pop("repeats", None)
+    if args.seeds:
+        cfg["seeds"] = list(args.seeds)
+    cfg["quick"] = args.quick
+    t0 = time.time()
+    metrics, extra = run(cfg)
+    extra["wall_s"] = round(time.time() - t0, 1)
+    path = write_result(NAME, cfg, metrics, None, args.out, extra=extra)
+    print(f"[{NAME}] wrote {path} in {extra['wall_s']} s")
+    for k, v in extra["validation"].items():
+        print(f"[{NAME}] validation {k}: measured {v['measured']['mean']:.3f}, simulated {v['des']['mean']:.3f} "
+              f"traj/s ({100 * v['rel_error']:+.1f} %)")
+    for wn, c in extra["compare"].items():
+        print(f"[{NAME}] {wn}: {c['best_async']} / {c['best_sync']} = {c['ratio']['mean']:.2f}x "
+              f"[{c['ratio']['lo']:.2f}, {c['ratio']['hi']:.2f}], bound {c['bound_ratio']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
