@@ -175,6 +175,7 @@ class Engine:
         self.seg = None  # (t_start, R, C0, K, extra_ms)
         self.token = 0   # invalidates a superseded segment-end event
         self.cut_at = None
+        self.kicked = False
         self.busy_s = 0.0
         self.steps = 0
         self.row_steps = 0.0
@@ -198,14 +199,25 @@ class Engine:
         """A turn arrives: it joins at the next step boundary if a slot is free, else waits."""
         self.pending.append(t)
         if self.seg is None:
-            self._boundary(now)
+            self._kick(now)
         else:
             self._cut(now)
+
+    def _kick(self, now: float) -> None:
+        """An idle engine starts at this instant, after every turn that arrives at it (one prefill batch)."""
+        if not self.kicked:
+            self.kicked = True
+            self.sim.at(now, self._start)
+
+    def _start(self) -> None:
+        self.kicked = False
+        if self.seg is None:
+            self._boundary(self.sim.now)
 
     def stage(self, version: int, now: float) -> None:
         self.staged = version
         if self.seg is None:
-            self._boundary(now)
+            self._kick(now)
         elif self.sim.s.weight_update == "interrupt":
             self._cut(now)
 

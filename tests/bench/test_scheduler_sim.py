@@ -1,0 +1,151 @@
+"""The scheduler simulator (``bench/sim/scheduler_sim.py``): it drives the real ``ReplayCore``, its lockstep
+step is generation + training + push exactly, an async run is bounded by the slower pool, least-loaded first
+spreads claims, and a seed fixes the result. No sleeps, no wall-clock assertions."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from sonar.bench.sim import gpu_cost
+from sonar.bench.sim.reference import PEAK_BF16_FLOPS
+from sonar.bench.sim.scheduler_sim import Sim, Tool, Workload, simulate
+from sonar.bench.sim.workloads import SHORT, lognormal_pmf
+from sonar.cluster.wire.replay import ReplayCore
+
+# Deterministic: one turn of exactly 100 tokens (sigma 0), no tools, prompt 100 tokens.
+FIXED = Workload(name="fixed", calls_pmf=(1.0,), turn_median=100.0, turn_sigma=0.0, turn_max=100,
+                 prompt_tokens=100, tools=(Tool("search", 1.0, 0.0, 0.0, 0),), max_context=10_000,
+                 group_size=4, row_cap=64, extra_forwards=0, push_s=0.25)
+
+
+def train_s(w: Workload, trajs: int, tokens_per_traj: float, gpus: int) -> float:
+    return 6.0 * w.params * trajs * tokens_per_traj / (gpus * w.mfu * PEAK_BF16_FLOPS)
+
+
+def gen_s(rows: int, prompt: int, tokens: int) -> float:
+    """One engine admitting ``rows`` rows of ``prompt`` tokens at once and decoding ``tokens`` steps."""
+    c, p = gpu_cost.Gpu7BCost(), gpu_cost.Prefill7BCost()
+    ms = p(rows * prompt) + sum(c(rows, rows * (prompt + k)) for k in range(tokens))
+    return ms / 1000.0
+
+
+def test_the_simulator_calls_replay_core_and_the_accounting_balances():
+    calls = {"may_claim": 0, "claim": 0, "add": 0, "take": 0}
+
+    class Counting(ReplayCore):
+        def may_claim(self, *a, **k):
+            calls["may_claim"] += 1
+            return super().may_claim(*a, **k)
+
+        def claim(self, *a, **k):
+            calls["claim"] += 1
+            return super().claim(*a, **k)
+
+        def add(self, *a, **k):
+            calls["add"] += 1
+            return super().add(*a, **k)
+
+        def take(self, *a, **k):
+            calls["take"] += 1
+            return super().take(*a, **k)
+
+    r = simulate(SHORT, Sim(rollout_gpus=3, learner_gpus=1, groups_per_step=4, versions=4), Counting)
+    assert all(v > 0 for v in calls.values()), calls
+    assert r["balance"]["balanced"], r["balance"]
+    assert r["balance"]["consumed"] == r["trained_trajs"] == 4 * 4 * SHORT.group_size
+
+
+def test_a_replay_core_that_refuses_every_claim_stops_the_run():
+    class Refusing(ReplayCore):
+        def may_claim(self, *a, **k):
+            return False
+
+    with pytest.raises(RuntimeError, match="nothing left to do"):
+        simulate(FIXED, Sim(rollout_gpus=1, learner_gpus=1, groups_per_step=1, versions=2), Refusing)
+
+
+def test_sync_split_step_is_generation_plus_training_plus_push():
+    rows = 8  # 2 groups of 4 on one engine
+    r = simulate(FIXED, Sim(mode="sync_split", rollout_gpus=1, learner_gpus=2, groups_per_step=2, versions=3))
+    expect = gen_s(rows, 100, 100) + train_s(FIXED, rows, 200, 2) + FIXED.push_s
+    ends = [0.0] + r["step_end_s"]
+    for a, b in zip(ends, ends[1:]):
+        assert b - a == pytest.approx(expect, rel=1e-9)
+
+
+def test_colocated_trains_on_every_gpu_and_pays_the_switch():
+    w = replace(FIXED, switch_s=1.5)
+    r = simulate(w, Sim(mode="colocated", rollout_gpus=1, learner_gpus=1, groups_per_step=2, versions=2))
+    # 2 engines hold one group of 4 each; 2 GPUs train
+    expect = gen_s(4, 100, 100) + train_s(w, 8, 200, 2) + 1.5
+    assert r["step_end_s"][0] == pytest.approx(expect, rel=1e-9)
+
+
+def test_a_learner_bound_async_run_trains_at_the_learner_rate():
+    w = replace(FIXED, mfu=0.002, push_s=0.0)  # a learner ~200x slower than generation
+    r = simulate(w, Sim(rollout_gpus=2, learner_gpus=1, groups_per_step=2, versions=6, lag=2))
+    per_step = train_s(w, 8, 200, 1)
+    assert r["trained_traj_per_s"] == pytest.approx(8 / per_step, rel=1e-6)
+    assert r["learner_idle_share"] < 0.2
+
+
+def test_a_rollout_bound_async_run_trains_at_the_engines_rate():
+    # one engine, groups of 4 rows, a claim of 1 group at a time per lane, one lane: one group in flight
+    w = replace(FIXED, push_s=0.0, mfu=1.0)
+    # pause: the new weights apply when the group drains, so no KV recompute is charged in between
+    s = Sim(rollout_gpus=1, learner_gpus=1, groups_per_step=1, versions=6, lag=2, lanes=1, groups_per_request=1,
+            weight_update="pause")
+    r = simulate(w, s)
+    g = gen_s(4, 100, 100)
+    # the learner's step (4 x 200 tokens at full MFU) hides behind the next group's generation
+    assert train_s(w, 4, 200, 1) < g
+    assert r["trained_traj_per_s"] == pytest.approx(4 / g, rel=1e-6)
+    assert r["rollout_idle_share"] < 0.01
+
+
+def test_least_loaded_first_spreads_groups_where_the_race_does_not():
+    w = replace(FIXED, mfu=0.01, push_s=0.0)  # learner-bound: claims wait for room and race for it
+    base = Sim(rollout_gpus=4, learner_gpus=1, groups_per_step=4, versions=8, lag=1, lanes=4,
+               groups_per_request=1, just_in_time=False, per_group_put=True, worker_capacity=False)
+    spread = simulate(w, replace(base, least_loaded=True))["group_load"]
+    race = simulate(w, replace(base, least_loaded=False))["group_load"]
+    # a claim goes to the waiting worker holding the fewest groups: every worker gets work; in the race the
+    # lanes that waited first take every freed slot and one worker gets nothing
+    assert min(spread) > 0 and max(spread) - min(spread) < max(race) - min(race), (spread, race)
+    assert min(race) == 0, race
+
+
+def test_the_same_seed_gives_the_same_result_and_another_seed_another():
+    s = Sim(rollout_gpus=3, learner_gpus=1, groups_per_step=4, versions=4)
+    a, b = simulate(SHORT, s), simulate(SHORT, s)
+    assert a == b
+    assert simulate(SHORT, replace(s, seed=1))["wall_s"] != a["wall_s"]
+
+
+def test_interrupt_and_pause_both_balance():
+    s = Sim(rollout_gpus=3, learner_gpus=1, groups_per_step=4, versions=5, lag=2)
+    p = simulate(SHORT, replace(s, weight_update="pause"))
+    i = simulate(SHORT, replace(s, weight_update="interrupt"))
+    assert p["balance"]["balanced"] and i["balance"]["balanced"]
+    assert p["trained_trajs"] == i["trained_trajs"] == 5 * 4 * SHORT.group_size
+
+
+def test_a_context_cap_ends_trajectories_and_the_kv_budget_bounds_rows():
+    w = replace(SHORT, max_context=700, kv_tokens=4 * 700)
+    r = simulate(w, Sim(rollout_gpus=2, learner_gpus=1, groups_per_step=2, versions=3))
+    assert r["workload"]["final_context_mean"] <= 700
+    assert r["workload"]["rows_per_step_mean"] <= 4 + 1e-9
+
+
+def test_the_lognormal_pmf_sums_to_one_within_its_bounds():
+    p = lognormal_pmf(12.0, 0.8, 4, 127)
+    assert math.isclose(sum(p), 1.0, rel_tol=1e-9) and all(x == 0 for x in p[:4]) and len(p) == 128
+
+
+def test_bad_settings_are_refused_with_their_values():
+    with pytest.raises(ValueError, match="mode='lockstep'"):
+        simulate(FIXED, Sim(mode="lockstep"))
+    with pytest.raises(ValueError, match="weight_update='swap'"):
+        simulate(FIXED, Sim(weight_update="swap"))
