@@ -21,11 +21,12 @@ import torch
 
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import (AlgoConfig, LearnerConfig, ReplayConfig, algo_dynamic_sampling,
-                                       algo_std_normalize)
+                                       algo_std_normalize, proximal_forward_runs)
 from sonar.cluster.wire.protocol import Trajectory
 from sonar.learner.algo.advantages import compute_advantages, dynamic_sampling_mask, zero_signal_groups
 from sonar.learner.algo.chunked import chunked_logprobs
-from sonar.learner.algo.losses import LossInputs, entropy_from_logits, kl_estimate, policy_loss, sft_loss, token_logprobs
+from sonar.learner.algo.losses import (LossInputs, entropy_from_logits, kl_estimate, policy_loss, sequence_keep, sft_loss,
+                                      token_logprobs)
 from sonar.learner.algo.staleness import apply_staleness, importance_weight_histogram, lag_histogram
 from sonar.learner.batching import Batch, collate, microbatch_loss_scale, rank_packs
 from sonar.learner.collectives import dp_sum, sum_disjoint_rows_
@@ -210,15 +211,14 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
         return m
     batch = collate(trajs, None, pad_id)
     minis = mini_batch_rows(batch.size, algo.mini_batches)
-    updates = algo.ppo_epochs * len(minis)
     kl_reward = ref_module is not None and algo.kl_coef > 0 and algo.kl_mode == "reward"
     # The "old" policy of the PPO ratio: the learner's own logprobs before the first update, fixed for
     # every epoch and mini-batch. With one update they equal the current logprobs, so none is computed
     # (policy_loss then takes logprobs.detach()); with more, the ratio moves from the second update on.
     # recompute_old_logprobs (off_policy none): the old policy is that recomputation too, and it always runs,
-    # so the engine-vs-learner gap is logged every step (veRL's compute_log_prob).
-    recompute = algo.off_policy == "none" and algo.recompute_old_logprobs
-    need_prox = (updates > 1 and algo.off_policy in ("tis", "decoupled")) or recompute
+    # so the engine-vs-learner gap is logged every step (veRL's compute_log_prob). seq_mask always: its
+    # sequences are kept or left out before the first update.
+    need_prox = proximal_forward_runs(algo)
     cur = None
     if need_prox or kl_reward:
         cur = batch_logprobs(stepper.module, batch, temperature, lcfg.micro_batch_tokens, device,
@@ -231,6 +231,11 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
         m[K.LEARNER_SAMPLING_KL_MAX] = float(gap.max()) if gap.numel() else 0.0
         for lag, v in per_lag_mean(gap, batch.loss_mask, [lag_of.get(g, 0) for g in batch.group_ids]).items():
             m[K.LEARNER_SAMPLING_KL_LAG.format(lag=lag)] = v
+        if algo.off_policy == "seq_mask":
+            # Rejected sequences leave the loss mask before any update, so they count in no denominator.
+            keep = sequence_keep(cur, batch.behaviour_logprobs, batch.loss_mask, algo.seq_mask_low, algo.seq_mask_high)
+            m[K.LEARNER_IS_SEQ_MASKED] = float((~keep).sum()) / max(1, len(keep))
+            batch.loss_mask = batch.loss_mask * keep[:, None].to(batch.loss_mask.dtype)
     kl = None
     if kl_reward:
         # KL as a reward penalty: per-token KL(current || ref) of the batch, before the first update.

@@ -168,34 +168,28 @@ def learner_passes(algo, critic_mode: str = "separate", train_policy: bool = Tru
       while a PPO critic warms up (``train_policy=False``);
     - the proximal ("old") logprob recompute, one forward: with more than one update (epochs x mini-batches)
       and ``off_policy`` tis or decoupled, ``seq_mask``, or ``off_policy=none`` with ``recompute_old_logprobs``
-      (``cluster.wire.config.proximal_forward_runs`` where the tree has it), or a KL used as a reward (which
+      (``cluster.wire.config.proximal_forward_runs``), or a KL used as a reward (which
       needs the current logprobs);
     - a KL reference model (``kl_coef`` > 0): ``kl_mode=reward`` one forward of the batch, ``kl_mode=loss``
       one per epoch (inside the update loop);
     - PPO's critic: V_old, one forward; ``critic_mode=separate`` trains a second model of the policy's size
       (one update pass per epoch), ``head`` runs one trunk forward per epoch (only its scalar head trains).
     """
-    get = algo.get if isinstance(algo, dict) else (lambda k, d=None: getattr(algo, k, d))
-    epochs, minis = int(get("ppo_epochs", 1)), int(get("mini_batches", 1))
-    off, kl_coef, kl_mode = get("off_policy", "tis"), float(get("kl_coef", 0.0)), get("kl_mode", "loss")
-    if off == "auto":
-        raise ValueError("algo.off_policy='auto': pass the resolved algo (the config makes it tis in async mode, "
-                         "none in sync mode)")
+    import dataclasses
+
+    from sonar.cluster.wire.config import AlgoConfig, proximal_forward_runs
+
+    if isinstance(algo, dict):
+        known = {f.name for f in dataclasses.fields(AlgoConfig)}
+        algo = AlgoConfig(**{k: v for k, v in algo.items() if k in known})
+    epochs, kl_coef, kl_mode = algo.ppo_epochs, float(algo.kl_coef), algo.kl_mode
     kl_reward = kl_coef > 0 and kl_mode == "reward"
-    try:  # the learner's own statement of when the proximal pass runs, where the tree has it
-        from sonar.cluster.wire.config import proximal_forward_runs
-    except ImportError:
-        proximal_forward_runs = None
-    if proximal_forward_runs is not None and not isinstance(algo, dict):
-        need_prox = proximal_forward_runs(algo)
-    else:  # the same rule, for a dict (or a tree without it): learner/train_step.py
-        need_prox = (epochs * minis > 1 and off in ("tis", "decoupled")) or off == "seq_mask" or (
-            off == "none" and bool(get("recompute_old_logprobs", False)))
+    need_prox = proximal_forward_runs(algo)  # the learner's own statement of when that pass runs
     updates = epochs if train_policy else 0
     forwards = int(need_prox or kl_reward) + int(kl_reward)
     if kl_coef > 0 and kl_mode == "loss" and train_policy:
         forwards += epochs
-    if get("name", "grpo") == "ppo":
+    if algo.name == "ppo":
         forwards += 1  # V_old
         if critic_mode == "separate":
             updates += epochs

@@ -511,7 +511,11 @@ class AlgoConfig:
     policy than the one it trains (a lagging version in async mode; the engine's precision even in sync):
     none (no correction: the PPO ratio against the engine's sampling logprobs, or with
     ``recompute_old_logprobs`` against the learner's own, as the papers' released trainers do),
-    tis (truncated importance weights, ``tis_cap``), decoupled, vtrace. auto: tis when
+    tis (truncated importance weights, ``tis_cap``), decoupled, vtrace, seq_mask (sequence-level masked
+    importance sampling: a sequence whose geometric-mean weight exp(mean(proximal - behaviour)) over its
+    trained tokens lies outside [``seq_mask_low``, ``seq_mask_high``] is left out of the loss and its
+    denominators, the kept tokens weighted as tis; veRL's rollout correction with geometric rejection, after
+    Liu, Li et al. 2025, "When Speed Kills Stability"). auto: tis when
     ``cluster.mode=async``, none when sync, resolved at load (what ``sonar config show`` prints): the
     paper recipes train on-policy as released and take the correction when ``configs/async.yaml`` makes
     them asynchronous."""
@@ -527,6 +531,10 @@ class AlgoConfig:
     tis_cap: float = ranged(2.0, gt=0)
     """Importance weight cap (> 0): ``tis`` truncates the weight exp(proximal - behaviour) to it;
     ``decoupled`` drops the tokens whose weight exceeds it."""
+    seq_mask_low: float = ranged(0.5, gt=0, lt=1)
+    """seq_mask only: sequences whose geometric-mean importance weight is below this (in (0, 1)) are masked."""
+    seq_mask_high: float = ranged(2.0, gt=1)
+    """seq_mask only: sequences whose geometric-mean importance weight is above this (> 1) are masked."""
     vtrace_rho_bar: float = ranged(1.0, gt=0)
     """vtrace only: truncation rho_bar of the per-token importance weight (> 0)."""
     vtrace_c_bar: float = ranged(1.0, gt=0)
@@ -969,7 +977,7 @@ _STAGE_CHOICES = {
     "algo.loss_agg": (None, "token_mean", "seq_mean_token_mean", "seq_sum_norm"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.kl_mode": ("loss", "reward"),
-    "algo.off_policy": ("none", "tis", "decoupled", "vtrace", "auto"),
+    "algo.off_policy": ("none", "tis", "decoupled", "vtrace", "seq_mask", "auto"),
     "reward.name": BUILTIN_NAMES["reward"],
     "reward.variant": ("paper", "code_qwen", "code_llama"),
 }
@@ -994,6 +1002,20 @@ def algo_std_normalize(a: AlgoConfig) -> bool:
 def algo_dynamic_sampling(a: AlgoConfig) -> bool:
     """Resolved ``algo.dynamic_sampling``: the explicit value, else True for grpo and dr_grpo only."""
     return a.dynamic_sampling if a.dynamic_sampling is not None else a.name in ("grpo", "dr_grpo")
+
+
+def proximal_forward_runs(a: AlgoConfig) -> bool:
+    """Whether a learner step recomputes the batch's logprobs in one no-grad pass before its first update
+    (the proximal policy): tis or decoupled with several updates (``ppo_epochs`` x ``mini_batches``),
+    seq_mask always (its mask is decided before the update), none with ``recompute_old_logprobs``.
+    A reward-mode KL runs the same pass for its own use (``learner/train_step.py``). The one statement of
+    it: the learner and the benchmarks' learner cost read it here."""
+    if a.off_policy == "auto":
+        raise ValueError("algo.off_policy='auto' is resolved at load (tis in async mode, none in sync): pass the "
+                         "resolved algo")
+    updates = a.ppo_epochs * a.mini_batches
+    return ((updates > 1 and a.off_policy in ("tis", "decoupled")) or a.off_policy == "seq_mask"
+            or (a.off_policy == "none" and a.recompute_old_logprobs))
 
 
 def algo_loss_agg(a: AlgoConfig) -> str:

@@ -67,6 +67,9 @@ each version of staleness costs in distance between the policy that sampled and 
 LEARNER_IS_BEYOND_CAP = "learner/is_weight/beyond_cap"
 """Share of trained tokens whose importance weight exp(proximal - behaviour) at batch start exceeds
 ``algo.tis_cap`` (the tokens tis truncates and decoupled drops)."""
+LEARNER_IS_SEQ_MASKED = "learner/is_weight/seq_masked"
+"""``algo.off_policy=seq_mask``: share of the batch's sequences left out of the loss (geometric-mean weight
+outside [seq_mask_low, seq_mask_high])."""
 LEARNER_IS_BEYOND_CAP_LAG = "learner/is_weight/beyond_cap/lag/{lag}"
 """The same, over the groups trained at policy lag ``lag``."""
 LEARNER_IS_WEIGHT_LAG_HIST = "learner/is_weight/lag/{lag}/hist/{bin}"

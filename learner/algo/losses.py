@@ -37,7 +37,7 @@ from sonar.cluster.wire.config import AlgoConfig, algo_loss_agg
 from sonar.learner.algo.chunked import scaled_entropy, scaled_logprobs  # the per-token formulas, shared
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_sum_norm")
-OFF_POLICY = ("none", "tis", "decoupled", "vtrace")
+OFF_POLICY = ("none", "tis", "decoupled", "vtrace", "seq_mask")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_MODES = ("loss", "reward")
 LOG_RATIO_CLAMP = 20.0
@@ -303,6 +303,19 @@ def _check_algo(cfg: AlgoConfig) -> None:
             raise ValueError(f"algo.{key}={value!r} is not one of {list(allowed)}")
 
 
+def sequence_keep(proximal: Tensor, behaviour: Tensor, mask: Tensor, low: float, high: float) -> Tensor:
+    """[B] bool: the sequences ``seq_mask`` keeps. A sequence's geometric-mean importance weight is
+    exp(mean over its trained tokens of (proximal - behaviour)); it is kept when that lies in [low, high].
+    The geometric mean, not the product: a product over hundreds of tokens rejects every long sequence for
+    a small per-token mismatch (Liu, Li et al. 2025). A sequence without trained tokens is kept (it adds
+    nothing)."""
+    m = (mask > 0).to(proximal.dtype)
+    n = m.sum(dim=1)
+    log_w = ((proximal - behaviour).to(proximal.dtype) * m).sum(dim=1) / n.clamp(min=1.0)
+    g = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    return ((g >= low) & (g <= high)) | (n == 0)
+
+
 def policy_loss(inp: LossInputs, cfg: AlgoConfig) -> LossOutput:
     """The policy-gradient loss of every Sonar algorithm, with the chosen off-policy correction.
 
@@ -327,6 +340,8 @@ def policy_loss(inp: LossInputs, cfg: AlgoConfig) -> LossOutput:
             w = exp(prox - mu) *uncapped*, except that tokens with w > tis_cap are dropped
             (weight 0), as AReaL's ``behav_imp_weight_cap`` does (tis truncates, decoupled drops).
             With prox == mu this is exactly ``none``.
+          - ``seq_mask``: as tis, on the sequences ``sequence_keep`` kept (the caller removes the others
+            from the mask, and so from the denominators, before any update).
           - ``vtrace``: no PPO clip. pg_adv from ``vtrace_token_advantages`` (rho_bar =
             ``vtrace_rho_bar``, c_bar = ``vtrace_c_bar``, pi = current logprobs detached) and
             loss_t = -pg_adv_t * logp_t. On-policy with rho_bar, c_bar >= 1 this is the plain
@@ -372,7 +387,7 @@ def policy_loss(inp: LossInputs, cfg: AlgoConfig) -> LossOutput:
             prox = inp.proximal_logprobs.detach().to(lp.dtype) if inp.proximal_logprobs is not None else lp.detach()
             old = torch.where(m, prox, zeros)
             w = torch.exp(torch.where(m, old - mu, zeros).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-            if cfg.off_policy == "tis":
+            if cfg.off_policy in ("tis", "seq_mask"):  # seq_mask's rejected sequences left the mask already
                 weight = w.clamp(max=cfg.tis_cap)
             else:
                 keep = w <= cfg.tis_cap

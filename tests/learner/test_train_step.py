@@ -264,6 +264,54 @@ def test_off_policy_metrics_per_policy_lag():
     assert kl / (tokens[0] + tokens[1]) == pytest.approx(m["learner/sampling_kl/mean"], rel=1e-5)
 
 
+def test_sequence_keep_is_the_geometric_mean_weight_inside_the_bounds():
+    from sonar.learner.algo.losses import sequence_keep
+
+    mu = torch.zeros(4, 3)
+    prox = torch.tensor([[0.0, 0.0, 0.0],            # weight 1: kept
+                         [2.0, -2.0, 0.9],           # mean 0.3: exp 1.35, kept (a product would be 2.46: kept too)
+                         [1.0, 1.0, 9.0],            # mean of the two trained (1.0): e = 2.72 > 2: masked
+                         [-1.0, -1.0, -1.0]])        # exp(-1) = 0.37 < 0.5: masked
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]])
+    assert sequence_keep(prox, mu, mask, 0.5, 2.0).tolist() == [True, True, False, False]
+    assert sequence_keep(prox, mu, torch.zeros(4, 3), 0.5, 2.0).tolist() == [True] * 4  # nothing trained: kept
+    long = torch.full((1, 200), 0.01)  # a small mismatch on many tokens: the product (e^2) would reject it
+    assert sequence_keep(long, torch.zeros(1, 200), torch.ones(1, 200), 0.5, 2.0).tolist() == [True]
+
+
+def test_seq_mask_leaves_rejected_sequences_out_of_the_loss_and_its_denominators():
+    from sonar.cluster.wire.config import proximal_forward_runs
+
+    g = groups(4)
+    for t in g[2]:  # sampled at logprob -50: the learner's own is far higher, the weight far beyond 2
+        for seg in t.segments:
+            if seg.kind == SegmentKind.MODEL:
+                seg.logprobs = np.full(len(seg.token_ids), -50.0, np.float32)
+    # Wide bounds: the other groups' random sampling logprobs stay inside; exp(46) does not.
+    algo = AlgoConfig(dynamic_sampling=False, off_policy="seq_mask", seq_mask_low=1e-3, seq_mask_high=1e3)
+    assert proximal_forward_runs(algo)
+    model = tiny_model()
+    m = rl_step(TorchStepper(model, torch.optim.SGD(model.parameters(), lr=0.0), 0.0), g, [0, 0, 0], algo,
+                LearnerConfig(), ReplayConfig(), 1.0, 0)
+    kept = [t for grp in g[:2] for t in grp]
+    model_tokens = sum(len(s.token_ids) for t in kept for s in t.segments if s.kind == SegmentKind.MODEL)
+    assert m["learner/is_weight/seq_masked"] == pytest.approx(4 / 12)
+    assert m["learner/trained_tokens"] == model_tokens  # the masked group's tokens count nowhere
+
+
+def test_proximal_forward_runs_when_the_algorithm_needs_it():
+    from sonar.cluster.wire.config import proximal_forward_runs
+
+    assert not proximal_forward_runs(AlgoConfig(off_policy="tis"))  # one update: prox == current logprobs
+    assert proximal_forward_runs(AlgoConfig(off_policy="tis", mini_batches=2))
+    assert proximal_forward_runs(AlgoConfig(off_policy="decoupled", ppo_epochs=2))
+    assert not proximal_forward_runs(AlgoConfig(off_policy="vtrace", ppo_epochs=2))
+    assert proximal_forward_runs(AlgoConfig(off_policy="none", recompute_old_logprobs=True))
+    assert not proximal_forward_runs(AlgoConfig(off_policy="none"))
+    with pytest.raises(ValueError, match="resolved"):
+        proximal_forward_runs(AlgoConfig(off_policy="auto"))
+
+
 @pytest.mark.slow
 def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_afterwards():
     """The learner's DeepSpeed import skips the autotuner's ``import mlflow`` (2-3 s of every learner's
