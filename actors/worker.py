@@ -170,7 +170,8 @@ class RolloutWorker:
         self._error: str | None = None
         self._last_progress = time.monotonic()
         self._stats = {"groups": 0, "trajectories": 0, "model_tokens": 0, "searches": 0, "gen_s": 0.0,
-                       "retrieve_s": 0.0, "requeued": 0}
+                       "retrieve_s": 0.0, "requeued": 0, "busy_s": 0.0}
+        self._working, self._busy_since = 0, 0.0  # claimed requests in flight; when the count left 0
         self._recent: list[dict] = []
         self._lock = threading.Lock()
         self._data_cache: dict = {}
@@ -300,10 +301,23 @@ class RolloutWorker:
                 raise RuntimeError(f"worker {self.worker_id}: rollout loop did not stop within {timeout_s}s")
         return self.health()
 
+    def _work(self, delta: int) -> None:
+        """A claimed request starts (+1) or ends (-1): ``busy_s`` counts the seconds with at least one in
+        flight, the rollout side's measured busy time (``reports.SplitMeter`` turns it into idle shares)."""
+        with self._lock:
+            now = time.monotonic()
+            if delta > 0 and self._working == 0:
+                self._busy_since = now
+            self._working += delta
+            if delta < 0 and self._working == 0:
+                self._stats["busy_s"] += now - self._busy_since
+
     def health(self) -> dict:
         with self._lock:
             recent, self._recent = self._recent, []
             stats = dict(self._stats)
+            if self._working:  # the busy period in progress counts up to now
+                stats["busy_s"] += time.monotonic() - self._busy_since
         alive = self._thread is not None and self._thread.is_alive()
         return {"worker_id": self.worker_id, "alive": alive, "error": self._error,
                 "idle_s": time.monotonic() - self._last_progress, "version": self.engine.version,
@@ -426,6 +440,17 @@ async def _aproduce(w: "RolloutWorker", replay, stage_index: int, stage: StageCo
         w._last_progress = time.monotonic()  # alive, held back by the budget (the learner is behind)
         await asyncio.sleep(0.05)  # a closed queue answers at once: do not spin on it
         return
+    w._work(+1)
+    try:
+        await _produce_claimed(w, replay, stage_index, stage, idx, seed)
+    finally:
+        w._work(-1)
+    w._last_progress = time.monotonic()
+
+
+async def _produce_claimed(w: "RolloutWorker", replay, stage_index: int, stage: StageConfig, idx: list[int],
+                           seed: int) -> None:
+    """Roll out the claimed prompts ``idx`` and hand each group to the replay (or requeue it)."""
     items = [w._prompt_item(i, stage) for i in idx]
 
     async def hand_off(j: int, group: list[Trajectory]) -> None:
@@ -453,7 +478,6 @@ async def _aproduce(w: "RolloutWorker", replay, stage_index: int, stage: StageCo
     with w._lock:
         w._stats["gen_s"] += rstats.generate_s
         w._stats["retrieve_s"] += rstats.retrieve_s
-    w._last_progress = time.monotonic()
 
 
 async def _arollout(w: "RolloutWorker", items, stage_index: int, stage: StageConfig, temperature: float,

@@ -11,8 +11,8 @@ import time
 from sonar.cluster.driver.colocate import Colocation
 from sonar.cluster.driver.critical_path import StepClock
 from sonar.cluster.driver.data import stage_questions, write_stage_prompts
-from sonar.cluster.driver.reports import (StageProgress, Throughput, evaluate, print_summary, record_prompts, replay_metrics,
-                                         retrieval_metrics, step_log_line)
+from sonar.cluster.driver.reports import (StageProgress, Throughput, evaluate, print_summary, record_prompts,
+                                         replay_metrics, retrieval_metrics, split_meter, step_log_line)
 from sonar.cluster.driver.roles import (Hooks, Roles, check_retrieval, export_model, kill_roles, maybe_checkpoint,
                                        maybe_resume, prepare_demonstrations, save_checkpoint, start_roles, stop_roles)
 from sonar.cluster.driver.faults import auto_resume_config, learner_died
@@ -143,7 +143,7 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
     # A worker restarted from here on starts its rollout loop too. Async: wait only until each loop has
     # started; they run until end_stage.
     roles.pool.begin_stage(index, stage)
-    steps, t_stage, throughput = start_step, time.monotonic(), Throughput()
+    steps, t_stage, throughput, split = start_step, time.monotonic(), Throughput(), split_meter(cfg)
     pool = Pool(cfg, len(roles.workers))  # resizes an elastic rollout pool at step boundaries (pool.py)
     clock = StepClock()  # the step's wall time split along the critical path (critical_path.py)
     colocation = Colocation(cfg, roles)  # colocated placement: engines and learner take turns (colocate.py)
@@ -186,6 +186,7 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
             m.update(replay_metrics(roles))  # waits for the replay's counters (one small actor call)
             m.update(pool.step(roles.pool, res.metrics.get(K.LEARNER_WAIT_S, 0.0), int(m[K.REPLAY_DEPTH])))  # may resize
             m.update(throughput.tick(m))
+            m.update(split.tick(m, len(roles.workers)) if split else {})  # each side's idle share, the balancing split
             if steps % 10 == 0 or steps == stage.steps:
                 m.update(retrieval_metrics(roles))  # waits for every retrieval replica's stats
         m.update(clock.finish(m))  # this step's split; run.log and the checkpoint go to the next step's log_s

@@ -146,6 +146,57 @@ class Throughput:
         return out
 
 
+def balanced_rollout_share(rollout_busy: float, rollout_units: float, learner_busy: float,
+                           learner_units: float) -> float | None:
+    """The share of the devices the rollout side would get if both sides' measured work were balanced
+    (AReaL's allocation mode, veRL's rollout:trainer ratio, from measurement instead of a guess).
+
+    ``*_busy``: each side's busy share of the wall time (0..1), ``*_units``: its devices. Its work is
+    busy x units device-seconds per second; a split that gives each side devices in proportion to its
+    work leaves neither idle waiting for the other (to first order: work that scales with devices).
+    None when neither side did any work."""
+    work_r, work_l = max(0.0, rollout_busy) * rollout_units, max(0.0, learner_busy) * learner_units
+    if work_r + work_l <= 0:
+        return None
+    return work_r / (work_r + work_l)
+
+
+class SplitMeter:
+    """Each side's idle share between consecutive trained steps (split placement), and the split that would
+    balance them. The rollout side's busy seconds come from the workers (``rollout/busy_s``, cumulative;
+    a replaced worker restarts its count, so a negative difference counts as 0); the learner's are its step
+    time and the weight push. Devices: ``per_worker`` per rollout worker (its GPUs; 1 on CPU) and
+    ``learner`` for the learner (its ranks' GPUs; its ranks on CPU)."""
+
+    def __init__(self, per_worker: float, learner: float, clock=time.monotonic):
+        self.per_worker, self.learner, self.clock = per_worker, learner, clock
+        self.t, self.busy = clock(), None
+
+    def tick(self, m: dict, workers: int) -> dict:
+        now, busy = self.clock(), m.get(K.ROLLOUT_BUSY_S)
+        out = {}
+        dt = now - self.t
+        if self.busy is not None and busy is not None and dt > 0 and workers > 0:
+            r_busy = min(1.0, max(0.0, busy - self.busy) / (workers * dt))
+            l_busy = min(1.0, (m.get(K.LEARNER_STEP_TIME, 0.0) + m.get(K.WEIGHTS_SYNC_S, 0.0)) / dt)
+            units = workers * self.per_worker
+            out = {K.ROLLOUT_IDLE_SHARE: 1.0 - r_busy, K.LEARNER_IDLE_SHARE: 1.0 - l_busy,
+                   K.ROLLOUT_DEVICE_SHARE: units / (units + self.learner)}
+            share = balanced_rollout_share(r_busy, units, l_busy, self.learner)
+            if share is not None:
+                out[K.ROLLOUT_BALANCED_SHARE] = share
+        self.t, self.busy = now, busy
+        return out
+
+
+def split_meter(cfg: Config) -> SplitMeter | None:
+    """The stage's ``SplitMeter``; None in colocated placement (one pool of devices: nothing to split)."""
+    if cfg.cluster.placement == "colocated":
+        return None
+    return SplitMeter(cfg.rollout.num_gpus_per_worker or 1.0,
+                      cfg.learner.num_ranks * (min(1.0, cfg.learner.num_gpus) or 1.0))
+
+
 def retrieval_metrics(roles: Roles) -> dict:
     """Service-side retrieval metrics (QPS, latency, batch size, cache hit rate, errors by kind)."""
     import ray
