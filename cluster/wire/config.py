@@ -401,8 +401,10 @@ class RolloutConfig:
     too (no host copy: the push after every step brings them back). The HF engine moves its model to host
     memory at either level. On CPU there is no device memory to release, so a sleep marks the engine asleep
     (it refuses to generate) and frees nothing (``actors/worker.py``)."""
-    weight_update: str = "pause"
-    """vllm engine: how a weight push lands while rows are being generated. pause: no new rows start,
+    weight_update: str = "auto"
+    """vllm engine: how a weight push lands while rows are being generated. auto (resolved at load):
+    interrupt in async mode, where rows are always in flight when a push comes and partial rollouts pay
+    (no push waits for the longest row), pause in sync mode (no row is in flight at a push). pause: no new rows start,
     the rows in flight finish under the old weights, then the load (no row mixes two versions);
     interrupt: the rows in flight are aborted, the weights load, and each row resumes from its prefix
     under the new weights (AReaL's interruptible rollout: no waiting, and the row's MODEL segment
@@ -953,7 +955,7 @@ _CHOICES = {
     "retrieval.backend": BUILTIN_NAMES["retriever"],
     "retrieval.rerank": ("none", "dense", "cross"),
     "rollout.engine": ("hf", "vllm"),
-    "rollout.weight_update": ("pause", "interrupt"),
+    "rollout.weight_update": ("pause", "interrupt", "auto"),
     "rollout.vllm_dtype": ("auto", "float32", "bfloat16", "float16"),
     "cluster.mode": ("async", "sync"),
     "cluster.placement": ("split", "colocated"),
@@ -1189,11 +1191,17 @@ def validate(cfg: Config, notes: Optional[list] = None) -> Config:
 
 def resolve_auto(cfg: Config) -> Config:
     """Values that depend on another section, made concrete (idempotent): ``stages.N.algo.off_policy=auto``
-    is tis in async mode and none in sync mode (``AlgoConfig.off_policy``)."""
-    concrete = "tis" if cfg.cluster.mode == "async" else "none"
+    is tis in async mode and none in sync mode (``AlgoConfig.off_policy``); ``rollout.weight_update=auto``
+    is interrupt in async mode and pause in sync mode (``RolloutConfig.weight_update``)."""
+    is_async = cfg.cluster.mode == "async"
+    concrete = "tis" if is_async else "none"
     stages = [dataclasses.replace(st, algo=dataclasses.replace(st.algo, off_policy=concrete))
               if st.algo.off_policy == "auto" else st for st in cfg.stages]
-    return cfg if stages == list(cfg.stages) else dataclasses.replace(cfg, stages=stages)
+    out = cfg if stages == list(cfg.stages) else dataclasses.replace(cfg, stages=stages)
+    if out.rollout.weight_update == "auto":
+        out = dataclasses.replace(out, rollout=dataclasses.replace(
+            out.rollout, weight_update="interrupt" if is_async else "pause"))
+    return out
 
 
 def _check_memory(cfg: Config) -> None:

@@ -114,9 +114,11 @@ def test_recipes_are_on_policy_and_async_yaml_changes_only_the_mode_the_lag_and_
     assert {st.algo.off_policy for st in asyn.stages} == {"tis"}
     # overlap needs GPUs of its own: a colocated recipe becomes split (twice the GPUs), its learner resident
     assert (asyn.cluster.placement, asyn.learner.offload_while_generating) == ("split", False)
+    # a push in async mode finds rows in flight: they continue under the new weights (partial rollouts)
+    assert (sync.rollout.weight_update, asyn.rollout.weight_update) == ("pause", "interrupt")
     a, b = to_dict(sync), to_dict(asyn)
     for d in (a, b):
-        d["cluster"].pop("mode"), d["replay"].pop("max_policy_lag")
+        d["cluster"].pop("mode"), d["replay"].pop("max_policy_lag"), d["rollout"].pop("weight_update")
         d["cluster"].pop("placement"), d["learner"].pop("offload_while_generating")
         for st in d["stages"]:
             st["algo"].pop("off_policy")
@@ -129,6 +131,12 @@ def test_off_policy_auto_is_resolved_at_load_and_an_explicit_choice_is_kept():
     cfg = load_config([], ["cluster.mode=async", "stages.0.algo.off_policy=auto"])
     assert cfg.stages[0].algo.off_policy == "tis"
     assert load_config([], ["cluster.mode=sync"]).stages[0].algo.off_policy == "tis"  # the default stays explicit
+
+
+def test_weight_update_auto_is_interrupt_in_async_mode_and_pause_in_sync():
+    assert load_config([], ["cluster.mode=async"]).rollout.weight_update == "interrupt"
+    assert load_config([], ["cluster.mode=sync"]).rollout.weight_update == "pause"
+    assert load_config([], ["cluster.mode=async", "rollout.weight_update=pause"]).rollout.weight_update == "pause"
 
 
 def test_config_show_prints_the_upstream_values(capsys):
