@@ -347,6 +347,7 @@ def measure(res: dict, cfg, sim=None) -> dict:
             "mfu": flops / (wall * gpus * R.PEAK_BF16_FLOPS),
             "sim_learner_s": sum(series(h, "sim/learner_s")),
         })
+    m.update(steady_state(res, series(h, K.LEARNER_GROUPS), cfg.rollout.group_size, wall))
     groups = sum(series(h, K.LEARNER_GROUPS))
     m["zero_signal_share"] = sum(series(h, K.LEARNER_GROUPS_ZERO_SIGNAL)) / groups if groups else float("nan")
     if any("engine_steps" in w for w in workers):
@@ -450,6 +451,25 @@ TIMELINE_PHASES = (("generate_sync", K.CRIT_GENERATE_SYNC), ("queue_wait", K.CRI
 what the learner side spent each step on (sync: generating the batch first; async: waiting for groups)."""
 
 
+def steady_state(res: dict, groups_per_step: list[float], group_size: int, wall: float) -> dict:
+    """Throughput in steady state, with the start and the end reported apart (issue 52): the trajectories
+    handed to the learner in steps 2..N over the time from the end of step 1 to the end of step N
+    (``steady_trained_traj_per_s``), the first step's seconds from the stage's start (``first_step_s``:
+    the pipeline filling, the first weights) and the seconds after the last step until the stage ended
+    (``drain_s``: in-flight work stopped, the replay drained). Needs 3 steps or more."""
+    from sonar.bench.driver_harness import rl_stage
+
+    t0 = rl_stage(res)["t_start"]
+    ends = [t - t0 for t in res.get("step_times", [])]
+    out: dict = {}
+    if ends:
+        out["first_step_s"], out["drain_s"] = ends[0], max(0.0, wall - ends[-1])
+    n = min(len(ends), len(groups_per_step))
+    if n >= 3 and ends[n - 1] > ends[0]:
+        out["steady_trained_traj_per_s"] = sum(groups_per_step[1:n]) * group_size / (ends[n - 1] - ends[0])
+    return out
+
+
 def timeline(history: list[dict], res: dict, slots: int) -> dict:
     """One run's timeline, per RL step: when it ended (seconds into the RL stage, the driver's ``on_step``
     times), the learner side's critical-path phases in seconds (``TIMELINE_PHASES``), and per rollout
@@ -537,7 +557,7 @@ def run_setting(base_overrides: list[str], mode: str, lag: int | None, model_pat
 
 
 # ------------------------------------------------------------------------------------ the benchmark
-REPORTED = ("trained_traj_per_s", "generated_traj_per_s", "generated_tokens_per_s", "stale_share",
+REPORTED = ("trained_traj_per_s", "steady_trained_traj_per_s", "first_step_s", "drain_s", "generated_traj_per_s", "generated_tokens_per_s", "stale_share",
             "generated_per_trained", "generated_tokens_per_trained_traj", "decode_row_steps_per_trained_traj",
             "decode_steps_per_worker", "engine_mean_live_rows", "zero_signal_share", "sim_overrun_step_share",
             "ctx_admitted_mean", "generated_tokens_per_s_per_gpu", "trained_tokens_per_s_per_gpu", "mfu",
@@ -566,6 +586,11 @@ def speedup(base: dict, run: dict, clock: str) -> float:
     return per_traj(base) / per_traj(run)
 
 
+def _ratio(a: float | None, b: float | None) -> float:
+    """a / b, NaN where either is missing or b is not positive."""
+    return float(a) / float(b) if a is not None and b is not None and b > 0 else float("nan")
+
+
 def compare(per: dict[str, list[dict]], lags: list[int], margins: dict | None = None, alpha: float = ALPHA,
             baseline: str = "sync") -> dict:
     """Per lag, from the seeds (paired per seed: run i of sync against run i of the async setting):
@@ -582,6 +607,9 @@ def compare(per: dict[str, list[dict]], lags: list[int], margins: dict | None = 
         pairs = list(zip(sync, a))
         row: dict = {
             "speedup_rl_loop": _ci([speedup(s, x, "wall_s") for s, x in pairs]),
+            # the steady-state ratio, start-up of the pipeline and the stage-end drain left out
+            "speedup_steady": _ci([_ratio(x["metrics"].get("steady_trained_traj_per_s"),
+                                          s["metrics"].get("steady_trained_traj_per_s")) for s, x in pairs]),
             "speedup_with_startup": _ci([speedup(s, x, "wall_with_startup_s") for s, x in pairs]),
             "speedup_command": _ci([speedup(s, x, "command_s") for s, x in pairs]),
         }

@@ -163,3 +163,14 @@ def test_ray_is_sized_for_the_largest_settings_roles():
     assert colocated.rollout.num_workers == 6 and cfg.cluster.num_cpus >= need
     fixed, _ = load_cfg([A.CONFIG], ["cluster.num_cpus=3"])
     assert A.ray_sizing(fixed, sim, {"baselines": ["sync"], "lags": [2], "overrides": []}).cluster.num_cpus == 3
+
+
+def test_steady_state_throughput_leaves_out_the_first_step_and_the_drain():
+    # steps end at 10, 12, 14, 16 s into the stage, which ends at 25 s; 8, 8, 8, 8 groups of 4
+    res = {"stages": [{"kind": "rl", "history": [], "loop_seconds": 25.0, "workers": [], "t_start": 100.0}],
+           "step_times": [110.0, 112.0, 114.0, 116.0]}
+    out = A.steady_state(res, [8.0, 8.0, 8.0, 8.0], 4, 25.0)
+    assert out["steady_trained_traj_per_s"] == pytest.approx(3 * 8 * 4 / 6.0)
+    assert (out["first_step_s"], out["drain_s"]) == (10.0, 9.0)
+    assert "steady_trained_traj_per_s" not in A.steady_state(res, [8.0, 8.0], 4, 25.0)  # under 3 steps
+    assert A._ratio(2.0, 0.0) != A._ratio(2.0, 0.0)  # NaN, not a ZeroDivisionError
