@@ -138,6 +138,8 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
     questions = stage_questions(cfg, stage)
     write_stage_prompts(run.dir, index, questions)
     ray.get(roles.replay.set_num_prompts.remote(len(questions)))
+    # Wait: claims from here start only what the stage's remaining steps train (nothing left to requeue at its end).
+    ray.get(roles.replay.set_stage_demand.remote((stage.steps - start_step) * cfg.learner.groups_per_step))
     ray.get(roles.replay.reopen.remote())  # wait: the previous stage closed the replay; workers put next
     sync = cfg.cluster.mode == "sync"
     # A worker restarted from here on starts its rollout loop too. Async: wait only until each loop has

@@ -56,6 +56,11 @@ drives this same code with simulated engines and learner):
   position up to the engines' capacity passes at once (Little's law: positions <= gen_s / take_s * B),
   so it throttles only the learner-bound side. Before the first measured take it admits as before.
 
+- *Only what the stage trains.* With the stage's demand set (``set_stage_demand``: its remaining steps x B
+  groups), no claim starts a group beyond what the stage's learner steps will take (groups handed out
+  this stage + claimed + queued): at the stage's end nothing is left generating only to be requeued, and
+  the stage-end drain does not wait for such work. A group dropped as stale leaves room for another.
+
 Prompts: workers claim prompt indices from a seeded epoch permutation. A claim is released when its
 group is put; the claims of a dead worker are requeued at the front, so no prompt is lost. A put is
 accepted only against an outstanding claim (one claim admits one group), so a put that outlived its
@@ -195,6 +200,9 @@ class ReplayCore:
         self.waiting: dict[int, int] = {}
         """Claim calls waiting for room, per worker (``ReplayQueue.claim`` registers them): least loaded first."""
         self._claimed_at: dict[tuple[int, int], float] = {}  # (worker, prompt) -> clock at its claim
+        self.stage_demand: int | None = None
+        """Groups the current stage's remaining learner steps take (None: no bound)."""
+        self._stage_base = 0  # consumed_groups when the demand was set
         self.handed_at_version = 0
         """Groups handed to the learner at ``learner_version`` (its current step's batch so far)."""
         if stale_policy not in ("drop", "downweight"):
@@ -236,6 +244,18 @@ class ReplayCore:
             return None
         return (version + self.max_lag + 1 - self.learner_version) * self.groups_per_step - self.handed_at_version
 
+    def set_stage_demand(self, groups: int | None) -> None:
+        """The stage's learner steps from here will take ``groups`` groups (None: unbounded)."""
+        if groups is not None and groups < 0:
+            raise ValueError(f"stage demand {groups} must be >= 0 groups")
+        self.stage_demand, self._stage_base = groups, self.counts["consumed_groups"]
+
+    def stage_left(self) -> int | None:
+        """Groups the stage will still take and nothing claimed or queued covers yet (None: unbounded)."""
+        if self.stage_demand is None:
+            return None
+        return self.stage_demand - (self.counts["consumed_groups"] - self._stage_base) - self.inflight()
+
     def load(self, worker_id: int) -> int:
         """Groups ``worker_id`` has claimed and not yet put."""
         return len(self.claims.get(worker_id, ()))
@@ -263,6 +283,9 @@ class ReplayCore:
             return True
         if worker_id is not None and (not self._fits_worker(worker_id, n) or self.defers(worker_id, n)):
             return False
+        left = self.stage_left()
+        if left is not None and (left <= 0 or (n > left and self.inflight() > 0)):
+            return False  # the stage's steps are covered: more would only be requeued at its end
         slots = self.fresh_slots(version)
         if slots is not None and slots <= 0:
             return False  # stale before any take: wait for newer weights (the next push brings them)
@@ -550,6 +573,10 @@ class ReplayQueue:
         return {"groups": [g[0] for g in got], "lags": [g[1] for g in got], "prompts": [g[2] for g in got],
                 "dropped": dropped, "dropped_prompts": dropped_prompts,
                 "timed_out": len(got) < n_groups}
+
+    async def set_stage_demand(self, groups: int | None) -> None:
+        """``ReplayCore.set_stage_demand``: the driver calls it when an RL stage (or its resume) starts."""
+        self.core.set_stage_demand(groups)
 
     async def set_learner_version(self, version: int) -> None:
         self.core.advance(version)

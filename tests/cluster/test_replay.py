@@ -742,3 +742,29 @@ def test_queue_grants_room_to_the_least_loaded_waiting_worker():
         assert await w0 == []
 
     asyncio.run(scenario())
+
+
+def test_no_claim_starts_a_group_the_stage_will_not_train():
+    core = _sched(B=4)
+    core.set_stage_demand(10)  # 2.5 steps' worth left in the stage
+    assert core.may_claim(4)
+    core.claim(0, 4)
+    core.claim(0, 4)
+    assert core.stage_left() == 2 and core.may_claim(2) and not core.may_claim(3)  # 3 > 2 with work in flight
+    core.claim(1, 2)
+    assert core.stage_left() == 0 and not core.may_claim(1)
+    for w in (0, 1):
+        for p in list(core.claims[w]):
+            core.add(group(p, 0, worker=w))
+    out, _ = core.take(4, 0, whole=True)
+    assert len(out) == 4 and core.stage_left() == 0  # handed out counts against the demand too
+    out, dropped = core.take(4, 20, whole=True)  # lag 20 > 10: the queued groups are dropped, their room comes back
+    assert out == [] and dropped == 6 * 4 and core.stage_left() == 6
+    assert core.may_claim(4)
+    core.set_stage_demand(None)
+    assert core.stage_left() is None
+    lone = _sched(B=4)
+    lone.set_stage_demand(1)
+    assert lone.may_claim(2)  # nothing in flight: a request larger than what is left still runs
+    with pytest.raises(ValueError, match="stage demand -1"):
+        lone.set_stage_demand(-1)
