@@ -308,6 +308,9 @@ class RolloutPool:
                 if change is not None:
                     change()
                     change = None
+                    if self.replay is not None:  # each worker's share of the budget follows the pool's size
+                        ray.get(self.replay.set_workers.remote(len(self.workers)),
+                                timeout=self.cfg.cluster.step_timeout_s)
                 if running:
                     ray.get(self.replay.reopen.remote(), timeout=self.cfg.cluster.step_timeout_s)
                 self._stale = False
@@ -437,8 +440,12 @@ class RolloutPool:
     def begin_stage(self, index: int, stage: StageConfig) -> None:
         """An RL stage starts: from here a replaced worker starts its rollout loop too; in async mode every
         loop starts now (and runs until ``end_stage``)."""
+        import ray
+
         self.active = (index, stage)
         self._unlogged = []  # the previous stage's unlogged rollouts are not this stage's metrics
+        # Wait: each worker's share of the admission budget is set before any loop claims.
+        ray.get(self.replay.set_workers.remote(len(self.workers)), timeout=self.cfg.cluster.step_timeout_s)
         if self.cfg.cluster.mode != "sync":
             self.call("start", lambda w, i: w.start.remote(self.replay, index, stage))
 

@@ -768,3 +768,20 @@ def test_no_claim_starts_a_group_the_stage_will_not_train():
     assert lone.may_claim(2)  # nothing in flight: a request larger than what is left still runs
     with pytest.raises(ValueError, match="stage demand -1"):
         lone.set_stage_demand(-1)
+
+
+def test_each_worker_holds_at_most_its_share_of_the_budget():
+    core = _sched(capacity=8, budget=24)
+    assert core.worker_cap() == 8  # pool size unknown: the engine's capacity alone
+    core.set_workers(4)
+    assert core.worker_cap() == 6  # ceil(24 / 4): three early workers cannot take all 24
+    for w in range(3):
+        core.claim(w, 6)
+        assert not core.may_claim(2, worker_id=w)
+    assert core.may_claim(2, worker_id=3)  # the late worker still finds its share
+    core.set_workers(5)
+    assert core.worker_cap() == 5
+    core.set_workers(2)
+    assert core.worker_cap() == 8  # the engine's capacity bounds a larger share
+    with pytest.raises(ValueError, match="workers=-1"):
+        core.set_workers(-1)

@@ -173,6 +173,9 @@ class Replay:
         self.log.append(("release_worker", i))
         return 3
 
+    def set_workers(self, n: int) -> None:
+        self.workers = n  # not in the log: the order tests read the calls that pause and resume the loops
+
     def close(self):
         self.log.append(("close",))
 
