@@ -175,22 +175,34 @@ def setting_overrides(mode: str, lag: int | None, cfg0, sim0=None) -> list[str]:
     if mode == "sync":
         return lockstep + [f"replay.capacity_groups={gps}"]
     if mode == "sync_full":
-        full = max(gps, cfg0.rollout.num_workers * cfg0.rollout.max_batch_rows // cfg0.rollout.group_size)
-        i = rl_stage_index(cfg0)
-        steps = math.ceil(cfg0.stages[i].steps * gps / full)
-        return lockstep + [f"learner.groups_per_step={full}", f"replay.capacity_groups={full}",
-                           f"stages.{i}.steps={steps}"]
+        return lockstep + full_batch(cfg0, cfg0.rollout.num_workers)
     if mode == "colocated":
+        # veRL's default layout, as a peer runs it: every GPU generates the full batch its engines hold, then
+        # every GPU trains it. Sonar's real colocated placement (the engines sleep, the learner steps, the
+        # weights are handed over on the device, the engines wake: cluster/driver/colocate.py), with the
+        # GPUs' switch cost simulated (sim.colocated_switch_s) since a CPU sleep frees nothing.
         if sim0 is None or sim0.learner_cost == "none":
             raise ValueError("the colocated baseline needs a simulated learner (sim.learner_cost=flops_7b, e.g. "
                              "--workload reference-7b): the CPU learner cannot be spread over the rollout GPUs")
         gpus = cfg0.rollout.num_workers + sim0.learner_gpus
-        return lockstep + [f"replay.capacity_groups={gps}", f"rollout.num_workers={gpus}",
-                           f"sim.learner_gpus={gpus}", "sim.colocated=true"]
+        return lockstep + full_batch(cfg0, gpus) + [
+            "cluster.placement=colocated", f"rollout.num_workers={gpus}", f"sim.learner_gpus={gpus}",
+            "sim.colocated=true"]
     if mode != "async":
         raise ValueError(f"setting {mode!r} is not one of {[*BASELINES, 'async']}")
     return ["cluster.mode=async", f"replay.max_policy_lag={lag}",
             f"replay.capacity_groups={max(1, lag) * gps}", "learner.broadcast_every=1"]
+
+
+def full_batch(cfg0, workers: int) -> list[str]:
+    """Overrides for a lockstep batch that fills ``workers`` engines (``rollout.max_batch_rows`` rows each),
+    with the RL steps cut so the same groups are trained (matched data: fewer, larger learner steps; each
+    takes ``algo.mini_batches`` optimizer steps as async's do)."""
+    gps = cfg0.learner.groups_per_step
+    full = max(gps, workers * cfg0.rollout.max_batch_rows // cfg0.rollout.group_size)
+    i = rl_stage_index(cfg0)
+    steps = math.ceil(cfg0.stages[i].steps * gps / full)
+    return [f"learner.groups_per_step={full}", f"replay.capacity_groups={full}", f"stages.{i}.steps={steps}"]
 
 
 def split_stages(cfg):

@@ -38,9 +38,16 @@ def test_plain_sync_and_async_keep_the_configs_batch():
 
 
 def test_colocated_generates_and_trains_on_every_gpu_and_pays_the_switch():
+    base, _ = load_cfg([A.CONFIG], R.overrides())
     cfg, sim = _load(R.overrides(), "colocated")
     gpus = R.ROLLOUT_GPUS + R.LEARNER_GPUS
     assert cfg.cluster.mode == "sync" and cfg.rollout.num_workers == gpus
+    # Sonar's real colocated placement, at the full batch every engine holds, the same groups trained
+    assert cfg.cluster.placement == "colocated"
+    assert cfg.learner.groups_per_step * cfg.rollout.group_size == gpus * cfg.rollout.max_batch_rows
+    i = A.rl_stage_index(cfg)
+    assert (cfg.stages[i].steps * cfg.learner.groups_per_step
+            >= base.stages[i].steps * base.learner.groups_per_step)
     assert sim.learner_gpus == gpus and sim.colocated and sim.colocated_switch_s == R.COLOCATED_SWITCH_S
     lt = sim_hooks(sim).on_learner_step
     assert lt.switch_s == R.COLOCATED_SWITCH_S
