@@ -269,7 +269,7 @@ def measure(res: dict, cfg, sim=None) -> dict:
     """Per-setting numbers from one ``run_training`` result (see the module docstring for definitions).
     With a simulated real-size learner (``sim.learner_cost``), also tokens/s per GPU and the MFU of the
     simulated job (``per_gpu``)."""
-    from sonar.bench.driver_harness import lag_histogram, rl_stage, series
+    from sonar.bench.driver_harness import lag_histogram, off_policy_by_lag, rl_stage, series
 
     st = rl_stage(res)
     h = st["history"]
@@ -366,7 +366,8 @@ def measure(res: dict, cfg, sim=None) -> dict:
         m["decode_steps_per_worker"] = sum(w.get("engine_steps", 0.0) for w in workers) / n_w
     if res.get("eval"):
         m["heldout_em"] = float(res["eval"]["search"]["em"])
-    return {"metrics": m, "realised": realised(res, cfg, sim), "lag_hist": lag_histogram(h), "rewards": rewards,
+    return {"metrics": m, "realised": realised(res, cfg, sim), "lag_hist": lag_histogram(h),
+            "off_policy_by_lag": off_policy_by_lag(h), "rewards": rewards,
             "curve": reward_curve(h, res),
             "timeline": timeline(h, res, cfg.rollout.max_batch_rows),
             "replay": res["replay"], "workers": workers, "startup_s": startup}

@@ -212,6 +212,36 @@ def lag_histogram(history: list[dict]) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: (kv[0].startswith("ge"), int(kv[0].lstrip("ge")))))
 
 
+def off_policy_by_lag(history: list[dict]) -> dict[str, dict]:
+    """What lag cost, per policy lag over the run (issue 52): the importance-weight histogram summed
+    (``learner/is_weight/lag/L/hist/*``, trained tokens), the share of those tokens beyond ``algo.tis_cap``
+    and, where the learner recomputed the batch's logprobs, the token-weighted sampling KL
+    (``learner/sampling_kl/lag/L``, weighted by that step's tokens at lag L)."""
+    hist_prefix = K.LEARNER_IS_WEIGHT_LAG_HIST.split("{lag}")[0]
+    out: dict[str, dict] = {}
+    for h in history:
+        tokens: dict[str, float] = {}
+        for k, v in h.items():
+            if k.startswith(hist_prefix) and v is not None:
+                lag, _, b = k[len(hist_prefix):].partition("/hist/")
+                d = out.setdefault(lag, {"hist": {}, "tokens": 0.0, "beyond_cap_tokens": 0.0, "kl_tokens": 0.0,
+                                         "kl_sum": 0.0})
+                d["hist"][b] = d["hist"].get(b, 0.0) + float(v)
+                tokens[lag] = tokens.get(lag, 0.0) + float(v)
+        for lag, n in tokens.items():
+            d = out[lag]
+            d["tokens"] += n
+            d["beyond_cap_tokens"] += n * float(h.get(K.LEARNER_IS_BEYOND_CAP_LAG.format(lag=lag), 0.0) or 0.0)
+            kl = h.get(K.LEARNER_SAMPLING_KL_LAG.format(lag=lag))
+            if kl is not None and np.isfinite(kl):
+                d["kl_sum"] += n * float(kl)
+                d["kl_tokens"] += n
+    return {lag: {"tokens": d["tokens"], "hist": d["hist"],
+                  "beyond_cap_share": d["beyond_cap_tokens"] / d["tokens"] if d["tokens"] else None,
+                  "sampling_kl": d["kl_sum"] / d["kl_tokens"] if d["kl_tokens"] else None}
+            for lag, d in sorted(out.items(), key=lambda kv: int(kv[0]))}
+
+
 # ---------------------------------------------------------------------------------------- memory
 class ProcessTreeSampler:
     """Samples the summed memory of the driver and every process of its Ray session, every ``interval_s``.

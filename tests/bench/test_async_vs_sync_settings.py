@@ -181,3 +181,20 @@ def test_steady_state_throughput_leaves_out_the_first_step_and_the_drain():
     assert (out["first_step_s"], out["drain_s"]) == (10.0, 9.0)
     assert "steady_trained_traj_per_s" not in A.steady_state(res, [8.0, 8.0], 4, 25.0)  # under 3 steps
     assert A._ratio(2.0, 0.0) != A._ratio(2.0, 0.0)  # NaN, not a ZeroDivisionError
+
+
+def test_off_policy_by_lag_sums_the_histograms_and_weights_the_shares_by_tokens():
+    from sonar.bench.driver_harness import off_policy_by_lag
+
+    hist = K.LEARNER_IS_WEIGHT_LAG_HIST
+    h = [{hist.format(lag=0, bin="0.95-1.05"): 90.0, hist.format(lag=0, bin="ge2.0"): 10.0,
+          K.LEARNER_IS_BEYOND_CAP_LAG.format(lag=0): 0.1, K.LEARNER_SAMPLING_KL_LAG.format(lag=0): 0.01},
+         {hist.format(lag=0, bin="0.95-1.05"): 100.0, hist.format(lag=1, bin="ge2.0"): 50.0,
+          hist.format(lag=1, bin="0.95-1.05"): 50.0, K.LEARNER_IS_BEYOND_CAP_LAG.format(lag=0): 0.0,
+          K.LEARNER_IS_BEYOND_CAP_LAG.format(lag=1): 0.5}]
+    out = off_policy_by_lag(h)
+    assert list(out) == ["0", "1"]
+    assert out["0"]["hist"] == {"0.95-1.05": 190.0, "ge2.0": 10.0} and out["0"]["tokens"] == 200.0
+    assert out["0"]["beyond_cap_share"] == pytest.approx(10 / 200)  # 0.1 of 100, 0 of 100
+    assert out["0"]["sampling_kl"] == pytest.approx(0.01)  # only the step that logged it
+    assert out["1"]["beyond_cap_share"] == 0.5 and out["1"]["sampling_kl"] is None
