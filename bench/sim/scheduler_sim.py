@@ -546,10 +546,14 @@ class Simulator:
 
         self.waiters.sort(key=queued_since)
         core, n = self.core, self._n()
+        inflight = core.inflight()  # O(workers) in ReplayCore: counted once, then kept by the claims made here
+
+        def shut() -> bool:  # refused for every lane alike: the budget is full, or a just-in-time start is due
+            return bool(core.max_inflight and inflight > 0 and inflight + n > core.max_inflight) or \
+                (core.jit is not None and core.jit_wait_s(n, now) > 0)
+
         i = 0
-        while i < len(self.waiters):
-            if core.max_inflight and core.inflight() > 0 and core.inflight() + n > core.max_inflight:
-                break  # the budget is full for every lane
+        while i < len(self.waiters) and not shut():
             worker, since, lane = self.waiters[i]
             if (now - since) % period > self.s.claim_wait_s:
                 i += 1  # between giving up and asking again
@@ -558,7 +562,9 @@ class Simulator:
                 self.waiters.pop(i)
                 self._register(worker, -1)
                 self._claim(worker, lane)
-                i = 0  # the loads changed: the lanes before it may go now (least loaded first)
+                inflight += n
+                if self.s.least_loaded:
+                    i = 0  # the loads changed: a lane before it that deferred may go now
                 continue
             i += 1
         self._jit_timer()
