@@ -61,7 +61,10 @@ drives this same code with simulated engines and learner):
 - *Only what the stage trains.* With the stage's demand set (``set_stage_demand``: its remaining steps x B
   groups), no claim starts a group beyond what the stage's learner steps will take (groups handed out
   this stage + claimed + queued): at the stage's end nothing is left generating only to be requeued, and
-  the stage-end drain does not wait for such work. A group dropped as stale leaves room for another.
+  the stage-end drain does not wait for such work. A group dropped as stale leaves room for another, and
+  a claim is granted as many prompts as are still needed (``grant_size``), fewer than it asked for if
+  need be: a request of 2 must not wait for room for 2 when the learner's last step lacks 1 group (it
+  would wait forever: the queue never empties while the learner waits for that group).
 
 Prompts: workers claim prompt indices from a seeded epoch permutation. A claim is released when its
 group is put; the claims of a dead worker are requeued at the front, so no prompt is lost. A put is
@@ -260,6 +263,11 @@ class ReplayCore:
             return None
         return self.stage_demand - (self.counts["consumed_groups"] - self._stage_base) - self.inflight()
 
+    def grant_size(self, n: int) -> int:
+        """Prompts a claim of ``n`` is granted: ``n``, or what the stage still needs if less (module doc)."""
+        left = self.stage_left()
+        return n if left is None else max(0, min(n, left))
+
     def load(self, worker_id: int) -> int:
         """Groups ``worker_id`` has claimed and not yet put."""
         return len(self.claims.get(worker_id, ()))
@@ -298,11 +306,11 @@ class ReplayCore:
         that passes the clock reading ``now`` waits for its just-in-time start (module doc)."""
         if self.max_inflight == 0:
             return True
+        n = self.grant_size(n)
+        if n == 0:
+            return False  # the stage's steps are covered: more would only be requeued at its end
         if worker_id is not None and (not self._fits_worker(worker_id, n) or self.defers(worker_id, n)):
             return False
-        left = self.stage_left()
-        if left is not None and (left <= 0 or (n > left and self.inflight() > 0)):
-            return False  # the stage's steps are covered: more would only be requeued at its end
         slots = self.fresh_slots(version)
         if slots is not None and slots <= 0:
             return False  # stale before any take: wait for newer weights (the next push brings them)
@@ -328,6 +336,9 @@ class ReplayCore:
         return slots is not None and (slots <= 0 or (inflight > 0 and inflight + n > slots))
 
     def claim(self, worker_id: int, n: int, now: float | None = None) -> list[int]:
+        """Claim up to ``n`` prompts for ``worker_id`` (``grant_size``: fewer when the stage needs fewer)."""
+        if self.max_inflight:
+            n = self.grant_size(n)
         idx = self.cursor.take(n)
         self.claims.setdefault(worker_id, []).extend(idx)
         if now is not None:
