@@ -85,3 +85,29 @@ def rollback_records(run: Run, version: int, run_step: int) -> int:
     run.history.clear()
     run.history.extend(kept)
     return moved
+
+
+class LearnerStarved(RuntimeError):
+    """The learner waited longer than ``cluster.step_timeout_s`` for one batch while every worker was alive:
+    a scheduling stall, reported with the replay's state instead of a silent hang."""
+
+
+def check_starved(cfg: Config, roles: Roles, waited_s: float) -> None:
+    """Raise ``LearnerStarved`` once the learner has waited ``waited_s`` > ``cluster.step_timeout_s`` for one
+    batch (the health checks found every worker alive meanwhile), naming the replay's counts."""
+    import ray
+
+    if waited_s <= cfg.cluster.step_timeout_s:
+        return
+    try:
+        stats = ray.get(roles.replay.stats.remote(), timeout=cfg.cluster.health_timeout_s)
+    except Exception as e:  # noqa: BLE001 - the report goes out either way
+        stats = f"unavailable ({type(e).__name__})"
+    raise LearnerStarved(starved_message(cfg, waited_s, stats))
+
+
+def starved_message(cfg: Config, waited_s: float, stats) -> str:
+    """What ``LearnerStarved`` says: the wait, the deadline, the batch and the replay's state."""
+    return (f"the learner has waited {waited_s:.0f} s (> cluster.step_timeout_s={cfg.cluster.step_timeout_s:g}) for a "
+            f"batch of learner.groups_per_step={cfg.learner.groups_per_step} groups while every rollout worker "
+            f"answered its health check: the rollout side is not producing (replay: {stats})")

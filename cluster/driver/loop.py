@@ -15,7 +15,7 @@ from sonar.cluster.driver.reports import (StageProgress, Throughput, evaluate, p
                                          replay_metrics, retrieval_metrics, split_meter, step_log_line)
 from sonar.cluster.driver.roles import (Hooks, Roles, check_retrieval, export_model, kill_roles, maybe_checkpoint,
                                        maybe_resume, prepare_demonstrations, save_checkpoint, start_roles, stop_roles)
-from sonar.cluster.driver.faults import auto_resume_config, learner_died
+from sonar.cluster.driver.faults import auto_resume_config, check_starved, learner_died
 from sonar.cluster.driver.pool import Pool
 from sonar.cluster.driver.run import Run, start_run
 from sonar.cluster.wire import metrics as K
@@ -150,6 +150,7 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
     clock = StepClock()  # the step's wall time split along the critical path (critical_path.py)
     colocation = Colocation(cfg, roles)  # colocated placement: engines and learner take turns (colocate.py)
     progress = StageProgress(stage.steps, start_step, f"stage {index} {stage.name}")
+    waiting_since = None  # when the learner's current wait for a batch began (a stall fails after step_timeout_s)
     while steps < stage.steps:
         if sync:
             with clock.phase("generate_sync"):
@@ -169,7 +170,10 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
         record_prompts(run, res)
         if res.waiting:
             pool.step(roles.pool, res.metrics.get(K.LEARNER_WAIT_S, 0.0), 0)  # a starved learner grows it
+            waiting_since = waiting_since or t_call
+            check_starved(cfg, roles, time.monotonic() - waiting_since)  # no silent hang: fails with the replay's state
             continue
+        waiting_since = None
         steps += 1
         run.step += 1
         progress.update()

@@ -232,3 +232,17 @@ def test_chaos_restart_budgets_cover_the_kill_schedule():
     assert (kept.cluster.max_worker_restarts, kept.cluster.auto_resume) == (50, 3)  # never lowered
     no_learner = chaos_config(cfg, Chaos(steps=10, kill_every=0, learner_at=0))
     assert (no_learner.cluster.max_worker_restarts, no_learner.cluster.auto_resume) == (2, 0)
+
+
+def test_a_starved_learner_fails_past_the_step_deadline_naming_the_replay():
+    from types import SimpleNamespace
+
+    from sonar.cluster.driver.faults import LearnerStarved, check_starved, starved_message
+    from sonar.cluster.wire.config import load_config
+
+    cfg = load_config([], ["cluster.step_timeout_s=60"])
+    check_starved(cfg, SimpleNamespace(replay=None), 60.0)  # at the deadline: still waiting, no call made
+    msg = starved_message(cfg, 75.0, {"depth_groups": 7, "outstanding_claims": 0})
+    assert "waited 75 s (> cluster.step_timeout_s=60)" in msg and "learner.groups_per_step=8" in msg
+    assert "'depth_groups': 7" in msg
+    assert issubclass(LearnerStarved, RuntimeError)
