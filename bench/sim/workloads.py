@@ -61,7 +61,7 @@ def lognormal_pmf(median: float, sigma: float, lo: int, hi: int) -> tuple[float,
 
 SHORT = Workload(
     name="short",
-    # R1-Searcher's released traces: 2.0-2.2 searches per trajectory, p90 3, max 5 (GUIDE.md's reading of
+    # R1-Searcher's released traces: 2.0-2.2 searches per trajectory, p90 3, max 5 (as issue 52 reads
     # them); this pmf has mean 2.1, p90 3, max 5. Search-R1's train_grpo.sh caps turns at max_turns=2
     # (PeterGriffinJin/Search-R1, train_grpo.sh); R1-Searcher's traces go further, so theirs is used.
     calls_pmf=(0.03, 0.22, 0.42, 0.25, 0.06, 0.02),
