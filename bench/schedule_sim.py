@@ -267,6 +267,38 @@ def run(cfg: dict) -> tuple[dict, dict]:
     return metrics, extra
 
 
+def plot(extra: dict, png: Path) -> None:
+    """The figure of a result, drawn from its ``extra`` (so a committed JSON redraws it): per workload, async
+    over the best synchronous layout against the GPU count (projection), and the validation's simulated over
+    measured trained traj/s per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, proj in extra["projection"].items():
+        gpus = sorted(proj, key=int)
+        ax.plot([int(g) for g in gpus], [proj[g]["ratio"] for g in gpus], marker="o", label=name)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("async / best sync (trained traj/s)")
+    ax.set_title("projection (simulated)")
+    ax.legend()
+    val = extra["validation"]
+    names = list(val)
+    bx.bar(names, [v["des"]["mean"] / v["measured"]["mean"] for v in val.values()])
+    bx.axhline(1.0, color="grey", lw=0.8)
+    for y in (0.9, 1.1):
+        bx.axhline(y, color="grey", lw=0.6, ls="--")
+    bx.set_ylabel("simulated / measured")
+    bx.set_title("validation against the real run")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = base_parser(NAME, __doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", help="seeds at 8 GPUs (default 0-4)")
@@ -279,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     metrics, extra = run(cfg)
     extra["wall_s"] = round(time.time() - t0, 1)
-    path = write_result(NAME, cfg, metrics, None, args.out, extra=extra)
+    path = write_result(NAME, cfg, metrics, lambda png: plot(extra, png), args.out, extra=extra)
     print(f"[{NAME}] wrote {path} in {extra['wall_s']} s")
     for k, v in extra["validation"].items():
         print(f"[{NAME}] validation {k}: measured {v['measured']['mean']:.3f}, simulated {v['des']['mean']:.3f} "
