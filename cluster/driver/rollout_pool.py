@@ -489,7 +489,7 @@ class RolloutPool:
         still in the next trained step's metrics."""
         c = self.cfg.cluster
         recent = self._unlogged
-        busy = 0.0  # seconds with a claimed request in flight, summed over the workers that answered
+        busy = None  # seconds with a claimed request in flight, summed over the workers that answered (None: none did)
         with self._deferred():  # one regroup for every worker replaced here
             answers = self.call("health", lambda w, i: w.health.remote(), timeout=c.health_timeout_s, collect=True)
             for i, h in enumerate(answers):
@@ -504,10 +504,10 @@ class RolloutPool:
                         err = f"no progress for {h['idle_s']:.0f}s"
                 if err is None:
                     recent.extend(h["recent"])
-                    busy += float(h["stats"].get("busy_s", 0.0))
+                    busy = (busy or 0.0) + float(h["stats"].get("busy_s", 0.0))
                 else:
                     self._replace(i, err)
-        return {**rollout_metrics(recent), K.ROLLOUT_BUSY_S: busy}
+        return {**rollout_metrics(recent), **({} if busy is None else {K.ROLLOUT_BUSY_S: busy})}
 
     def logged(self) -> None:
         """The rollout metrics ``health`` returned were logged with a trained step: start afresh."""

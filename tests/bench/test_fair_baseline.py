@@ -218,7 +218,7 @@ def _worker(cfg, engine):
     w.__dict__.update(worker_id=0, cfg=cfg, engine=SwappingEngine(engine), retriever=FakeRetriever(), tokenizer=TOK,
                       tags=get_protocol(cfg.protocol.name), world=SimpleNamespace(train=qs), _lock=threading.Lock(),
                       _stats={"groups": 0, "trajectories": 0, "model_tokens": 0, "searches": 0, "gen_s": 0.0,
-                              "retrieve_s": 0.0, "requeued": 0},
+                              "retrieve_s": 0.0, "requeued": 0, "busy_s": 0.0}, _working=0, _busy_since=0.0,
                       _recent=[], _last_progress=0.0, _stop=threading.Event(), _error=None, _thread=None,
                       _data_cache={}, tools=[])
     return w
