@@ -131,6 +131,10 @@ class Sim:
     per_group_put: bool = True
     weight_update: str = "pause"
     claim_wait_s: float = 1.0
+    engine_time_scale: float = 1.0
+    """Every engine second (decode and prefill) times this: 1 everywhere but the validation, which charges
+    what the real run's paced engines measured (their sleeps overran the cost model on a loaded CPU:
+    ``1 + overrun_s / simulated_s``), so the check is of the scheduling, not of the CPU's pacing."""
     seed: int = 0
 
     def pre_change(self) -> "Sim":
@@ -310,6 +314,8 @@ class Simulator:
     def __init__(self, w: Workload, s: Sim, core_factory=ReplayCore):
         if s.mode not in MODES:
             raise ValueError(f"mode={s.mode!r} is not one of {MODES}")
+        if not s.engine_time_scale > 0:
+            raise ValueError(f"engine_time_scale={s.engine_time_scale} must be > 0")
         if s.weight_update not in ("pause", "interrupt"):
             raise ValueError(f"weight_update={s.weight_update!r} is not 'pause' or 'interrupt'")
         if s.rollout_gpus < 1 or s.learner_gpus < 1 or s.groups_per_step < 1 or s.versions < 1:
@@ -317,8 +323,10 @@ class Simulator:
                              f"groups_per_step={s.groups_per_step}, versions={s.versions}: each must be >= 1")
         self.w, self.s = w, s
         self.rng = np.random.default_rng([s.seed, 52])
-        self.cost = gpu_cost.Gpu7BCost()
-        self.prefill = gpu_cost.Prefill7BCost()
+        k = s.engine_time_scale  # the costs are linear in their coefficients: scaling these scales every step
+        c, pre = gpu_cost.Gpu7BCost(), gpu_cost.Prefill7BCost()
+        self.cost = gpu_cost.Gpu7BCost(c.t0_ms * k, c.ms_per_row * k, c.ms_per_1k_ctx * k)
+        self.prefill = gpu_cost.Prefill7BCost(pre.t0_ms * k, pre.ms_per_1k * k)
         self.now = 0.0
         self._heap: list = []
         self._seq = 0

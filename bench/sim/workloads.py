@@ -116,10 +116,9 @@ LONG = Workload(
 WORKLOADS = {"short": SHORT, "long": LONG}
 
 # ------------------------------------------------------------------------------------ validation
-VALIDATION_RESULT = "async-vs-sync-vm-9e6c75151e.json"
-"""The real-system run the simulator is checked against (reference-7b workload, 5 seeds, 8 RL steps)."""
-VALIDATION_ROWSTEPS_PER_TRAJ = 612.0
-"""Its decode row-steps per trained trajectory (sync, mean of 5 seeds): turns x (hidden + real tokens)."""
+VALIDATION_RESULT = "async-vs-sync-vm-ac45a01df5.json"
+"""The real-system run the simulator is checked against (reference-7b workload, 3 seeds, 8 RL steps; its
+colocated baseline at the full batch the engines hold, its async setting on the production scheduler)."""
 VALIDATION_HIDDEN_PER_TURN = R.hidden_tokens_per_turn()
 """249.1: the clipped lognormal's mean (median 220, sigma 0.5, at most 1,024) the paced engine drew per turn."""
 
@@ -127,7 +126,7 @@ VALIDATION_HIDDEN_PER_TURN = R.hidden_tokens_per_turn()
 def validation_workload(realised: dict) -> Workload:
     """The run's workload as it realised it, from its per-setting means (``realised``: ``searches_per_traj``,
     ``model_tokens_per_traj``, ``decode_row_steps_per_trained_traj``, ``ctx_admitted_mean``,
-    ``zero_signal_share``):
+    ``zero_signal_share``, ``learner_tokens_per_traj``):
 
     - turns = searches + 1 + an extra turn with the chance that makes the row-steps per trajectory
       ((row-steps - real tokens) / 249.1 hidden tokens per turn); searches 1, 2 or 3 (a pmf with the realised
@@ -137,10 +136,11 @@ def validation_workload(realised: dict) -> Workload:
     - contexts as the engines charged them: each tiny token 8 real (``sim.context_scale``); a search returns
       one passage, taken as 30 tiny tokens with the policy's turn (240 real, assumed) and the prompt is fitted
       so that the mean admitted context equals the realised ``ctx_admitted_mean``;
-    - retrieval: 8 servers, lognormal 40 ms (sigma 0.5) + 3 ms per call; learner: 3,040 tokens per trained
-      trajectory at 8N FLOP (``sim.learner_tokens_per_traj``, the old hook's ``8 x 7.25e9`` per token) on the
-      setting's GPUs at 0.40 MFU; groups of the realised zero-signal share skipped; no push or switch cost
-      beyond the colocated 1.5 s (the run pushed the tiny model in milliseconds)."""
+    - retrieval: 8 servers, lognormal 40 ms (sigma 0.5) + 3 ms per call; learner: the realised learner tokens
+      per trained trajectory at 6N FLOP (one update pass and no extra forward: what ``learner_passes`` counts
+      for the run's one-epoch, one-mini-batch GRPO, and what its hook charged) on the setting's GPUs at 0.40
+      MFU; groups of the realised zero-signal share skipped; no push or switch cost beyond the colocated
+      1.5 s (the run pushed the tiny model in milliseconds)."""
     searches = float(realised["searches_per_traj"])
     real_tokens = float(realised["model_tokens_per_traj"])
     turns = (float(realised["decode_row_steps_per_trained_traj"]) - real_tokens) / VALIDATION_HIDDEN_PER_TURN
@@ -155,13 +155,13 @@ def validation_workload(realised: dict) -> Workload:
     e_before = p1 * 1 + p2 * 3 + p3 * 6 + extra * searches
     prompt = max(8, round(float(realised["ctx_admitted_mean"]) - per_search * e_before / e_turns))
     return Workload(
-        name="validation-9e6c75151e",
+        name="validation-" + VALIDATION_RESULT.rsplit("-", 1)[1].split(".")[0],
         calls_pmf=(0.0, p1, p2, p3), turn_median=R.TURN_MEDIAN_TOKENS, turn_sigma=R.TURN_SIGMA,
         turn_max=R.TURN_MAX_TOKENS, turn_fixed=fixed, extra_turn_p=extra, keep_generated=False,
         prompt_tokens=prompt, tools=(Tool("search", 1.0, R.RETRIEVAL_MEDIAN_MS, R.RETRIEVAL_SIGMA, per_search),),
         retrieval_servers=R.RETRIEVAL_SERVERS, retrieval_per_call_ms=R.RETRIEVAL_PER_QUERY_MS,
         max_context=1 << 20, params=PARAMS, group_size=8, row_cap=64, kv_tokens=math.inf,
-        mfu=R.LEARNER_MFU, extra_forwards=1, learner_tokens_per_traj=3040.0,
+        mfu=R.LEARNER_MFU, extra_forwards=0, learner_tokens_per_traj=float(realised["learner_tokens_per_traj"]),
         zero_signal_share=float(realised["zero_signal_share"]), push_s=0.0, switch_s=R.COLOCATED_SWITCH_S,
         note={"realised": dict(realised), "turns": turns, "searches_pmf": [p1, p2, p3], "extra_turn_p": extra,
               "turn_fixed_tokens": fixed, "prompt_tokens": prompt})
