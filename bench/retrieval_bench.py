@@ -352,7 +352,7 @@ def main(argv=None) -> int:
     per_passage = (time.perf_counter() - t0) / len(sample)
     add("build/dense_encode_ms_per_passage", 1e3 * per_passage)
     add("build/dense_encode_corpus_h_estimate", per_passage * cfg["passages"] / 3600)
-    dense = DenseReranker(bm25, vectors, encoder, n=RERANK_N)
+    dense = DenseReranker(bm25, encoder, n=RERANK_N, vectors=vectors)
 
     questions = make_questions(corpus, cfg["questions"], cfg["passages"], seed=1)
     n_stream = max(cfg["single_calls"], cfg["batches"] * BATCH)

@@ -126,4 +126,7 @@ class CachedRetriever:
             s["entries"] = len(self._lru)
         s["lookups"] = s["hits"] + s["misses"] + s["coalesced"]
         s["hit_rate"] = (s["hits"] + s["coalesced"]) / s["lookups"] if s["lookups"] else 0.0
+        inner_stats = getattr(self.inner, "stats", None)
+        if callable(inner_stats):
+            s["inner"] = inner_stats()  # e.g. the reranker's cost per search
         return s

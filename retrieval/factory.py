@@ -3,14 +3,16 @@
 Composition, innermost first::
 
     backend            TantivyRetriever (index built if needed) | ElasticRetriever (imported lazily)
+                       | DenseIndexRetriever (vectors from `sonar index --dense`, never built here)
                        | HTTPRetriever (a Search-R1 retrieval server; no index, no corpus) | a plug-in
     [resilient]        ResilientRetriever around every backend but tantivy (retries, breaker)
     [wrap_backend]     a hook for code outside production, e.g. the benchmarks' latency simulator
-    [reranker]         DenseReranker (passage vectors built if needed) | CrossEncoderReranker
+    [reranker]         DenseReranker (candidates encoded at query time) | CrossEncoderReranker
     [cache]            CachedRetriever when cfg.cache_size > 0
 
-Index location: ``cfg.index_dir`` when set, else ``<index_root>/<corpus fingerprint>``; the passage
-vectors of the dense reranker live in the same directory (also for the Elasticsearch backend).
+Index location: ``cfg.index_dir`` when set, else ``<index_root>/<corpus fingerprint>``. The dense reranker
+encodes only its candidates, at query time; a passage-vector store that ``sonar index --dense`` wrote in
+that directory (same corpus fingerprint, same encoder) is read first when present.
 The tantivy title boost is ``cfg.elastic.title_boost`` so both backends weigh titles alike.
 
 Every index goes through ``indexer.ensure_index`` (the builder ``sonar index`` runs) with
@@ -63,6 +65,20 @@ def make_elasticsearch(cfg, corpus_path, index_root, *, report=None) -> Retrieve
     return ElasticRetriever.from_config(cfg.elastic)
 
 
+@RETRIEVERS.register("dense")
+def make_dense(cfg, corpus_path, index_root, *, report=None) -> Retriever:
+    """Exact inner product over the passage vectors ``sonar index --dense`` built (``retrieval.dense``),
+    the passages' text from the BM25 index beside them (built if missing, like tantivy's); the vectors are
+    never encoded here (``retrieval/dense_index.py``)."""
+    from sonar.retrieval.dense_index import open_dense_index
+    from sonar.retrieval.indexer import ensure_index
+    from sonar.retrieval.tantivy_index import TantivyRetriever
+
+    report = report or ensure_index(cfg, corpus_path, index_root, resume=False)
+    docs = TantivyRetriever(report.index_dir, max_query_chars=cfg.max_query_chars)
+    return open_dense_index(cfg, report.index_dir, docs)
+
+
 @RETRIEVERS.register("http")
 def make_http(cfg, corpus_path, index_root) -> Retriever:
     """A retrieval server with Search-R1's ``/retrieve`` API (``retrieval.http``, ``retrieval/http_backend.py``);
@@ -100,10 +116,6 @@ def build_retriever(cfg, corpus_path: str | None, index_root: str, *, progress: 
         raise ValueError("retrieval.rerank='cross' needs retrieval.rerank_model (a local sequence-classification "
                          "model directory); retrieval.rerank_model=None")
     if cfg.backend not in INDEXED:
-        if cfg.rerank == "dense":
-            raise ValueError(f"retrieval.rerank='dense' with retrieval.backend={cfg.backend!r}: the dense reranker "
-                             "reads passage vectors of a local index (tantivy or elasticsearch); use rerank=cross "
-                             "or none with another backend")
         r = RETRIEVERS.get(cfg.backend, "retrieval.backend")(cfg, corpus_path, index_root)
         check_retriever(r)
         if not isinstance(getattr(r, "name", None), str):
@@ -112,16 +124,15 @@ def build_retriever(cfg, corpus_path: str | None, index_root: str, *, progress: 
             from sonar.retrieval.resilient import ResilientRetriever
 
             r = ResilientRetriever(r, cfg.max_retries, cfg.backoff_s, cfg.breaker_failures, cfg.breaker_reset_s)
-        return _above_backend(cfg, r, None, None, False, wrap_backend)
+        return _above_backend(cfg, r, _encoder(cfg), None, False, wrap_backend)
     from sonar.retrieval.indexer import ensure_index
 
     server_dense = cfg.backend == "elasticsearch" and cfg.rerank == "dense" and cfg.elastic.store_vectors
-    encoder = None
-    if cfg.rerank == "dense":
-        from sonar.retrieval.rerank import DenseEncoder
-
-        encoder = DenseEncoder(cfg.rerank_model)
-    report = ensure_index(cfg, corpus_path, index_root, resume=False, progress=progress, encoder=encoder)
+    encoder = _encoder(cfg)
+    # BM25 only: no passage is encoded here (the reranker encodes its candidates at query time); the
+    # vectors stored in Elasticsearch with store_vectors are written by the bulk load, `sonar index`'s work
+    report = ensure_index(cfg, corpus_path, index_root, resume=False, progress=progress,
+                          encoder=encoder if server_dense else None)
 
     r: Retriever = RETRIEVERS.get(cfg.backend, "retrieval.backend")(cfg, corpus_path, index_root, report=report)
     if cfg.backend == "elasticsearch":
@@ -139,6 +150,41 @@ def build_retriever(cfg, corpus_path: str | None, index_root: str, *, progress: 
     return _above_backend(cfg, r, encoder, report, server_dense, wrap_backend)
 
 
+def _encoder(cfg):
+    """The dense reranker's query and passage encoder (``retrieval.rerank_model``), or None without one."""
+    if cfg.rerank != "dense":
+        return None
+    from sonar.retrieval.rerank import DenseEncoder
+
+    return DenseEncoder(cfg.rerank_model)
+
+
+def _stored_vectors(report, encoder):
+    """A finished passage-vector store of this index's corpus and this encoder (``sonar index --dense``
+    writes it beside the index), which the reranker reads before encoding; None when there is none."""
+    import json
+
+    from sonar.retrieval.rerank import PassageVectors, vectors_dir
+    from sonar.retrieval.tantivy_index import MARKER
+
+    if report is None or not report.index_dir:
+        return None
+    d = vectors_dir(report.index_dir, encoder.tag)
+    try:
+        vectors = PassageVectors(d)
+    except FileNotFoundError:
+        return None
+    try:
+        want = json.loads((Path(report.index_dir) / MARKER).read_text()).get("fingerprint")
+    except (OSError, ValueError):
+        want = None
+    if want is not None and vectors.fingerprint != want:
+        log.warning("%s: passage vectors of corpus %s, the index is of %s; encoding candidates instead", d,
+                    vectors.fingerprint, want)
+        return None
+    return vectors
+
+
 def _above_backend(cfg, r: Retriever, encoder, report, server_dense: bool,
                    wrap_backend: RetrieverWrap | None) -> Retriever:
     """The layers above any backend: the hook, the reranker, the cache."""
@@ -149,9 +195,10 @@ def _above_backend(cfg, r: Retriever, encoder, report, server_dense: bool,
     if server_dense:
         rerank_tag = f"dense-server:{encoder.tag}@{cfg.rerank_candidates}"
     elif cfg.rerank == "dense":
-        from sonar.retrieval.rerank import DenseReranker, PassageVectors
+        from sonar.retrieval.rerank import DenseReranker
 
-        r = DenseReranker(r, PassageVectors(report.vectors_dir), encoder, n=cfg.rerank_candidates)
+        r = DenseReranker(r, encoder, n=cfg.rerank_candidates, cache_size=cfg.rerank_cache,
+                          vectors=_stored_vectors(report, encoder))
         rerank_tag = f"dense:{encoder.tag}@{cfg.rerank_candidates}"
     elif cfg.rerank == "cross":
         from sonar.retrieval.rerank import CrossEncoderReranker

@@ -16,10 +16,11 @@ document count (``corpus.count_records``), the committed documents and the last 
   fewer documents than the corpus has lines/rows, which is refused like a partial one (``--resume``
   fills it: documents are indexed by id, so re-sending one is harmless).
 
-Dense rerank (``rerank=dense``): the MiniLM passage vectors are built beside the tantivy index (or in
-``<index_root>/<fingerprint>`` for Elasticsearch) by ``rerank.build_passage_vectors``; with
-``elastic.store_vectors`` they are instead encoded batch by batch during the bulk load and stored in
-the index as ``dense_vector`` (then the search path reranks server-side, ``elastic.ServerDenseReranker``).
+Dense vectors are never built here on a run's path: the dense reranker encodes its candidates at query
+time, and the passage vectors of the ``dense`` backend (or any backend, to save the reranker's encoding)
+are built by ``build_dense`` (``sonar index --dense``) beside the BM25 index, in resumable, checksummed
+shards. With ``elastic.store_vectors`` the bulk load encodes each batch and stores it in the index as
+``dense_vector`` (then the search path reranks server-side, ``elastic.ServerDenseReranker``).
 """
 from __future__ import annotations
 
@@ -48,8 +49,6 @@ class IndexReport:
     """True when a complete index was found and nothing was indexed."""
     resumed: bool
     seconds: float
-    vectors_dir: str | None = None
-    """Where client-side dense vectors live (rerank=dense without store_vectors)."""
     index_dir: str | None = None
     """The directory of the index and/or its vectors (tantivy; elasticsearch with client-side vectors)."""
 
@@ -93,44 +92,25 @@ def ensure_index(cfg, corpus_path: str, index_root: str, *, resume: bool = False
     """Make the index of ``cfg`` complete (see the module docstring). ``encoder``: the ``DenseEncoder`` to
     use when vectors must be built (created from ``cfg.rerank_model`` when needed and not given)."""
     t0 = time.perf_counter()
-    if cfg.backend == "tantivy":
+    if cfg.backend in ("tantivy", "dense"):  # dense: its passages' text lives in the BM25 index beside the vectors
         rep = _tantivy(cfg, corpus_path, index_root, resume, progress)
     elif cfg.backend == "elasticsearch":
         rep = _elastic(cfg, corpus_path, resume, progress, encoder)
     else:
-        raise ValueError(f"retrieval.backend={cfg.backend!r} is not one of ['tantivy', 'elasticsearch']")
-    vdir = None
-    if cfg.rerank == "dense" and not (cfg.backend == "elasticsearch" and cfg.elastic.store_vectors):
-        idx_dir = Path(rep.index_dir) if rep.index_dir else None
-        if idx_dir is None:  # elasticsearch with client-side vectors: beside the corpus fingerprint
-            idx_dir = index_dir_for(cfg, corpus_path, index_root) if Path(corpus_path).is_file() else \
-                locate_vectors_dir_parent(cfg, corpus_path, index_root)
-        vdir = str(passage_vectors(cfg, corpus_path, idx_dir, encoder, progress).directory)
-        rep = replace(rep, index_dir=str(idx_dir))
-    return replace(rep, vectors_dir=vdir, seconds=time.perf_counter() - t0)
+        raise ValueError(f"retrieval.backend={cfg.backend!r} is not one of ['tantivy', 'elasticsearch', 'dense']")
+    return replace(rep, seconds=time.perf_counter() - t0)
 
 
-def locate_vectors_dir_parent(cfg, corpus_path: str, index_root: str) -> Path:
-    if cfg.index_dir:
-        return Path(cfg.index_dir)
-    raise FileNotFoundError(f"corpus {corpus_path!r} does not exist (retrieval.corpus={cfg.corpus!r}): the client-side "
-                            f"dense vectors are found by the corpus fingerprint; set retrieval.index_dir to their "
-                            f"directory or use retrieval.elastic.store_vectors=true")
+def build_dense(cfg, corpus_path: str, index_dir: str | Path, *, progress: bool = False):
+    """``sonar index --dense``: the passage vectors of ``corpus_path`` with ``retrieval.dense``'s encoder and
+    passage prefix, in ``index_dir`` beside its BM25 index; resumes a build killed part-way from its last
+    verified shard. Returns the ``PassageVectors``."""
+    from sonar.retrieval.rerank import DenseEncoder, build_passage_vectors
 
-
-def passage_vectors(cfg, corpus_path: str, idx_dir: Path, encoder: Any = None, progress: bool = False):
-    """The finished client-side passage vectors in ``idx_dir``: opened as they are when complete (the
-    corpus file is then not needed), else built from the corpus."""
-    from sonar.retrieval.rerank import DenseEncoder, PassageVectors, build_passage_vectors, vectors_dir
-
-    encoder = encoder or DenseEncoder(cfg.rerank_model)
-    if not Path(corpus_path).is_file():
-        d = vectors_dir(idx_dir, encoder.tag)
-        try:
-            return PassageVectors(d)
-        except FileNotFoundError:
-            _need_corpus(cfg, corpus_path, f"{d} holds no finished passage vectors")
-    return build_passage_vectors(corpus_path, idx_dir, encoder, progress=progress)
+    _need_corpus(cfg, corpus_path, f"the dense vectors of {index_dir} must be built from it")
+    encoder = DenseEncoder(cfg.dense.model)
+    return build_passage_vectors(corpus_path, index_dir, encoder, progress=progress, chunk=cfg.dense.shard_rows,
+                                 prefix=cfg.dense.passage_prefix)
 
 
 # ------------------------------------------------------------------------------------------ tantivy

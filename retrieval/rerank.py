@@ -3,23 +3,22 @@
 Notation: B queries in a batch, N first-stage candidates per query, D embedding dimension (384
 for MiniLM), P passages in the corpus.
 
-Dense reranking costs one forward pass for the B queries of a batch plus a (N, D) @ (D,) dot
-product per query: passage vectors are computed once, at index time, by
-:func:`build_passage_vectors` and stored beside the index::
+Dense reranking encodes only what it reranks, at query time: each batch's BM25 candidates (deduplicated,
+one encoder pass per ``batch_size`` of them) and its queries (one pass), with a bounded LRU of passage
+vectors (``retrieval.rerank_cache``) so a passage retrieved again is not encoded again. Nothing is encoded
+on the start-up path, whatever the corpus size: at MiniLM's CPU rate (about 70 ms per 256-token passage on
+one thread) a 21 M-passage corpus would take weeks to encode up front, while 20 candidates per query cost
+a fraction of a second on CPU and milliseconds on a GPU.
+
+A finished passage-vector store (:func:`build_passage_vectors`, what ``sonar index --dense`` writes beside
+the index)::
 
     <index_dir>/vectors-<encoder tag>/meta.json     model, dim, dtype, corpus fingerprint, status
     <index_dir>/vectors-<encoder tag>/vectors.npy   float16 (P, D), L2-normalised, memory-mapped
     <index_dir>/vectors-<encoder tag>/ids.txt       doc id of each row (row order = corpus order)
 
-The build is idempotent (a complete store for the same corpus fingerprint and encoder is reused)
-and resumable (``meta.json`` records the rows written; a crashed build continues from there).
-Encoding is the expensive part: on one CPU thread MiniLM costs about 70 ms per 256-token passage,
-so a 200k-passage corpus takes hours on CPU and minutes on a GPU. The synthetic world's corpus
-(hundreds of passages) takes seconds.
-
-A candidate without a stored vector (first stage over another corpus than the vectors) keeps its
-first-stage order after all scored candidates, with score ``MISSING_SCORE`` (below any cosine),
-and is counted in ``stats()["missing_vectors"]``.
+is consulted first when present. Its build is idempotent (a complete store for the same corpus
+fingerprint and encoder is reused) and resumable (``meta.json`` records the rows written).
 
 :class:`CrossEncoderReranker` scores (query, passage) pairs with any local transformers
 sequence-classification directory (for GPU users; on CPU it costs N forward passes per query).
@@ -44,8 +43,6 @@ from sonar.retrieval.corpus import CorpusReader, Passage, corpus_fingerprint, no
 
 log = logging.getLogger(__name__)
 
-MISSING_SCORE = -2.0
-"""Score of a candidate that has no passage vector (cosines are >= -1)."""
 VECTORS_VERSION = 1
 
 
@@ -249,14 +246,17 @@ def vectors_dir(index_dir: str | os.PathLike, encoder_tag: str) -> Path:
 
 def build_passage_vectors(corpus: str | os.PathLike, index_dir: str | os.PathLike, encoder: DenseEncoder,
                           batch_size: int = 64, progress: bool = True, *, chunk: int = 4096,
-                          on_error: str = "raise") -> PassageVectors:
-    """Encode every passage of ``corpus`` once and store the vectors under ``index_dir``.
+                          on_error: str = "raise", prefix: str = "") -> PassageVectors:
+    """Encode every passage of ``corpus`` (``prefix`` + title + text) once and store the vectors under
+    ``index_dir`` (``sonar index --dense``; never on a run's start-up path).
 
-    Idempotent: a complete store with the same corpus fingerprint, model tag and dimension is
-    opened without encoding anything. Resumable: rows are written in chunks of ``chunk`` passages
-    (sorted by length inside a chunk to limit padding) and ``meta.json`` records ``rows_done``.
-    A store for another corpus or model is rebuilt (it is derived data under its own directory).
-    A file lock serialises concurrent builders (several workers starting at once).
+    Idempotent: a complete store with the same corpus fingerprint, model tag, dimension and prefix is
+    opened without encoding anything. Resumable in shards: rows are written in chunks of ``chunk``
+    passages (sorted by length inside a chunk to limit padding); ``meta.json`` records ``rows_done`` and
+    the SHA-256 of each finished shard's rows. A resumed build first checks the finished shards and
+    encodes again from the first whose rows no longer match (a torn write), so a build killed part-way
+    redoes nothing it finished. A store for another corpus, model or prefix is rebuilt (it is derived
+    data under its own directory). A file lock serialises concurrent builders.
     """
     import fcntl
 
@@ -265,17 +265,32 @@ def build_passage_vectors(corpus: str | os.PathLike, index_dir: str | os.PathLik
     with open(d.parent / f".vectors-{encoder.tag}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            return _build_passage_vectors(Path(corpus), d, encoder, batch_size, progress, chunk, on_error)
+            return _build_passage_vectors(Path(corpus), d, encoder, batch_size, progress, chunk, on_error, prefix)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _shard_sha(mm: np.ndarray, start: int, stop: int) -> str:
+    return hashlib.sha256(np.ascontiguousarray(mm[start:stop]).tobytes()).hexdigest()
+
+
+def _first_bad_shard(mm: np.ndarray, meta: dict) -> int:
+    """``rows_done``, or the first row of the first finished shard whose rows no longer match their SHA-256."""
+    for start, (stop, sha) in sorted((int(k), v) for k, v in meta.get("shards", {}).items()):
+        if stop <= meta["rows_done"] and _shard_sha(mm, start, stop) != sha:
+            log.warning("passage vectors rows %d-%d: checksum mismatch (a torn write); encoding them again",
+                        start, stop)
+            return start
+    return meta["rows_done"]
+
+
 def _build_passage_vectors(corpus: Path, d: Path, encoder: DenseEncoder, batch_size: int, progress: bool,
-                           chunk: int, on_error: str) -> PassageVectors:
+                           chunk: int, on_error: str, prefix: str = "") -> PassageVectors:
     fp = corpus_fingerprint(corpus)
     meta = _read_meta(d)
     same = meta is not None and meta.get("fingerprint") == fp and meta.get("model") == encoder.tag \
-        and meta.get("dim") == encoder.dim and meta.get("version") == VECTORS_VERSION
+        and meta.get("dim") == encoder.dim and meta.get("version") == VECTORS_VERSION \
+        and meta.get("passage_prefix", "") == prefix
     if same and meta.get("status") == "complete":
         return PassageVectors(d)
     if meta is not None and not same:
@@ -293,10 +308,14 @@ def _build_passage_vectors(corpus: Path, d: Path, encoder: DenseEncoder, batch_s
         np.lib.format.open_memmap(d / "vectors.npy", mode="w+", dtype=np.float16, shape=(len(ids), encoder.dim)).flush()
         meta = {"version": VECTORS_VERSION, "model": encoder.tag, "dim": encoder.dim, "dtype": "float16",
                 "count": len(ids), "rows_done": 0, "fingerprint": fp, "status": "building",
-                "corpus_path": str(corpus.resolve())}
+                "corpus_path": str(corpus.resolve()), "passage_prefix": prefix, "shards": {}}
         _write_meta(d, meta)
-    count, done = meta["count"], meta["rows_done"]
+    count = meta["count"]
     mm = np.load(d / "vectors.npy", mmap_mode="r+")
+    done = meta["rows_done"] = _first_bad_shard(mm, meta)
+    shards = meta.setdefault("shards", {})
+    for k in [k for k in shards if int(k) >= done]:
+        del shards[k]
     bar = None
     if progress:
         from tqdm import tqdm
@@ -307,11 +326,13 @@ def _build_passage_vectors(corpus: Path, d: Path, encoder: DenseEncoder, batch_s
     row = 0
     for p in CorpusReader(corpus, on_error=on_error):
         if row >= done:
-            buf.append(passage_text(p))
+            buf.append(prefix + passage_text(p))
             if len(buf) == chunk:
-                _encode_chunk(encoder, buf, mm, row - len(buf) + 1, batch_size)
+                start = row - len(buf) + 1
+                _encode_chunk(encoder, buf, mm, start, batch_size)
+                shards[str(start)] = [row + 1, _shard_sha(mm, start, row + 1)]
                 meta["rows_done"] = row + 1
-                _write_meta(d, meta)
+                _write_meta(d, meta)  # after the shard's rows are flushed: the resume point
                 if bar is not None:
                     bar.update(len(buf))
                 buf = []
@@ -320,6 +341,7 @@ def _build_passage_vectors(corpus: Path, d: Path, encoder: DenseEncoder, batch_s
         raise RuntimeError(f"{corpus}: {row} passages now, {count} when the vector build started")
     if buf:
         _encode_chunk(encoder, buf, mm, row - len(buf), batch_size)
+        shards[str(row - len(buf))] = [row, _shard_sha(mm, row - len(buf), row)]
         if bar is not None:
             bar.update(len(buf))
     if bar is not None:
@@ -342,9 +364,9 @@ def _encode_chunk(encoder: DenseEncoder, texts: list[str], mm: np.ndarray, start
 # ---------------------------------------------------------------------------------- rerankers
 
 class _Counters:
-    def __init__(self):
+    def __init__(self, **extra: float):
         self._lock = threading.Lock()
-        self._c = {"queries": 0, "candidates": 0, "missing_vectors": 0, "rerank_s": 0.0}
+        self._c = {"queries": 0, "candidates": 0, "rerank_s": 0.0, **extra}
 
     def add(self, **kw):
         with self._lock:
@@ -356,56 +378,127 @@ class _Counters:
             return dict(self._c)
 
 
+class VectorCache:
+    """A bounded LRU of passage vectors: doc id -> float16 (D,) row, at most ``max_items`` of them
+    (``max_items x D x 2`` bytes: 50,000 MiniLM vectors are 38 MB). Thread-safe (a retrieval replica serves
+    concurrent batches); ``max_items=0`` keeps nothing."""
+
+    def __init__(self, max_items: int):
+        if max_items < 0:
+            raise ValueError(f"max_items={max_items} must be >= 0")
+        from collections import OrderedDict
+
+        self.max_items = max_items
+        self._d: "OrderedDict[str, np.ndarray]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get_many(self, doc_ids: Sequence[str]) -> list[np.ndarray | None]:
+        with self._lock:
+            out = []
+            for i in doc_ids:
+                v = self._d.get(i)
+                if v is not None:
+                    self._d.move_to_end(i)
+                out.append(v)
+            return out
+
+    def put_many(self, doc_ids: Sequence[str], vectors: np.ndarray) -> None:
+        if self.max_items == 0:
+            return
+        with self._lock:
+            for i, v in zip(doc_ids, vectors):
+                self._d[i] = np.asarray(v, dtype=np.float16)
+                self._d.move_to_end(i)
+            while len(self._d) > self.max_items:
+                self._d.popitem(last=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._d)
+
+
 class DenseReranker:
     """A Retriever: ``first_stage`` top-``n`` candidates, reordered by cosine with the query -> top-k.
 
-    Per batch: one ``first_stage.batch_search(queries, max(n, k))``, one ``encoder.encode`` of the
-    non-empty queries (a single forward pass when B <= encoder.batch_size), and per query a
-    gather of N stored vectors and a dot product. Passages are never encoded here.
+    Only the candidates are ever encoded, at query time: per batch one ``first_stage.batch_search(queries,
+    max(n, k))``, then the passages among all the batch's candidates (deduplicated by doc id) that neither
+    ``vectors`` (a finished store of the same corpus, when one was built: ``sonar index --dense``) nor the
+    bounded ``cache`` holds are encoded together (``encoder.batch_size`` per forward pass), and the
+    queries in one pass; per query a (N, D) @ (D,) product. Nothing is encoded before the first search, so
+    a corpus of any size starts in the time its BM25 index opens. The cost per search is in ``stats()``:
+    ``encoded`` passages, ``cache_hits``, ``stored_hits`` (rows found in ``vectors``), ``encode_s``.
     """
 
-    def __init__(self, first_stage: Retriever, vectors: PassageVectors, encoder: DenseEncoder, n: int = 20):
+    def __init__(self, first_stage: Retriever, encoder: DenseEncoder, n: int = 20, *, cache_size: int = 50_000,
+                 vectors: "PassageVectors | None" = None):
         if n < 1:
             raise ValueError(f"n={n} must be >= 1")
-        if vectors.dim != encoder.dim or vectors.model != encoder.tag:
+        if vectors is not None and (vectors.dim != encoder.dim or vectors.model != encoder.tag):
             raise ValueError(f"vectors of {vectors.model} (dim {vectors.dim}) do not match encoder "
                              f"{encoder.tag} (dim {encoder.dim})")
         self.first_stage = first_stage
         self.vectors = vectors
         self.encoder = encoder
         self.n = n
+        self.cache = VectorCache(cache_size)
         self.name = f"{first_stage.name}|dense:{encoder.tag}@{n}"
-        self._counters = _Counters()
-        self._warned = False
+        self._counters = _Counters(encoded=0, cache_hits=0, stored_hits=0, encode_s=0.0)
+
+    def _candidate_vectors(self, hits: list[Hit]) -> tuple[np.ndarray, dict]:
+        """(len(hits), D) float32 rows for ``hits`` (unique by doc id): stored, cached, else encoded now."""
+        ids = [h.doc_id for h in hits]
+        out = np.empty((len(hits), self.encoder.dim), dtype=np.float32)
+        todo = np.ones(len(hits), dtype=bool)
+        stored = 0
+        if self.vectors is not None:
+            rows = self.vectors.rows(ids)
+            have = rows >= 0
+            if have.any():
+                out[have] = self.vectors.matrix[rows[have]].astype(np.float32)
+            todo &= ~have
+            stored = int(have.sum())
+        cached = 0
+        idx = np.flatnonzero(todo)
+        for j, v in zip(idx, self.cache.get_many([ids[j] for j in idx])):
+            if v is not None:
+                out[j] = v
+                todo[j] = False
+                cached += 1
+        idx = np.flatnonzero(todo)
+        t0 = time.perf_counter()
+        if len(idx):
+            vecs = self.encoder.encode([passage_text(hits[j]) for j in idx])
+            out[idx] = vecs
+            self.cache.put_many([ids[j] for j in idx], vecs)
+        return out, {"encoded": len(idx), "cache_hits": cached, "stored_hits": stored,
+                     "encode_s": time.perf_counter() - t0}
 
     def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
         cands = self.first_stage.batch_search(queries, max(self.n, k))
         t0 = time.perf_counter()
         live = [i for i, c in enumerate(cands) if c]
         out: list[list[Hit]] = [[] for _ in queries]
-        missing = 0
+        counts = {"encoded": 0, "cache_hits": 0, "stored_hits": 0, "encode_s": 0.0}
         if live:
+            unique: dict[str, Hit] = {}
+            for i in live:
+                for h in cands[i]:
+                    unique.setdefault(h.doc_id, h)
+            pv, counts = self._candidate_vectors(list(unique.values()))
+            row = {doc_id: j for j, doc_id in enumerate(unique)}
             texts = [normalise_query(queries[i], None)[0] for i in live]
             qv = self.encoder.encode(texts, batch_size=max(len(texts), 1))  # (B, D): one pass
             for j, i in enumerate(live):
                 hits = cands[i]
-                rows = self.vectors.rows([h.doc_id for h in hits])
-                have = rows >= 0
-                scores = np.full(len(hits), MISSING_SCORE, dtype=np.float32)
-                if have.any():
-                    scores[have] = self.vectors.matrix[rows[have]].astype(np.float32) @ qv[j]
-                missing += int((~have).sum())
+                scores = pv[[row[h.doc_id] for h in hits]] @ qv[j]  # (N,) cosines: rows are L2-normalised
                 order = np.argsort(-scores, kind="stable")[:k]
                 out[i] = [replace(hits[o], score=float(scores[o])) for o in order]
-        if missing and not self._warned:
-            self._warned = True
-            log.warning("%s: %d candidates have no passage vector (first stage over another corpus?)", self.name, missing)
-        self._counters.add(queries=len(queries), candidates=sum(len(c) for c in cands), missing_vectors=missing,
-                           rerank_s=time.perf_counter() - t0)
+        self._counters.add(queries=len(queries), candidates=sum(len(c) for c in cands),
+                           rerank_s=time.perf_counter() - t0, **counts)
         return out
 
     def stats(self) -> dict:
-        return self._counters.snapshot()
+        return {**self._counters.snapshot(), "cache_size": len(self.cache)}
 
 
 class CrossEncoderReranker:

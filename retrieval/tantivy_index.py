@@ -366,6 +366,20 @@ class TantivyRetriever:
             c["search_s"] += time.perf_counter() - t0
         return out
 
+    def fetch(self, doc_ids: Sequence[str]) -> list[Hit | None]:
+        """The stored passages of ``doc_ids`` (score 0; None for an id the index does not hold): the dense
+        backend's document store, looked up by the raw ``id`` term."""
+        searcher = self._index.searcher()
+        out: list[Hit | None] = []
+        for i in doc_ids:
+            found = searcher.search(tantivy.Query.term_query(self._schema, "id", i), limit=1, count=False).hits
+            if not found:
+                out.append(None)
+                continue
+            d = searcher.doc(found[0][1])
+            out.append(Hit(d.get_first("id"), d.get_first("title") or "", d.get_first("text") or "", 0.0))
+        return out
+
     def stats(self) -> dict:
         with self._lock:
             return dict(self._counts, num_docs=self.num_docs)

@@ -221,6 +221,28 @@ def retrieval_metrics(roles: Roles) -> dict:
         cache = s.get("inner", {})
         if "hit_rate" in cache:
             m[K.RETRIEVAL_CACHE_HIT_RATE] = cache["hit_rate"]
+    m.update(rerank_metrics([s.get("inner", {}) for s in stats]))
+    return m
+
+
+def rerank_metrics(inner: list[dict]) -> dict:
+    """The reranker's cost per search from each replica's retriever stats (the reranker's dict is the first
+    with ``rerank_s`` down the ``inner`` chain: cache -> resilience -> reranker)."""
+    found = []
+    for s in inner:
+        while isinstance(s, dict) and "rerank_s" not in s:
+            s = s.get("inner")
+        if isinstance(s, dict) and s.get("queries"):
+            found.append(s)
+    if not found:
+        return {}
+    m = {K.RETRIEVAL_RERANK_MS_PER_QUERY: max(1000.0 * s["rerank_s"] / s["queries"] for s in found)}
+    if all("encoded" in s for s in found):
+        queries = sum(s["queries"] for s in found)
+        cands = sum(s["encoded"] + s["cache_hits"] + s["stored_hits"] for s in found)
+        m[K.RETRIEVAL_RERANK_ENCODED_PER_QUERY] = sum(s["encoded"] for s in found) / queries
+        m[K.RETRIEVAL_RERANK_VECTOR_HIT_RATE] = (sum(s["cache_hits"] + s["stored_hits"] for s in found) / cands
+                                                 if cands else 0.0)
     return m
 
 

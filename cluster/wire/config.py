@@ -288,12 +288,32 @@ class HttpRetrievalConfig:
 
 
 @dataclass(frozen=True)
+class DenseIndexConfig:
+    """The dense index (``retrieval.backend=dense``; ``sonar index --dense`` builds it for any backend): one
+    L2-normalised vector per passage beside the BM25 index, searched exactly by inner product
+    (``retrieval/dense_index.py``), Search-R1's e5 + flat FAISS retriever as a config choice."""
+
+    model: Optional[str] = None
+    """Encoder directory (mean-pooled, e.g. e5-base-v2 or all-MiniLM-L6-v2); None: the packaged MiniLM."""
+    query_prefix: str = ""
+    """Prepended to each query before encoding (e5: ``"query: "``)."""
+    passage_prefix: str = ""
+    """Prepended to each passage before encoding (e5: ``"passage: "``); part of the vectors' identity: a
+    store built with another prefix is rebuilt."""
+    shard_rows: int = ranged(4096, ge=1)
+    """Passages per resumable shard of the build: a build killed part-way keeps its finished shards."""
+    search_block_rows: int = ranged(262_144, ge=1)
+    """Vectors scored per matrix product at search time (bounds the float32 copy: rows x dim x 4 bytes)."""
+
+
+@dataclass(frozen=True)
 class RetrievalConfig:
     """Search backend, reranker, cache and the shared service."""
 
     backend: str = "tantivy"
     """tantivy (embedded BM25) | elasticsearch | http (a retrieval server with Search-R1's ``/retrieve`` API,
-    ``retrieval.http``) | a plug-in ``module:attr`` / ``file.py:attr``: ``make(config, corpus, index_root)
+    ``retrieval.http``) | dense (exact inner product over the vectors ``sonar index --dense`` built,
+    ``retrieval.dense``) | a plug-in ``module:attr`` / ``file.py:attr``: ``make(config, corpus, index_root)
     -> Retriever`` (``cluster/wire/plugins.py``). Read by ``retrieval/factory.py``."""
     corpus: Optional[str] = None
     """JSONL corpus {id, title, text}; None uses the synthetic world's corpus."""
@@ -308,6 +328,9 @@ class RetrievalConfig:
     """First-stage depth N for reranking (top-N BM25, then top-k dense)."""
     rerank_model: Optional[str] = None
     """Encoder directory for dense/cross rerank; None uses the packaged MiniLM."""
+    rerank_cache: int = ranged(50_000, ge=0)
+    """Passage vectors the dense reranker keeps (LRU, float16: 50,000 MiniLM rows are 38 MB per replica); it
+    encodes only the candidates it reranks, at query time, so a passage seen again costs nothing."""
     cache_size: int = ranged(4096, ge=0)
     """LRU entries; 0 disables the cache."""
     max_query_chars: int = ranged(512, ge=1)
@@ -348,6 +371,8 @@ class RetrievalConfig:
     """Connection and index settings, read when ``backend`` is elasticsearch (``title_boost``: always)."""
     http: HttpRetrievalConfig = field(default_factory=HttpRetrievalConfig)
     """The retrieval server, read when ``backend`` is http."""
+    dense: DenseIndexConfig = field(default_factory=DenseIndexConfig)
+    """The dense index, read by ``backend=dense`` and ``sonar index --dense``."""
 
 
 @dataclass(frozen=True)
@@ -1337,10 +1362,6 @@ keeps equal; the wire imports nothing of actors)."""
 
 def _check_retrieval(cfg: Config) -> None:
     _check_choices(cfg, "retrieval")
-    if cfg.retrieval.rerank == "dense" and cfg.retrieval.backend not in _plugins.INDEXED_RETRIEVERS:
-        raise ValueError(f"retrieval.rerank='dense' with retrieval.backend={cfg.retrieval.backend!r}: the dense "
-                         "reranker reads passage vectors of a local index (tantivy or elasticsearch); use "
-                         "rerank=cross or none")
     r = cfg.retrieval
     if r.rerank != "none" and r.rerank_candidates < r.k:
         raise ValueError(f"retrieval.rerank_candidates={r.rerank_candidates} < retrieval.k={r.k}")

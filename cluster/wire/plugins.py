@@ -49,12 +49,12 @@ KINDS = ("reward", "retriever", "dataset", "tool")
 
 BUILTIN_NAMES: dict[str, tuple[str, ...]] = {
     "reward": ("answer_em", "answer_f1", "cover_em", "search_r1", "rag_r1", "r1_stage1", "r1_stage2"),
-    "retriever": ("tantivy", "elasticsearch", "http"),
+    "retriever": ("tantivy", "elasticsearch", "http", "dense"),
     "tool": ("search", "visit"),
 }
 """The built-in entries of each registry, as the config validates them (``dataset``: the config's
 ``DATA_FORMATS``). Each registry's entries are pinned to these by tests/cluster/test_plugins.py."""
-INDEXED_RETRIEVERS = ("tantivy", "elasticsearch")
+INDEXED_RETRIEVERS = ("tantivy", "elasticsearch", "dense")
 """The built-in retrievers that search an index Sonar builds from ``retrieval.corpus`` (``sonar index``, the
 dense reranker's passage vectors); every other backend (http, a plug-in) holds its own."""
 

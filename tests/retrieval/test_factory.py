@@ -3,6 +3,7 @@ import dataclasses
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -54,10 +55,31 @@ def test_dense_rerank_stack(tmp_path, corpus):
     assert isinstance(r, CachedRetriever) and r.rerank_tag == "dense:all-MiniLM-L6-v2@4"
     dense = r.inner
     assert type(dense).__name__ == "DenseReranker" and dense.n == 4
-    assert dense.encoder.texts_encoded == len(DOCS)  # passage vectors built once
+    assert dense.encoder.texts_encoded == 0 and dense.vectors is None  # nothing encoded before the first search
     (hits,) = r.batch_search(["which fruit is yellow"], 1)
     assert hits[0].doc_id == "banana"
-    assert dense.encoder.texts_encoded == len(DOCS) + 1  # + one query, no passage
+    # the BM25 candidates (at most 4) and the query, at query time
+    cands = dense.stats()["encoded"]
+    assert 1 <= cands <= 4 and dense.encoder.texts_encoded == cands + 1
+
+
+def test_a_stored_vector_store_of_the_same_corpus_is_used_and_another_corpus_ignored(tmp_path, corpus):
+    from sonar.retrieval.rerank import DenseEncoder, build_passage_vectors
+
+    r = build_retriever(cfg(rerank="dense", rerank_candidates=4, k=1, cache_size=0), corpus, str(tmp_path / "ix"))
+    idx = Path(r.first_stage.index_dir)
+    build_passage_vectors(corpus, idx, DenseEncoder(), progress=False)  # what `sonar index --dense` writes
+    r2 = build_retriever(cfg(rerank="dense", rerank_candidates=4, k=1, cache_size=0), corpus, str(tmp_path / "ix"))
+    assert r2.vectors is not None and len(r2.vectors) == len(DOCS)
+    r2.batch_search(["which fruit is yellow"], 1)
+    assert r2.stats()["encoded"] == 0 and r2.stats()["stored_hits"] >= 1
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"id": "x", "title": "X", "text": "something else entirely"}) + "\n")
+    meta = idx / "vectors-all-MiniLM-L6-v2" / "meta.json"
+    m = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**m, "fingerprint": "another-corpus"}))
+    r3 = build_retriever(cfg(rerank="dense", rerank_candidates=4, k=1, cache_size=0), corpus, str(tmp_path / "ix"))
+    assert r3.vectors is None
 
 
 def test_bad_configs(tmp_path, corpus):

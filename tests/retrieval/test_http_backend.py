@@ -253,11 +253,15 @@ def test_a_misconfigured_endpoint_is_not_retried_through_the_factory(server, tmp
     assert e.value.kind == "connection" and len(server.bodies) == 1
 
 
-def test_dense_rerank_is_refused_with_http(tmp_path):
+def test_dense_rerank_runs_above_the_http_backend_on_its_hits_alone(server, tmp_path):
+    """The reranker encodes the candidates the server returned (their text), so it needs no local index."""
     from sonar.retrieval.factory import build_retriever
 
-    with pytest.raises(ValueError, match="rerank='dense' with retrieval.backend='http'"):
-        build_retriever(_http_cfg("http://127.0.0.1:1/retrieve", rerank="dense"), None, str(tmp_path))
+    r = build_retriever(_http_cfg(server.url, rerank="dense", rerank_candidates=2, cache_size=0), None, str(tmp_path))
+    assert type(r).__name__ == "DenseReranker"
+    (hits,) = r.batch_search(["paris"], 1)
+    assert len(hits) == 1 and r.stats()["encoded"] >= 1 and server.bodies[0]["topk"] == 2
+    assert not any(tmp_path.iterdir())  # still no local index
 
 
 @both

@@ -1,4 +1,5 @@
-"""Dense (MiniLM) and cross-encoder reranking: vectors computed once, one query pass per batch."""
+"""Dense (MiniLM) and cross-encoder reranking: only the candidates encoded, at query time, each once while
+the cache holds it; a stored vector store read first; one query pass per batch."""
 import json
 
 import numpy as np
@@ -6,8 +7,8 @@ import pytest
 
 from sonar.retrieval.base import Hit, Retriever
 from sonar.retrieval.corpus import iter_corpus
-from sonar.retrieval.rerank import (MISSING_SCORE, CrossEncoderReranker, DenseEncoder, DenseReranker, PassageVectors,
-                              build_passage_vectors, passage_text, vectors_dir)
+from sonar.retrieval.rerank import (CrossEncoderReranker, DenseEncoder, DenseReranker, PassageVectors, VectorCache,
+                                   build_passage_vectors, passage_text, vectors_dir)
 
 DOCS = [
     ("paris", "Paris", "Paris is the capital and most populous city of France."),
@@ -101,49 +102,74 @@ def test_vector_build_resumes_after_crash(tmp_path, corpus, encoder, monkeypatch
     np.testing.assert_allclose(vecs.matrix.astype(np.float32), ref, atol=2e-3)
 
 
-def test_dense_rerank_one_query_pass_no_passage_encoding(tmp_path, corpus, encoder):
-    vecs = build_passage_vectors(corpus, tmp_path / "idx", encoder, progress=False)
-    first = FixedFirstStage()
-    rr = DenseReranker(first, vecs, encoder, n=7)
-    assert isinstance(rr, Retriever) and rr.name == "fixed|dense:all-MiniLM-L6-v2@7"
+def test_dense_rerank_encodes_only_the_candidates_once_each(encoder):
+    first = FixedFirstStage(ids=["violin", "tokyo", "banana", "paris"])
+    rr = DenseReranker(first, encoder, n=4, cache_size=100)
+    assert isinstance(rr, Retriever) and rr.name == "fixed|dense:all-MiniLM-L6-v2@4"
     calls, texts = encoder.calls, encoder.texts_encoded
     qs = ["capital city of Japan", "", "a fruit that grows on plants", "stringed musical instrument",
           "capital city of Japan"]
     res = rr.batch_search(qs, k=2)
-    assert encoder.calls - calls == 1  # the 4 non-empty queries in ONE forward pass
-    assert encoder.texts_encoded - texts == 4  # and no passage was encoded
-    assert first.calls == [(qs, 7)]  # first stage asked for N candidates
+    # the batch's 4 distinct candidates in one pass (deduplicated across its queries), the 4 queries in another;
+    # the other 3 passages of the corpus are never encoded
+    assert encoder.calls - calls == 2 and encoder.texts_encoded - texts == 4 + 4
+    assert first.calls == [(qs, 4)]  # first stage asked for N candidates
     assert [r[0].doc_id if r else None for r in res] == ["tokyo", None, "banana", "violin", "tokyo"]
     assert all(len(r) == 2 for i, r in enumerate(res) if i != 1)
-    # scores are the stored cosines, sorted
+    # scores are the cosines of query and passage, sorted
+    by_id = {d[0]: d for d in DOCS}
     qv = encoder.encode(["capital city of Japan"])[0]
     for h in res[0]:
-        assert h.score == pytest.approx(float(vecs.matrix[vecs.row_of[h.doc_id]].astype(np.float32) @ qv), abs=1e-3)
+        pv = encoder.encode([passage_text(Hit(*by_id[h.doc_id], 0))])[0]
+        assert h.score == pytest.approx(float(pv @ qv), abs=2e-3)  # the cache keeps float16
     assert res[0][0].score >= res[0][1].score
-    assert rr.stats()["queries"] == 5 and rr.stats()["missing_vectors"] == 0
+    st = rr.stats()
+    assert (st["queries"], st["candidates"], st["encoded"], st["cache_hits"], st["cache_size"]) == (5, 16, 4, 0, 4)
+    # again: every candidate comes from the cache, only the query is encoded
+    texts = encoder.texts_encoded
+    rr.batch_search(["capital city of Japan"], k=2)
+    assert encoder.texts_encoded - texts == 1 and rr.stats()["cache_hits"] == 4
 
 
-def test_dense_rerank_candidates_only_and_k_above_n(tmp_path, corpus, encoder):
+def test_the_cache_is_bounded_and_evicts_the_least_recently_used():
+    c = VectorCache(2)
+    c.put_many(["a", "b"], np.eye(2, 4, dtype=np.float32))
+    assert c.get_many(["a"])[0] is not None  # a is now the most recent
+    c.put_many(["c"], np.ones((1, 4), dtype=np.float32))
+    assert len(c) == 2 and [v is not None for v in c.get_many(["a", "b", "c"])] == [True, False, True]
+    off = VectorCache(0)
+    off.put_many(["a"], np.ones((1, 4), dtype=np.float32))
+    assert len(off) == 0 and off.get_many(["a"]) == [None]
+    with pytest.raises(ValueError, match="max_items=-1"):
+        VectorCache(-1)
+
+
+def test_a_stored_vector_store_is_read_before_encoding(tmp_path, corpus, encoder):
     vecs = build_passage_vectors(corpus, tmp_path / "idx", encoder, progress=False)
+    rr = DenseReranker(FixedFirstStage(ids=["ghost", "paris", "banana"]), encoder, n=3, vectors=vecs)
+    texts = encoder.texts_encoded
+    (hits,) = rr.batch_search(["capital of France"], k=3)
+    # paris and banana from the store; "ghost" (not in this corpus) encoded from its hit's text
+    assert encoder.texts_encoded - texts == 1 + 1
+    assert hits[0].doc_id == "paris" and {h.doc_id for h in hits} == {"paris", "banana", "ghost"}
+    st = rr.stats()
+    assert (st["stored_hits"], st["encoded"]) == (2, 1)
+    qv = encoder.encode(["capital of France"])[0]
+    assert hits[0].score == pytest.approx(float(vecs.matrix[vecs.row_of["paris"]].astype(np.float32) @ qv), abs=1e-3)
+
+
+def test_dense_rerank_candidates_only_and_k_above_n(encoder):
     first = FixedFirstStage(ids=["violin", "nile", "banana"])  # no Paris among the candidates
-    rr = DenseReranker(first, vecs, encoder, n=2)
+    rr = DenseReranker(first, encoder, n=2)
     (hits,) = rr.batch_search(["capital of France"], k=3)
     assert first.calls[-1][1] == 3  # k > n: fetch k
     assert {h.doc_id for h in hits} == {"violin", "nile", "banana"}
 
 
-def test_missing_vectors_ranked_last_and_counted(tmp_path, corpus, encoder):
-    vecs = build_passage_vectors(corpus, tmp_path / "idx", encoder, progress=False)
-    rr = DenseReranker(FixedFirstStage(ids=["ghost", "paris", "banana"]), vecs, encoder, n=3)
-    (hits,) = rr.batch_search(["capital of France"], k=3)
-    assert [h.doc_id for h in hits] == ["paris", "banana", "ghost"]
-    assert hits[-1].score == MISSING_SCORE and rr.stats()["missing_vectors"] == 1
-
-
 def test_mismatched_vectors_rejected(tmp_path, encoder):
     v = PassageVectors.write(tmp_path / "v", ["a", "b"], np.eye(2, 8, dtype=np.float32), model="other")
     with pytest.raises(ValueError, match="do not match"):
-        DenseReranker(FixedFirstStage(), v, encoder, n=3)
+        DenseReranker(FixedFirstStage(), encoder, n=3, vectors=v)
     with pytest.raises(FileNotFoundError):
         PassageVectors(tmp_path / "nothing")
 
@@ -233,3 +259,22 @@ def test_the_packaged_minilm_is_the_published_one_and_a_tampered_copy_is_refused
     (copy / "vocab.txt").unlink()
     with pytest.raises(rerank.ModelFileError, match=r"vocab\.txt: missing"):
         rerank.verify_minilm_files(copy)
+
+
+def test_the_rerank_cost_reaches_the_retrieval_metrics(encoder):
+    """Each replica's stats chain (cache -> reranker) as the service returns it becomes the run's
+    ``retrieval/rerank/*`` metrics: ms and passages encoded per query, and the vector hit rate."""
+    from sonar.cluster.driver.reports import rerank_metrics
+    from sonar.cluster.wire import metrics as K
+    from sonar.retrieval.cache import CachedRetriever
+
+    rr = DenseReranker(FixedFirstStage(ids=["paris", "banana"]), encoder, n=2)
+    top = CachedRetriever(rr, 0, "dense")
+    top.batch_search(["capital of France"], 1)
+    top.batch_search(["a yellow fruit"], 1)  # both candidates cached now
+    m = rerank_metrics([top.stats(), {"hit_rate": 0.0}])  # a replica without a reranker adds nothing
+    assert m[K.RETRIEVAL_RERANK_ENCODED_PER_QUERY] == pytest.approx(2 / 2)
+    assert m[K.RETRIEVAL_RERANK_VECTOR_HIT_RATE] == pytest.approx(2 / 4)
+    st = rr.stats()
+    assert m[K.RETRIEVAL_RERANK_MS_PER_QUERY] == pytest.approx(1000 * st["rerank_s"] / 2)
+    assert rerank_metrics([{"hit_rate": 0.5}]) == {}
