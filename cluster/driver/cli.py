@@ -6,7 +6,8 @@
     sonar config fields [PREFIX ...]                   # every field: type, default, range, description
     sonar index [--config C ...] [--resume] [key=value ...]   # build the retrieval index (no Ray)
     sonar --version
-    sonar eval --config C --checkpoint DIR --data FILE [--data FILE2 ...] [--format F] [key=value ...]
+    sonar eval [--config C ...] --checkpoint DIR --data FILE [--data FILE2 ...] [--format F] [key=value ...]
+                                                       # a run's checkpoint: searched in that run's world
     sonar score PREDICTIONS.jsonl [...] [--pred-field F --gold-field G]
     sonar bench NAME [--quick] [...]
     sonar chaos --config C --steps N [--kill-every K] [--minutes M] [--seed S] [--compare] [key=value ...]
@@ -42,12 +43,16 @@ def _load(args, notes: list | None = None) -> "Config":
     try:
         return load_config(args.config or [DEFAULT_CONFIG], overrides, notes=notes)
     except (ConfigError, ValueError) as e:
-        msg = " ".join(str(e).split())  # one line, whatever the message held
-        print(f"sonar: config error: {msg}", file=sys.stderr)
-        plan = getattr(e, "plan", None)  # a memory-plan refusal (memory.MemoryPlanError): the whole plan below
-        if plan is not None:
-            print(plan.format(), file=sys.stderr)
+        _config_error(e)
         raise SystemExit(2)
+
+
+def _config_error(e: Exception) -> None:
+    msg = " ".join(str(e).split())  # one line, whatever the message held
+    print(f"sonar: config error: {msg}", file=sys.stderr)
+    plan = getattr(e, "plan", None)  # a memory-plan refusal (memory.MemoryPlanError): the whole plan below
+    if plan is not None:
+        print(plan.format(), file=sys.stderr)
 
 
 def memory_plan_text(cfg) -> str:
@@ -175,8 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", action="append", help=CONFIG_HELP)
     t.add_argument("overrides", nargs="*", help="key=value overrides")
     e = sub.add_parser("eval", help="greedy evaluation of a checkpoint over dataset files")
-    e.add_argument("--config", action="append", help=CONFIG_HELP)
-    e.add_argument("--checkpoint", required=True, help="Sonar checkpoint or Hugging Face model directory")
+    e.add_argument("--config", action="append",
+                   help=CONFIG_HELP + ". A checkpoint inside a training run is evaluated in that run's world: "
+                   "without --config the run's saved config.yaml (then key=value); with it, the files give the "
+                   "evaluation settings but world.*, model.*, protocol.name and retrieval.* (but retrieval.k) stay "
+                   "the run's. key=value overrides win over both, except protocol.name, "
+                   "model.path and model.tags, which must equal the run's")
+    e.add_argument("--checkpoint", required=True,
+                   help="Sonar checkpoint, run directory or Hugging Face model directory; the corpus and "
+                        "retriever it is searched with are logged and printed")
     e.add_argument("--data", action="append", required=True, help="dataset file (repeatable)")
     e.add_argument("--format", default="auto", dest="fmt",
                    help="format of the --data files when detection cannot tell: flashrag, hotpotqa, 2wiki, musique, "
@@ -235,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "config":
         return config_command(args)
+    if args.cmd == "eval":
+        return eval_command(args)
     cfg = _load(args)
     if args.cmd == "index":
         from sonar.cluster.driver.indexing import main as index_main
@@ -257,27 +271,42 @@ def main(argv: list[str] | None = None) -> int:
             print("sonar: interrupted; MLflow run marked KILLED, Ray shut down", file=sys.stderr)
             return 130
         return 0
-    if args.cmd == "eval":
-        from sonar.actors.datasets import DatasetError
-        from sonar.cluster.driver.evaluate import EvalError, EvalFailed, run_eval
-        from sonar.retrieval.corpus import CorpusError
-
-        try:
-            run_eval(cfg, args.checkpoint, args.data, args.out, fmt=args.fmt)
-        except DatasetError as e:  # names the file, line and field: no traceback needed
-            print(f"sonar: data error: {e}", file=sys.stderr)
-            return 2
-        except (EvalError, CorpusError) as e:  # names the file (checkpoint, weights, corpus)
-            print(f"sonar: eval error: {e}", file=sys.stderr)
-            return 2
-        except EvalFailed as e:  # part-way: finished datasets kept, MLflow run FAILED, traceback in error.log
-            print(f"sonar: {e}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("sonar: interrupted; MLflow run marked KILLED, finished datasets kept", file=sys.stderr)
-            return 130
-        return 0
     return 2
+
+
+def eval_command(args) -> int:
+    """``sonar eval``: the config from the checkpoint's run or ``--config`` (``evaluate.eval_config``), then
+    ``evaluate.run_eval``. User errors are one line and exit 2; a failure part-way exits 1."""
+    from sonar.actors.datasets import DatasetError
+    from sonar.cluster.driver.evaluate import EvalError, EvalFailed, eval_config, run_eval
+    from sonar.retrieval.corpus import CorpusError
+
+    notes: list = []  # files eval never reads (training data, model.path on the cluster's storage): noted
+    try:
+        cfg, source = eval_config(args.checkpoint, args.config, list(args.overrides), notes=notes)
+    except EvalError as e:  # an override that cannot fit the run's checkpoint: field, both values
+        print(f"sonar: eval error: {e}", file=sys.stderr)
+        return 2
+    except (ConfigError, ValueError) as e:
+        _config_error(e)
+        return 2
+    for n in notes:
+        logging.getLogger("sonar.eval").info("config: not checked here: %s", n)
+    try:
+        run_eval(cfg, args.checkpoint, args.data, args.out, fmt=args.fmt, source=source)
+    except DatasetError as e:  # names the file, line and field: no traceback needed
+        print(f"sonar: data error: {e}", file=sys.stderr)
+        return 2
+    except (EvalError, CorpusError) as e:  # names the file (checkpoint, weights, corpus)
+        print(f"sonar: eval error: {e}", file=sys.stderr)
+        return 2
+    except EvalFailed as e:  # part-way: finished datasets kept, MLflow run FAILED, traceback in error.log
+        print(f"sonar: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("sonar: interrupted; MLflow run marked KILLED, finished datasets kept", file=sys.stderr)
+        return 130
+    return 0
 
 
 if __name__ == "__main__":

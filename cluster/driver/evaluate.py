@@ -20,10 +20,31 @@ What it measured it keeps, and what it refuses it refuses early:
 
 The policy is a Hugging Face model directory, a Sonar checkpoint (its ``hf/`` export), or a run
 directory (its final ``model/``).
+
+Which world it searches (:func:`eval_config`). A checkpoint inside a training run (a directory holding
+the ``config.yaml`` the run saved, beside its ``mlflow.json`` or ``metrics.jsonl``) is evaluated in that
+run's world, not in whatever ``--config`` describes:
+
+* without ``--config``: the config is the run's saved config, then the ``key=value`` overrides (the run's
+  training data, ``stages.N.data`` and ``eval.data``, is not read: eval reads ``--data``);
+* with ``--config``: the files (and overrides) give the evaluation settings as before (``eval.*``, the
+  prompt, turn and token budgets, ``retrieval.k``, the reward that scores, tracking, ``run.root``), but
+  the fields of :data:`RUN_WORLD` stay the run's whatever a file says: the synthetic world, the model and
+  its tokenizer, the protocol's tag set, and the retriever (``retrieval.*`` but ``k``: backend, corpus,
+  index, reranker); the fields a file gave otherwise are logged;
+* a ``key=value`` override wins over both (``retrieval.corpus=other.jsonl`` searches another corpus),
+  except where it cannot fit the checkpoint (:data:`MUST_FIT`: ``protocol.name``, ``model.path``,
+  ``model.tags`` other than the run's are refused with an ``EvalError`` naming the field, the run's
+  value and the override's).
+
+A checkpoint that is not inside a run uses ``--config`` (default: the tiny preset) as it is. Either way
+the corpus and retriever searched, and the config they came from, are logged at the start, printed at
+the end (``sonar eval: searching ...``) and logged to MLflow (``eval.searched``, ``eval.config``).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -141,6 +162,145 @@ def _load_policy(model_dir: Path):
         raise EvalError(f"--checkpoint {model_dir}: cannot load the policy ({_one_line(e)})") from None
 
 
+RUN_WORLD = ("world", "model", "protocol.name", "retrieval")
+"""Config fields (sections or dotted fields) that say what a training run's checkpoint was trained in: the
+synthetic world (its corpus, and the tiny policy's vocabulary), the model and its tokenizer, the
+protocol's tag set, and the retriever (backend, corpus, index, reranker, service), all but
+:data:`EVAL_SETS`. ``sonar eval`` of the run's checkpoint takes them from the run's saved config even where
+a ``--config`` file says otherwise; a ``key=value`` override changes them (within :data:`MUST_FIT`)."""
+
+EVAL_SETS = ("retrieval.k",)
+"""Fields under :data:`RUN_WORLD` that a ``--config`` file still sets: the search depth, which an evaluation
+overlay chooses with ``protocol.docs_per_query`` (``configs/r1_searcher_eval.yaml``: top 5)."""
+
+MUST_FIT = {"protocol.name": "the policy was trained to write that protocol's tags",
+            "model.path": "the checkpoint is its own model and tokenizer, not another family's",
+            "model.tags": "the checkpoint's tokenizer holds the tags as the run put them there"}
+"""Fields an override may not set to anything but the run's value (field -> why): a checkpoint of the run
+cannot be evaluated otherwise."""
+
+_RUN_MARKERS = ("mlflow.json", "metrics.jsonl")
+"""Files beside ``config.yaml`` that make a directory a training run's (``tracking.RUN_FILE``, and the
+metric rows a run with tracking off still writes)."""
+
+
+def run_config_file(checkpoint: str | Path, levels: int = 4) -> Path | None:
+    """The ``config.yaml`` the training run ``checkpoint`` lies in saved: ``checkpoint`` or the nearest of its
+    ``levels`` parents (``<run>``, ``<run>/model``, ``<run>/checkpoints/<tag>/hf``) holding ``config.yaml``
+    beside ``mlflow.json`` or ``metrics.jsonl``; None outside a run."""
+    p = Path(checkpoint).expanduser().resolve()
+    for d in [p, *p.parents][:levels + 1]:
+        if (d / "config.yaml").is_file() and any((d / m).is_file() for m in _RUN_MARKERS):
+            return d / "config.yaml"
+    return None
+
+
+def _field(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _with_field(obj, dotted: str, value):
+    head, _, rest = dotted.partition(".")
+    return dataclasses.replace(obj, **{head: _with_field(getattr(obj, head), rest, value) if rest else value})
+
+
+def _leaves(obj, prefix: str) -> dict:
+    """``{dotted field: value}`` of every leaf under ``prefix`` (a section's fields, recursively)."""
+    if not dataclasses.is_dataclass(obj):
+        return {prefix: obj}
+    out: dict = {}
+    for f in dataclasses.fields(obj):
+        out.update(_leaves(getattr(obj, f.name), f"{prefix}.{f.name}"))
+    return out
+
+
+def _training_data_unset(saved: Path) -> list[str]:
+    """Overrides that unset the run's training and held-out data files (``stages.N.data``, ``eval.data``):
+    eval reads its ``--data``, and a training file missing here (a relative path, another machine) must not
+    refuse it."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(saved.read_text())
+    except (OSError, yaml.YAMLError):
+        return []  # load_config names the file and what is wrong with it
+    stages = raw.get("stages") if isinstance(raw, dict) else None
+    n = len(stages) if isinstance(stages, list) else 0
+    return [*(f"stages.{i}.data=null" for i in range(n)), "eval.data=null"]
+
+
+def eval_config(checkpoint: str | Path, config_files: list[str] | None, overrides: list[str],
+                notes: list | None = None) -> tuple[Config, str]:
+    """The config ``sonar eval`` runs with, and where it came from (a phrase for the log). The rule (the
+    module docstring): a checkpoint inside a training run is evaluated in the run's world -- without
+    ``config_files`` the run's saved config plus ``overrides``; with them, the files plus ``overrides``,
+    the fields of :data:`RUN_WORLD` that no override names put back to the run's (each one a file changed
+    is logged); an override of a :data:`MUST_FIT` field to another value than the run's raises EvalError
+    (field, the run's value, the override's). Outside a run: ``config_files`` (default the tiny preset) plus
+    ``overrides``, as before. ``world.force=true`` is added either way: nothing is trained here (the toy
+    world's refusal of a real corpus or model does not apply). Raises ConfigError / ValueError (a bad file or
+    value) or EvalError."""
+    from sonar.cluster.wire.config import DEFAULT_CONFIG, load_config, validate
+
+    files = list(config_files or [])
+    overrides = [*overrides, "world.force=true"]
+    saved = run_config_file(checkpoint)
+    if saved is None:
+        from sonar.cluster.driver import tracking
+
+        run_dir = tracking.find_run_dir(checkpoint)
+        if run_dir is not None:
+            log.warning("sonar eval: the run %s saved no config.yaml; its world is not known here, so the one "
+                        "--config describes is searched", run_dir)
+        cfg = load_config(files or [DEFAULT_CONFIG], overrides, notes=notes)
+        return cfg, (f"--config {' '.join(map(str, files))}" if files else f"the default config {DEFAULT_CONFIG.name}")
+    unset = _training_data_unset(saved)
+    run_cfg = load_config([saved], [*unset, "world.force=true"], notes=notes)
+    source = f"the run's config {saved}"
+    if not files:
+        cfg = load_config([saved], [*unset, *overrides], notes=notes)
+    else:
+        cfg = load_config(files, overrides, notes=notes)
+        named = [o.partition("=")[0].strip() for o in overrides]
+        kept = []
+        for prefix in RUN_WORLD:
+            for key, value in _leaves(_field(run_cfg, prefix), prefix).items():
+                if any(key == n or key.startswith(n + ".") for n in [*named, *EVAL_SETS]):
+                    continue  # an override names it (its value stands), or an evaluation setting
+                given = _field(cfg, key)
+                if given != value:
+                    kept.append(f"{key}={value!r} (--config: {given!r})")
+                    cfg = _with_field(cfg, key, value)
+        if kept:
+            log.info("sonar eval: the run's world kept over --config (a key=value override changes it): %s",
+                     "; ".join(kept))
+            cfg = validate(cfg, notes=notes)
+        source += f", evaluation settings from --config {' '.join(map(str, files))}"
+    for key, why in MUST_FIT.items():
+        ran, now = _field(run_cfg, key), _field(cfg, key)
+        if now != ran:
+            raise EvalError(f"{key}={now!r} does not fit the checkpoint {checkpoint}: its run trained with "
+                            f"{key}={ran!r} ({saved}); {why}")
+    return cfg, source
+
+
+def searched(cfg: Config, corpus: str | None, source: str) -> str:
+    """``<corpus> (<backend>[ + <rerank> rerank], from <source>)``: what ``sonar eval`` searches."""
+    from sonar.cluster.wire.redact import redact
+
+    r = cfg.retrieval
+    if corpus is None:
+        what = f"the corpus of the retrieval server {redact(r.http.url)}"
+    elif r.corpus:
+        what = str(corpus)
+    else:
+        what = f"the synthetic world's corpus {corpus}"
+    how = r.backend + (f" + {r.rerank} rerank" if r.rerank != "none" else "")
+    return f"{what} ({how}, from {source})"
+
+
 def _default_corpus(cfg: Config) -> str:
     from sonar.cluster.driver.roles import prepare_corpus
 
@@ -158,7 +318,7 @@ def unknown_share(tokenizer, questions: list[str]) -> float:
 
 
 def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str | None = None,
-             fmt: str = "auto") -> dict:
+             fmt: str = "auto", source: str | None = None) -> dict:
     """Evaluate the policy at ``checkpoint`` on each of ``data_files``; returns {name: summary}, names
     from :func:`dataset_names`. ``out_dir``: where everything is written; default ``<run>/eval-<stamp>`` when
     ``checkpoint`` lies in a training run (its ``mlflow.json``), else ``<run.root>/eval-<stamp>``.
@@ -167,7 +327,9 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
     format detection cannot tell; "auto" detects per file. Every file is loaded (and a malformed one
     refused, naming file, line and field) and the policy's files checked before the policy is loaded
     or anything written. Raises DatasetError / EvalError (user errors, nothing written) or EvalFailed
-    (after the output directory exists; finished datasets kept, MLflow run FAILED)."""
+    (after the output directory exists; finished datasets kept, MLflow run FAILED). ``source``: where
+    ``cfg`` came from, for the ``searching`` line (:func:`eval_config`'s second value); None: "the config
+    given"."""
     from tqdm import tqdm
 
     from sonar.actors import evaluation
@@ -198,6 +360,8 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
     tags = get_protocol(cfg.protocol.name)
     corpus = cfg.retrieval.corpus or _default_corpus(cfg)
     retriever = build_retriever(cfg.retrieval, corpus, str(Path(cfg.run.root).resolve() / "index"))
+    where = searched(cfg, corpus, source or "the config given")
+    log.info("sonar eval: searching %s", where)
     # A training run's checkpoint: its results beside its run (<run>/eval-<stamp>); any other policy
     # directory: under run.root (./runs of the current directory unless configured).
     train_dir = tracking.find_run_dir(model_dir)
@@ -214,7 +378,8 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
     table: dict[str, dict] = {}
     current = None
     try:
-        sink.log_params({**flatten(to_dict(cfg)), "eval.checkpoint": str(model_dir),
+        sink.log_params({**flatten(to_dict(cfg)), "eval.checkpoint": str(model_dir), "eval.searched": where,
+                         "eval.config": source or "the config given",
                          **{f"eval.data.{name}": str(path) for name, path, _ in datasets}})
         for name, path, items in datasets:
             current = (name, path)
@@ -253,6 +418,6 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
         raise EvalFailed(f"evaluation failed on {where}: {_one_line(e)}; {kept}; MLflow run {sink.run_id} "
                          f"marked FAILED; traceback in {out / 'error.log'}", table) from e
     sink.finish("FINISHED")
-    print("\n" + evaluation.markdown(table) + f"\npredictions and table in {out} (MLflow run {sink.run_id})\n",
-          flush=True)
+    print("\n" + evaluation.markdown(table) + f"\nsonar eval: searching {where}\n"
+          f"predictions and table in {out} (MLflow run {sink.run_id})\n", flush=True)
     return table
