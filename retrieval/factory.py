@@ -150,6 +150,35 @@ def build_retriever(cfg, corpus_path: str | None, index_root: str, *, progress: 
     return _above_backend(cfg, r, encoder, report, server_dense, wrap_backend)
 
 
+class SearchServiceDown(RuntimeError):
+    """The search service a run needs does not answer (or answers with an error) at start-up: names the
+    backend, its address and what failed, before any learner or rollout worker starts."""
+
+
+PROBE_QUERY = "sonar start-up check"
+
+
+def probe_retriever(r: Retriever, cfg) -> None:
+    """Send one query through ``r`` (built with ``resilient=False``: no retries, so a dead service is found
+    at once) within ``cfg.timeout_s`` seconds; raise ``SearchServiceDown`` naming ``r.name`` (the backend and
+    its address: ``elasticsearch:<host>/<index>``, ``http:<url>``, the index path) when it fails or is late.
+    Answering with no hits is fine: an index that holds documents was checked by ``ensure_index``."""
+    import concurrent.futures as cf
+
+    pool = cf.ThreadPoolExecutor(1, thread_name_prefix="search-probe")
+    try:
+        pool.submit(r.batch_search, [PROBE_QUERY], cfg.k).result(timeout=cfg.timeout_s)  # the run's own request
+    except cf.TimeoutError:
+        raise SearchServiceDown(f"retrieval.backend={cfg.backend!r}: the search service {r.name} did not answer a "
+                                f"query within retrieval.timeout_s={cfg.timeout_s} s; start it (or fix its address) "
+                                "before training") from None
+    except Exception as e:  # noqa: BLE001 - any failure of the service is the one refusal, with its cause
+        raise SearchServiceDown(f"retrieval.backend={cfg.backend!r}: the search service {r.name} failed a query: "
+                                f"{' '.join(str(e).split())}; start it (or fix its address) before training") from None
+    finally:
+        pool.shutdown(wait=False)  # a hung call is abandoned, not waited for
+
+
 def _encoder(cfg):
     """The dense reranker's query and passage encoder (``retrieval.rerank_model``), or None without one."""
     if cfg.rerank != "dense":

@@ -381,7 +381,11 @@ def start_retrieval(cfg: Config, run: Run, corpus: str | None, wrap_backend: Cal
     from sonar.retrieval.factory import build_retriever
     from sonar.retrieval.server import start_retrieval_service
 
-    build_retriever(cfg.retrieval, corpus, indexes_dir(cfg))  # builds the index once, before replicas open it
+    from sonar.retrieval.factory import probe_retriever
+
+    # builds the index once, before replicas open it; then one query, no retries: a search service that is
+    # down stops the run here, naming its address, before any learner or rollout worker holds a GPU
+    probe_retriever(build_retriever(cfg.retrieval, corpus, indexes_dir(cfg), resilient=False), cfg.retrieval)
     # retrieval.replicas actors; Ray restarts a dead one (cluster.max_replica_restarts) under the same handle,
     # so the workers' clients keep working once it answers again (past that, replace_replica).
     return start_replicas(cfg, corpus, cfg.retrieval.replicas, wrap_backend)

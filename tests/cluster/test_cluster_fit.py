@@ -368,6 +368,7 @@ def test_role_demands_are_what_the_roles_are_started_with(monkeypatch, tmp_path)
     # the retrieval replicas are started asking for retrieval.num_cpus_per_replica
     seen = {}
     monkeypatch.setattr(factory, "build_retriever", lambda *a, **k: None)
+    monkeypatch.setattr(factory, "probe_retriever", lambda r, cfg: None)
     monkeypatch.setattr(server, "start_retrieval_service",
                         lambda rcfg, make, **kw: seen.update(kw) or type("C", (), {"handles": []})())
     roles.start_retrieval(cfg, None, str(tmp_path / "corpus.jsonl"))
