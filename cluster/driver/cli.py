@@ -4,7 +4,7 @@
     sonar config show|validate [--config C ...] [key=value ...]
     sonar config list                                  # the shipped presets
     sonar config fields [PREFIX ...]                   # every field: type, default, range, description
-    sonar index [--config C ...] [--resume] [key=value ...]   # build the retrieval index (no Ray)
+    sonar index [--config C ...] [--resume] [--dense] [key=value ...] # build the retrieval index (no Ray)
     sonar --version
     sonar eval [--config C ...] --checkpoint DIR --data FILE [--data FILE2 ...] [--format F] [key=value ...]
                                                        # a run's checkpoint: searched in that run's world
@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     ix.add_argument("--config", action="append", help=CONFIG_HELP)
     ix.add_argument("--resume", action="store_true",
                     help="finish an interrupted build from its last committed batch (refused without it)")
+    ix.add_argument("--dense", action="store_true",
+                    help="also encode every passage (retrieval.dense) beside the index, in resumable, checksummed "
+                         "shards: what retrieval.backend=dense searches (implied by it)")
     ix.add_argument("overrides", nargs="*", help="key=value overrides")
     sub.add_parser("score", help="score predictions JSONL files")
     sub.add_parser("bench", help="run a benchmark from bench/")
@@ -253,10 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "index":
         from sonar.cluster.driver.indexing import main as index_main
 
-        return index_main(cfg, args.resume)
+        return index_main(cfg, args.resume, args.dense)
     if args.cmd == "train":
         from sonar.cluster.driver.loop import train
         from sonar.cluster.driver.run import ResumeError
+        from sonar.retrieval.factory import SearchServiceDown
 
         plan = memory_plan_text(cfg)
         if plan:
@@ -266,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
             train(cfg)
         except ResumeError as e:  # checked before Ray, a run directory or an MLflow run: one line
             print(f"sonar: resume error: {e}", file=sys.stderr)
+            return 2
+        except SearchServiceDown as e:  # checked before any learner or worker started: one line, the address
+            print(f"sonar: search service error: {e}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("sonar: interrupted; MLflow run marked KILLED, Ray shut down", file=sys.stderr)
