@@ -23,8 +23,8 @@ import re
 import sys
 from pathlib import Path
 
-from sonar.bench import (async_vs_sync, codec_and_queue, default_run, end_to_end, engines, learner_bench, multi_query,
-                         retrieval_bench, rollout_scaling, schedule_sim, sensitivity, soak, weight_sync)
+from sonar.bench import (async_vs_sync, codec_and_queue, corpus_scale, default_run, end_to_end, engines, learner_bench,
+                         multi_query, retrieval_bench, rollout_scaling, schedule_sim, sensitivity, soak, weight_sync)
 from sonar.bench.common import READMES, REPO_ROOT, load_full_result, splice
 
 BLOCKS = {
@@ -41,6 +41,7 @@ BLOCKS = {
     "codec-and-queue codec": codec_and_queue.render_codec_table,
     "codec-and-queue queues": codec_and_queue.render_queue_table,
     "retrieval": retrieval_bench.render_table,
+    "corpus-scale": corpus_scale.render_table,
     "multi-query": multi_query.render_table,
     "multi-query saving": multi_query.render_saving_table,
     "rollout-scaling": rollout_scaling.render_table,

@@ -23,6 +23,7 @@ BENCHMARKS = {
     "weight-sync": "learner -> workers weight broadcast: bucketed vs per-tensor vs ray.put, vs memcpy",
     "codec-and-queue": "msgpack trajectory codec MB/s and replay-queue put/get items/s, one by one vs batched",
     "retrieval": "retrieval latency and throughput per backend",
+    "corpus-scale": "a 1 M-passage corpus: index and dense build (killed and resumed), start-up with and without rerank, serving; projected to 21 M",
     "end-to-end": "steps/s and tokens/s of the full training loop",
     "soak": "RSS of the driver, learner and workers over a long run: slope after warm-up (MB/min)",
     "multi-query": "RAG-R1's multi-query vs single-query search: per-question time, turns, retrievals at equal EM",
