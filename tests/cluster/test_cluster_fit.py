@@ -796,3 +796,30 @@ def test_the_crd_check_can_fail():
     assert "spec.workerGroupSpecs[0].template.spec.containers[0].env[1].valueFrom.secretKeyRef.key: required" in errs
     assert "spec.workerGroupSpecs[0].template.spec.volumes[0].persistentVolumeClaim.claim: not a field of the CRD" in errs
     assert "spec.authOptions.mode: one of ['disabled', 'token']" in errs
+
+
+def test_the_kuberay_sample_starts_the_search_service_the_job_points_at():
+    """search/elasticsearch.yaml: a Service and a StatefulSet with security on and the password from the
+    Secret every Ray pod reads as SONAR_ES_PASSWORD (the preset's password_env); the RayJob's hosts are that
+    Service's name and port; no secret in any file."""
+    docs = list(yaml.safe_load_all((CLUSTERS / "search" / "elasticsearch.yaml").read_text()))
+    svc = next(d for d in docs if d["kind"] == "Service")
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    port = svc["spec"]["ports"][0]["port"]
+    assert svc["spec"]["selector"] == sts["spec"]["template"]["metadata"]["labels"]
+    es = sts["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in es["env"]}
+    assert env["xpack.security.enabled"]["value"] == "true"
+    secret = env["ELASTIC_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert "value" not in env["ELASTIC_PASSWORD"]
+    job = yaml.safe_load((CLUSTERS / "kuberay-job.yaml").read_text())
+    cfg = preset("gpu", *job["spec"]["entrypoint"].split()[4:])
+    assert cfg.retrieval.backend == "elasticsearch"
+    assert cfg.retrieval.elastic.hosts == [f"http://{svc['metadata']['name']}:{port}"]
+    cluster = yaml.safe_load((CLUSTERS / "kuberay-cluster.yaml").read_text())
+    spec = cluster["spec"]
+    pods = [spec["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in spec["workerGroupSpecs"]]
+    for pod in pods:  # any pod may host the driver's index check or a retrieval replica
+        penv = {e["name"]: e for e in pod["containers"][0]["env"]}
+        assert penv[cfg.retrieval.elastic.username_env]["value"] == "elastic"
+        assert penv[cfg.retrieval.elastic.password_env]["valueFrom"]["secretKeyRef"] == secret
