@@ -83,6 +83,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from sonar.cluster.wire.plugins import Registry, is_plugin
+from sonar.cluster.wire.text import clean_text
 
 FORMATS = ("flashrag", "hotpotqa", "2wiki", "musique", "bamboogle", "r1_searcher", "verl")
 ALIASES = {"search_r1": "flashrag", "jsonl": "flashrag", "rag_r1": "flashrag", "hotpot": "hotpotqa",
@@ -481,6 +482,15 @@ def _plugin_items(path: Path, fmt: str) -> list[QAItem]:
     return items
 
 
+def _cleaned(item: QAItem) -> QAItem:
+    """The item's question, answers and id through ``clean_text`` (a lone surrogate in a data file would stop
+    the tokenizer, or the tiny policy's vocabulary, at start-up)."""
+    from dataclasses import replace
+
+    return replace(item, qid=clean_text(item.qid), question=clean_text(item.question),
+                   golds=[clean_text(g) for g in item.golds])
+
+
 def load_datasets(paths: str | Path | list, fmt: str = "auto", fields: dict | None = None) -> list[QAItem]:
     """Several files as one question set, in the order given (one path: ``load_dataset``).
 
@@ -499,6 +509,7 @@ def load_datasets(paths: str | Path | list, fmt: str = "auto", fields: dict | No
         else:
             loaded = load_dataset(path, fmt=fmt)
         for item in loaded:
+            item = _cleaned(item)
             if item.qid in seen:
                 raise DatasetError(f"{path}: qid {item.qid!r} is also in {seen[item.qid]}: files trained or "
                                    "evaluated together need distinct ids")

@@ -48,6 +48,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from sonar.cluster.wire.text import clean_text
+
 
 @dataclass(frozen=True)
 class TagSet:
@@ -277,6 +279,7 @@ def neutralise(text: str, specials: list[str]) -> str:
     spell the tag the model reads as the end of the block; an ``<eos>`` would end the sequence. Replacing ``<`` / ``>`` / ``|`` by look-alikes inside those strings keeps the text
     readable and makes it encode as plain text. Pass ``special_strings(tokenizer)``.
     """
+    text = clean_text(text)  # lone surrogates (from a plug-in's hits or tool) would crash the tokenizer
     for tok in sorted(specials, key=len, reverse=True):
         if tok in text:
             text = text.replace(tok, _defang(tok))

@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from sonar.cluster.wire.text import clean_text
+
 log = logging.getLogger(__name__)
 
 _WARN_FIRST = 5
@@ -179,9 +181,10 @@ class _GzipLines:
 
 
 def strip_controls(s: str) -> tuple[str, bool]:
-    """Remove control characters except tab and newline. Returns (clean, changed)."""
-    clean = _CTRL_PASSAGE.sub("", s)
-    return clean, len(clean) != len(s)
+    """Remove control characters except tab and newline, and repair lone surrogates (``clean_text``: a
+    truncated emoji's ``\\ud83d`` escape would crash the index and every tokenizer). Returns (clean, changed)."""
+    clean = _CTRL_PASSAGE.sub("", clean_text(s))
+    return clean, clean != s
 
 
 def split_contents(contents: str) -> tuple[str, str]:

@@ -42,6 +42,7 @@ from collections import Counter
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from sonar.cluster.wire.redact import redact
+from sonar.cluster.wire.text import clean_text
 from sonar.retrieval.base import Hit, RetrievalError
 
 log = logging.getLogger(__name__)
@@ -445,8 +446,9 @@ class ElasticRetriever:
             hits = []
             for h in resp["hits"]["hits"][:k]:
                 src = h.get("_source") or {}
-                hits.append(Hit(doc_id=str(src.get("id", h.get("_id"))), title=str(src.get("title", "")),
-                                text=str(src.get("text", "")), score=float(h.get("_score") or 0.0)))
+                hits.append(Hit(doc_id=clean_text(str(src.get("id", h.get("_id")))),
+                                title=clean_text(str(src.get("title", ""))), text=clean_text(str(src.get("text", ""))),
+                                score=float(h.get("_score") or 0.0)))
             out[pos] = hits
         if errors:
             with self._lock:

@@ -61,6 +61,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Sequence
 
+from sonar.cluster.wire.text import clean_text
 from sonar.cluster.wire.redact import has_userinfo, redact
 from sonar.retrieval.base import Hit, RetrievalError
 from sonar.retrieval.corpus import split_contents
@@ -230,7 +231,7 @@ def _hit(item: Any, where: str) -> Hit:
         doc_id = "sha1:" + hashlib.sha1(f"{title}\n{text}".encode()).hexdigest()[:16]
     if isinstance(score, bool) or not isinstance(score, (int, float)):
         raise RetrievalError("internal", f"{where}.score: expected a number, got {type(score).__name__}")
-    return Hit(str(doc_id), title, text, float(score))
+    return Hit(clean_text(str(doc_id)), clean_text(title), clean_text(text), float(score))
 
 
 def parse_answer(raw: bytes, n_queries: int, k: int, url: str = "server") -> list[list[Hit]]:

@@ -38,6 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
+from sonar.cluster.wire.text import clean_text
 from sonar.retrieval.base import Hit, Retriever
 from sonar.retrieval.corpus import CorpusReader, Passage, corpus_fingerprint, normalise_query
 
@@ -115,8 +116,8 @@ def verify_minilm_files(model_dir: str | os.PathLike) -> None:
 
 def passage_text(p: Passage | Hit) -> str:
     """What the encoders see of a passage: ``"title. text"`` (just the text when untitled)."""
-    title = p.title.strip()
-    return f"{title}. {p.text}" if title else p.text
+    title = clean_text(p.title.strip())  # a plug-in's hit may carry lone surrogates: the tokenizer would raise
+    return f"{title}. {clean_text(p.text)}" if title else clean_text(p.text)
 
 
 # ------------------------------------------------------------------------------------- encoder
