@@ -115,7 +115,7 @@ class HTTPRetriever:
             self._headers["Authorization"] = f"Bearer {token}"
         # What may be shown about the credentials: the variable's name, never its value.
         self.auth = (f"bearer(env:{token_env})" if token_env else "bearer") if token else "none"
-        self.name = f"http:{url}"
+        self.name = f"http:{redact(url)}"  # the cache key and what logs and errors show: no query secret
         self.requests = 0
 
     @classmethod

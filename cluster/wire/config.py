@@ -1730,6 +1730,10 @@ def _check_tracking(cfg: Config) -> None:
 
 
 def _check_run(cfg: Config) -> None:
+    name = cfg.run.name
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise ValueError(f"run.name={name!r} must be one path component (no '/', '\\' or NUL, not '.' or "
+                         f"'..'): it names a directory under run.root and must not leave it")
     if not Path(cfg.run.root).is_absolute():
         raise ValueError(f"run.root={cfg.run.root!r} must be absolute once loaded (load_config resolves it; "
                          f"pass a config through load_config or resolve_paths)")

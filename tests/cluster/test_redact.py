@@ -66,3 +66,29 @@ def test_env_interpolation_in_a_yaml_file_is_refused_too(tmp_path, monkeypatch):
 def test_env_interpolation_into_other_fields_still_works(monkeypatch):
     monkeypatch.setenv("SONAR_EXP", "nightly")
     assert load_config([], ["tracking.experiment=${oc.env:SONAR_EXP}"]).tracking.experiment == "nightly"
+
+
+def test_secret_query_parameters_lose_their_values_everywhere(monkeypatch, tmp_path):
+    """Issue 54, finding 7: ``?key=${oc.env:TOKEN}`` in a URL field loaded and the token reached config.yaml
+    and the MLflow params; ``?token=`` / ``?api_key=`` were not redacted."""
+    from sonar.cluster.wire.config import to_yaml
+    from sonar.cluster.wire.redact import has_userinfo, redact
+
+    assert redact("http://h/retrieve?key=abc&topk=3") == "http://h/retrieve?key=***&topk=3"
+    assert redact("https://s3/x?X-Amz-Signature=f00&api_key=k1;token=t2#frag") == \
+        "https://s3/x?X-Amz-Signature=***&api_key=***;token=***#frag"
+    assert redact("http://h/search?q=monkey&page=2") == "http://h/search?q=monkey&page=2"  # not secrets
+    assert not has_userinfo("http://h/retrieve?token=abc")  # a query secret is not user-info: hosts stay allowed
+    monkeypatch.setenv("TOKEN", "t0ps3cret")
+    cfg = load_config([], ["retrieval.backend=http", "retrieval.http.url=http://h:8000/retrieve?key=${oc.env:TOKEN}"])
+    assert cfg.retrieval.http.url.endswith("?key=t0ps3cret")  # the run itself still sends it
+    assert "t0ps3cret" not in to_yaml(cfg)
+    from sonar.retrieval.http_backend import HTTPRetriever
+
+    assert "t0ps3cret" not in HTTPRetriever.from_config(cfg.retrieval).name
+
+
+@pytest.mark.parametrize("name", ["../..", "..", ".", "a/b", "", "x\\y"])
+def test_run_name_must_be_one_path_component(name):
+    with pytest.raises(ValueError, match="run.name=.*must be one path component"):
+        load_config([], [f"run.name={name}"])
