@@ -1156,12 +1156,21 @@ def _check_ranges(cfg: Any, path: str = "") -> None:
             _check_range(p, rng, value)
 
 
+MAX_SECONDS = 30 * 86400.0
+"""The longest duration any ``*_s`` field may hold (30 days): past it a deadline is no deadline a user could
+mean, and a huge one overflows where it is used (``ray.get(timeout=1e308)`` raises ``OverflowError``)."""
+
+
 def _check_range(path: str, rng: Optional[Range], value: float) -> None:
-    """One number: finite if a float (whether or not a range is declared), and inside ``rng``."""
+    """One number: finite if a float (whether or not a range is declared), inside ``rng``, and a duration
+    (a field named ``*_s``) at most :data:`MAX_SECONDS`."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{path}={value} must be a finite number" + (f" {rng}" if rng is not None else ""))
     if rng is not None and value not in rng:
         raise ValueError(f"{path}={value} must be {'in ' if rng.is_interval else ''}{rng}")
+    if path.rsplit(".", 1)[-1].endswith("_s") and value > MAX_SECONDS:
+        raise ValueError(f"{path}={value} seconds is past {MAX_SECONDS:.0f} (30 days): no deadline or duration "
+                         "a run could mean")
 
 
 _NOTES: "contextvars.ContextVar[Optional[list]]" = contextvars.ContextVar("sonar_config_notes", default=None)

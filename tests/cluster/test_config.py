@@ -339,3 +339,17 @@ def test_the_broadcast_timeout_defaults_to_the_step_timeout_and_can_be_set_apart
     assert load_config([], ["cluster.step_timeout_s=123"]).cluster.broadcast_timeout() == 123.0
     cfg = load_config([], ["cluster.step_timeout_s=123", "cluster.broadcast_timeout_s=7.5"])
     assert cfg.cluster.broadcast_timeout() == 7.5 and cfg.cluster.step_timeout_s == 123.0
+
+
+@pytest.mark.parametrize("name", ["../..", "..", ".", "a/b", "", "x\\y"])
+def test_run_name_must_be_one_path_component(name):
+    with pytest.raises(ValueError, match="run.name=.*must be one path component"):
+        load_config([], [f"run.name={name}"])
+
+
+@pytest.mark.parametrize("override", ["cluster.step_timeout_s=1e308", "retrieval.timeout_s=1e9"])
+def test_a_duration_past_thirty_days_is_refused_at_load(override):
+    """Issue 54, finding 8: ``cluster.step_timeout_s=1e308`` loaded and overflowed at the first ray.get."""
+    with pytest.raises(ValueError, match=override.split("=")[0].replace(".", r"\.") + r"=.* past 2592000"):
+        load_config([], [override])
+    load_config([], [override.split("=")[0] + "=86400"])  # a day is fine

@@ -87,8 +87,3 @@ def test_secret_query_parameters_lose_their_values_everywhere(monkeypatch, tmp_p
 
     assert "t0ps3cret" not in HTTPRetriever.from_config(cfg.retrieval).name
 
-
-@pytest.mark.parametrize("name", ["../..", "..", ".", "a/b", "", "x\\y"])
-def test_run_name_must_be_one_path_component(name):
-    with pytest.raises(ValueError, match="run.name=.*must be one path component"):
-        load_config([], [f"run.name={name}"])
