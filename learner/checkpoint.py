@@ -60,6 +60,61 @@ def _rng_file(rank: int) -> str:
     return "rng.pt" if rank == 0 else f"rng-rank{rank}.pt"
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a quota, an I/O error): names the checkpoint, the
+    cause and the free space left; its partial temporary directory was removed."""
+
+
+def _fsync_file(p: Path) -> None:
+    with open(p, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then every directory, deepest first (their entries)."""
+    dirs = [root]
+    for p in root.rglob("*"):
+        if p.is_dir():
+            dirs.append(p)
+        elif p.is_file():
+            _fsync_file(p)
+    for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
+        _fsync_dir(d)
+
+
+class _removed_on_failure:
+    """On any failure inside (``torch.save``'s ``[enforce fail at inline_container.cc]`` on a full disk, an
+    ``OSError``): remove the partial ``tmp`` (rank 0: the space it holds), raise ``CheckpointWriteError`` naming
+    the checkpoint, the cause and the free space."""
+
+    def __init__(self, tmp: Path, path: Path, rank: int):
+        self.tmp, self.path, self.rank = tmp, path, rank
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is None or not isinstance(exc, Exception):
+            return False
+        if self.rank == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        try:
+            free = f"{shutil.disk_usage(self.path.parent).free / 2**30:.2f} GiB free"
+        except OSError:
+            free = "free space unknown"
+        cause = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise CheckpointWriteError(f"checkpoint {self.path}: could not be written ({type(exc).__name__}: {cause}; "
+                                   f"{free} on {self.path.parent}); its partial {self.tmp.name} was removed") from exc
+
+
 def save_checkpoint(engine, path: str | Path, state: dict, write_extra=None, keep: int = 0,
                     rank: int = 0, world_size: int = 1, device="cpu", write_every_rank=None) -> str:
     """``write_extra(tmp_dir)`` (rank 0) adds files before the rename; ``write_every_rank(tmp_dir)`` runs on
@@ -83,25 +138,30 @@ def save_checkpoint(engine, path: str | Path, state: dict, write_extra=None, kee
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     barrier(dp, device)
-    engine.save_checkpoint(str(tmp / "ds"), tag="engine")
-    if write_every_rank is not None:
-        write_every_rank(tmp)
-    torch.save(rng_state(), tmp / _rng_file(rank))
+    with _removed_on_failure(tmp, path, rank):
+        engine.save_checkpoint(str(tmp / "ds"), tag="engine")
+        if write_every_rank is not None:
+            write_every_rank(tmp)
+        torch.save(rng_state(), tmp / _rng_file(rank))
     barrier(dp, device)
     if rank != 0:
         barrier(dp, device)  # rank 0 renamed: the checkpoint exists when any rank returns
         return str(path)
-    (tmp / "state.json").write_text(json.dumps(state, default=_json_default, indent=1))
-    if write_extra is not None:
-        write_extra(tmp)
-    (tmp / COMPLETE).write_text("ok\n")
+    with _removed_on_failure(tmp, path, rank):
+        (tmp / "state.json").write_text(json.dumps(state, default=_json_default, indent=1))
+        if write_extra is not None:
+            write_extra(tmp)
+        (tmp / COMPLETE).write_text("ok\n")
+        _fsync_tree(tmp)  # every byte on disk before the rename makes it the checkpoint (a power cut: old or new)
     if path.exists():
         shutil.rmtree(path)
     tmp.rename(path)
     latest = path.parent / "latest"
     latest_tmp = path.parent / f"latest.tmp-{os.getpid()}"
     latest_tmp.write_text(path.name + "\n")
+    _fsync_file(latest_tmp)
     latest_tmp.replace(latest)
+    _fsync_dir(path.parent)  # the two renames themselves
     if keep:
         prune_checkpoints(path.parent, keep)
     barrier(dp, device)

@@ -143,3 +143,28 @@ def test_keep_checkpoints_is_validated():
     assert load_config([], ["run.keep_checkpoints=3"]).run.keep_checkpoints == 3
     with pytest.raises(ValueError, match=r"run\.keep_checkpoints=-1"):
         load_config([], ["run.keep_checkpoints=-1"])
+
+
+def test_a_full_disk_mid_save_leaves_no_partial_and_names_the_cause(tmp_path, monkeypatch):
+    """Issue 54, finding 5: a full disk during a checkpoint raised torch's ``[enforce fail at
+    inline_container.cc:672]`` and left the ``.tmp-<pid>`` directory holding the space."""
+    from sonar.learner import checkpoint
+
+    engine = make_engine()
+    real = torch.save
+
+    def full_disk(obj, f, *a, **k):
+        if str(f).endswith("rng.pt"):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+        return real(obj, f, *a, **k)
+
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    with pytest.raises(checkpoint.CheckpointWriteError, match=r"step3: could not be written \(RuntimeError: "
+                                                              r"\[enforce fail.*GiB free on .*partial step3\.tmp-"):
+        save_checkpoint(engine, tmp_path / "ckpt" / "step3", {"version": 3})
+    assert os.listdir(tmp_path / "ckpt") == []  # the partial directory is gone
+    monkeypatch.setattr(checkpoint.torch, "save", real)
+    synced = []
+    monkeypatch.setattr(checkpoint, "_fsync_file", lambda p: synced.append(p.name))
+    save_checkpoint(engine, tmp_path / "ckpt" / "step3", {"version": 3})
+    assert {"state.json", "COMPLETE", "rng.pt"} <= set(synced)  # on disk before the rename
