@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from sonar.actors.prompts import TOOL_TAGS, neutralise, render_documents, special_strings
+from sonar.actors.prompts import TOOL_TAGS, cap_chars, neutralise, render_documents, special_strings
 from sonar.cluster.wire.plugins import Registry
 from sonar.retrieval.base import Hit, search_async
 
@@ -180,7 +180,7 @@ def render_output(tool, out: ToolOutput, tokenizer, tags, proto) -> list[int]:
         return list(render_documents(tags, [list(out.documents or [])], tokenizer, tool.max_tokens,
                                      style=proto.prompt, rules=proto.rules))
     if out.text is not None:
-        body = neutralise(out.text, special_strings(tokenizer))
+        body = cap_chars(neutralise(out.text, special_strings(tokenizer)), tool.max_tokens)  # before tokenizing
         ids = list(tokenizer.encode(body, add_special_tokens=False))[: tool.max_tokens]
         frame = [list(tokenizer.encode(t, add_special_tokens=False)) for t in (tags.docs_open, tags.docs_close)]
         return [*frame[0], *ids, *frame[1]]

@@ -100,7 +100,7 @@ class HTTPRetriever:
     docstring). ``token``: the bearer token itself (``from_config`` reads it from the environment)."""
 
     def __init__(self, url: str, *, timeout_s: float = 10.0, max_batch: int = 64, token: str | None = None,
-                 return_scores: bool = True, token_env: str | None = None):
+                 return_scores: bool = True, token_env: str | None = None, max_response_bytes: int = 64 << 20):
         if has_userinfo(url):
             raise ValueError(f"retrieval.http.url={redact(url)!r} holds credentials: put a token in an env var and "
                              "name it in retrieval.http.token_env")
@@ -109,6 +109,7 @@ class HTTPRetriever:
         if not timeout_s > 0:
             raise ValueError(f"retrieval.http.timeout_s={timeout_s} must be > 0")
         self.url, self.timeout_s, self.max_batch = url, float(timeout_s), int(max_batch)
+        self.max_response_bytes = int(max_response_bytes)
         self.return_scores = bool(return_scores)
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if token:
@@ -129,7 +130,8 @@ class HTTPRetriever:
             log.warning("retrieval.http.token_env=%r: the variable is unset or empty; requests carry no token",
                         h.token_env)
         return cls(h.url, timeout_s=h.timeout_s, max_batch=h.max_batch, token=token,
-                   return_scores=getattr(h, "return_scores", True), token_env=h.token_env)
+                   return_scores=getattr(h, "return_scores", True), token_env=h.token_env,
+                   max_response_bytes=int(h.max_response_mb * (1 << 20)))
 
     def __repr__(self) -> str:
         return (f"HTTPRetriever(url={self.url!r}, timeout_s={self.timeout_s}, max_batch={self.max_batch}, "
@@ -159,12 +161,18 @@ class HTTPRetriever:
             out.extend(self._post(chunk, k))
         return out
 
+    def _check_size(self, n: int) -> None:
+        if n > self.max_response_bytes:
+            raise RetrievalError("internal", f"{self.name}: the answer is larger than retrieval.http.max_response_mb="
+                                             f"{self.max_response_bytes / (1 << 20):g} MiB; refused unread")
+
     def _post(self, queries: list[str], k: int) -> list[list[Hit]]:
         req = urllib.request.Request(self.url, data=self.body(queries, k), headers=self._headers, method="POST")
         self.requests += 1
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                raw = resp.read()
+                raw = resp.read(self.max_response_bytes + 1)
+                self._check_size(len(raw))
         except urllib.error.HTTPError as e:
             e.close()  # the error is the response: its socket, closed now rather than when collected
             raise status_error(self.url, e.code, str(e.reason)) from None
@@ -199,7 +207,11 @@ class HTTPRetriever:
             async with session.post(self.url, data=self.body(queries, k)) as resp:
                 if resp.status >= 300:
                     raise status_error(self.url, resp.status, resp.reason or "")
-                raw = await resp.read()
+                raw = bytearray()
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    raw += chunk
+                    self._check_size(len(raw))  # stops reading past the cap: the rest is never buffered
+                raw = bytes(raw)
         except RetrievalError:
             raise
         except asyncio.TimeoutError:

@@ -74,3 +74,60 @@ def test_a_dataset_question_with_one_loads_and_a_plugins_hit_is_neutralised(tmp_
     assert item.question == f"who wrote {REPLACEMENT} this?" and item.golds == [f"a{REPLACEMENT}"]
     # a retriever or tool plug-in may hand over anything: the token door repairs it too
     assert tokenizer(neutralise(f"doc {LONE}", ["</documents>"]))["input_ids"]
+
+
+def test_a_huge_document_is_cut_in_characters_before_tokenizing(tokenizer, monkeypatch):
+    """Issue 54, finding 6: three 10 MB documents were tokenized whole before the cut to max_doc_tokens
+    (76 s, 1.2 GB); the cut in characters first keeps the same first tokens."""
+    from sonar.actors import prompts
+    from sonar.actors.prompts import get_protocol, render_documents
+
+    huge = " ".join(f"word{i % 997}" for i in range(2_000_000))  # ~15 MB
+    seen = []
+    real = prompts._encode
+    monkeypatch.setattr(prompts, "_encode", lambda tok, text: seen.append(len(text)) or real(tok, text))
+    tags = get_protocol("search_r1")
+    for style in ("short", "search_r1"):
+        seen.clear()
+        ids = render_documents(tags, [[("Huge", huge)]], tokenizer, 64, style=style)
+        assert max(seen) <= 64 * prompts.MAX_CHARS_PER_TOKEN + 64 and ids
+    # the first max tokens are unchanged by the character cut
+    full = tokenizer.encode(huge[:100_000], add_special_tokens=False)[:64]
+    assert tokenizer.encode(prompts.cap_chars(huge, 64), add_special_tokens=False)[:64] == full
+
+
+def test_an_http_answer_past_the_size_cap_is_refused_unread():
+    import http.server
+    import threading
+
+    from sonar.retrieval.base import RetrievalError
+    from sonar.retrieval.http_backend import HTTPRetriever
+
+    class Big(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", str(4 << 20))
+            self.end_headers()
+            try:
+                self.wfile.write(b"x" * (4 << 20))
+            except OSError:
+                pass
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Big)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        r = HTTPRetriever(f"http://127.0.0.1:{srv.server_address[1]}/retrieve", max_response_bytes=1 << 20)
+        with pytest.raises(RetrievalError, match="larger than retrieval.http.max_response_mb=1 MiB"):
+            r.batch_search(["q"], 1)
+        import asyncio
+
+        with pytest.raises(RetrievalError, match="larger than"):
+            asyncio.run(r.abatch_search(["q"], 1))
+    finally:
+        srv.shutdown()
+        srv.server_close()

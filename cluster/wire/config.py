@@ -285,6 +285,9 @@ class HttpRetrievalConfig:
     return_scores: bool = True
     """Ask for scores (``{"document", "score"}`` hits, as Search-R1's own client does); false: the server
     answers bare documents, every hit scores 0.0. Either way the hits keep the server's order."""
+    max_response_mb: float = ranged(64.0, gt=0)
+    """An answer larger than this (MiB) is refused as a failed search (a server that streams without end, or
+    whole web pages in every hit, cannot fill the worker's memory); 64 answers of 10 hits of 100 KB fit."""
 
 
 @dataclass(frozen=True)
