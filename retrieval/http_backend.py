@@ -57,6 +57,7 @@ import json
 import logging
 import os
 import socket
+import time
 import urllib.error
 import urllib.request
 from typing import Any, Sequence
@@ -161,6 +162,25 @@ class HTTPRetriever:
             out.extend(self._post(chunk, k))
         return out
 
+    def _read_body(self, resp, deadline: float) -> bytes:
+        """The answer's body within ``timeout_s`` of the request's start, whatever the pace: the socket's own
+        timeout bounds one read only, so a server dripping a byte a second would hold it without end. Each
+        read waits at most what is left of the deadline; past it the search fails as a timeout."""
+        sock = getattr(getattr(getattr(resp, "fp", None), "raw", None), "_sock", None)
+        buf = bytearray()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RetrievalError("timeout", f"{self.url}: no complete answer within {self.timeout_s} s "
+                                                f"({len(buf)} bytes so far)")
+            if sock is not None:
+                sock.settimeout(left)
+            chunk = resp.read1(1 << 16)
+            if not chunk:
+                return bytes(buf)
+            buf += chunk
+            self._check_size(len(buf))
+
     def _check_size(self, n: int) -> None:
         if n > self.max_response_bytes:
             raise RetrievalError("internal", f"{self.name}: the answer is larger than retrieval.http.max_response_mb="
@@ -170,9 +190,9 @@ class HTTPRetriever:
         req = urllib.request.Request(self.url, data=self.body(queries, k), headers=self._headers, method="POST")
         self.requests += 1
         try:
+            deadline = time.monotonic() + self.timeout_s
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                raw = resp.read(self.max_response_bytes + 1)
-                self._check_size(len(raw))
+                raw = self._read_body(resp, deadline)
         except urllib.error.HTTPError as e:
             e.close()  # the error is the response: its socket, closed now rather than when collected
             raise status_error(self.url, e.code, str(e.reason)) from None

@@ -131,3 +131,42 @@ def test_an_http_answer_past_the_size_cap_is_refused_unread():
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_a_byte_dripping_server_is_a_timeout_not_a_stall():
+    """Issue 54, finding 8: the blocking HTTP path's timeout was per socket read, so a server dripping a byte
+    at a time held a search 40 s against timeout_s=3. Now the whole answer must come within timeout_s."""
+    import http.server
+    import threading
+
+    from sonar.retrieval.base import RetrievalError
+    from sonar.retrieval.http_backend import HTTPRetriever
+
+    stop = threading.Event()
+
+    class Drip(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            try:
+                while not stop.wait(0.05):  # a byte every 50 ms: every read answers well inside timeout_s
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+            except OSError:
+                pass
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Drip)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        r = HTTPRetriever(f"http://127.0.0.1:{srv.server_address[1]}/retrieve", timeout_s=1.0)
+        with pytest.raises(RetrievalError, match=r"\[timeout\].*answer within 1.0 s"):
+            r.batch_search(["q"], 1)
+    finally:
+        stop.set()
+        srv.shutdown()
+        srv.server_close()
