@@ -202,7 +202,12 @@ def retrieval_metrics(roles: Roles) -> dict:
     import ray
 
     stats = []
-    for ref in [h.stats.remote() for h in roles.retrieval]:
+    refs = [h.stats.remote() for h in roles.retrieval]
+    timeout = roles.cfg.cluster.health_timeout_s if roles.cfg is not None else None
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])  # a hung replica: no stats this step
+    for ref in refs:
+        if ref not in ready:
+            continue
         try:
             stats.append(ray.get(ref))
         except ray.exceptions.RayActorError:  # a dead or restarting replica has no stats now
@@ -246,10 +251,26 @@ def rerank_metrics(inner: list[dict]) -> dict:
     return m
 
 
-def replay_metrics(roles: Roles) -> dict:
+class ReplayUnresponsive(RuntimeError):
+    """The replay queue did not answer a stats call within ``cluster.step_timeout_s`` (a hung process)."""
+
+
+def replay_stats(roles: Roles) -> dict:
+    """The replay queue's ``stats()`` within ``cluster.step_timeout_s``, else ``ReplayUnresponsive`` naming
+    the role and the deadline (a stopped or deadlocked queue would hold the driver without end)."""
     import ray
 
-    s = ray.get(roles.replay.stats.remote())
+    timeout = roles.cfg.cluster.step_timeout_s if roles.cfg is not None else None
+    try:
+        return ray.get(roles.replay.stats.remote(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise ReplayUnresponsive(f"the replay queue did not answer within cluster.step_timeout_s={timeout} s "
+                                 "(hung: a stopped or deadlocked process); the run's checkpoints hold its state "
+                                 "(`sonar train --resume`)") from None
+
+
+def replay_metrics(roles: Roles) -> dict:
+    s = replay_stats(roles)
     return {K.REPLAY_DEPTH: s["depth_groups"], K.REPLAY_PRODUCED: s["produced"], K.REPLAY_CONSUMED: s["consumed"],
             K.REPLAY_DROPPED_STALE: s["dropped_stale"], K.REPLAY_REQUEUED: s["requeued_prompts"],
             K.REPLAY_REQUEUED_INFRA: s.get("requeued_infra", 0)}
@@ -292,11 +313,9 @@ def eval_table(results: dict) -> dict:
 
 
 def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
-    import ray
-
     before = run.results.get("before", {})
     after = run.results.get("final", {})
-    stats = ray.get(roles.replay.stats.remote())
+    stats = replay_stats(roles)
     wall = time.monotonic() - run.t0
     summary = {
         "run_dir": str(run.dir), "mlflow_run_id": run.sink.run_id, "wall_s": wall,

@@ -84,6 +84,8 @@ class Roles:
     replacement replica opens it too."""
     replica_replacements: dict = field(default_factory=dict)
     """Replica slot -> replacements so far (``replace_replica``, bounded by ``cluster.max_replica_replacements``)."""
+    replica_silent: dict = field(default_factory=dict)
+    """Replica slot -> health checks in a row it let pass without an answer (``check_retrieval``)."""
 
     @property
     def workers(self) -> list:
@@ -420,6 +422,10 @@ class ReplicaFailed(RuntimeError):
     pass
 
 
+SILENT_CHECKS = 2
+"""Health checks in a row a retrieval replica may let pass unanswered before it is replaced as hung."""
+
+
 def check_retrieval(cfg: Config, roles: Roles) -> dict:
     """Ping every retrieval replica at once (``health()``: a cheap actor call), one shared deadline
     (``cluster.health_timeout_s``). A replica Ray is restarting (``ActorUnavailableError``), or that
@@ -427,7 +433,11 @@ def check_retrieval(cfg: Config, roles: Roles) -> dict:
     One that is gone for good (its ``cluster.max_replica_restarts`` used up) is replaced by a new actor
     (``replace_replica``, within ``cluster.max_replica_replacements`` per slot); one past that is reported,
     and when every replica is gone the run fails with ``ReplicaFailed`` naming them. Returns the healthy
-    count and the replacements so far."""
+    count and the replacements so far.
+
+    A replica silent for ``SILENT_CHECKS`` checks in a row (hung: a stopped process, a deadlock; a restart
+    answers within one) is killed and replaced like a dead one, so a hang costs at most that many health
+    deadlines, never the run."""
     import ray
 
     refs = [h.health.remote() for h in roles.retrieval]
@@ -435,7 +445,14 @@ def check_retrieval(cfg: Config, roles: Roles) -> dict:
     healthy, gone = 0, []
     for i, ref in enumerate(refs):
         if ref not in ready:
+            silent = roles.replica_silent[i] = roles.replica_silent.get(i, 0) + 1
+            if silent >= SILENT_CHECKS and roles.replica_replacements.get(i, 0) < cfg.cluster.max_replica_replacements:
+                replace_replica(cfg, roles, i, f"retrieval replica {i}: no answer to {silent} health checks in a row "
+                                               f"(cluster.health_timeout_s={cfg.cluster.health_timeout_s} each): hung")
+                roles.replica_silent[i] = 0
+                healthy += 1
             continue
+        roles.replica_silent[i] = 0
         try:
             healthy += bool(ray.get(ref).get("ok"))
         except ray.exceptions.ActorDiedError as e:
