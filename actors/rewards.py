@@ -473,12 +473,24 @@ def make_reward_fn(cfg: "RewardConfig", tokenizer: Any, tags: "TagSet") -> Calla
     fn = REWARDS.get(cfg.name, "reward.name")
     if not is_plugin(cfg.name):
         return lambda t: fn(RewardInput(t, tokenizer, tags), cfg)
+    import concurrent.futures as cf
+
     with_config = positional_arity(fn)[1] >= 2
+    # The user's code runs in these threads, each call at most reward.timeout_s: a hung call is abandoned
+    # (its thread stays busy; four hung at once make every later call wait its timeout, never forever).
+    pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward-plugin")
+
+    def call(sample):
+        return fn(sample, cfg) if with_config else fn(sample)
 
     def reward(t: "Trajectory") -> RewardBreakdown:
         sample = RewardInput(t, tokenizer, tags)
         try:
-            return _plugin_breakdown(fn(sample, cfg) if with_config else fn(sample), t, cfg.name)
+            try:
+                out = pool.submit(call, sample).result(timeout=cfg.timeout_s)
+            except cf.TimeoutError:
+                raise TimeoutError(f"no result within reward.timeout_s={cfg.timeout_s} s (abandoned)") from None
+            return _plugin_breakdown(out, t, cfg.name)
         except Exception as e:  # the user's code: data, not a crash
             if _errors_logged[0] < 10:
                 _errors_logged[0] += 1

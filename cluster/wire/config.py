@@ -736,6 +736,9 @@ class RewardConfig:
     code_qwen (``reward_server_qwen_zero.py``: stage 2 only) | code_llama (``reward_server_llama_stage1/2.py``):
     the released servers' rules (tag counts, one answer, <= 10 words, a document per query, cover-EM term in
     stage 1). README "Rewards and metrics: paper vs released code" lists every difference."""
+    timeout_s: float = ranged(30.0, gt=0)
+    """A reward plug-in's call longer than this (seconds) is abandoned and scores as a reward error, like a
+    tool's call past its timeout (a hung plug-in would stop the worker, then the run)."""
 
 
 @dataclass(frozen=True)

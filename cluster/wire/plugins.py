@@ -49,7 +49,7 @@ KINDS = ("reward", "retriever", "dataset", "tool")
 
 BUILTIN_NAMES: dict[str, tuple[str, ...]] = {
     "reward": ("answer_em", "answer_f1", "cover_em", "search_r1", "rag_r1", "r1_stage1", "r1_stage2"),
-    "retriever": ("tantivy", "elasticsearch", "http", "dense"),
+    "retriever": ("tantivy", "elasticsearch", "dense", "http"),
     "tool": ("search", "visit"),
 }
 """The built-in entries of each registry, as the config validates them (``dataset``: the config's

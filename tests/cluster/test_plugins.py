@@ -207,3 +207,28 @@ def test_sonar_config_list_names_the_plugin_fields_and_their_builtins(capsys):
     for kind, (fld, signature) in plugins.FIELDS.items():
         assert f"{fld}" in out and signature in out
     assert "built-in: search, visit" in out and "built-in: tantivy, elasticsearch, http" in out
+
+
+def test_a_reward_plugin_that_hangs_times_out_as_a_reward_error(tmp_path, caplog):
+    """Issue 54, finding 5: a hung reward plug-in had no timeout (unlike tools): the worker's stop timed out
+    and failed the run. Now the call is abandoned after reward.timeout_s and scores as a reward error."""
+    import threading
+
+    from sonar.actors.prompts import get_protocol
+    from sonar.actors.rewards import make_reward_fn
+    from sonar.cluster.wire.config import RewardConfig
+
+    f = tmp_path / "hangs.py"
+    f.write_text("import threading\nGATE = threading.Event()\n\ndef reward(sample):\n    GATE.wait()\n    return 1.0\n")
+    fn = make_reward_fn(RewardConfig(name=f"{f}:reward", timeout_s=0.2), _Tok(), get_protocol("search_r1"))
+    from sonar.cluster.wire.plugins import load
+
+    gate = load(f"{f}:reward", "reward.name").__globals__["GATE"]  # the module the reward function runs in
+    try:
+        with caplog.at_level("WARNING", logger="sonar"):
+            rb = fn(_traj())
+        assert rb.total == 0.0 and rb.parts["reward_error"] == 1.0
+        assert "reward.timeout_s=0.2" in caplog.text
+    finally:
+        gate.set()  # the abandoned thread ends
+    assert isinstance(gate, threading.Event)
