@@ -206,7 +206,7 @@ def test_sonar_config_list_names_the_plugin_fields_and_their_builtins(capsys):
     out = capsys.readouterr().out
     for kind, (fld, signature) in plugins.FIELDS.items():
         assert f"{fld}" in out and signature in out
-    assert "built-in: search, visit" in out and "built-in: tantivy, elasticsearch, http" in out
+    assert "built-in: search, visit" in out and "built-in: tantivy, elasticsearch, dense, http" in out
 
 
 def test_a_reward_plugin_that_hangs_times_out_as_a_reward_error(tmp_path, caplog):
