@@ -101,10 +101,11 @@ def ensure_index(cfg, corpus_path: str, index_root: str, *, resume: bool = False
     return replace(rep, seconds=time.perf_counter() - t0)
 
 
-def build_dense(cfg, corpus_path: str, index_dir: str | Path, *, progress: bool = False):
+def build_dense(cfg, corpus_path: str, index_dir: str | Path, *, progress: bool = False, pool=None):
     """``sonar index --dense``: the passage vectors of ``corpus_path`` with ``retrieval.dense``'s encoder and
     passage prefix, in ``index_dir`` beside its BM25 index; resumes a build killed part-way from its last
-    verified shard. Returns the ``PassageVectors``."""
+    verified shard. ``pool``: a ``RayEncodePool`` spreading the shards over actors (None: this process).
+    Returns the ``PassageVectors``."""
     from sonar.retrieval.rerank import DenseEncoder, build_passage_vectors
 
     import torch
@@ -113,7 +114,48 @@ def build_dense(cfg, corpus_path: str, index_dir: str | Path, *, progress: bool 
     # on a GPU node the encoder runs there (21 M MiniLM passages: minutes on GPUs, weeks on one CPU)
     encoder = DenseEncoder(cfg.dense.model, device="cuda" if torch.cuda.is_available() else "cpu")
     return build_passage_vectors(corpus_path, index_dir, encoder, progress=progress, chunk=cfg.dense.shard_rows,
-                                 prefix=cfg.dense.passage_prefix)
+                                 prefix=cfg.dense.passage_prefix, pool=pool)
+
+
+class RayEncodePool:
+    """``workers`` Ray actors, each with the dense encoder (on one GPU each when the cluster has GPUs), that
+    encode the shards of a vector build side by side: ``submit`` hands a shard to the next actor (round
+    robin), ``get`` waits for it; ``in_flight`` = 2 per actor keeps each busy while the driver writes.
+    ``close`` kills the actors it started (their handles, never by name)."""
+
+    def __init__(self, cfg, workers: int, batch_size: int = 64):
+        import ray
+
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+
+        @ray.remote(num_cpus=1, num_gpus=gpus)
+        class ShardEncoder:
+            def __init__(self, model, device):
+                from sonar.retrieval.rerank import DenseEncoder
+
+                self.encoder = DenseEncoder(model, device=device)
+
+            def encode(self, texts, batch_size):
+                from sonar.retrieval.rerank import encode_sorted
+
+                return encode_sorted(self.encoder, texts, batch_size)
+
+        device = "cuda" if gpus else "cpu"
+        self.actors = [ShardEncoder.remote(cfg.dense.model, device) for _ in range(workers)]
+        self.batch_size, self.in_flight, self._next = batch_size, 2 * workers, 0
+        self._ray = ray
+
+    def submit(self, texts: list[str]):
+        actor = self.actors[self._next % len(self.actors)]
+        self._next += 1
+        return actor.encode.remote(texts, self.batch_size)
+
+    def get(self, ref):
+        return self._ray.get(ref)
+
+    def close(self) -> None:
+        for a in self.actors:
+            self._ray.kill(a)
 
 
 # ------------------------------------------------------------------------------------------ tantivy

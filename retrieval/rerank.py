@@ -247,7 +247,7 @@ def vectors_dir(index_dir: str | os.PathLike, encoder_tag: str) -> Path:
 
 def build_passage_vectors(corpus: str | os.PathLike, index_dir: str | os.PathLike, encoder: DenseEncoder,
                           batch_size: int = 64, progress: bool = True, *, chunk: int = 4096,
-                          on_error: str = "raise", prefix: str = "") -> PassageVectors:
+                          on_error: str = "raise", prefix: str = "", pool=None) -> PassageVectors:
     """Encode every passage of ``corpus`` (``prefix`` + title + text) once and store the vectors under
     ``index_dir`` (``sonar index --dense``; never on a run's start-up path).
 
@@ -258,6 +258,11 @@ def build_passage_vectors(corpus: str | os.PathLike, index_dir: str | os.PathLik
     encodes again from the first whose rows no longer match (a torn write), so a build killed part-way
     redoes nothing it finished. A store for another corpus, model or prefix is rebuilt (it is derived
     data under its own directory). A file lock serialises concurrent builders.
+
+    ``pool``: where the shards are encoded (``submit(texts) -> ref``, ``get(ref) -> (n, D) array``, a window
+    of ``in_flight`` shards at once; ``indexer.RayEncodePool`` spreads them over Ray actors, on GPUs where the
+    cluster has them); None: ``encoder`` in this process. Shards are written in corpus order either way,
+    so the resume point and the checksums mean the same.
     """
     import fcntl
 
@@ -266,7 +271,8 @@ def build_passage_vectors(corpus: str | os.PathLike, index_dir: str | os.PathLik
     with open(d.parent / f".vectors-{encoder.tag}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            return _build_passage_vectors(Path(corpus), d, encoder, batch_size, progress, chunk, on_error, prefix)
+            return _build_passage_vectors(Path(corpus), d, encoder, batch_size, progress, chunk, on_error, prefix,
+                                          pool or _LocalPool(encoder, batch_size))
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
@@ -285,8 +291,32 @@ def _first_bad_shard(mm: np.ndarray, meta: dict) -> int:
     return meta["rows_done"]
 
 
+class _LocalPool:
+    """Shards encoded in this process, one at a time (``build_passage_vectors``' default pool)."""
+
+    in_flight = 1
+
+    def __init__(self, encoder: DenseEncoder, batch_size: int):
+        self.encoder, self.batch_size = encoder, batch_size
+
+    def submit(self, texts: list[str]):
+        return encode_sorted(self.encoder, texts, self.batch_size)
+
+    def get(self, ref) -> np.ndarray:
+        return ref
+
+
+def encode_sorted(encoder: DenseEncoder, texts: list[str], batch_size: int) -> np.ndarray:
+    """(len(texts), D) float16 vectors, in ``texts``' order, encoded sorted by length (less padding)."""
+    order = np.argsort([len(t) for t in texts], kind="stable")
+    vecs = encoder.encode([texts[i] for i in order], batch_size=batch_size)
+    out = np.empty_like(vecs)
+    out[order] = vecs
+    return out.astype(np.float16)
+
+
 def _build_passage_vectors(corpus: Path, d: Path, encoder: DenseEncoder, batch_size: int, progress: bool,
-                           chunk: int, on_error: str, prefix: str = "") -> PassageVectors:
+                           chunk: int, on_error: str, prefix: str = "", pool=None) -> PassageVectors:
     fp = corpus_fingerprint(corpus)
     meta = _read_meta(d)
     same = meta is not None and meta.get("fingerprint") == fp and meta.get("model") == encoder.tag \
@@ -323,43 +353,42 @@ def _build_passage_vectors(corpus: Path, d: Path, encoder: DenseEncoder, batch_s
 
         bar = tqdm(total=count, initial=done, unit="psg", desc=f"encoding {corpus.name}", mininterval=1.0)
     t0 = time.perf_counter()
+    pool = pool or _LocalPool(encoder, batch_size)
+    pending: list[tuple[int, int, object]] = []  # (start, stop, ref) submitted, written in this order
+
+    def write_oldest() -> None:
+        start, stop, ref = pending.pop(0)
+        mm[start:stop] = pool.get(ref)
+        mm.flush()
+        shards[str(start)] = [stop, _shard_sha(mm, start, stop)]
+        meta["rows_done"] = stop
+        _write_meta(d, meta)  # after the shard's rows are flushed: the resume point
+        if bar is not None:
+            bar.update(stop - start)
+
     buf: list[str] = []
     row = 0
     for p in CorpusReader(corpus, on_error=on_error):
         if row >= done:
             buf.append(prefix + passage_text(p))
             if len(buf) == chunk:
-                start = row - len(buf) + 1
-                _encode_chunk(encoder, buf, mm, start, batch_size)
-                shards[str(start)] = [row + 1, _shard_sha(mm, start, row + 1)]
-                meta["rows_done"] = row + 1
-                _write_meta(d, meta)  # after the shard's rows are flushed: the resume point
-                if bar is not None:
-                    bar.update(len(buf))
+                pending.append((row + 1 - len(buf), row + 1, pool.submit(buf)))
                 buf = []
+                if len(pending) >= pool.in_flight:
+                    write_oldest()
         row += 1
     if row != count:
         raise RuntimeError(f"{corpus}: {row} passages now, {count} when the vector build started")
     if buf:
-        _encode_chunk(encoder, buf, mm, row - len(buf), batch_size)
-        shards[str(row - len(buf))] = [row, _shard_sha(mm, row - len(buf), row)]
-        if bar is not None:
-            bar.update(len(buf))
+        pending.append((row - len(buf), row, pool.submit(buf)))
+    while pending:
+        write_oldest()
     if bar is not None:
         bar.close()
     del mm
     meta.update(rows_done=count, status="complete", encode_seconds=round(time.perf_counter() - t0, 3))
     _write_meta(d, meta)
     return PassageVectors(d)
-
-
-def _encode_chunk(encoder: DenseEncoder, texts: list[str], mm: np.ndarray, start: int, batch_size: int) -> None:
-    order = np.argsort([len(t) for t in texts], kind="stable")
-    vecs = encoder.encode([texts[i] for i in order], batch_size=batch_size)
-    out = np.empty_like(vecs)
-    out[order] = vecs
-    mm[start:start + len(texts)] = out.astype(np.float16)
-    mm.flush()
 
 
 # ---------------------------------------------------------------------------------- rerankers

@@ -1,4 +1,5 @@
-"""``sonar index``: build the retrieval index a config names, without Ray and without training.
+"""``sonar index``: build the retrieval index a config names, without training (and without Ray unless
+``retrieval.dense.build_workers`` spreads a dense build over Ray actors).
 
     sonar index --config C [--resume] [--dense] [key=value ...]
 
@@ -6,7 +7,8 @@ The corpus is ``retrieval.corpus`` (JSONL, ``.jsonl.gz`` or parquet; unset: the 
 under ``run.root`` as training does). The index is the one training opens: ``retrieval.index_dir`` or
 ``<run.root>/index/<corpus fingerprint>`` for tantivy, ``retrieval.elastic.index`` for Elasticsearch.
 ``--dense`` (implied by ``retrieval.backend=dense``) also encodes every passage with ``retrieval.dense``'s
-encoder beside the BM25 index, in checksummed shards of ``retrieval.dense.shard_rows``: run again after a
+encoder beside the BM25 index, in checksummed shards of ``retrieval.dense.shard_rows`` (spread over
+``retrieval.dense.build_workers`` Ray actors, a GPU each where the cluster has them): run again after a
 kill, it continues from its last finished shard. That is the only corpus-wide encode in Sonar (the dense
 reranker encodes its candidates at query time); with ``retrieval.elastic.store_vectors`` the bulk load
 stores vectors in Elasticsearch instead. An interrupted BM25 build is refused unless ``--resume`` is given,
@@ -31,7 +33,22 @@ def run_index(cfg: Config, *, resume: bool = False, progress: bool = True, dense
     if not (dense or cfg.retrieval.backend == "dense"):
         return rep, None
     where = rep.index_dir or str(index_dir_for(cfg.retrieval, corpus, indexes_dir(cfg)))
-    return rep, build_dense(cfg.retrieval, corpus, where, progress=progress)
+    n = cfg.retrieval.dense.build_workers
+    if n == 0:
+        return rep, build_dense(cfg.retrieval, corpus, where, progress=progress)
+    import ray
+
+    from sonar.cluster.driver.roles import init_ray
+    from sonar.retrieval.indexer import RayEncodePool
+
+    owns = init_ray(cfg)  # retrieval.dense.build_workers actors encode the shards (a GPU each where there are)
+    pool = RayEncodePool(cfg.retrieval, n)
+    try:
+        return rep, build_dense(cfg.retrieval, corpus, where, progress=progress, pool=pool)
+    finally:
+        pool.close()
+        if owns:
+            ray.shutdown()
 
 
 def main(cfg: Config, resume: bool, dense: bool = False) -> int:

@@ -305,6 +305,9 @@ class DenseIndexConfig:
     store built with another prefix is rebuilt."""
     shard_rows: int = ranged(4096, ge=1)
     """Passages per resumable shard of the build: a build killed part-way keeps its finished shards."""
+    build_workers: int = ranged(0, ge=0)
+    """Ray actors that encode the shards of ``sonar index --dense`` side by side, each on a GPU when the cluster
+    has them (``cluster.address`` / ``RAY_ADDRESS``, else a local Ray); 0: in the ``sonar index`` process."""
     search_block_rows: int = ranged(262_144, ge=1)
     """Vectors scored per matrix product at search time (bounds the float32 copy: rows x dim x 4 bytes)."""
 

@@ -130,3 +130,23 @@ def test_sonar_index_dense_builds_the_vectors_and_says_where(tmp_path, corpus, c
     assert f"{len(DOCS)} dense vectors (all-MiniLM-L6-v2)" in out
     assert main(args[:-1] + ["retrieval.backend=dense"]) == 0  # implied by the backend; complete: reused
     assert f"{len(DOCS)} dense vectors" in capsys.readouterr().out
+
+
+@pytest.mark.ray
+def test_a_build_spread_over_ray_actors_writes_the_same_vectors(tmp_path, corpus, encoder, shared_ray, monkeypatch):
+    """``retrieval.dense.build_workers=2``: the shards are encoded by two Ray actors side by side and written
+    in corpus order, the same store (rows, checksums, resume point) as the in-process build."""
+    from sonar.cluster.driver.indexing import run_index
+    from sonar.cluster.wire.config import load_config
+    from sonar.retrieval.indexer import RayEncodePool
+
+    sent, submit = [], RayEncodePool.submit
+    monkeypatch.setattr(RayEncodePool, "submit", lambda self, texts: sent.append(len(texts)) or submit(self, texts))
+
+    cfg = load_config(["smoke"], [f"run.root={tmp_path / 'runs'}", f"retrieval.corpus={corpus}",
+                                  "world.force=true", "retrieval.dense.build_workers=2", "retrieval.dense.shard_rows=2"])
+    _, spread = run_index(cfg, progress=False, dense=True)
+    alone = build_passage_vectors(corpus, tmp_path / "alone", encoder, chunk=2, progress=False)
+    np.testing.assert_array_equal(np.asarray(spread.matrix), np.asarray(alone.matrix))
+    assert spread.meta["shards"] == alone.meta["shards"] and spread.meta["rows_done"] == len(DOCS)
+    assert sent == [2, 2, 2, 1]  # every shard went to the actors
