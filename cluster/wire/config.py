@@ -1813,7 +1813,7 @@ def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = (),
     try:
         obj = OmegaConf.to_object(OmegaConf.merge(_schema(), plain))
     except OmegaConfBaseException as e:
-        raise ConfigError(f"command line: {_explain(e)}") from None
+        raise ConfigError(f"command line: {_explain(e, [o.partition('=')[0].strip() for o in overrides])}") from None
     return validate(resolve_paths(obj), notes=notes)
 
 
@@ -1888,10 +1888,40 @@ def _set_path(node: Any, key: str, value: Any, override: str) -> None:
                 node = node.setdefault(part, {})
 
 
-def _explain(e: OmegaConfBaseException) -> str:
+PEER_NAMES = {
+    # veRL (verl/trainer/config/ppo_trainer.yaml: the dotted keys) and OpenRLHF (its CLI flags) -> Sonar's
+    "rollout.n": "rollout.group_size", "actor_rollout_ref.rollout.n": "rollout.group_size",
+    "n_samples_per_prompt": "rollout.group_size",
+    "learner.lr": "stages.N.lr", "actor_rollout_ref.actor.optim.lr": "stages.N.lr", "actor_learning_rate": "stages.N.lr",
+    "data.train_batch_size": "learner.groups_per_step (prompts per step; each a group of rollout.group_size)",
+    "rollout_batch_size": "learner.groups_per_step (prompts per step; each a group of rollout.group_size)",
+    "algorithm.adv_estimator": "stages.N.algo.name", "advantage_estimator": "stages.N.algo.name",
+    "actor_rollout_ref.actor.ppo_epochs": "stages.N.algo.ppo_epochs", "max_epochs": "stages.N.algo.ppo_epochs",
+    "algorithm.kl_ctrl.kl_coef": "stages.N.algo.kl_coef", "init_kl_coef": "stages.N.algo.kl_coef",
+    "actor_rollout_ref.model.path": "model.path", "pretrain": "model.path",
+    "trainer.total_training_steps": "stages.N.steps",
+    "data.max_response_length": "protocol.max_new_tokens_per_turn",
+    "generate_max_len": "protocol.max_new_tokens_per_turn",
+    "actor_rollout_ref.rollout.temperature": "rollout.temperature",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": "rollout.tensor_parallel_size",
+    "vllm_num_engines": "rollout.num_workers", "vllm_tensor_parallel_size": "rollout.tensor_parallel_size",
+}
+"""The names users of veRL and OpenRLHF type, and Sonar's field for each: an unknown key that is one of them
+is answered with Sonar's name (the one table of them)."""
+
+
+def _explain(e: OmegaConfBaseException, keys: Sequence[str] = ()) -> str:
+    """One line: the key, OmegaConf's message (it suggests the field a typo meant), and Sonar's name for a
+    veRL or OpenRLHF one (``PEER_NAMES``; ``keys``: the overrides given, the first unknown part of which is
+    what OmegaConf names)."""
     key = getattr(e, "full_key", None)
     msg = str(e).splitlines()[0]
-    return f"key {key!r}: {msg}" if key else msg
+    if not key:
+        return msg
+    given = [k for k in keys if k == key or k.startswith(key + ".")] or [key]
+    hint = next((PEER_NAMES.get(k) or PEER_NAMES.get(k.rsplit(".", 1)[-1]) for k in given
+                 if PEER_NAMES.get(k) or PEER_NAMES.get(k.rsplit(".", 1)[-1])), None)
+    return f"key {key!r}: {msg}" + (f" (Sonar's name: {hint})" if hint else "")
 
 
 def to_dict(cfg: Any) -> dict:

@@ -1,3 +1,4 @@
+import re
 import pytest
 
 from sonar.cluster.wire.config import DEFAULT_CONFIG, CONFIG_DIR, Config, ConfigError, flatten, inflight_budget, load_config, to_dict
@@ -353,3 +354,18 @@ def test_a_duration_past_thirty_days_is_refused_at_load(override):
     with pytest.raises(ValueError, match=override.split("=")[0].replace(".", r"\.") + r"=.* past 2592000"):
         load_config([], [override])
     load_config([], [override.split("=")[0] + "=86400"])  # a day is fine
+
+
+@pytest.mark.parametrize("override, sonar", [("rollout.n=8", "rollout.group_size"), ("learner.lr=1e-6", "stages.N.lr"),
+                                             ("n_samples_per_prompt=4", "rollout.group_size"),
+                                             ("algorithm.adv_estimator=grpo", "stages.N.algo.name")])
+def test_a_veRL_or_OpenRLHF_name_is_answered_with_sonars(override, sonar):
+    """Issue 55: ``rollout.n`` got a bare "Key 'n' not in 'RolloutConfig'"; one table (``PEER_NAMES``) answers."""
+    from sonar.cluster.wire.config import PEER_NAMES
+
+    with pytest.raises(ConfigError, match=rf"\(Sonar's name: {re.escape(sonar)}"):
+        load_config([], [override])
+    from sonar.cluster.wire.config import describe_fields
+
+    fields = {row[0] for row in describe_fields()}
+    assert {v.split(" ")[0] for v in PEER_NAMES.values()} <= fields  # every answer is a real field
