@@ -184,11 +184,17 @@ def ray_submission_id() -> str | None:
 
 
 def run_tags(cfg: Any) -> dict[str, str]:
-    """Tags every Sonar run carries: git commit and dirty flag, preset (``run.name``; every shipped
-    preset names itself), Sonar version, Ray job submission id (``ray job submit``) or ``RAY_JOB_ID``."""
+    """Tags every Sonar run carries: git commit and dirty flag, the code's fingerprint (``sonar.code``, also
+    without git), preset (``run.name``; every shipped preset names itself), Sonar version, Ray job
+    submission id (``ray job submit``) or ``RAY_JOB_ID``."""
+    import sonar
     from sonar import __version__
+    from sonar.cluster.wire.paths import code_fingerprint
 
-    tags = {**git_tags(), "sonar.preset": str(cfg.run.name), "sonar.version": __version__}
+    # sonar.code: the production code's hash, recorded also where there is no git (a Ray job's uploaded
+    # working dir): two runs with equal hashes ran the same code
+    tags = {**git_tags(), "sonar.preset": str(cfg.run.name), "sonar.version": __version__,
+            "sonar.code": code_fingerprint(Path(sonar.__file__).resolve().parent)}
     if sub := ray_submission_id():
         tags["ray.job_submission_id"] = sub
     if job := os.environ.get("RAY_JOB_ID"):

@@ -163,6 +163,10 @@ def test_tags_name_commit_preset_version_and_ray_job(tmp_path, monkeypatch):
     assert tags["ray.job_submission_id"] == "raysubmit_X1"
     assert len(tags["mlflow.source.git.commit"]) == 40 and tags["sonar.git.dirty"] in ("true", "false")
     assert tags[tracking.PID_TAG] == str(os.getpid())
+    # the code's fingerprint, what a job's uploaded working dir (no .git) still records
+    from sonar.cluster.wire.paths import code_origin
+
+    assert tags["sonar.code"] == code_origin().split("(")[1].split(")")[0]
 
 
 def test_git_tags_outside_a_checkout_are_empty(tmp_path):
