@@ -55,6 +55,7 @@ def test_a_live_service_with_no_hits_passes(tmp_path):
     probe_retriever(Empty(), load_config(["smoke"]).retrieval)
 
 
+@pytest.mark.ray  # it calls start_roles (Ray itself is not started: init_ray is replaced)
 def test_the_driver_refuses_before_the_policy_the_learner_or_a_worker(tmp_path, monkeypatch):
     from sonar.cluster.driver import roles
 

@@ -147,6 +147,13 @@ def test_a_build_spread_over_ray_actors_writes_the_same_vectors(tmp_path, corpus
                                   "world.force=true", "retrieval.dense.build_workers=2", "retrieval.dense.shard_rows=2"])
     _, spread = run_index(cfg, progress=False, dense=True)
     alone = build_passage_vectors(corpus, tmp_path / "alone", encoder, chunk=2, progress=False)
-    np.testing.assert_array_equal(np.asarray(spread.matrix), np.asarray(alone.matrix))
-    assert spread.meta["shards"] == alone.meta["shards"] and spread.meta["rows_done"] == len(DOCS)
+    # the same rows (an actor's torch may sum in another order: float16 rounding apart, the same vectors)
+    np.testing.assert_allclose(np.asarray(spread.matrix, np.float32), np.asarray(alone.matrix, np.float32), atol=2e-3)
+    shards = {k: v[0] for k, v in spread.meta["shards"].items()}
+    assert shards == {k: v[0] for k, v in alone.meta["shards"].items()} and spread.meta["rows_done"] == len(DOCS)
+    d = spread.directory  # each shard's checksum is of the rows written
+    from sonar.retrieval.rerank import _shard_sha
+
+    mm = np.load(d / "vectors.npy", mmap_mode="r")
+    assert all(_shard_sha(mm, int(k), v[0]) == v[1] for k, v in spread.meta["shards"].items())
     assert sent == [2, 2, 2, 1]  # every shard went to the actors
