@@ -75,6 +75,14 @@ def check_retriever(retriever: object) -> None:
         raise TypeError(f"{retriever!r} is not a retriever: it has neither batch_search nor a coroutine abatch_search")
 
 
+def check_search_args(queries: object, k: int) -> None:
+    """What every backend's ``batch_search`` refuses alike: ``k`` < 1, and one string for a sequence."""
+    if k < 1:
+        raise ValueError(f"k={k} must be >= 1")
+    if isinstance(queries, str):
+        raise TypeError("batch_search takes a sequence of queries, not one string")
+
+
 async def search_async(retriever: object, queries: Sequence[str], k: int,
                        executor: Executor | None = None) -> list[list[Hit]]:
     """Await one ``batch_search`` of any retriever without blocking the event loop.

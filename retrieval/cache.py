@@ -27,7 +27,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Sequence
 
-from sonar.retrieval.base import Hit, Retriever
+from sonar.retrieval.base import Hit, Retriever, check_search_args
 from sonar.retrieval.corpus import normalise_query
 
 Key = tuple[str, str, int, str]
@@ -52,10 +52,7 @@ class CachedRetriever:
         return (self.inner.name, normalise_query(query, self.max_query_chars)[0], k, self.rerank_tag)
 
     def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
-        if k < 1:
-            raise ValueError(f"k={k} must be >= 1")
-        if isinstance(queries, str):
-            raise TypeError("batch_search takes a sequence of queries, not one string")
+        check_search_args(queries, k)
         name, tag = self.inner.name, self.rerank_tag
         results: list[list[Hit] | None] = [None] * len(queries)
         mine: dict[Key, list[int]] = {}          # keys this call fetches -> positions

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from sonar.retrieval.base import Hit
+from sonar.retrieval.base import Hit, check_search_args
 from sonar.retrieval.corpus import normalise_query
 
 
@@ -79,10 +79,7 @@ class DenseIndexRetriever:
         return np.take_along_axis(best_r, order, axis=1), np.take_along_axis(best_s, order, axis=1)
 
     def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
-        if k < 1:
-            raise ValueError(f"k={k} must be >= 1")
-        if isinstance(queries, str):
-            raise TypeError("batch_search takes a sequence of queries, not one string")
+        check_search_args(queries, k)
         t0 = time.perf_counter()
         texts = [normalise_query(q, self.max_query_chars)[0] for q in queries]
         live = [i for i, t in enumerate(texts) if t]

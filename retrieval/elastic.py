@@ -43,7 +43,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from sonar.cluster.wire.redact import redact
 from sonar.cluster.wire.text import clean_text
-from sonar.retrieval.base import Hit, RetrievalError
+from sonar.retrieval.base import Hit, RetrievalError, check_search_args
 
 log = logging.getLogger(__name__)
 
@@ -486,8 +486,7 @@ class ElasticRetriever:
         return self._search(queries, k, query_vectors, candidates)
 
     def _search(self, queries, k, vectors, candidates) -> list[list[Hit]]:
-        if k < 1:
-            raise ValueError(f"k={k} must be >= 1")
+        check_search_args(queries, k)
         body, sent = self.msearch_body(queries, k, vectors, candidates)
         if not sent:
             return [[] for _ in queries]
@@ -516,8 +515,7 @@ class ElasticRetriever:
 
     async def abatch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
         """:meth:`batch_search` over ``AsyncElasticsearch`` (aiohttp): same body, parsing and errors."""
-        if k < 1:
-            raise ValueError(f"k={k} must be >= 1")
+        check_search_args(queries, k)
         body, sent = self.msearch_body(queries, k)
         if not sent:
             return [[] for _ in queries]

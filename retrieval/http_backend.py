@@ -64,7 +64,7 @@ from typing import Any, Sequence
 
 from sonar.cluster.wire.text import clean_text
 from sonar.cluster.wire.redact import has_userinfo, redact
-from sonar.retrieval.base import Hit, RetrievalError
+from sonar.retrieval.base import Hit, RetrievalError, check_search_args
 from sonar.retrieval.corpus import split_contents
 
 try:  # Ray's default install brings aiohttp; without it abatch_search runs batch_search in a thread
@@ -150,8 +150,7 @@ class HTTPRetriever:
         return json.dumps({"queries": list(queries), "topk": int(k), "return_scores": self.return_scores}).encode()
 
     def _chunks(self, queries: Sequence[str], k: int) -> list[list[str]]:
-        if k < 1:
-            raise ValueError(f"k={k} must be >= 1")
+        check_search_args(queries, k)
         queries = list(queries)
         return [queries[i:i + self.max_batch] for i in range(0, len(queries), self.max_batch)]
 

@@ -46,7 +46,7 @@ from typing import Sequence
 
 import tantivy
 
-from sonar.retrieval.base import Hit, RetrievalError
+from sonar.retrieval.base import Hit, RetrievalError, check_search_args
 from sonar.retrieval.corpus import CorpusReader, corpus_fingerprint, normalise_query
 
 log = logging.getLogger(__name__)
@@ -333,10 +333,7 @@ class TantivyRetriever:
         return Q.boolean_query(clauses)
 
     def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
-        if k < 1:
-            raise ValueError(f"k={k} must be >= 1")
-        if isinstance(queries, str):
-            raise TypeError("batch_search takes a sequence of queries, not one string")
+        check_search_args(queries, k)
         t0 = time.perf_counter()
         empty = truncated = 0
         out: list[list[Hit]] = []

@@ -11,17 +11,9 @@ from sonar.cluster.wire.config import DenseIndexConfig, RetrievalConfig
 from sonar.retrieval import rerank
 from sonar.retrieval.factory import build_retriever
 from sonar.retrieval.indexer import build_dense, ensure_index
-from sonar.retrieval.rerank import DenseEncoder, build_passage_vectors, vectors_dir
+from sonar.retrieval.rerank import build_passage_vectors, vectors_dir
+from tests.retrieval.test_rerank import DOCS, encoder  # noqa: F401  (the same passages; the module's encoder)
 
-DOCS = [
-    ("paris", "Paris", "Paris is the capital and most populous city of France."),
-    ("banana", "Banana", "A banana is an elongated, edible fruit produced by plants of the genus Musa."),
-    ("python", "Python", "Python is a high-level programming language emphasising readability."),
-    ("everest", "Mount Everest", "Mount Everest is Earth's highest mountain above sea level."),
-    ("nile", "Nile", "The Nile is a major river in northeastern Africa flowing into the Mediterranean."),
-    ("tokyo", "Tokyo", "Tokyo is the capital of Japan and its largest city."),
-    ("violin", "Violin", "The violin is a wooden string instrument in the violin family."),
-]
 
 
 def cfg(**kw):
@@ -30,13 +22,9 @@ def cfg(**kw):
                                dense=dataclasses.replace(DenseIndexConfig(), **dense), **kw)
 
 
-@pytest.fixture(scope="module")
-def encoder():
-    return DenseEncoder()
-
-
 @pytest.fixture
 def corpus(tmp_path):
+    """DOCS as a JSONL corpus, its path as a string (what a config holds)."""
     p = tmp_path / "c.jsonl"
     p.write_text("".join(json.dumps({"id": i, "title": t, "text": x}) + "\n" for i, t, x in DOCS))
     return str(p)
