@@ -554,7 +554,7 @@ class Simulator:
 
         self.waiters.sort(key=queued_since)
         core, n = self.core, self._n()
-        inflight = core.inflight()  # O(workers) in ReplayCore: counted once, then kept by the claims made here
+        inflight = core.inflight()  # read once, then kept by the claims made here
 
         def shut() -> bool:  # refused for every lane alike: the budget is full, or a just-in-time start is due
             return bool(core.max_inflight and inflight > 0 and inflight + n > core.max_inflight) or \

@@ -220,6 +220,8 @@ class ReplayCore:
         self.groups: deque[QueuedGroup] = deque()
         self.cursor = PromptCursor(num_prompts, seed)
         self.claims: dict[int, list[int]] = {}
+        self._claimed = 0  # sum of len(v) for v in claims.values(), kept as they change: admission asks
+        # inflight() for every claim, and summing over 1,000 engines' claims each time dominated the DES
         self.learner_version = 0
         self.counts = {"produced": 0, "consumed": 0, "dropped_stale": 0, "requeued": 0, "requeued_prompts": 0,
                        "produced_groups": 0, "consumed_groups": 0, "dropped_groups": 0}
@@ -242,7 +244,7 @@ class ReplayCore:
 
     def inflight(self) -> int:
         """Groups in the pipeline: claimed and not yet put, plus queued."""
-        return sum(len(v) for v in self.claims.values()) + len(self.groups)
+        return self._claimed + len(self.groups)
 
     def fresh_slots(self, version: int) -> int | None:
         """Groups the learner will still take before a group sampled from policy ``version`` goes
@@ -341,6 +343,7 @@ class ReplayCore:
             n = self.grant_size(n)
         idx = self.cursor.take(n)
         self.claims.setdefault(worker_id, []).extend(idx)
+        self._claimed += len(idx)
         if now is not None:
             for i in idx:
                 self._claimed_at[(worker_id, i)] = now
@@ -353,6 +356,7 @@ class ReplayCore:
     def release_worker(self, worker_id: int) -> int:
         """Requeue every outstanding claim of a dead worker; returns how many."""
         lost = self.claims.pop(worker_id, [])
+        self._claimed -= len(lost)
         for i in lost:
             self._claimed_at.pop((worker_id, i), None)
         self.cursor.requeue(lost)
@@ -363,6 +367,7 @@ class ReplayCore:
         claims = self.claims.get(worker_id, [])
         if prompt_index in claims:
             claims.remove(prompt_index)
+            self._claimed -= 1
         self._claimed_at.pop((worker_id, prompt_index), None)
         self.cursor.requeue([prompt_index])
         self.counts["requeued_prompts"] += 1
@@ -377,6 +382,7 @@ class ReplayCore:
         claims = self.claims.get(g.worker_id, [])
         if g.prompt_index in claims:
             claims.remove(g.prompt_index)
+            self._claimed -= 1
         t0 = self._claimed_at.pop((g.worker_id, g.prompt_index), None)
         if self.jit is not None and now is not None and t0 is not None:
             self.jit.observe_put(now - t0)
