@@ -18,9 +18,10 @@ the driver makes to a member worker goes through ``RolloutPool.call``, the one f
 - Inside a regroup (pausing, forming, pushing, resuming) a fault replaces the worker and the regroup
   starts over. A worker found dead while the group forms calls the formation off first
   (``WeightTransport.abort``): the ranks waiting for it at the presence barrier give up at once. One that
-  dies later in the formation (inside the backend's rendezvous), or mid-push, costs at most the group's
-  timeout (``cluster.broadcast_timeout_s``): the other ranks' rendezvous or collective raises within it
-  (or the push completes); then the group forms again with the replacement and the run goes on.
+  dies mid-push calls the push off the same way: every rank waiting in it (the learner's send, the ranks
+  downstream of the dead one in the broadcast) raises at its next look at the key, within
+  ``weights.PUSH_CALL_OFF_POLL_S``, and the group forms again with the replacement. One that dies inside
+  the backend's rendezvous costs at most the group's timeout (``cluster.broadcast_timeout_s``).
 
 Errors that are not a death or a silence are the call's own and propagate (after the deaths are
 handled), except inside the group's formation and the push, where a dead peer is the likely cause of
@@ -158,6 +159,9 @@ class RolloutPool:
         in async mode pauses and resumes the rollout loops, and starts a replaced worker's."""
         self.generation = 0
         """Formations of the group so far (0: none yet); each formation's ``Endpoint.generation``."""
+        self.push_call_offs = 0
+        """Pushes called off because a worker died during them (the others stopped waiting at once)."""
+        self._endpoint: Endpoint | None = None  # the formed group's meeting point: where a push is called off
         self._stale = False  # a member was replaced since the group last formed
         self._depth = 0  # nesting of _deferred blocks: a regroup waits for the outermost to end
         self._regrouping = False
@@ -367,6 +371,7 @@ class RolloutPool:
                      type(e).__name__, _first_line(e))
         if died:
             return False
+        self._endpoint = ep
         errors = [d for d in digests if isinstance(d, BaseException)]
         if errors:
             raise errors[0]
@@ -416,7 +421,17 @@ class RolloutPool:
         sent = t.send()
         self._event("push_sent")
         deadline = c.broadcast_timeout() + c.health_timeout_s  # the collective's own bound is broadcast_timeout()
-        got = self.call("receive_weights", lambda w, i: t.receive(w, version), timeout=deadline, collect=True)
+        ep, called_off = self._endpoint, []
+
+        def call_off(i: int) -> None:
+            # the ranks downstream of the dead one would wait the group's timeout for its bytes: the call-off
+            # ends every rank's wait at once (weights.BroadcastGroup._wait), the learner's send included
+            if not called_off and ep is not None:
+                called_off.append(i)
+                t.abort(ep, f"rollout worker {i} died during the push of version {version} (generation {ep.generation})")
+
+        got = self.call("receive_weights", lambda w, i: t.receive(w, version), timeout=deadline, collect=True,
+                        on_died=call_off)
         died = any(g is DIED for g in got)
         try:
             s = ray.get(sent, timeout=deadline)
@@ -426,6 +441,7 @@ class RolloutPool:
             if not died:
                 raise
         if died:
+            self.push_call_offs += len(called_off)
             return None
         errors = [g for g in got if isinstance(g, BaseException)]
         if errors:

@@ -31,13 +31,31 @@ Timeouts: every wait is ``work.wait(timeout)``, so a dead peer raises at the cal
 ``timeout_s`` (gloo: ``RuntimeError: Operation timed out!``). NCCL: a wait with an explicit timeout
 blocks the calling thread until the work completes or times out; on timeout torch aborts the
 communicator and raises ``DistBackendError`` there. The NCCL watchdog thread also checks every work
-against the group's option timeout and, by default (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``), takes the
-whole process down when one expires; the option timeout is therefore ``timeout_s +
-NCCL_WATCHDOG_MARGIN_S``, so the Python error comes first. After either, the group is dead: rebuild it.
+against the group's option timeout, ``timeout_s + NCCL_WATCHDOG_MARGIN_S``, so the Python error comes
+first; torch's default (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) would take the whole process down when one
+expires, so this group is built with 2 (abort the communicator only, ``nccl_backend``). After either,
+the group is dead: rebuild it.
 
 Checksums (:func:`checksum`, :class:`Checksum`) sum each tensor in float64 chunks of
 ``CHECKSUM_CHUNK_ELEMS`` elements: no full-tensor float64 copy, and a receiver sums each bucket as it
 arrives, so it keeps nothing to checksum later.
+
+A push is abortable too. A receiver that dies mid-push breaks its own sockets, so its direct peers fail
+at once, but a rank downstream of it in the backend's broadcast tree waits for bytes from a live peer
+that has given up: the whole ``timeout_s``. So every wait of a push (``BroadcastGroup._wait``) looks at
+the same call-off key as the presence barrier every ``PUSH_CALL_OFF_POLL_S`` while its collective is
+unfinished, and raises ``GroupAborted`` once the driver, which sees the death, has set it; a rank that
+cannot reach rank 0's store any more (the learner died) raises too. gloo: the wait sleeps on the work's
+future and wakes the moment it completes. NCCL: its future completes at enqueue, so the wait polls
+``work.is_completed()`` (a CUDA event query) with sleeps growing 25 % from 50 us up to 20 ms (a push
+waits at most a quarter longer than its collective). A called-off rank aborts its group
+(``BroadcastGroup.abort``: ``ncclCommAbort`` on NCCL, so the kernel of a collective whose peer died
+returns; nothing on gloo, whose stranded work ends at the group's timeout in a thread nobody waits on)
+and the driver forms a new one. What NCCL still decides: when a peer's death is noticed inside the
+library (a socket error, its own timeout), and the process's fate on a watchdog error; the group is
+built with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (``nccl_backend``): the watchdog aborts the
+communicator and the wait raises, the learner's process lives. Other backends (shm, cuda_ipc: one node,
+no peer to die mid-copy) wait as before.
 
 Formation is abortable until every rank is there: each rank first marks itself present on the store and
 waits for the others (:func:`presence_barrier`), and only then enters the backend's own rendezvous
@@ -57,6 +75,7 @@ import datetime
 import hashlib
 import ipaddress
 import socket
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -87,8 +106,15 @@ PRESENCE_POLL_S = 0.02
 round trip; ``store.wait`` with short timeouts would log a c10d warning per slice)."""
 
 
+PUSH_CALL_OFF_POLL_S = 0.25
+"""Seconds between two looks at the call-off key while a push's collective is unfinished: how long a rank
+stays in a push the driver called off (each look is one round trip to rank 0's store, so 1,000 ranks
+waiting make 4,000 small requests a second there; a push that completes never looks)."""
+
+
 class GroupAborted(RuntimeError):
-    """The driver called this formation off (:func:`abort_formation`): a rank died before every rank arrived."""
+    """The driver called this group off (:func:`abort_formation`): a rank died before every rank arrived,
+    or during a push (the others stop waiting for bytes that will not come)."""
 
 
 def presence_barrier(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
@@ -112,10 +138,34 @@ def presence_barrier(store: dist.Store, rank: int, world_size: int, timeout_s: f
         time.sleep(PRESENCE_POLL_S)
 
 
+def _completion(work, backend: str) -> Callable[[float], bool]:
+    """``finished(seconds) -> bool``: waits up to ``seconds`` for ``work`` without consuming or aborting it
+    (a timed ``work.wait`` on NCCL aborts the communicator). gloo: sleeps on its future. NCCL: polls
+    ``is_completed`` with growing sleeps (module docstring)."""
+    if backend == "gloo":
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _f: done.set())  # errors complete the future too
+        return done.wait
+    pause = [5e-5]
+
+    def finished(seconds: float) -> bool:  # pragma: no cover - needs CUDA
+        end = time.monotonic() + seconds
+        while not work.is_completed():
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause[0], left))
+            pause[0] = min(0.02, pause[0] * 1.25)
+        return True
+    return finished
+
+
 def abort_formation(host: str, port: int, prefix: str, reason: str, connect_timeout_s: float = 5.0) -> bool:
-    """Call off the formation meeting at rank 0's store ``host:port`` under ``prefix``: every rank still in
-    its :func:`presence_barrier` raises ``GroupAborted`` carrying ``reason``. The driver's side, no actor
-    call (rank 0's actor is busy in the barrier). False if the store is gone (every rank left already)."""
+    """Call off the formation meeting at rank 0's store ``host:port`` under ``prefix``, or the group it formed:
+    every rank still in its :func:`presence_barrier`, or waiting in a push (``BroadcastGroup._wait``),
+    raises ``GroupAborted`` carrying ``reason``, and the group is never used again. The driver's side, no
+    actor call (rank 0's actor is busy in the barrier or the push). False if the store is gone (every rank
+    left already)."""
     try:
         client = dist.TCPStore(host, int(port), None, is_master=False,
                                timeout=datetime.timedelta(seconds=connect_timeout_s))
@@ -399,14 +449,33 @@ def open_store(host: str, world_size: int, timeout_s: float = 300.0) -> dist.TCP
     return master_store(host, 0, world_size, timeout_s)
 
 
-def nccl_backend(store: dist.Store, rank: int, world_size: int,
-                 timeout_s: float) -> "dist.ProcessGroupNCCL":  # pragma: no cover - needs CUDA
+NCCL_ERROR_HANDLING = "2"
+"""``TORCH_NCCL_ASYNC_ERROR_HANDLING`` while the weight group is built (each ``ProcessGroupNCCL`` reads it in
+its constructor): 2, abort the communicator and raise, never take the process down (torch's default 3
+kills it, and with it the learner, when a rank of this group dies). DeepSpeed's own groups keep the
+process's setting."""
+_ENV_LOCK = threading.Lock()
+
+
+def nccl_backend(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> "dist.ProcessGroupNCCL":
     """``ProcessGroupNCCL(store, rank, size, options)`` whose option timeout (the watchdog's) is
-    ``timeout_s + NCCL_WATCHDOG_MARGIN_S``; the group's waits pass ``timeout_s`` themselves."""
+    ``timeout_s + NCCL_WATCHDOG_MARGIN_S`` (the group's waits pass ``timeout_s`` themselves) and whose
+    watchdog aborts only the communicator on an error (``NCCL_ERROR_HANDLING``)."""
+    import os
+
     opts = dist.ProcessGroupNCCL.Options()
     opts.is_high_priority_stream = False
     opts._timeout = datetime.timedelta(seconds=timeout_s + NCCL_WATCHDOG_MARGIN_S)
-    return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    with _ENV_LOCK:  # the variable is the process's: set only around this constructor, then put back
+        old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ERROR_HANDLING
+        try:
+            return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        finally:
+            if old is None:
+                os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+            else:
+                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old
 
 
 def _alias_storage(raw: torch.Tensor):
@@ -455,7 +524,8 @@ class BroadcastGroup:
         else:
             self._store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
         # every rank here (or the formation called off) before the backend's uninterruptible rendezvous
-        presence_barrier(dist.PrefixStore(prefix + PRESENCE_SUFFIX, self._store), rank, world_size, timeout_s)
+        calls = dist.PrefixStore(prefix + PRESENCE_SUFFIX, self._store)
+        presence_barrier(calls, rank, world_size, timeout_s)
         pstore = dist.PrefixStore(prefix, self._store)
         if backend in ("shm", "cuda_ipc"):  # colocated: every rank maps one segment (cluster/wire/handover.py)
             from sonar.cluster.wire.handover import HandoverCollective
@@ -469,6 +539,8 @@ class BroadcastGroup:
             pg = nccl_backend(pstore, rank, world_size, timeout_s)
             device = torch.device("cuda", torch.cuda.current_device())
         self._setup(pg, rank, world_size, backend, device, timeout_s)
+        if backend in ("gloo", "nccl"):
+            self._calls = calls  # where the driver calls a push off (module docstring)
 
     @classmethod
     def over(cls, pg, rank: int, world_size: int, device: torch.device | str, timeout_s: float = 300.0,
@@ -484,6 +556,8 @@ class BroadcastGroup:
         if not timeout_s > 0:
             raise ValueError(f"BroadcastGroup: timeout_s={timeout_s!r} must be > 0 (seconds)")
         self._pg = pg
+        self._calls: dist.Store | None = None
+        """The formation's presence store, whose ``abort`` key calls a push off; None: waits are not abortable."""
         self.rank, self.world_size, self.backend, self.device = rank, world_size, backend, device
         self.timeout_s = float(timeout_s)
         self._timeout = datetime.timedelta(seconds=timeout_s)
@@ -502,8 +576,57 @@ class BroadcastGroup:
 
     # ------------------------------------------------------------ collectives
     def _wait(self, work) -> None:
-        """Wait for ``work`` up to the group's timeout; a dead peer raises here (module docstring)."""
-        work.wait(self._timeout)
+        """Wait for ``work`` up to the group's timeout; a dead peer raises here, and a push the driver
+        called off raises ``GroupAborted`` within ``PUSH_CALL_OFF_POLL_S`` (module docstring)."""
+        if self._calls is None:
+            work.wait(self._timeout)
+            return
+        end = time.monotonic() + self.timeout_s
+        finished = _completion(work, self.backend)
+        try:
+            while not finished(min(PUSH_CALL_OFF_POLL_S, max(0.0, end - time.monotonic()))):
+                self._check_called_off()
+                if time.monotonic() >= end:
+                    break  # the wait below raises the backend's own timeout error
+            try:
+                work.wait(datetime.timedelta(seconds=max(0.001, end - time.monotonic())))
+            except RuntimeError as e:  # a peer that aborted its group (below) breaks ours: say why
+                self._check_called_off(e)
+                raise
+        except GroupAborted:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Give the group up after a call-off: abort the backend's group (NCCL: ``ncclCommAbort``, whose
+        collectives in flight then fail at once; gloo's ``abort`` does nothing in torch 2.13) and drop it in
+        a daemon thread of its own. A gloo group's destructor joins its worker threads, and a called-off
+        push's work holds them until the group's timeout: dropped here, that wait would stall the caller
+        (the next formation, the process's exit); the daemon thread takes it and ends with it, or with the
+        process. The group is unusable afterwards: the driver forms a new one."""
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        try:
+            pg.abort()
+        except (AttributeError, RuntimeError):  # no abort, or already torn down by a peer's failure
+            pass
+        held = [pg]
+        del pg
+        threading.Thread(target=held.clear, name="sonar-abandoned-weight-group", daemon=True).start()
+
+    def _check_called_off(self, cause: BaseException | None = None) -> None:
+        """Raise ``GroupAborted`` if the driver called the group off (or rank 0's store is gone), from
+        ``cause`` (the backend's error it explains), if any."""
+        try:
+            called_off = self._calls.check(["abort"])
+        except (RuntimeError, OSError) as e:  # DistNetworkError/DistStoreError: rank 0 is gone
+            raise GroupAborted(f"weight push at rank {self.rank} of {self.world_size}: rank 0's store is unreachable "
+                               f"(the learner died?): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                               ) from (cause or e)
+        if called_off:
+            raise GroupAborted(f"weight push called off at rank {self.rank} of {self.world_size}: "
+                               f"{self._calls.get('abort').decode(errors='replace')}") from cause
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self._wait(self._pg.broadcast(tensor, src))

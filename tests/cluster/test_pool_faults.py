@@ -62,14 +62,14 @@ class KillAt:
             self.killed.append(handle)
 
 
-def _check_finished_run(summary: dict, kill: KillAt) -> None:
+def _check_finished_run(summary: dict, kill: KillAt, index: int = 1) -> None:
     """Restarted once, the new worker in every later push: every worker's checksum equals the learner's
     after the final push; the replay balances with nothing claimed; every prompt trained at most once
     and every group handed out recorded as trained."""
     import ray
 
-    assert len(kill.killed) == 1 and kill.pool.workers[1] is not kill.killed[0]
-    assert summary["faults"]["worker_restarts"] == 1 and kill.pool.restarts == {0: 0, 1: 1}
+    assert len(kill.killed) == 1 and kill.pool.workers[index] is not kill.killed[0]
+    assert summary["faults"]["worker_restarts"] == 1 and kill.pool.restarts == {0: 0, 1: 0, index: 1}
     w = summary["weights"]
     assert len(w["workers"]) == 2
     for x in w["workers"]:
@@ -109,18 +109,23 @@ def test_a_worker_killed_while_the_group_forms_with_no_restart_left_fails_the_ru
     assert len(kill.killed) == 1 and kill.pool.generation == 1
 
 
-def test_a_worker_killed_mid_push_is_restarted_and_the_next_push_reaches_every_worker(tmp_path, shared_ray):
-    """The first push while the RL stage's rollout loops run: the learner has started sending when worker 1
-    dies. That push reports nothing (its step's row has no ``weights/sync_s``); worker 1 is replaced, the
-    loops paused, the group formed again, the weights pushed, the loops resumed; every later push
-    reaches every worker and the run finishes."""
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_worker_killed_mid_push_is_restarted_and_the_next_push_reaches_every_worker(tmp_path, shared_ray, index):
+    """The first push while the RL stage's rollout loops run: the learner has started sending when worker
+    ``index`` dies, at either rank position (worker 0's death strands worker 1, which waits in the gloo
+    broadcast for bytes that will not come). The pool calls the push off: the learner and the other
+    worker leave it at once instead of at ``cluster.broadcast_timeout_s`` (600 s). That push reports
+    nothing (its step's row has no ``weights/sync_s``); the worker is replaced, the loops paused, the
+    group formed again, the weights pushed, the loops resumed; every later push reaches every worker and
+    the run finishes."""
     from sonar.cluster.driver.loop import train
     from sonar.cluster.driver.roles import Hooks
     from sonar.cluster.wire import metrics as K
 
-    kill = KillAt("push_sent", 1, when=lambda pool: pool.active is not None)
+    kill = KillAt("push_sent", index, when=lambda pool: pool.active is not None)
     summary = train(_cfg(tmp_path, "cluster.max_worker_restarts=1"), Hooks(on_pool=kill))
-    _check_finished_run(summary, kill)
+    assert kill.pool.push_call_offs == 1
+    _check_finished_run(summary, kill, index)
     rows = [json.loads(l) for l in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines() if l.strip()]
     rl = [r for r in rows if r.get("stage") in (1, 2) and K.LEARNER_VERSION in r]
     assert len(rl) == 5  # 4 + 1 RL steps, each pushed (learner.broadcast_every=1)

@@ -302,25 +302,33 @@ def test_with_no_restart_left_the_run_fails_at_once_naming_the_worker(ray_local)
         teardown(ray, pool, learner, replay, group)
 
 
-def test_a_worker_killed_mid_push_is_replaced_and_the_next_push_reaches_every_worker(ray_local):
-    """In an async RL stage: the learner has sent version 1 when worker 1 dies; the push comes back empty,
-    worker 1 is replaced, and the regroup pauses the loops (replay closed, loops stopped), forms the
-    group again and pushes version 1 to every worker, then starts every loop, the new worker's too. The
-    next push (version 2) reaches every worker."""
+@pytest.mark.parametrize("dead", [0, 1])
+def test_a_worker_killed_mid_push_is_replaced_and_the_next_push_reaches_every_worker(ray_local, dead):
+    """In an async RL stage: the learner has sent version 1 when worker ``dead`` dies, at either rank
+    position. The pool calls the push off (``WeightTransport.abort``): the learner and the surviving worker,
+    waiting for ranks that will never arrive, give up at once, not at the group's 600 s timeout (the kill
+    does not expire the group here; only the call-off can). The push comes back empty, the worker is
+    replaced, and the regroup pauses the loops (replay closed, loops stopped), forms the group again and
+    pushes version 1 to every worker, then starts every loop, the new worker's too. The next push (version
+    2) reaches every worker."""
     from sonar.cluster.wire import metrics as K
 
     ray = ray_local
-    kill = KillAt("push_sent", 1, when=lambda pool: pool.active is not None)
+    kill = KillAt("push_sent", dead, when=lambda pool: pool.active is not None, expire=False)
     pool, learner, replay, group, started = make_pool(ray, on_event=kill)
     try:
         pool.form_group()
         pool.begin_stage(1, object())
         ray.get(learner.bump.remote())
         assert pool.push() == {}  # the broken push's figures are not reported
-        assert len(kill.killed) == 1 and pool.restarts == {0: 0, 1: 1} and pool.generation == 2
+        assert pool.transport.aborted == [(1, f"rollout worker {dead} died during the push of version 1 (generation 1)")]
+        assert pool.push_call_offs == 1
+        assert len(kill.killed) == 1 and pool.restarts == {0: 0, 1: 0, dead: 1} and pool.generation == 2
+        names = ["worker0#1", "worker1#1"]
+        names[dead] = f"worker{dead}#2"
         assert [(s["name"], s["generation"], s["version"], s["loop"]) for s in states(ray, pool)] == \
-            [("worker0#1", 2, 1, True), ("worker1#2", 2, 1, True)]
-        assert ray.get(replay.calls.remote()) == [("release_worker", 1), ("close",), ("reopen",)]
+            [(names[0], 2, 1, True), (names[1], 2, 1, True)]
+        assert ray.get(replay.calls.remote()) == [("release_worker", dead), ("close",), ("reopen",)]
         ray.get(learner.bump.remote())
         m = pool.push()
         assert m == {K.WEIGHTS_SYNC_S: 0.5, K.WEIGHTS_GBPS: pytest.approx(1000 / 0.5 / 1e9)}  # 1000 B in 0.5 s

@@ -175,3 +175,98 @@ def test_the_barrier_returns_once_every_rank_is_present_and_a_call_off_with_no_s
     for g in groups.values():
         g.close()
     assert abort_formation("127.0.0.1", free_port(), "p", "too late", connect_timeout_s=1.0) is False
+
+
+# ------------------------------------------------------------ a push called off
+@pytest.mark.parametrize("stuck", [1, 2, 3])
+def test_a_push_called_off_ends_every_rank_at_once_whichever_rank_stopped(stuck):
+    """Four ranks push six buckets over gloo; rank ``stuck`` (each receiver position in turn) stops inside
+    the push, in its loader for the first bucket, as a dying worker does. The ranks that need its part of
+    the collective (rank 0's next send, the ranks after it in the broadcast) would wait the group's 600 s
+    for it. The driver, which sees the death, calls the push off (``abort_formation`` on the group's
+    store): every rank still waiting raises ``GroupAborted`` carrying the reason at its next look, the
+    stopped rank too once it moves again, none waits out the timeout, and none is left inside the push."""
+    import time
+
+    from sonar.cluster.wire.weights import GroupAborted, abort_formation, open_store
+
+    torch.manual_seed(2)
+    src = {f"layer.{i}.w": torch.randn(256) for i in range(6)}  # 1 KiB each: one bucket each
+    buckets = plan_buckets(specs_of(src), bucket_bytes=1024)
+    assert len(buckets) == 6
+    store = open_store("127.0.0.1", 4, timeout_s=600)
+    threads, errors, groups = _form_in_threads(store.port, [0, 1, 2, 3], 4, timeout_s=600, store=store)
+    [t.join(120) for t in threads]
+    assert not errors and sorted(groups) == [0, 1, 2, 3], errors
+    inside, release = threading.Event(), threading.Event()
+    ended: dict[int, BaseException | None] = {}
+    received: dict[int, dict] = {}
+
+    def hold(named):  # the stopped rank's loader for bucket 0: it is inside the push and goes no further
+        inside.set()
+        release.wait(300)
+
+    def rank(r):
+        try:
+            g = groups[r]
+            if r == 0:
+                g.send_weights(buckets, src)
+            elif r == stuck:
+                g.recv_streamed(buckets, hold)
+            else:
+                received[r] = {k: v.clone() for k, v in g.recv_weights(buckets).items()}
+            ended[r] = None
+        except BaseException as e:  # surfaced below
+            ended[r] = e
+
+    pushers = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(4)]
+    [t.start() for t in pushers]
+    assert inside.wait(120), "the stopped rank never entered the push"
+    t0 = time.monotonic()
+    assert abort_formation("127.0.0.1", store.port, "p", f"rollout worker {stuck - 1} died during the push")
+    others = [t for r, t in enumerate(pushers) if r != stuck]
+    [t.join(120) for t in others]
+    assert not any(t.is_alive() for t in others), "a rank still waits in the called-off push"
+    release.set()
+    pushers[stuck].join(120)
+    assert not pushers[stuck].is_alive()
+    assert time.monotonic() - t0 < 120  # not the 600 s timeout
+    # A rank whose part needs nothing from the stopped one may have finished (gloo's sends of 1 KiB sit in
+    # socket buffers): it holds the whole push. Every other rank says the push was called off, and why.
+    aborted = {r: e for r, e in ended.items() if e is not None}
+    assert set(ended) == {0, 1, 2, 3} and aborted, ended
+    for r, e in aborted.items():
+        assert isinstance(e, GroupAborted), ended
+        assert f"weight push called off at rank {r} of 4: rollout worker {stuck - 1} died during the push" in str(e)
+    for r in set(ended) - set(aborted) - {0, stuck}:
+        assert all(torch.equal(received[r][k], src[k]) for k in src)
+
+
+def test_the_nccl_weight_group_is_built_to_abort_its_communicator_not_the_process(monkeypatch):
+    """``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is read by each ``ProcessGroupNCCL`` constructor: the weight group
+    is built under 2 (abort the communicator, raise; torch's default 3 kills the learner when a rank of the
+    weight group dies), and the process's own setting, which DeepSpeed's groups read, is put back. The
+    constructor is a recorder here (this torch has no NCCL)."""
+    import os
+
+    import torch.distributed as dist
+
+    from sonar.cluster.wire import weights
+
+    seen = []
+
+    class Recorder:
+        class Options:
+            pass
+
+        def __init__(self, store, rank, size, opts):
+            seen.append((os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), rank, size, opts._timeout.total_seconds()))
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", Recorder, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    weights.nccl_backend(None, 1, 4, timeout_s=30)
+    assert seen == [("2", 1, 4, 30 + weights.NCCL_WATCHDOG_MARGIN_S)]
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    weights.nccl_backend(None, 2, 4, timeout_s=30)
+    assert seen[-1][0] == "2" and "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
