@@ -462,8 +462,9 @@ async def _produce_claimed(w: "RolloutWorker", replay, stage_index: int, stage: 
             with w._lock:
                 w._stats["requeued_infra"] = w._stats.get("requeued_infra", 0) + 1
             return
+        searched = any(s.error is None for t in group for s in t.searches)  # retrieval answered (an outage ends)
         ok = await asyncio.wrap_future(replay.put.remote(
-            encode_group(group), group_min_version(group), len(group), i, w.worker_id).future())
+            encode_group(group), group_min_version(group), len(group), i, w.worker_id, searched).future())
         w._record(group, ok)
 
     # Per trajectory, each group is handed off as soon as its last trajectory ends, releasing its claim:

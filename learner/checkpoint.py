@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sonar.cluster.wire.errors import RunFault
+
 COMPLETE = "COMPLETE"
 
 
@@ -60,7 +62,7 @@ def _rng_file(rank: int) -> str:
     return "rng.pt" if rank == 0 else f"rng-rank{rank}.pt"
 
 
-class CheckpointWriteError(OSError):
+class CheckpointWriteError(RunFault, OSError):
     """A checkpoint could not be written (a full disk, a quota, an I/O error): names the checkpoint, the
     cause and the free space left; its partial temporary directory was removed."""
 

@@ -22,6 +22,7 @@ from typing import Sequence
 
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, StageConfig
+from sonar.cluster.wire.errors import ReplayUnresponsive
 from sonar.cluster.wire.protocol import StepResult
 from sonar.cluster.wire.startup import startup_without_gc
 
@@ -541,15 +542,16 @@ class Learner:
         from sonar.cluster.wire.protocol import decode_group
 
         t_wait = time.perf_counter()
-        res = (ray.get(replay.get.remote(self.cfg.learner.groups_per_step, self.version, timeout_s))
-               if self.rank == 0 else None)
+        res = self._replay_get(replay, timeout_s) if self.rank == 0 else None
         if self.world_size > 1:  # rank 0 alone pulls; every rank trains on the same groups
             from sonar.learner.collectives import broadcast_object
 
             res = broadcast_object(res, 0, (self.rank, self.world_size), self.device)
         wait_s = time.perf_counter() - t_wait
         if not res["groups"]:
-            return StepResult({K.LEARNER_WAIT_S: wait_s, K.REPLAY_DROPPED_IN_GET: res["dropped"]},
+            outage = res.get("outage") or {}  # the replay pauses the learner during a retrieval outage
+            return StepResult({K.LEARNER_WAIT_S: wait_s, K.REPLAY_DROPPED_IN_GET: res["dropped"],
+                               K.REPLAY_OUTAGE_NOW_S: outage.get("seconds", 0.0)},
                               dropped_prompts=res["dropped_prompts"], waiting=True)
         groups = [decode_group(p) for p in res["groups"]]
         metrics = self.train_groups(groups, res["lags"], stage)
@@ -559,6 +561,22 @@ class Learner:
         if self.rank == 0:
             ray.get(replay.set_learner_version.remote(self.version))
         return StepResult(out, trained_prompts=res["prompts"], dropped_prompts=res["dropped_prompts"])
+
+    def _replay_get(self, replay, timeout_s: float) -> dict:
+        """The replay's ``get``: it waits ``timeout_s`` for a batch and answers; silent past that plus
+        ``cluster.health_timeout_s``, the queue is hung (a stopped or deadlocked process), and the step
+        fails naming it instead of holding the learner until the driver's ``step_timeout_s``."""
+        import ray
+
+        deadline = timeout_s + self.cfg.cluster.health_timeout_s
+        try:
+            return ray.get(replay.get.remote(self.cfg.learner.groups_per_step, self.version, timeout_s),
+                           timeout=deadline)
+        except ray.exceptions.GetTimeoutError:
+            raise ReplayUnresponsive(f"the replay queue did not answer the learner's get within {deadline:g} s "
+                                     f"(its {timeout_s:g} s wait + cluster.health_timeout_s="
+                                     f"{self.cfg.cluster.health_timeout_s:g}): hung, a stopped or deadlocked process; "
+                                     "the run's checkpoints hold its state (`sonar train run.resume=latest`)") from None
 
     @on_all_ranks
     def train_groups(self, groups: list, lags: list[int], stage: StageConfig) -> dict:

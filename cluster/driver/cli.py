@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "train":
         from sonar.cluster.driver.loop import train
         from sonar.cluster.driver.run import ResumeError
+        from sonar.cluster.wire.errors import RunFault, one_line
         from sonar.retrieval.factory import SearchServiceDown
 
         plan = memory_plan_text(cfg)
@@ -274,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         except SearchServiceDown as e:  # checked before any learner or worker started: one line, the address
             print(f"sonar: search service error: {e}", file=sys.stderr)
             return 2
+        except RunFault as e:  # a role or a resource, named in the message; the traceback is in error.log
+            print(f"sonar: run failed: {one_line(e)} (traceback in {getattr(e, 'error_log', 'the run directory')})",
+                  file=sys.stderr)
+            return 1
         except KeyboardInterrupt:
             print("sonar: interrupted; MLflow run marked KILLED, Ray shut down", file=sys.stderr)
             return 130

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 
 from sonar.cluster.driver.colocate import Colocation
 from sonar.cluster.driver.critical_path import StepClock
@@ -15,7 +16,7 @@ from sonar.cluster.driver.reports import (StageProgress, Throughput, evaluate, p
                                          replay_metrics, retrieval_metrics, split_meter, step_log_line)
 from sonar.cluster.driver.roles import (Hooks, Roles, check_retrieval, export_model, kill_roles, maybe_checkpoint,
                                        maybe_resume, prepare_demonstrations, save_checkpoint, start_roles, stop_roles)
-from sonar.cluster.driver.faults import auto_resume_config, check_starved, learner_died
+from sonar.cluster.driver.faults import OutagePause, auto_resume_config, check_starved, role_died
 from sonar.cluster.driver.pool import Pool
 from sonar.cluster.driver.run import Run, start_run
 from sonar.cluster.wire import metrics as K
@@ -35,9 +36,9 @@ def train(cfg: Config, hooks: Hooks | None = None) -> dict:
                 roles.owns_ray = owns = roles.owns_ray or owns  # Ray outlives an auto-resume
                 return _train_roles(attempt_cfg, roles, run)
             except BaseException as e:
-                # A dead learner: roles restarted from this run's last complete checkpoint, while
-                # cluster.auto_resume lasts (faults.learner_died decides; anything else propagates).
-                if not learner_died(cfg, roles, run, e):
+                # A dead learner or replay queue: roles restarted from this run's last complete checkpoint,
+                # while cluster.auto_resume lasts (faults.role_died decides; anything else propagates).
+                if not role_died(cfg, roles, run, e):
                     raise
                 attempt_cfg, roles = auto_resume_config(cfg, roles, run), None
     except KeyboardInterrupt as e:
@@ -50,8 +51,16 @@ def train(cfg: Config, hooks: Hooks | None = None) -> dict:
         log.warning("interrupted (%s): MLflow run marked KILLED, its metrics flushed%s; killing the actors",
                     str(e) or "Ctrl-C", f" {time.monotonic() - since:.2f} s after the signal" if since is not None else "")
         raise
-    except BaseException:
-        run.finish("FAILED")
+    except BaseException as e:
+        # The traceback goes to the run directory (the CLI prints a RunFault as one line), then the status:
+        # a failure to mark it (MLflow on a full disk) is logged, never raised over the run's own error.
+        (run.dir / "error.log").write_text("".join(traceback.format_exception(e)))
+        e.error_log = str(run.dir / "error.log")  # where the CLI's one line points
+        try:
+            run.finish("FAILED")
+        except Exception as fe:  # noqa: BLE001 - the run's error is the one to report
+            log.error("could not mark the run FAILED (%s: %s); its own error follows", type(fe).__name__,
+                      " ".join(str(fe).split())[:300])
         raise
     finally:
         if interrupted:
@@ -151,6 +160,7 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
     colocation = Colocation(cfg, roles)  # colocated placement: engines and learner take turns (colocate.py)
     progress = StageProgress(stage.steps, start_step, f"stage {index} {stage.name}")
     waiting_since = None  # when the learner's current wait for a batch began (a stall fails after step_timeout_s)
+    outage = OutagePause()
     while steps < stage.steps:
         if sync:
             with clock.phase("generate_sync"):
@@ -168,6 +178,7 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
             res = ray.get(roles.learner.rl_step.remote(roles.replay, stage, 10.0), timeout=cfg.cluster.step_timeout_s)
             clock.parts["waiting_calls" if res.waiting else "learner_call"] += time.monotonic() - t_call
         record_prompts(run, res)
+        outage.see(res)  # logs a pause for a retrieval outage (the replay holds the batch back) and its end
         if res.waiting:
             pool.step(roles.pool, res.metrics.get(K.LEARNER_WAIT_S, 0.0), 0)  # a starved learner grows it
             waiting_since = waiting_since or t_call

@@ -13,6 +13,7 @@ import numpy as np
 from sonar.cluster.driver.run import Run
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config
+from sonar.cluster.wire.errors import ReplayUnresponsive
 from sonar.cluster.wire.protocol import StepResult
 
 log = logging.getLogger("sonar")
@@ -251,10 +252,6 @@ def rerank_metrics(inner: list[dict]) -> dict:
     return m
 
 
-class ReplayUnresponsive(RuntimeError):
-    """The replay queue did not answer a stats call within ``cluster.step_timeout_s`` (a hung process)."""
-
-
 def replay_stats(roles: Roles) -> dict:
     """The replay queue's ``stats()`` within ``cluster.step_timeout_s``, else ``ReplayUnresponsive`` naming
     the role and the deadline (a stopped or deadlocked queue would hold the driver without end)."""
@@ -266,14 +263,15 @@ def replay_stats(roles: Roles) -> dict:
     except ray.exceptions.GetTimeoutError:
         raise ReplayUnresponsive(f"the replay queue did not answer within cluster.step_timeout_s={timeout} s "
                                  "(hung: a stopped or deadlocked process); the run's checkpoints hold its state "
-                                 "(`sonar train --resume`)") from None
+                                 "(`sonar train run.resume=latest`)") from None
 
 
 def replay_metrics(roles: Roles) -> dict:
     s = replay_stats(roles)
     return {K.REPLAY_DEPTH: s["depth_groups"], K.REPLAY_PRODUCED: s["produced"], K.REPLAY_CONSUMED: s["consumed"],
             K.REPLAY_DROPPED_STALE: s["dropped_stale"], K.REPLAY_REQUEUED: s["requeued_prompts"],
-            K.REPLAY_REQUEUED_INFRA: s.get("requeued_infra", 0)}
+            K.REPLAY_REQUEUED_INFRA: s.get("requeued_infra", 0), K.REPLAY_REQUEUED_OUTAGE: s.get("requeued_outage", 0),
+            K.REPLAY_OUTAGE_S: s.get("outage_s", 0.0), K.REPLAY_OUTAGE_NOW_S: (s.get("outage") or {}).get("seconds", 0.0)}
 
 
 def evaluate(cfg: Config, roles: Roles, run: Run, split: str) -> dict:
@@ -332,7 +330,8 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
                    + sum(getattr(roles, "restarts", {}).values()),
                    "replica_replacements": run.results.get("faults", {}).get("replica_replacements", 0)
                    + sum(getattr(roles, "replica_replacements", {}).values()),
-                   "learner_resumes": run.results.get("faults", {}).get("learner_resumes", 0)},
+                   "learner_resumes": run.results.get("faults", {}).get("learner_resumes", 0),
+                   "replay_resumes": run.results.get("faults", {}).get("replay_resumes", 0)},
     }
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     # The eval summary ({"<split>_<mode>": EM, F1, ...}) and the run's summary, as MLflow artifacts.

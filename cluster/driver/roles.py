@@ -24,6 +24,7 @@ from sonar.cluster.driver.run import Run, world_of
 from sonar.cluster.wire.startup import startup_without_gc
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, inflight_budget, to_yaml, worker_capacity
+from sonar.cluster.wire.errors import RunFault
 from sonar.cluster.wire.resolved import colocated_on_gpu
 
 log = logging.getLogger("sonar")
@@ -418,8 +419,8 @@ def stop_roles(roles: Roles | None) -> None:
         ray.shutdown()
 
 
-class ReplicaFailed(RuntimeError):
-    pass
+class ReplicaFailed(RunFault):
+    """Every retrieval replica is dead and their replacements are used up; the message names them."""
 
 
 SILENT_CHECKS = 2
@@ -511,19 +512,22 @@ def replace_replica(cfg: Config, roles: Roles, i: int, err: str) -> None:
     roles.pool.replace_replica(i, new)
 
 
-def learner_dead(cfg: Config, roles: Roles | None) -> bool:
-    """Whether the learner actor is gone (its ``ping`` raises ``RayActorError``)."""
+def dead_role(cfg: Config, roles: Roles | None) -> str | None:
+    """Which of the run's stateful roles is gone: ``"learner"`` (its ``ping`` raises ``RayActorError``),
+    ``"replay queue"`` (its ``stats``), or None. Both hold state that only a checkpoint restores (the
+    policy and optimizer; the prompt cursor and the accounting), so either death ends this set of roles."""
     import ray
 
     if roles is None:
-        return False
-    try:
-        ray.get(roles.learner.ping.remote(), timeout=cfg.cluster.health_timeout_s)
-    except ray.exceptions.RayActorError:
-        return True
-    except Exception:  # noqa: BLE001 - alive but busy or failing: not a death
-        return False
-    return False
+        return None
+    for name, call in (("learner", lambda: roles.learner.ping.remote()), ("replay queue", lambda: roles.replay.stats.remote())):
+        try:
+            ray.get(call(), timeout=cfg.cluster.health_timeout_s)
+        except ray.exceptions.RayActorError:
+            return name
+        except Exception:  # noqa: BLE001 - alive but busy or failing: not a death
+            pass
+    return None
 
 
 def kill_roles(roles: Roles) -> None:
@@ -581,7 +585,7 @@ def maybe_resume(cfg: Config, roles: Roles, run: Run) -> tuple[int, int]:
     run.step = state.get("run_step", 0)
     roles.pool.push()
     # MLflow params are write-once: an auto-resume (cluster.auto_resume) logs its checkpoint under its own key.
-    n = run.results.get("faults", {}).get("learner_resumes", 0)
+    n = sum(run.results.get("faults", {}).get(k, 0) for k in ("learner_resumes", "replay_resumes"))
     run.sink.log_params({"run.resumed_from" if n == 0 else f"run.auto_resumed_from.{n}": path})
     log.info("resumed from %s at version %d, stage %d step %d", path, state["version"], state["resume_stage"],
              state["resume_step"])

@@ -46,6 +46,7 @@ from typing import Callable
 from sonar.cluster.driver.reports import rollout_metrics
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, StageConfig, broadcast_backend
+from sonar.cluster.wire.errors import RunFault
 from sonar.cluster.wire.transport import BroadcastTransport, Endpoint, WeightTransport
 
 log = logging.getLogger("sonar")
@@ -54,7 +55,7 @@ REPLICA_RECHECK_S = 1.0
 """Seconds between two health probes of a dead retrieval replica in the workers' clients."""
 
 
-class WorkerFailed(RuntimeError):
+class WorkerFailed(RunFault):
     """A rollout worker failed and ``cluster.max_worker_restarts`` is used up; the message names it."""
 
 
@@ -363,7 +364,7 @@ class RolloutPool:
         try:
             digest = ray.get(source, timeout=deadline)
         except ray.exceptions.RayActorError:
-            raise  # the learner is gone: not the pool's to repair (faults.learner_died)
+            raise  # the learner is gone: not the pool's to repair (faults.role_died)
         except Exception as e:  # noqa: BLE001 - with a dead peer, the learner's rendezvous fails too
             if not died:
                 raise

@@ -859,7 +859,7 @@ class ClusterConfig:
     such searches stay data (a "no results" document), as before."""
     auto_resume: int = ranged(1, ge=0)
     """How many times the driver restarts the run's roles from the last complete checkpoint of this
-    run when the learner dies (>= 0; 0: a dead learner fails the run)."""
+    run when the learner or the replay queue dies (>= 0; 0: such a death fails the run)."""
     health_timeout_s: float = ranged(60.0, gt=0)
     """A worker silent for this long is reported dead."""
     step_timeout_s: float = ranged(600.0, gt=0)

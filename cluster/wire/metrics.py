@@ -63,6 +63,14 @@ RETRIEVAL_REPLICAS_REPLACED = "retrieval/replicas_replaced"
 (``cluster.max_replica_replacements``; counted since the run's roles started, an auto-resume starts anew)."""
 REPLAY_REQUEUED_INFRA = "replay/requeued_infra"
 """Prompts requeued because a search of their group failed for infrastructure reasons (not trained)."""
+REPLAY_REQUEUED_OUTAGE = "replay/requeued_outage"
+"""Prompts requeued because their group, put during a retrieval outage, made no successful search
+(training on those alone would teach the policy not to search; ``cluster/wire/replay.py``)."""
+REPLAY_OUTAGE_S = "replay/outage_s"
+"""Seconds the learner was paused by retrieval outages so far (ended ones; the one in progress is in
+``replay/outage_now_s``)."""
+REPLAY_OUTAGE_NOW_S = "replay/outage_now_s"
+"""Seconds of the retrieval outage in progress (0: none): the learner pauses while it lasts."""
 # learner
 LEARNER_LOSS = "learner/loss"
 LEARNER_GRAD_NORM = "learner/grad_norm"

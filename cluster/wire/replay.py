@@ -66,6 +66,16 @@ drives this same code with simulated engines and learner):
   need be: a request of 2 must not wait for room for 2 when the learner's last step lacks 1 group (it
   would wait forever: the queue never empties while the learner waits for that group).
 
+Retrieval outages (issue: a long outage trained the policy away from searching). A group with a search
+that failed for infrastructure reasons is requeued, not trained (``ReplayQueue.requeue``); the groups
+that still reach the queue then are the ones that never searched, and training on them alone teaches
+the policy not to search. So the first such requeue starts an *outage*: the learner's takes hand out
+nothing (it pauses; its wait is bounded by ``cluster.step_timeout_s`` like any other, and the driver logs
+the pause and its cause), and a group put without a successful search is requeued too (counted in
+``requeued_outage``) instead of queued behind the pause. The first group put with a successful search
+ends the outage (its seconds go to ``outage_s``), before it waits for room, so a full queue cannot keep
+the outage from ending. Groups queued before the outage stay and are trained after it.
+
 Prompts: workers claim prompt indices from a seeded epoch permutation. A claim is released when its
 group is put; the claims of a dead worker are requeued at the front, so no prompt is lost. A put is
 accepted only against an outstanding claim (one claim admits one group), so a put that outlived its
@@ -227,6 +237,9 @@ class ReplayCore:
                        "produced_groups": 0, "consumed_groups": 0, "dropped_groups": 0}
         self.dropped_prompts: list[int] = []
         """Prompt indices of groups dropped as stale since the last ``get`` (handed to the learner's log)."""
+        self.outage: dict | None = None
+        """The retrieval outage in progress (module doc): ``{"since": clock, "failed": groups requeued for
+        failed searches}``, or None."""
 
     # -- prompts
     def set_num_prompts(self, num_prompts: int) -> bool:
@@ -372,6 +385,27 @@ class ReplayCore:
         self.cursor.requeue([prompt_index])
         self.counts["requeued_prompts"] += 1
 
+    # -- retrieval outages (module doc)
+    def search_failed(self, now: float) -> None:
+        """A group's search failed for infrastructure reasons (its prompt was requeued): an outage starts,
+        or goes on."""
+        if self.outage is None:
+            self.outage = {"since": now, "failed": 0}
+            self.counts["outages"] = self.counts.get("outages", 0) + 1
+        self.outage["failed"] += 1
+
+    def search_worked(self, now: float) -> None:
+        """A group was put with a successful search: the outage in progress, if any, is over."""
+        if self.outage is not None:
+            self.counts["outage_s"] = self.counts.get("outage_s", 0.0) + max(0.0, now - self.outage["since"])
+            self.outage = None
+
+    def outage_report(self, now: float) -> dict | None:
+        """``{"seconds", "failed"}`` of the outage in progress, or None."""
+        if self.outage is None:
+            return None
+        return {"seconds": max(0.0, now - self.outage["since"]), "failed": self.outage["failed"]}
+
     # -- groups
     def full(self) -> bool:
         return len(self.groups) >= self.capacity
@@ -425,6 +459,8 @@ class ReplayCore:
         self.advance(learner_version)
         out: list[tuple[bytes, int]] = []
         dropped = 0
+        if self.outage is not None:
+            return [], self.drop_stale() if whole else 0  # paused: the queue holds only groups that never searched
         if whole:
             dropped = self.drop_stale()
             if len(self.groups) < n_groups:
@@ -551,17 +587,30 @@ class ReplayQueue:
     async def requeue(self, worker_id: int, prompt_index: int) -> None:
         """A claimed prompt whose group is not put (its searches failed for infrastructure reasons):
         back to the front of the cursor, counted in ``requeued_prompts`` and ``requeued_infra``. Its
-        trajectories were never produced, so the accounting is unchanged."""
+        trajectories were never produced, so the accounting is unchanged. A retrieval outage starts or
+        goes on (module doc)."""
         cond = self._c()
         async with cond:
             self.core.requeue_claim(worker_id, prompt_index)
             self.core.counts["requeued_infra"] = self.core.counts.get("requeued_infra", 0) + 1
+            self.core.search_failed(time.monotonic())
             cond.notify_all()
 
-    async def put(self, payload: bytes, min_version: int, num_trajs: int, prompt_index: int, worker_id: int) -> bool:
-        """Waits while the queue is full (backpressure). Returns False if the queue was closed."""
+    async def put(self, payload: bytes, min_version: int, num_trajs: int, prompt_index: int, worker_id: int,
+                  searched: bool | None = None) -> bool:
+        """Waits while the queue is full (backpressure). Returns False if the queue was closed, or if a
+        retrieval outage requeued the group. ``searched``: whether a search of the group succeeded (None:
+        not said, the group counts as searched); during an outage a group that did not is requeued, and
+        one that did ends the outage (module doc)."""
         cond = self._c()
         async with cond:
+            if searched is not False:
+                self.core.search_worked(time.monotonic())
+            elif self.core.outage is not None and self.core.holds_claim(worker_id, prompt_index):
+                self.core.requeue_claim(worker_id, prompt_index)
+                self.core.counts["requeued_outage"] = self.core.counts.get("requeued_outage", 0) + 1
+                cond.notify_all()
+                return False
             while self.core.full() and not self._closed:
                 await cond.wait()
             if not self.core.holds_claim(worker_id, prompt_index):
@@ -606,7 +655,7 @@ class ReplayQueue:
         dropped_prompts, self.core.dropped_prompts = self.core.dropped_prompts, []
         return {"groups": [g[0] for g in got], "lags": [g[1] for g in got], "prompts": [g[2] for g in got],
                 "dropped": dropped, "dropped_prompts": dropped_prompts,
-                "timed_out": len(got) < n_groups}
+                "timed_out": len(got) < n_groups, "outage": self.core.outage_report(time.monotonic())}
 
     async def set_workers(self, n: int) -> None:
         """``ReplayCore.set_workers``: the rollout pool calls it at a stage's start and after every change."""
@@ -623,7 +672,13 @@ class ReplayQueue:
         self.core.advance(version)
 
     async def stats(self) -> dict:
-        return self.core.stats()
+        return {**self.core.stats(), "outage": self.core.outage_report(time.monotonic())}
+
+    async def ping(self) -> dict:
+        """``{"pid"}``: alive, and the process a fault test signals."""
+        import os
+
+        return {"pid": os.getpid()}
 
     async def state_dict(self) -> dict:
         return self.core.state_dict()

@@ -131,3 +131,23 @@ def test_sigkilled_learner_is_resumed_from_the_last_checkpoint(tmp_path, shared_
     versions = [r["version"] for r in recs]
     assert versions == sorted(versions) and len(versions) == len(set(versions))
     assert summary["weights"]["learner"]["version"] == versions[-1]
+
+
+def test_sigkilled_replay_queue_is_resumed_from_the_last_checkpoint(tmp_path, shared_ray):
+    """Finding: the replay's SIGKILL ended the run with a generic error, though its state (the prompt
+    cursor, the accounting) is in every checkpoint. Now its death is a role death like the learner's:
+    the roles restart from the last complete checkpoint (``cluster.auto_resume``), what was trained after
+    it is trained again and recorded once, and the accounting balances."""
+    from sonar.cluster.driver.loop import train
+    from sonar.cluster.driver.roles import Hooks
+
+    hook = KillAfter(3, lambda roles: roles.replay.ping)  # a checkpoint at step 2; step 3 is rolled back
+    summary = train(_cfg(tmp_path, "cluster.auto_resume=1", "run.checkpoint_every=2"), Hooks(on_step=hook))
+    assert len(hook.killed) == 1
+    assert summary["faults"]["replay_resumes"] == 1 and summary["faults"]["learner_resumes"] == 0
+    assert summary["replay"]["balanced"]
+    recs, seen = _records(Path(summary["run_dir"]))
+    assert len(seen) == len(set(seen)), "a prompt was trained twice"
+    versions = [r["version"] for r in recs]
+    assert versions == sorted(versions) and len(versions) == len(set(versions))
+    assert sum(len(r["trained"]) for r in recs) == summary["replay"]["consumed_groups"]

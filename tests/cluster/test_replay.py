@@ -828,3 +828,75 @@ def test_property_a_stage_always_finishes_with_random_drops_and_requests():
                     break
         assert taken == steps, f"seed {seed}: the stage stalled after {taken} steps ({core.stats()})"
         assert core.balance()["balanced"]
+
+
+# ------------------------------------------------------------ retrieval outages
+def test_a_retrieval_outage_pauses_the_learner_and_requeues_the_groups_that_never_searched():
+    """Finding: a retrieval outage requeued the groups whose searches failed and trained on the rest, the
+    groups that never searched (``rollout/reward/num_searches`` 0.00 while the server answered 500): a
+    long outage taught the policy not to search. Now the first failed-search requeue starts an outage:
+    the learner's get hands out nothing and says why, a group put without a successful search is requeued
+    (not queued), and the first group that searched successfully ends it; the groups queued before it are
+    then trained, and the accounting balances."""
+    async def scenario():
+        q = ReplayQueue(8, 4, "drop", 20, 0)
+        p = await q.claim(0, 4)
+        assert await q.put(b"before", 0, 2, p[0], 0, searched=True)  # queued before the outage
+        await q.requeue(0, p[1])  # its search failed for infrastructure reasons: the outage starts
+        assert await q.put(b"no-search", 0, 2, p[2], 0, searched=False) is False  # requeued, not queued
+        got = await q.get(1, 0, timeout_s=0.01)
+        assert got["groups"] == [] and got["timed_out"] and got["outage"]["failed"] == 1
+        s = await q.stats()
+        assert s["outage"]["failed"] == 1 and s["requeued_outage"] == 1 and s["depth_groups"] == 1
+        assert s["outages"] == 1 and s["balanced"]
+        assert await q.put(b"searched", 0, 2, p[3], 0, searched=True)  # retrieval answers again: over
+        got = await q.get(2, 0, timeout_s=1.0)
+        assert got["groups"] == [b"before", b"searched"] and got["outage"] is None
+        s = await q.stats()
+        assert s["outage"] is None and s["outage_s"] >= 0 and s["balanced"] and s["consumed"] == 4
+        again = await q.claim(1, 2)  # the outage's prompts come back first (requeued at the front)
+        assert sorted(again) == sorted([p[1], p[2]])
+
+    asyncio.run(scenario())
+
+
+def test_a_full_queue_cannot_keep_an_outage_from_ending():
+    """The queue is full (the learner paused) when retrieval comes back: the searched group's put ends the
+    outage before it waits for room, so the learner takes again and the put goes in."""
+    async def scenario():
+        q = ReplayQueue(1, 4, "drop", 20, 0)
+        p = await q.claim(0, 3)
+        assert await q.put(b"a", 0, 1, p[0], 0, searched=True)  # the queue is full
+        await q.requeue(0, p[1])
+        put = asyncio.create_task(q.put(b"b", 0, 1, p[2], 0, searched=True))
+        await settle()
+        assert not put.done() and q.core.outage is None  # ended; waits only for room
+        got = await q.get(1, 0, timeout_s=60.0)
+        assert got["groups"] == [b"a"]
+        await await_until(put.done, what="the put to get the room the take made")
+        assert put.result() is True
+
+    asyncio.run(scenario())
+
+
+def test_the_driver_says_when_an_outage_pauses_the_learner_and_when_it_resumes(caplog):
+    import logging
+
+    from sonar.cluster.driver.faults import OutagePause, starved_message
+    from sonar.cluster.wire import metrics as K
+    from sonar.cluster.wire.config import load_config
+    from sonar.cluster.wire.protocol import StepResult
+
+    log = OutagePause()
+    with caplog.at_level(logging.WARNING, logger="sonar"):
+        log.see(StepResult({K.REPLAY_OUTAGE_NOW_S: 12.0}, waiting=True))
+        log.see(StepResult({K.REPLAY_OUTAGE_NOW_S: 22.0}, waiting=True))  # said once
+        log.see(StepResult({K.LEARNER_LOSS: 0.1}))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2
+    assert msgs[0].startswith("learner paused: a retrieval outage (searches failing for infrastructure reasons for 12 s)")
+    assert msgs[1] == "learner resumed: a group searched successfully, the retrieval outage is over"
+    cfg = load_config([], ["cluster.step_timeout_s=600"])
+    m = starved_message(cfg, 700, {"outage": {"seconds": 650.0, "failed": 9}, "depth_groups": 8})
+    assert "paused by a retrieval outage: searches have failed for infrastructure reasons for 650 s (9 groups " \
+           "requeued)" in m
