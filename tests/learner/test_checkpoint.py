@@ -168,3 +168,44 @@ def test_a_full_disk_mid_save_leaves_no_partial_and_names_the_cause(tmp_path, mo
     monkeypatch.setattr(checkpoint, "_fsync_file", lambda p: synced.append(p.name))
     save_checkpoint(engine, tmp_path / "ckpt" / "step3", {"version": 3})
     assert {"state.json", "COMPLETE", "rng.pt"} <= set(synced)  # on disk before the rename
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system that fills: a 1 MiB tmpfs mounted under ``tmp_path`` (root only; skipped where
+    mounting is not allowed), unmounted after the test."""
+    import subprocess
+
+    mnt = tmp_path / "small-disk"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_checkpoint_on_a_disk_that_fills_names_the_path_and_frees_the_space(small_disk):
+    """The same finding on a real full disk: the checkpoint's directory sits on a 1 MiB tmpfs that a filler
+    file leaves 16 KiB of, less than the tiny model's checkpoint. The save fails with ``CheckpointWriteError``
+    naming the checkpoint and the space left, removes its partial directory (the space comes back), and a
+    save after the filler is gone succeeds."""
+    from sonar.learner import checkpoint
+
+    engine = make_engine()
+    filler = small_disk / "filler"
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    filler.write_bytes(b"\0" * (free - 16 * 1024))
+    before = os.statvfs(small_disk).f_bavail
+    with pytest.raises(checkpoint.CheckpointWriteError,
+                       match=rf"checkpoint {small_disk / 'ckpt' / 'step3'}: could not be written \("):
+        save_checkpoint(engine, small_disk / "ckpt" / "step3", {"version": 3})
+    assert os.listdir(small_disk / "ckpt") == []  # the partial directory is gone
+    assert os.statvfs(small_disk).f_bavail == before  # and its space with it
+    filler.unlink()
+    save_checkpoint(engine, small_disk / "ckpt" / "step3", {"version": 3})
+    assert (small_disk / "ckpt" / "step3" / "COMPLETE").exists()
