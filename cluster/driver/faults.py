@@ -57,6 +57,7 @@ def auto_resume_config(cfg: Config, roles: Roles, run: Run) -> Config:
     faults = run.results.setdefault("faults", {})
     restarts = faults.setdefault("worker_restarts", 0)
     faults["worker_restarts"] = restarts + sum(roles.restarts.values())
+    faults["push_call_offs"] = faults.get("push_call_offs", 0) + getattr(roles.pool, "push_call_offs", 0)
     replaced = sum(getattr(roles, "replica_replacements", {}).values())
     faults["replica_replacements"] = faults.get("replica_replacements", 0) + replaced
     kill_roles(roles)

@@ -331,7 +331,9 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
                    "replica_replacements": run.results.get("faults", {}).get("replica_replacements", 0)
                    + sum(getattr(roles, "replica_replacements", {}).values()),
                    "learner_resumes": run.results.get("faults", {}).get("learner_resumes", 0),
-                   "replay_resumes": run.results.get("faults", {}).get("replay_resumes", 0)},
+                   "replay_resumes": run.results.get("faults", {}).get("replay_resumes", 0),
+                   "push_call_offs": run.results.get("faults", {}).get("push_call_offs", 0)
+                   + getattr(getattr(roles, "pool", None), "push_call_offs", 0)},
     }
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     # The eval summary ({"<split>_<mode>": EM, F1, ...}) and the run's summary, as MLflow artifacts.

@@ -168,14 +168,14 @@ def test_chaos_schedule_counts_rl_learner_steps_not_seconds(tmp_path, monkeypatc
 
     killed = _fake_kills(monkeypatch, chaos_mod)
     c = chaos_mod.Chaos(steps=12, kill_every=3, seed=3, clock=lambda: 0.0)
-    assert c.schedule == {"rollout worker": [3, 6, 9], "retrieval replica": [3], "learner": [6]}
+    assert c.schedule == {"rollout worker": [3, 6, 9], "retrieval replica": [3], "learner": [6], "rollout worker mid-push": [], "paused rollout worker": [], "paused retrieval replica": []}
     run = SimpleNamespace(dir=tmp_path, history=deque())
     out = _drive(c, run, range(21, 33), checkpoint_at=28)
     assert [s for s, w in killed if w.startswith("rollout worker")] == [3, 6, 9]
     assert [s for s, w in killed if w == "retrieval replica 0"] == [3]
     assert [s for s, w in killed if w == "learner"] == [8]  # due at 6, waits for the checkpoint
     assert out[-1] is True and not any(out[:-1]) and c.ended_by == "steps"  # version 32 = RL step 12
-    assert c.kills() == {"rollout worker": 3, "retrieval replica": 1, "learner": 1}
+    assert c.kills() == {"rollout worker": 3, "retrieval replica": 1, "learner": 1, "mid-push": 0}
     assert (c.reached, c.calls) == (12, 12)
 
 
@@ -206,7 +206,7 @@ def test_chaos_minutes_bound_ends_training_first(tmp_path, monkeypatch):
     _fake_kills(monkeypatch, chaos_mod)
     now = [0.0]
     c = chaos_mod.Chaos(steps=100, kill_every=0, replica_at=0, learner_at=0, minutes=1.0, clock=lambda: now[0])
-    assert c.schedule == {"rollout worker": [], "retrieval replica": [], "learner": []}
+    assert c.schedule == {"rollout worker": [], "retrieval replica": [], "learner": [], "rollout worker mid-push": [], "paused rollout worker": [], "paused retrieval replica": []}
     run = SimpleNamespace(dir=tmp_path, history=deque())
     out = []
     for v, t in ((1, 0.0), (2, 30.0), (3, 60.0)):
@@ -246,3 +246,39 @@ def test_a_starved_learner_fails_past_the_step_deadline_naming_the_replay():
     assert "waited 75 s (> cluster.step_timeout_s=60)" in msg and "learner.groups_per_step=8" in msg
     assert "'depth_groups': 7" in msg
     assert issubclass(LearnerStarved, RuntimeError)
+
+
+def test_chaos_kills_mid_push_at_each_rank_position_in_turn_and_pauses(tmp_path, monkeypatch):
+    """A mid-push kill every 2 RL steps of 7 (due after steps 2, 4, 6): each is done at the next push of
+    an RL stage (``Hooks.on_pool``'s ``"push_sent"``), on the worker at rank position 0, 1, 2 of three in
+    turn; a push outside an RL stage, or with none due, kills nothing. A worker is paused (SIGSTOP) at
+    step 3, the replica at 5."""
+    from collections import deque
+
+    from sonar.cluster.driver import chaos as chaos_mod
+
+    killed = _fake_kills(monkeypatch, chaos_mod)
+    signalled = []
+    monkeypatch.setattr(chaos_mod.Chaos, "_signal",
+                        lambda self, what, method, step, version, elapsed, sig: signalled.append((step, what, sig)))
+    handles = []
+    monkeypatch.setattr(chaos_mod.Chaos, "_kill_handle", staticmethod(lambda h: handles.append(h)))
+    c = chaos_mod.Chaos(steps=7, kill_every=0, replica_at=0, learner_at=0, push_kill_every=2, pause_at=3,
+                        replica_pause_at=5, clock=lambda: 0.0)
+    assert c.schedule["rollout worker mid-push"] == [2, 4, 6]
+    pool = SimpleNamespace(active=(1, None), workers=["w0", "w1", "w2"])
+    run = SimpleNamespace(dir=tmp_path, history=deque())
+    for v in range(1, 8):
+        _drive(c, run, [v])
+        c.pool_event("group_open", pool)  # not a push: nothing
+        c.pool_event("push_sent", pool)
+    assert handles == ["w0", "w1", "w2"]
+    assert [e["killed"] for e in c.events] == [f"rollout worker {i} mid-push" for i in range(3)]
+    assert [e["rl_step"] for e in c.events] == [2, 4, 6]
+    c.armed = 1
+    c.pool_event("push_sent", SimpleNamespace(active=None, workers=["w0"]))  # between stages: not now
+    assert handles == ["w0", "w1", "w2"] and c.armed == 1
+    import signal
+    assert [(s, w.rstrip("0123456789").strip(), sig) for s, w, sig in signalled] == \
+        [(3, "rollout worker", signal.SIGSTOP), (5, "retrieval replica", signal.SIGSTOP)]
+    assert c.kills()["mid-push"] == 3 and killed == []
