@@ -18,6 +18,7 @@ from typing import Callable
 from sonar.cluster.driver.data import cursor_prompts
 from sonar.cluster.driver.demands import role_resources
 from sonar.cluster.driver.learner_ranks import remove_learner_group, start_learner
+from sonar.cluster.driver.reaper import start_reaper
 from sonar.cluster.driver.reports import eval_table, startup_phase
 from sonar.cluster.driver.rollout_pool import RolloutPool, node_of
 from sonar.cluster.driver.run import Run, world_of
@@ -107,13 +108,18 @@ with many imports) to write its ports (``node_manager.cc``: "Timed out waiting f
 .../dashboard_agent_listen_port_*"), and ``RAY_agent_register_timeout_ms`` does not change that wait."""
 
 
+_REAPERS: list = []
+"""The watchdogs of the Ray nodes this process started (``reaper.start_reaper``), held for its life."""
+
+
 def start_local_node(start: Callable, attempts: int = 3):
     """Return ``start()``, which starts a Ray node in this process (``ray.init(address="local")``, a
     ``ray.cluster_utils.Cluster``), retried when Ray's fixed wait for the raylet ran out. A failed attempt
     leaves its GCS, raylet and reaper running with no handle returned: they are the children of this
     process that were not there before it (Ray starts each with Popen), and are killed with their own
     children by pid (never by name) before the next try. Processes under an older child (a node added
-    before) are not touched.
+    before) are not touched. A node that started gets a watchdog (``reaper.py``) that kills what the node
+    leaves behind once this process dies, however it dies (SIGKILL included), or the node stops.
 
     Every node started here is on the machine this process runs on, so it gets ``sonar.LOCAL_NODE_ENV``
     (its actors at the driver's priority) unless the environment already says otherwise: the driver's
@@ -127,7 +133,7 @@ def start_local_node(start: Callable, attempts: int = 3):
     for attempt in range(1, attempts + 1):
         before = {p.pid for p in me.children()}
         try:
-            return start()
+            out = start()
         except Exception as e:
             if NODE_START_TIMEOUT not in str(e) or attempt == attempts:
                 raise
@@ -142,6 +148,13 @@ def start_local_node(start: Callable, attempts: int = 3):
                         "fixed 30 s; a loaded machine?): stopping the %d processes it started and retrying",
                         attempt, attempts, len(left))
             kill_processes(left)
+            continue
+        # The node's processes die with this one, its agents included (reaper.py): the handle is kept for
+        # this process's life, since closing its pipe is what tells the watchdog the node is over.
+        reaper = start_reaper([p.pid for p in me.children() if p.pid not in before])
+        if reaper is not None:
+            _REAPERS.append(reaper)
+        return out
 
 
 def kill_processes(procs: list, timeout_s: float = 30.0) -> None:
