@@ -236,7 +236,8 @@ class RetrievalServerImpl:
     async def health(self) -> dict[str, Any]:
         dispatcher_ok = self._dispatcher is None or not self._dispatcher.done()
         return {"ok": dispatcher_ok, "name": self.name, "pid": os.getpid(), "inflight": self._inflight,
-                "queued": len(self._queue), "uptime_s": time.monotonic() - self._started}
+                "queued": len(self._queue), "uptime_s": time.monotonic() - self._started,
+                "node": ray.get_runtime_context().get_node_id()}  # where the driver kills it if it hangs
 
     async def stats(self) -> dict[str, Any]:
         now = time.monotonic()

@@ -87,6 +87,9 @@ class Roles:
     replica_replacements: dict = field(default_factory=dict)
     """Replica slot -> replacements so far (``replace_replica``, bounded by ``cluster.max_replica_replacements``)."""
     replica_silent: dict = field(default_factory=dict)
+    replica_procs: dict = field(default_factory=dict)
+    """Replica index -> (node id, pid) from its last health answer: a hung replica's process is killed
+    there (``kill_process_on``), since Ray cannot stop a stopped actor's process itself."""
     """Replica slot -> health checks in a row it let pass without an answer (``check_retrieval``)."""
 
     @property
@@ -462,13 +465,17 @@ def check_retrieval(cfg: Config, roles: Roles) -> dict:
             silent = roles.replica_silent[i] = roles.replica_silent.get(i, 0) + 1
             if silent >= SILENT_CHECKS and roles.replica_replacements.get(i, 0) < cfg.cluster.max_replica_replacements:
                 replace_replica(cfg, roles, i, f"retrieval replica {i}: no answer to {silent} health checks in a row "
-                                               f"(cluster.health_timeout_s={cfg.cluster.health_timeout_s} each): hung")
+                                               f"(cluster.health_timeout_s={cfg.cluster.health_timeout_s} each): hung",
+                                hung=True)
                 roles.replica_silent[i] = 0
                 healthy += 1
             continue
         roles.replica_silent[i] = 0
         try:
-            healthy += bool(ray.get(ref).get("ok"))
+            answer = ray.get(ref)
+            healthy += bool(answer.get("ok"))
+            if answer.get("node") and answer.get("pid"):
+                roles.replica_procs[i] = (answer["node"], int(answer["pid"]))
         except ray.exceptions.ActorDiedError as e:
             if not replica_dead_for_good(cfg, roles.retrieval[i]):
                 continue  # it died in that call and Ray restarts it: it comes back under the same handle
@@ -506,7 +513,33 @@ def replica_dead_for_good(cfg: Config, handle) -> bool:
     return False
 
 
-def replace_replica(cfg: Config, roles: Roles, i: int, err: str) -> None:
+def _sigkill(pid: int) -> bool:
+    import signal
+
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def kill_process_on(node_id: str, pid: int, timeout_s: float) -> bool:
+    """SIGKILL process ``pid`` on Ray node ``node_id`` (a zero-CPU task pinned there), by the pid its own
+    health answer gave. A SIGSTOPped actor never answers Ray's kill request, and its process keeps its
+    resources (measured: the replacement replica of a stopped one waited for its CPU slot until its own
+    start timeout). Returns whether it was alive."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(_sigkill).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+    try:
+        return bool(ray.get(task.remote(pid), timeout=timeout_s))
+    except Exception as e:  # noqa: BLE001 - the node is gone too: nothing left to free there
+        log.warning("could not kill pid %d on node %s: %s: %s", pid, node_id[:12], type(e).__name__, e)
+        return False
+
+
+def replace_replica(cfg: Config, roles: Roles, i: int, err: str, hung: bool = False) -> None:
     """Replica ``i`` is dead for good: start a new actor in its slot (with its own Ray restarts) and
     hand its handle to every rollout worker's retrieval clients (``pool.replace_replica``: a worker that
     died meanwhile is restarted, with the new handle). ``roles.retrieval`` holds it from now on, so workers
@@ -516,6 +549,9 @@ def replace_replica(cfg: Config, roles: Roles, i: int, err: str) -> None:
                 i, roles.replica_replacements[i], cfg.cluster.max_replica_replacements, err)
     import ray
 
+    proc = roles.replica_procs.pop(i, None)
+    if hung and proc is not None:  # a stopped process keeps its CPU slot: Ray's kill does not reach it
+        kill_process_on(*proc, timeout_s=cfg.cluster.health_timeout_s)  # (a dead one's pid may be reused: not that)
     try:
         ray.kill(roles.retrieval[i], no_restart=True)
     except Exception:  # noqa: BLE001 - gone already
