@@ -12,7 +12,7 @@ import traceback
 from sonar.cluster.driver.colocate import Colocation
 from sonar.cluster.driver.critical_path import StepClock
 from sonar.cluster.driver.data import stage_questions, write_stage_prompts
-from sonar.cluster.driver.reports import (StageProgress, Throughput, evaluate, print_summary, record_prompts,
+from sonar.cluster.driver.reports import (StageProgress, Throughput, answer, evaluate, print_summary, record_prompts,
                                          replay_metrics, retrieval_metrics, split_meter, step_log_line)
 from sonar.cluster.driver.roles import (Hooks, Roles, check_retrieval, export_model, kill_roles, maybe_checkpoint,
                                        maybe_resume, prepare_demonstrations, save_checkpoint, start_roles, stop_roles)
@@ -108,7 +108,8 @@ def run_sft_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageC
     # so a resumed stage continues with the same next batches).
     demos = prepare_demonstrations(cfg, run, roles.policy)
     # Wait: the learner must hold the demonstrations and this stage's settings before its first step.
-    info = ray.get(roles.learner.begin_stage.remote(index, stage, start_step, demos))
+    info = answer(cfg, roles.learner.begin_stage.remote(index, stage, start_step, demos), "learner", "begin_stage",
+                  cfg.cluster.step_timeout_s)
     colocation = Colocation(cfg, roles)
     if colocation.active:
         colocation.to_training()  # waits: the engines leave the devices to the learner for the whole stage
@@ -137,7 +138,8 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
     import ray
 
     # Wait: the learner must hold this stage's objective and optimizer settings before it trains a group.
-    ray.get(roles.learner.begin_stage.remote(index, stage, start_step))
+    answer(cfg, roles.learner.begin_stage.remote(index, stage, start_step), "learner", "begin_stage",
+           cfg.cluster.step_timeout_s)
     roles.pool.push()  # waits for every worker to hold the learner's weights: the stage starts on-policy
     if cfg.eval.before and start_step == 0 and "before" not in run.results:  # before the first RL stage
         run.results["before"] = evaluate(cfg, roles, run, split="before")  # waits for every worker's shard
@@ -146,10 +148,11 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
     # workers claim indices into them next.
     questions = stage_questions(cfg, stage)
     write_stage_prompts(run.dir, index, questions)
-    ray.get(roles.replay.set_num_prompts.remote(len(questions)))
+    answer(cfg, roles.replay.set_num_prompts.remote(len(questions)), "replay queue", "set_num_prompts")
     # Wait: claims from here start only what the stage's remaining steps train (nothing left to requeue at its end).
-    ray.get(roles.replay.set_stage_demand.remote((stage.steps - start_step) * cfg.learner.groups_per_step))
-    ray.get(roles.replay.reopen.remote())  # wait: the previous stage closed the replay; workers put next
+    answer(cfg, roles.replay.set_stage_demand.remote((stage.steps - start_step) * cfg.learner.groups_per_step),
+           "replay queue", "set_stage_demand")
+    answer(cfg, roles.replay.reopen.remote(), "replay queue", "reopen")  # wait: the previous stage closed the replay
     sync = cfg.cluster.mode == "sync"
     # A worker restarted from here on starts its rollout loop too. Async: wait only until each loop has
     # started; they run until end_stage.

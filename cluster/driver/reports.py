@@ -13,7 +13,7 @@ import numpy as np
 from sonar.cluster.driver.run import Run
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config
-from sonar.cluster.wire.errors import ReplayUnresponsive
+from sonar.cluster.wire.errors import ReplayUnresponsive, RoleUnresponsive
 from sonar.cluster.wire.protocol import StepResult
 
 log = logging.getLogger("sonar")
@@ -250,6 +250,20 @@ def rerank_metrics(inner: list[dict]) -> dict:
         m[K.RETRIEVAL_RERANK_VECTOR_HIT_RATE] = (sum(s["cache_hits"] + s["stored_hits"] for s in found) / cands
                                                  if cands else 0.0)
     return m
+
+
+def answer(cfg: Config, ref, role: str, what: str, timeout_s: float | None = None):
+    """``ray.get(ref)`` within ``timeout_s`` (default ``cluster.health_timeout_s``: the replay's calls are
+    quick), else ``RoleUnresponsive`` naming the role, the call and the deadline: no driver wait is
+    without end (a stopped or deadlocked process would hold it)."""
+    import ray
+
+    t = cfg.cluster.health_timeout_s if timeout_s is None else timeout_s
+    try:
+        return ray.get(ref, timeout=t)
+    except ray.exceptions.GetTimeoutError:
+        raise RoleUnresponsive(f"the {role} did not answer {what} within {t:g} s (hung: a stopped or deadlocked "
+                               "process); the run's checkpoints hold its state (`sonar train run.resume=latest`)") from None
 
 
 def replay_stats(roles: Roles) -> dict:

@@ -19,7 +19,7 @@ from sonar.cluster.driver.data import cursor_prompts
 from sonar.cluster.driver.demands import role_resources
 from sonar.cluster.driver.learner_ranks import remove_learner_group, start_learner
 from sonar.cluster.driver.reaper import start_reaper
-from sonar.cluster.driver.reports import eval_table, startup_phase
+from sonar.cluster.driver.reports import answer, eval_table, startup_phase
 from sonar.cluster.driver.rollout_pool import RolloutPool, node_of
 from sonar.cluster.driver.run import Run, world_of
 from sonar.cluster.wire.startup import startup_without_gc
@@ -603,7 +603,7 @@ def save_checkpoint(roles: Roles, run: Run, resume_stage: int, resume_step: int,
     prompts are requeued in the cursor, so after a resume nothing is lost and nothing trained twice."""
     import ray
 
-    replay_state = ray.get(roles.replay.state_dict.remote())
+    replay_state = answer(run.cfg, roles.replay.state_dict.remote(), "replay queue", "state_dict")
     path = str(run.dir / "checkpoints" / tag)
     path = ray.get(roles.learner.save_checkpoint.remote(
         path, {"resume_stage": resume_stage, "resume_step": resume_step, "replay": replay_state,
@@ -628,9 +628,9 @@ def maybe_resume(cfg: Config, roles: Roles, run: Run) -> tuple[int, int]:
     state = ray.get(roles.learner.load_checkpoint.remote(path))
     # The saved cursor spans the question set of the stage it was walking (files or the world): size
     # the replay's cursor to match before loading it (its check then holds).
-    ray.get(roles.replay.set_num_prompts.remote(
-        cursor_prompts(cfg, int(state["resume_stage"]), int(state["resume_step"]))))
-    ray.get(roles.replay.load_state_dict.remote(state["replay"]))
+    answer(cfg, roles.replay.set_num_prompts.remote(
+        cursor_prompts(cfg, int(state["resume_stage"]), int(state["resume_step"]))), "replay queue", "set_num_prompts")
+    answer(cfg, roles.replay.load_state_dict.remote(state["replay"]), "replay queue", "load_state_dict")
     run.step = state.get("run_step", 0)
     roles.pool.push()
     # MLflow params are write-once: an auto-resume (cluster.auto_resume) logs its checkpoint under its own key.

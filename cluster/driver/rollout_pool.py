@@ -43,7 +43,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable
 
-from sonar.cluster.driver.reports import rollout_metrics
+from sonar.cluster.driver.reports import answer, rollout_metrics
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, StageConfig, broadcast_backend
 from sonar.cluster.wire.errors import RunFault
@@ -472,9 +472,9 @@ class RolloutPool:
         import ray
 
         self.active = None  # a worker found dead from here on is restarted without a rollout loop
-        ray.get(self.replay.close.remote())
+        answer(self.cfg, self.replay.close.remote(), "replay queue", "close")
         self.call("stop", lambda w, i: w.stop.remote())
-        ray.get(self.replay.drain.remote())
+        answer(self.cfg, self.replay.drain.remote(), "replay queue", "drain")
 
     def generate(self, index: int, stage: StageConfig, n_groups: int, step: int) -> None:
         """Sync mode: the workers generate exactly ``n_groups`` groups with the current weights (shared as
@@ -622,7 +622,7 @@ class RolloutPool:
         removed = {"requeued": 0}
 
         def remove():
-            removed["requeued"] = ray.get(self.replay.release_worker.remote(i))
+            removed["requeued"] = answer(self.cfg, self.replay.release_worker.remote(i), "replay queue", "release_worker")
             w = self.workers.pop()
             try:
                 ray.kill(w, no_restart=True)

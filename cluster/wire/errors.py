@@ -14,7 +14,11 @@ class RunFault(RuntimeError):
     ``ReplayUnresponsive``, ``ReplicaFailed``, ``CheckpointWriteError``)."""
 
 
-class ReplayUnresponsive(RunFault):
+class RoleUnresponsive(RunFault):
+    """A role (the learner, the replay queue) did not answer a driver call within its deadline."""
+
+
+class ReplayUnresponsive(RoleUnresponsive):
     """The replay queue did not answer within its deadline (a stopped or deadlocked process)."""
 
 

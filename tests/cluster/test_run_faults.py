@@ -4,7 +4,8 @@
   failed: ...`` and exit 1, with the traceback in the run directory's ``error.log``.
 - A failure to mark the run FAILED (MLflow on a full disk) is logged, never raised over the run's own error.
 - A stopped (SIGSTOP) replay queue fails the learner's next get within its wait plus
-  ``cluster.health_timeout_s``, naming the queue, instead of the driver's ``step_timeout_s`` later.
+  ``cluster.health_timeout_s``, naming the queue, instead of the driver's ``step_timeout_s`` later; every
+  driver call to it has a deadline too (``reports.answer``).
 """
 import logging
 import os
@@ -66,7 +67,8 @@ def test_a_stopped_replay_queue_fails_the_learners_get_naming_it(shared_ray):
     and the driver's ``ray.get`` of the learner step waited ``cluster.step_timeout_s`` (11 minutes with the
     health checks in the probe), then said only ``GetTimeoutError``."""
     from sonar.cluster.wire.config import load_config
-    from sonar.cluster.wire.errors import ReplayUnresponsive
+    from sonar.cluster.driver.reports import answer
+    from sonar.cluster.wire.errors import ReplayUnresponsive, RoleUnresponsive
     from sonar.cluster.wire.replay import ReplayQueue
     from sonar.learner.worker import Learner
     from tests.ray_job import ray_for_module
@@ -82,6 +84,9 @@ def test_a_stopped_replay_queue_fails_the_learners_get_naming_it(shared_ray):
             with pytest.raises(ReplayUnresponsive, match=r"the replay queue did not answer the learner's get within "
                                                          r"2.5 s \(its 0.5 s wait \+ cluster.health_timeout_s=2\): hung"):
                 Learner._replay_get(me, replay, 0.5)
+            # the driver's own calls to it: a deadline each, the role and the call named
+            with pytest.raises(RoleUnresponsive, match=r"^the replay queue did not answer drain within 2 s \(hung"):
+                answer(cfg, replay.drain.remote(), "replay queue", "drain")
         finally:
             os.kill(pid, signal.SIGCONT)
             ray.kill(replay, no_restart=True)
