@@ -173,3 +173,20 @@ def test_the_readme_stays_short_and_links_every_rooms_readme():
     assert len(top.split()) < 3000, f"README.md has {len(top.split())} words: move detail to a room's README"
     for doc in [*DOCS[1:], "bench/README.md"]:
         assert f"]({doc})" in top, f"README.md does not link {doc}"
+
+
+def test_the_readme_teaches_in_3000_words_with_no_commit_hash_in_its_prose_and_links_every_room():
+    """Issue 55: the README is a short tour (at most 3,000 words), its prose names no commit (hashes live
+    in generated blocks and result files only), and it links every room's own README."""
+    import re
+
+    from tests.checkout import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    assert len(text.split()) <= 3000, f"README.md has {len(text.split())} words (budget 3,000)"
+    prose = re.sub(r"<!-- (?P<name>[^:>]+?)(?::[^>]*)? -->.*?<!-- /(?P=name) -->", "", text, flags=re.S)
+    prose = re.sub(r"```.*?```", "", prose, flags=re.S)  # commands
+    hashes = [h for h in re.findall(r"\b[0-9a-f]{7,40}\b", prose) if re.search(r"\d", h) and re.search(r"[a-f]", h)]
+    assert not hashes, f"README.md prose names commits: {hashes}"
+    for room in ("actors", "learner", "retrieval", "cluster", "bench"):
+        assert (ROOT / room / "README.md").is_file() and f"({room}/README.md)" in text, room
