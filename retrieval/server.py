@@ -237,7 +237,7 @@ class RetrievalServerImpl:
         dispatcher_ok = self._dispatcher is None or not self._dispatcher.done()
         return {"ok": dispatcher_ok, "name": self.name, "pid": os.getpid(), "inflight": self._inflight,
                 "queued": len(self._queue), "uptime_s": time.monotonic() - self._started,
-                "node": ray.get_runtime_context().get_node_id()}  # where the driver kills it if it hangs
+                "node": ray.get_runtime_context().get_node_id(), "created": _created()}  # where the driver kills it if it hangs
 
     async def stats(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -276,6 +276,16 @@ class RetrievalServerImpl:
 
 RetrievalServer = ray.remote(RetrievalServerImpl)
 """``RetrievalServer.options(...).remote(factory, batch_window_ms, max_batch, max_concurrency)``."""
+
+
+def _created() -> float | None:
+    """This process's creation time (``psutil``), which tells it apart from a later one with its pid."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - no psutil: the driver then never kills by pid
+        return None
 
 
 def start_retrieval_service(cfg: Any, factory: Callable[[], Retriever], num_replicas: int | None = None, *,

@@ -88,7 +88,7 @@ class Roles:
     """Replica slot -> replacements so far (``replace_replica``, bounded by ``cluster.max_replica_replacements``)."""
     replica_silent: dict = field(default_factory=dict)
     replica_procs: dict = field(default_factory=dict)
-    """Replica index -> (node id, pid) from its last health answer: a hung replica's process is killed
+    """Replica index -> (node id, pid, creation time) from its last health answer: a hung replica's process is killed
     there (``kill_process_on``), since Ray cannot stop a stopped actor's process itself."""
     """Replica slot -> health checks in a row it let pass without an answer (``check_retrieval``)."""
 
@@ -439,8 +439,11 @@ class ReplicaFailed(RunFault):
     """Every retrieval replica is dead and their replacements are used up; the message names them."""
 
 
-SILENT_CHECKS = 2
-"""Health checks in a row a retrieval replica may let pass unanswered before it is replaced as hung."""
+SILENT_CHECKS = 1
+"""Health checks in a row a retrieval replica may let pass unanswered before it is replaced as hung. One:
+a check waits ``cluster.health_timeout_s`` for a call the replica answers at once (an async method, no
+work), so a replica silent that long is hung, and a hang then costs one health deadline plus the
+replacement's start (two cost a chaos run's learner 132 s at the default 60 s)."""
 
 
 def check_retrieval(cfg: Config, roles: Roles) -> dict:
@@ -474,8 +477,8 @@ def check_retrieval(cfg: Config, roles: Roles) -> dict:
         try:
             answer = ray.get(ref)
             healthy += bool(answer.get("ok"))
-            if answer.get("node") and answer.get("pid"):
-                roles.replica_procs[i] = (answer["node"], int(answer["pid"]))
+            if answer.get("node") and answer.get("pid") and answer.get("created"):
+                roles.replica_procs[i] = (answer["node"], int(answer["pid"]), float(answer["created"]))
         except ray.exceptions.ActorDiedError as e:
             if not replica_dead_for_good(cfg, roles.retrieval[i]):
                 continue  # it died in that call and Ray restarts it: it comes back under the same handle
@@ -513,27 +516,31 @@ def replica_dead_for_good(cfg: Config, handle) -> bool:
     return False
 
 
-def _sigkill(pid: int) -> bool:
-    import signal
+def _sigkill(pid: int, created: float) -> bool:
+    import psutil
 
     try:
-        os.kill(pid, signal.SIGKILL)
+        p = psutil.Process(pid)
+        if p.create_time() != created:
+            return False  # the pid is another process's now
+        p.kill()
         return True
-    except ProcessLookupError:
+    except psutil.NoSuchProcess:
         return False
 
 
-def kill_process_on(node_id: str, pid: int, timeout_s: float) -> bool:
-    """SIGKILL process ``pid`` on Ray node ``node_id`` (a zero-CPU task pinned there), by the pid its own
-    health answer gave. A SIGSTOPped actor never answers Ray's kill request, and its process keeps its
-    resources (measured: the replacement replica of a stopped one waited for its CPU slot until its own
-    start timeout). Returns whether it was alive."""
+def kill_process_on(node_id: str, pid: int, created: float, timeout_s: float) -> bool:
+    """SIGKILL process ``pid`` created at ``created`` on Ray node ``node_id`` (a zero-CPU task pinned
+    there), as its own health answer gave them: never a later process that reuses the pid. A SIGSTOPped
+    actor never answers Ray's kill request, and its process keeps its resources (measured: the replacement
+    replica of a stopped one waited for its CPU slot until its own start timeout). Returns whether it was
+    alive."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     task = ray.remote(_sigkill).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
     try:
-        return bool(ray.get(task.remote(pid), timeout=timeout_s))
+        return bool(ray.get(task.remote(pid, created), timeout=timeout_s))
     except Exception as e:  # noqa: BLE001 - the node is gone too: nothing left to free there
         log.warning("could not kill pid %d on node %s: %s: %s", pid, node_id[:12], type(e).__name__, e)
         return False
@@ -551,7 +558,7 @@ def replace_replica(cfg: Config, roles: Roles, i: int, err: str, hung: bool = Fa
 
     proc = roles.replica_procs.pop(i, None)
     if hung and proc is not None:  # a stopped process keeps its CPU slot: Ray's kill does not reach it
-        kill_process_on(*proc, timeout_s=cfg.cluster.health_timeout_s)  # (a dead one's pid may be reused: not that)
+        kill_process_on(*proc, timeout_s=cfg.cluster.health_timeout_s)
     try:
         ray.kill(roles.retrieval[i], no_restart=True)
     except Exception:  # noqa: BLE001 - gone already

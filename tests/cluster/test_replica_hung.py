@@ -1,6 +1,6 @@
 """Issue 54, finding 3: a hung (not dead) retrieval replica (SIGSTOP) stalled training without bound: the
 driver counted a silent replica as coming back, and its stats call had no deadline. Now a replica silent
-for ``roles.SILENT_CHECKS`` health checks in a row is killed and replaced like a dead one, and the run
+for ``roles.SILENT_CHECKS`` health check(s) in a row is killed and replaced like a dead one, and the run
 finishes. The stop lands after an RL step (``Hooks.on_step``): no sleeps."""
 import os
 import signal
@@ -36,7 +36,7 @@ def test_a_hung_replica_is_replaced_and_the_run_finishes(tmp_path, shared_ray):
 
     hook = StopReplica()
     try:
-        summary = train(_cfg(tmp_path, "cluster.max_replica_replacements=1", "cluster.health_timeout_s=5",
+        summary = train(_cfg(tmp_path, "cluster.max_replica_replacements=1", "cluster.health_timeout_s=15",
                              "retrieval.timeout_s=5"), Hooks(on_step=hook))
         # the stopped process itself is gone (killed by pid on its node: Ray's kill never reaches a stopped
         # actor, whose process then keeps its CPU slot from the replacement)
