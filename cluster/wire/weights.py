@@ -117,6 +117,20 @@ class GroupAborted(RuntimeError):
     or during a push (the others stop waiting for bytes that will not come)."""
 
 
+class _CalledOff:
+    """What a called-off ``BroadcastGroup`` holds in place of its backend group: any collective on it
+    raises ``GroupAborted`` (the driver forms a new group; this one is never used again)."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+    def _refuse(self, *args, **kwargs):
+        raise GroupAborted(f"weight group at rank {self.rank} of {self.world_size} was called off: "
+                           "a new group must be formed")
+
+    broadcast = allreduce = _refuse
+
+
 def presence_barrier(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
     """Mark ``rank`` present on ``store`` (a formation's own ``PrefixStore``) and return once all
     ``world_size`` ranks are. Raises ``GroupAborted`` as soon as the formation is called off, and
@@ -604,8 +618,8 @@ class BroadcastGroup:
         push's work holds them until the group's timeout: dropped here, that wait would stall the caller
         (the next formation, the process's exit); the daemon thread takes it and ends with it, or with the
         process. The group is unusable afterwards: the driver forms a new one."""
-        pg, self._pg = self._pg, None
-        if pg is None:
+        pg, self._pg = self._pg, _CalledOff(self.rank, self.world_size)
+        if pg is None or isinstance(pg, _CalledOff):
             return
         try:
             pg.abort()

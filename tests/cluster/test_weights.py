@@ -270,3 +270,20 @@ def test_the_nccl_weight_group_is_built_to_abort_its_communicator_not_the_proces
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     weights.nccl_backend(None, 2, 4, timeout_s=30)
     assert seen[-1][0] == "2" and "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+
+
+def test_a_called_off_group_refuses_every_later_push_naming_why():
+    """After a call-off (``BroadcastGroup.abort``) the group is never used again: a later push raises
+    ``GroupAborted`` at once, not an ``AttributeError`` on the dropped backend."""
+    from sonar.cluster.wire.weights import GroupAborted
+
+    src = {"w": torch.randn(8)}
+    buckets = plan_buckets(specs_of(src))
+    port = free_port()
+    threads, errors, groups = _form_in_threads(port, [0, 1], 2, timeout_s=60)
+    [t.join(120) for t in threads]
+    assert not errors and sorted(groups) == [0, 1], errors
+    groups[0].abort()
+    groups[0].abort()  # twice is once
+    with pytest.raises(GroupAborted, match=r"weight group at rank 0 of 2 was called off: a new group must be formed"):
+        groups[0].send_weights(buckets, src)
