@@ -237,7 +237,9 @@ class RetrievalServerImpl:
         dispatcher_ok = self._dispatcher is None or not self._dispatcher.done()
         return {"ok": dispatcher_ok, "name": self.name, "pid": os.getpid(), "inflight": self._inflight,
                 "queued": len(self._queue), "uptime_s": time.monotonic() - self._started,
-                "node": ray.get_runtime_context().get_node_id(), "created": _created()}  # where the driver kills it if it hangs
+                # where the driver kills it if it hangs (in-process, without Ray, there is no node: asking would start Ray)
+                "node": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
+                "created": _created()}
 
     async def stats(self) -> dict[str, Any]:
         now = time.monotonic()
