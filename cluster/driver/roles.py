@@ -112,7 +112,8 @@ with many imports) to write its ports (``node_manager.cc``: "Timed out waiting f
 
 
 _REAPERS: list = []
-"""The watchdogs of the Ray nodes this process started (``reaper.start_reaper``), held for its life."""
+"""The watchdogs of the Ray nodes this driver started (``reaper.start_reaper``), held for its life: closing
+a watchdog's pipe is what tells it the node is over."""
 
 
 def start_local_node(start: Callable, attempts: int = 3):
@@ -121,8 +122,7 @@ def start_local_node(start: Callable, attempts: int = 3):
     leaves its GCS, raylet and reaper running with no handle returned: they are the children of this
     process that were not there before it (Ray starts each with Popen), and are killed with their own
     children by pid (never by name) before the next try. Processes under an older child (a node added
-    before) are not touched. A node that started gets a watchdog (``reaper.py``) that kills what the node
-    leaves behind once this process dies, however it dies (SIGKILL included), or the node stops.
+    before) are not touched.
 
     Every node started here is on the machine this process runs on, so it gets ``sonar.LOCAL_NODE_ENV``
     (its actors at the driver's priority) unless the environment already says otherwise: the driver's
@@ -136,7 +136,7 @@ def start_local_node(start: Callable, attempts: int = 3):
     for attempt in range(1, attempts + 1):
         before = {p.pid for p in me.children()}
         try:
-            out = start()
+            return start()
         except Exception as e:
             if NODE_START_TIMEOUT not in str(e) or attempt == attempts:
                 raise
@@ -151,13 +151,6 @@ def start_local_node(start: Callable, attempts: int = 3):
                         "fixed 30 s; a loaded machine?): stopping the %d processes it started and retrying",
                         attempt, attempts, len(left))
             kill_processes(left)
-            continue
-        # The node's processes die with this one, its agents included (reaper.py): the handle is kept for
-        # this process's life, since closing its pipe is what tells the watchdog the node is over.
-        reaper = start_reaper([p.pid for p in me.children() if p.pid not in before])
-        if reaper is not None:
-            _REAPERS.append(reaper)
-        return out
 
 
 def kill_processes(procs: list, timeout_s: float = 30.0) -> None:
@@ -199,9 +192,16 @@ def init_ray(cfg: Config) -> bool:
             # (the processes share the physical cores; each uses one thread).
             needed = roles_cpus(cfg)
             num_cpus = cfg.cluster.num_cpus or int(max(4, os.cpu_count() or 1, needed + 0.999))
+            import psutil
+
+            before = {p.pid for p in psutil.Process().children()}
             start_local_node(lambda: ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
                                               _node_ip_address="127.0.0.1", runtime_env=env or None,
                                               log_to_driver=True))
+            # The node's processes die with this driver, its agents included, however it dies (reaper.py).
+            reaper = start_reaper([p.pid for p in psutil.Process().children() if p.pid not in before])
+            if reaper is not None:
+                _REAPERS.append(reaper)
     return True
 
 

@@ -1,6 +1,6 @@
 """A SIGKILLed driver leaves no Ray process behind (issue: a probe found the dashboard and runtime-env
-agents of a killed driver's node still running). The driver here starts its node as ``roles.init_ray``
-does (``start_local_node``), the test waits until the node's agents are up (they start seconds after the
+agents of a killed driver's node still running). The driver here starts its node with ``roles.init_ray``,
+as ``sonar train`` does, the test waits until the node's agents are up (they start seconds after the
 raylet), SIGKILLs the driver by the handle it started, and waits for every process of the node to be
 gone: the watchdog (``cluster/driver/reaper.py``) kills what Ray left."""
 import os
@@ -19,10 +19,9 @@ DRIVER = textwrap.dedent("""
     import os, sys
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-    from sonar.cluster.driver.roles import start_local_node
-    start_local_node(lambda: ray.init(address="local", num_cpus=1, include_dashboard=False,
-                                      _node_ip_address="127.0.0.1"))
+    from sonar.cluster.driver.roles import init_ray
+    from sonar.cluster.wire.config import load_config
+    init_ray(load_config([], ["cluster.num_cpus=1"]))  # the driver's own private node, as `sonar train` starts it
     print("up", flush=True)
     sys.stdin.read()  # until it is killed
 """)

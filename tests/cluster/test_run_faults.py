@@ -33,6 +33,7 @@ def test_a_run_fault_is_one_line_naming_the_error_log(monkeypatch, tmp_path, cap
                        f"is used up: generate: ActorDiedError: the actor died (traceback in {tmp_path / 'error.log'})")
 
 
+@pytest.mark.ray  # it calls train (tests/backend_guard.py reads the call); start_roles is replaced, Ray never starts
 def test_a_failure_to_mark_the_run_failed_does_not_hide_the_runs_own_error(monkeypatch, tmp_path, caplog):
     """The roles fail to start; marking the MLflow run FAILED then raises too (a full disk): the run's own
     error is the one raised, the other is logged, and the traceback is in ``error.log``."""
