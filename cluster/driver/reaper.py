@@ -57,20 +57,24 @@ def snapshot(roots: list, known: dict[int, float]) -> None:
                 known.setdefault(*k)
 
 
-def reap(known: dict[int, float]) -> list[int]:
-    """SIGKILL every remembered process still alive with its remembered creation time; returns their pids."""
+def kill_if_same(pid: int, created: float) -> bool:
+    """SIGKILL ``pid`` if it is still the process created at ``created`` (a reused pid is someone else's) and
+    not already a zombie; returns whether it was."""
     import psutil
 
-    killed = []
-    for pid, created in known.items():
-        try:
-            p = psutil.Process(pid)
-            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                p.kill()
-                killed.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return killed
+    try:
+        p = psutil.Process(pid)
+        if p.create_time() != created or p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        p.kill()
+        return True
+    except psutil.NoSuchProcess:
+        return False
+
+
+def reap(known: dict[int, float]) -> list[int]:
+    """SIGKILL every remembered process still alive with its remembered creation time; returns their pids."""
+    return [pid for pid, created in known.items() if kill_if_same(pid, created)]
 
 
 def main(argv: list[str]) -> int:

@@ -13,7 +13,7 @@ import numpy as np
 from sonar.cluster.driver.run import Run
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config
-from sonar.cluster.wire.errors import ReplayUnresponsive, RoleUnresponsive
+from sonar.cluster.wire.errors import RoleUnresponsive
 from sonar.cluster.wire.protocol import StepResult
 
 log = logging.getLogger("sonar")
@@ -267,17 +267,13 @@ def answer(cfg: Config, ref, role: str, what: str, timeout_s: float | None = Non
 
 
 def replay_stats(roles: Roles) -> dict:
-    """The replay queue's ``stats()`` within ``cluster.step_timeout_s``, else ``ReplayUnresponsive`` naming
-    the role and the deadline (a stopped or deadlocked queue would hold the driver without end)."""
+    """The replay queue's ``stats()`` within ``cluster.health_timeout_s`` (``answer``; a harness's roles
+    without a config wait)."""
     import ray
 
-    timeout = roles.cfg.cluster.step_timeout_s if roles.cfg is not None else None
-    try:
-        return ray.get(roles.replay.stats.remote(), timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
-        raise ReplayUnresponsive(f"the replay queue did not answer within cluster.step_timeout_s={timeout} s "
-                                 "(hung: a stopped or deadlocked process); the run's checkpoints hold its state "
-                                 "(`sonar train run.resume=latest`)") from None
+    if roles.cfg is None:
+        return ray.get(roles.replay.stats.remote())
+    return answer(roles.cfg, roles.replay.stats.remote(), "replay queue", "stats")
 
 
 def replay_metrics(roles: Roles) -> dict:

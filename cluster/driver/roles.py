@@ -18,7 +18,7 @@ from typing import Callable
 from sonar.cluster.driver.data import cursor_prompts
 from sonar.cluster.driver.demands import role_resources
 from sonar.cluster.driver.learner_ranks import remove_learner_group, start_learner
-from sonar.cluster.driver.reaper import start_reaper
+from sonar.cluster.driver.reaper import kill_if_same, start_reaper
 from sonar.cluster.driver.reports import answer, eval_table, startup_phase
 from sonar.cluster.driver.rollout_pool import RolloutPool, node_of
 from sonar.cluster.driver.run import Run, world_of
@@ -516,19 +516,6 @@ def replica_dead_for_good(cfg: Config, handle) -> bool:
     return False
 
 
-def _sigkill(pid: int, created: float) -> bool:
-    import psutil
-
-    try:
-        p = psutil.Process(pid)
-        if p.create_time() != created:
-            return False  # the pid is another process's now
-        p.kill()
-        return True
-    except psutil.NoSuchProcess:
-        return False
-
-
 def kill_process_on(node_id: str, pid: int, created: float, timeout_s: float) -> bool:
     """SIGKILL process ``pid`` created at ``created`` on Ray node ``node_id`` (a zero-CPU task pinned
     there), as its own health answer gave them: never a later process that reuses the pid. A SIGSTOPped
@@ -538,7 +525,7 @@ def kill_process_on(node_id: str, pid: int, created: float, timeout_s: float) ->
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    task = ray.remote(_sigkill).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+    task = ray.remote(kill_if_same).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
     try:
         return bool(ray.get(task.remote(pid, created), timeout=timeout_s))
     except Exception as e:  # noqa: BLE001 - the node is gone too: nothing left to free there
