@@ -214,6 +214,37 @@ class _Call:
     """``upstream.answer_cut``: a turn without ``query_close`` is cut after this tag once generated."""
     eos_drop: int | None = None
     """The EOS id a turn's final token is dropped for (``upstream.drops_eos``), or None."""
+    off_engine: "OffEngine | None" = None
+    """Where the rows waiting on a tool are counted (``rollout_groups``), or None."""
+
+
+class OffEngine:
+    """Rows of a worker's rollouts off its engine now, over all its concurrent ``rollout_groups`` calls:
+    waiting on a search or another tool, or (per trajectory) done while their group's others run, until the
+    group is handed on. They hold no engine row; the replay's engine capacity counts only the rows on the
+    engine (``cluster/wire/replay.py``). Read and written on the worker's one event loop."""
+    __slots__ = ("rows",)
+
+    def __init__(self):
+        self.rows = 0
+
+
+def _off(call: "_Call", rows: int) -> None:
+    if call.off_engine is not None:
+        call.off_engine.rows += rows
+
+
+async def _act_off_engine(call: "_Call", searching: list, tooling: list, turn: int) -> None:
+    """Run a turn's searches and tools, counting their rows as off the engine meanwhile."""
+    n = len(searching) + len(tooling)
+    _off(call, n)
+    try:
+        if searching:
+            await _search_and_inject(call, searching, turn)
+        if tooling:
+            await _tools_and_inject(call, tooling, turn)
+    finally:
+        _off(call, -n)
 
 
 def _accepts_caps(engine: Engine) -> bool:
@@ -246,6 +277,7 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
                          top_p: float = 1.0, per_trajectory: bool = False,
                          tools: list | None = None,
                          on_group: Callable[[int, list[Trajectory]], Awaitable[None]] | None = None,
+                         off_engine: OffEngine | None = None,
                          ) -> tuple[list[list[Trajectory]], RolloutStats]:
     """Roll out ``group_size`` trajectories per item; returns (groups in item order, stats).
 
@@ -272,6 +304,7 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
     ``on_group(index, group)`` (per-trajectory only): awaited as soon as each group's last trajectory
     ends, rewarded, so the caller hands that group on at once instead of holding it until the call's
     slowest group ends (the replay's claim on it is released then); the groups are returned as well.
+    ``off_engine``: counts the rows waiting on a search or tool while they wait (``OffEngine``).
     """
     if group_size < 1:
         raise ValueError(f"group_size={group_size} must be >= 1")
@@ -294,13 +327,21 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
                  seed, parse_fn, retrieval_timeout_s, *_stops(tokenizer, tags, proto.rules, tools, proto.prompt),
                  tuple(render_invalid(tags, tokenizer, proto.prompt)), _accepts_caps(engine), RolloutStats(), tools,
                  answer_cut(tags, proto.rules),
-                 int(eos) if eos is not None and drops_eos(tags, proto.rules) else None)
+                 int(eos) if eos is not None and drops_eos(tags, proto.rules) else None, off_engine)
     groups, states = _prepare(items, group_size, call, actor_id, stage)
     handed: set[int] = set()  # groups already finished and given to on_group
     if per_trajectory:
+        async def run_row(r: int) -> None:
+            await _run_trajectory(call, states[r], r)
+            _off(call, +1)  # done: its engine row is free while its group's others run
+
         async def run_group(gi: int) -> None:
             rows = range(gi * group_size, (gi + 1) * group_size)  # _prepare lays groups out contiguously
-            await asyncio.gather(*(_run_trajectory(call, states[r], r) for r in rows if not states[r].done))
+            live = [r for r in rows if not states[r].done]
+            try:
+                await asyncio.gather(*(run_row(r) for r in live))
+            finally:
+                _off(call, -sum(1 for r in live if states[r].done))  # handed on (or failed): no longer claimed
             if on_group is not None:
                 for r in rows:
                     _finish(call, states[r].traj, reward_fn)
@@ -314,10 +355,8 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
     while active := [s for s in states if not s.done]:
         gens, caps = await _generate(call, active, turn)
         searching, tooling = _act(call, active, gens, caps)
-        if searching:
-            await _search_and_inject(call, searching, turn)
-        if tooling:
-            await _tools_and_inject(call, tooling, turn)
+        if searching or tooling:
+            await _act_off_engine(call, searching, tooling, turn)
         turn += 1
     for row, s in enumerate(states):
         if row // group_size not in handed:
@@ -383,10 +422,8 @@ async def _run_trajectory(call: _Call, s: _State, row: int) -> None:
     while not s.done:
         gens, caps = await _generate(call, [s], turn, row=row)
         searching, tooling = _act(call, [s], gens, caps)
-        if searching:
-            await _search_and_inject(call, searching, turn)
-        if tooling:
-            await _tools_and_inject(call, tooling, turn)
+        if searching or tooling:
+            await _act_off_engine(call, searching, tooling, turn)
         turn += 1
 
 

@@ -172,6 +172,9 @@ class RolloutWorker:
         self._stats = {"groups": 0, "trajectories": 0, "model_tokens": 0, "searches": 0, "gen_s": 0.0,
                        "retrieve_s": 0.0, "requeued": 0, "busy_s": 0.0}
         self._working, self._busy_since = 0, 0.0  # claimed requests in flight; when the count left 0
+        from sonar.actors.rollout import OffEngine
+
+        self._off_engine = OffEngine()  # rows off the engine, reported with each claim and put (engine capacity)
         self._recent: list[dict] = []
         self._lock = threading.Lock()
         self._data_cache: dict = {}
@@ -435,7 +438,9 @@ async def _aproduce(w: "RolloutWorker", replay, stage_index: int, stage: StageCo
     # Waits at most 1 s for the admission budget (async mode), then returns so the lane sees a stop.
     # The claim names the policy version these groups start from: the replay admits them only if the
     # learner will take them while that version is fresh (replay.py, version-aware admission).
-    idx = await asyncio.wrap_future(replay.claim.remote(w.worker_id, n, 1.0, w.engine.next_version).future())
+    # It reports its rows now off the engine (on a tool, or done before their group): they leave room for more.
+    idx = await asyncio.wrap_future(replay.claim.remote(w.worker_id, n, 1.0, w.engine.next_version,
+                                                        w._off_engine.rows).future())
     if not idx:
         w._last_progress = time.monotonic()  # alive, held back by the budget (the learner is behind)
         await asyncio.sleep(0.05)  # a closed queue answers at once: do not spin on it
@@ -464,7 +469,8 @@ async def _produce_claimed(w: "RolloutWorker", replay, stage_index: int, stage: 
             return
         searched = any(s.error is None for t in group for s in t.searches)  # retrieval answered (an outage ends)
         ok = await asyncio.wrap_future(replay.put.remote(
-            encode_group(group), group_min_version(group), len(group), i, w.worker_id, searched).future())
+            encode_group(group), group_min_version(group), len(group), i, w.worker_id, searched,
+            w._off_engine.rows).future())
         w._record(group, ok)
 
     # Per trajectory, each group is handed off as soon as its last trajectory ends, releasing its claim:
@@ -492,4 +498,4 @@ async def _arollout(w: "RolloutWorker", items, stage_index: int, stage: StageCon
         group_size=w.cfg.rollout.group_size if temperature > 0 else 1,
         k=w.cfg.retrieval.k, reward_fn=make_reward_fn(stage.reward, w.tokenizer, w.tags),
         actor_id=w.worker_id, stage=stage_index, search_enabled=search_enabled, seed=seed,
-        per_trajectory=w.cfg.rollout.per_trajectory, tools=w.tools, on_group=on_group)
+        per_trajectory=w.cfg.rollout.per_trajectory, tools=w.tools, on_group=on_group, off_engine=w._off_engine)

@@ -60,12 +60,13 @@ VALIDATION_SETTINGS = {
     "sync_full": dict(mode="sync_split", rollout_gpus=4, learner_gpus=2, groups_per_step=32, versions=2),
     "colocated": dict(mode="colocated", rollout_gpus=5, learner_gpus=1, groups_per_step=48, versions=2),
     "async_lag2": dict(mode="async", rollout_gpus=4, learner_gpus=2, groups_per_step=8, versions=8, lag=2,
-                       capacity_groups=16, lanes=8, groups_per_request=2, weight_update="interrupt"),
+                       capacity_groups=16, lanes=8, groups_per_request=2, weight_update="interrupt",
+                       decoding_rows=False),
 }
 """The validation run's settings (its overrides: 4 rollout workers, learner 2 GPUs, 8 groups of 8 per step,
 8 steps; sync_full 32 groups x 2 steps; colocated on all 6 GPUs at the full batch, 48 groups x 2 steps;
 async lag 2, replay capacity 16, 8 lanes of 2 groups, ``weight_update=auto`` = interrupt, the production
-scheduler)."""
+scheduler of that run: engine capacity in claimed groups' rows)."""
 REALISED_KEYS = ("searches_per_traj", "model_tokens_per_traj", "decode_row_steps_per_trained_traj",
                  "ctx_admitted_mean", "zero_signal_share")
 
@@ -158,9 +159,11 @@ def ablation(w, cfg: dict, best: dict) -> dict:
     base = Sim(rollout_gpus=gr, learner_gpus=G - gr, groups_per_step=best["groups_per_step"],
                versions=cfg["versions"], lag=2)
     pre = base.pre_change()
-    variants = {"pre-change": pre, "+ engine capacity": replace(pre, worker_capacity=True),
+    variants = {"pre-change": pre, "+ engine capacity, claimed rows": replace(pre, worker_capacity=True),
+                "+ engine capacity, rows on the engine": replace(pre, worker_capacity=True, decoding_rows=True),
                 "+ least loaded first": replace(pre, least_loaded=True),
                 "+ just in time": replace(pre, just_in_time=True), "+ per-group put": replace(pre, per_group_put=True),
+                "production, capacity in claimed rows": replace(base, decoding_rows=False),
                 "production (all on)": base}
     out = {}
     for k, s in variants.items():

@@ -126,6 +126,9 @@ class Sim:
     capacity_groups: int = 0
     """Replay capacity in groups (0: (lag + 1) x groups_per_step, so a put never blocks under the budget)."""
     worker_capacity: bool = True
+    decoding_rows: bool = True
+    """Engine capacity counts the rows on the engine (a worker reports its rows waiting on a tool with each
+    claim, ``ReplayCore.set_off_engine``); False: every claimed group's rows, as before."""
     least_loaded: bool = True
     just_in_time: bool = True
     per_group_put: bool = True
@@ -139,7 +142,8 @@ class Sim:
 
     def pre_change(self) -> "Sim":
         """The scheduler before engine capacity, least-loaded first, just in time and per-group puts."""
-        return replace(self, worker_capacity=False, least_loaded=False, just_in_time=False, per_group_put=False)
+        return replace(self, worker_capacity=False, decoding_rows=False, least_loaded=False, just_in_time=False,
+                       per_group_put=False)
 
 
 # ------------------------------------------------------------------------------------------- entities
@@ -156,7 +160,7 @@ class Group:
 
     def __init__(self, prompt, worker, min_version, zero, claim):
         self.prompt, self.worker, self.min_version, self.zero, self.claim = prompt, worker, min_version, zero, claim
-        self.trajs, self.left = [], 0
+        self.trajs, self.left = [], 0  # left: trajectories still running (the done ones are off the engine)
 
 
 class Claim:
@@ -341,7 +345,7 @@ class Simulator:
                                  max_inflight_groups=budget, groups_per_step=B if budget else 0,
                                  worker_capacity=(max(1, w.row_cap // w.group_size)
                                                   if budget and s.worker_capacity else 0),
-                                 just_in_time=bool(budget) and s.just_in_time)
+                                 just_in_time=bool(budget) and s.just_in_time, group_rows=w.group_size)
         self.version = 0
         self.learner_busy = False
         self.learner_busy_s = 0.0
@@ -356,6 +360,10 @@ class Simulator:
         self.traj_turns: list[int] = []
         self.traj_calls: list[int] = []
         self.traj_final_ctx: list[float] = []
+        self.off_rows = [0] * n_eng
+        """Each worker's claimed trajectories off its engine now: waiting on a tool, or done while their group
+        is not yet put (what it reports with a claim or put, ``ReplayCore.set_off_engine``)."""
+        self._reask_at = [-1.0] * n_eng  # a wake is due then for the worker's next ask (decoding_rows)
         self.group_load = [0] * n_eng
         """Groups each worker claimed over the run (least-loaded first spreads them)."""
         self.lag_hist: dict[int, int] = {}
@@ -438,6 +446,7 @@ class Simulator:
         if tool is None:
             return self._start_turn(t)
         t.calls += 1
+        self._left_engine(t.group.worker)
         spec = w.tools[tool]
         lat = (spec.median_ms * math.exp(spec.sigma * self.rng.standard_normal()) + w.retrieval_per_call_ms) / 1000.0
         start = self.now
@@ -449,10 +458,17 @@ class Simulator:
         self.at(start + lat, self._tool_back, t, spec.tokens)
 
     def _tool_back(self, t: Traj, tokens: int) -> None:
+        self.off_rows[t.group.worker] -= 1
         t.ctx = min(self.w.max_context, t.ctx + tokens)
         self._start_turn(t)
 
+    def _left_engine(self, worker: int) -> None:
+        self.off_rows[worker] += 1
+        if self.s.decoding_rows and self.s.worker_capacity and self.waiters:
+            self._reask(worker)
+
     def _traj_done(self, t: Traj) -> None:
+        self._left_engine(t.group.worker)
         self.traj_turns.append(t.turn)
         self.traj_calls.append(t.calls)
         self.traj_final_ctx.append(self._trained_tokens(t))
@@ -473,6 +489,9 @@ class Simulator:
 
     def _put(self, g: Group) -> None:
         """``ReplayQueue.put``: waits while the queue is full (backpressure), then ``core.add``."""
+        self.off_rows[g.worker] -= len(g.trajs)  # handed on: the worker's report with the put leaves it out
+        if self.s.decoding_rows:
+            self.core.set_off_engine(g.worker, self.off_rows[g.worker])
         if self.core.full():
             self.blocked_puts.append(g)
             return
@@ -497,6 +516,8 @@ class Simulator:
 
     def _may(self, worker: int) -> bool:
         s = self.s
+        if s.decoding_rows:  # the claim call reports the rows waiting on a tool now
+            self.core.set_off_engine(worker, self.off_rows[worker])
         wid = worker if (s.least_loaded or s.worker_capacity) else None
         return self.core.may_claim(self._n(), self.engines[worker].next_version, wid, self.now)
 
@@ -525,6 +546,21 @@ class Simulator:
             return
         self.waiters.append((worker, self.now, lane))
         self._jit_timer()
+
+    def _reask(self, worker: int) -> None:
+        """A row of ``worker`` left its engine: its waiting lane reports that when it next asks (a refused
+        claim returns after ``claim_wait_s`` and asks again 0.05 s later), so a check is due then. The check
+        reads the count at that moment, not the one of the ask: optimistic by the rows that move between."""
+        period = self.s.claim_wait_s + 0.05
+        asks = [since + (math.floor((self.now - since) / period) + 1) * period
+                for wk, since, _ in self.waiters if wk == worker]
+        if not asks:
+            return
+        t = min(asks) + 1e-6  # inside the ask, not at its boundary (float rounding)
+        if self.now < self._reask_at[worker] <= t:
+            return  # a check for that worker is already due no later
+        self._reask_at[worker] = t
+        self.at(t, self._wake)
 
     def _jit_timer(self) -> None:
         """A claim held back just in time wakes when its start comes, not only on a put or take."""

@@ -233,7 +233,7 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
     replay = ray.remote(num_cpus=0)(ReplayQueue).options(max_concurrency=1000).remote(
         cfg.replay.capacity_groups, cfg.replay.max_policy_lag, cfg.replay.stale_policy, num_train, cfg.run.seed,
         budget, cfg.learner.groups_per_step if budget else 0, worker_capacity(cfg),
-        bool(budget) and cfg.replay.just_in_time)
+        bool(budget) and cfg.replay.just_in_time, cfg.rollout.group_size)
     with startup_phase("learner and rollout workers"):
         learner, learner_pg = start_learner(cfg, policy, role_resources(cfg, "learner"))
         if colocated_on_gpu(cfg):

@@ -712,9 +712,10 @@ class ReplayConfig:
     rollout.groups_per_request (AReaL's staleness-aware admission); 0: unlimited (only capacity_groups
     and the lag drop bound). Sync mode is never gated: its batch is the step. With a budget, a claim
     also names the policy version the worker holds and must fit in the groups the learner takes while
-    that version is fresh (cluster/wire/replay.py, version-aware admission). With a budget, a worker also
-    holds at most the groups its engine decodes at once (``worker_capacity``) and the least-loaded waiting
-    worker claims first."""
+    that version is fresh (cluster/wire/replay.py, version-aware admission). With a budget, a worker's
+    engine also holds at most the groups it decodes at once (``worker_capacity``), counted in the rows on
+    it (a trajectory waiting on a search holds no engine row), and the least-loaded waiting worker claims
+    first."""
     just_in_time: bool = True
     """Async runs with a budget: when the learner is the bottleneck, a claim waits until its group would
     be done no earlier than the learner's take before the one that trains it (measured generation time

@@ -37,13 +37,19 @@ while it is still fresh instead of behind newer ones.
 Scheduling (async runs with a budget; every decision here is pure, so ``bench/sim/scheduler_sim.py``
 drives this same code with simulated engines and learner):
 
-- *Engine capacity and a fair share.* A worker may hold at most ``worker_capacity`` claimed groups (the
-  groups its engine decodes at once: ``rollout.max_batch_rows // rollout.group_size``; AReaL's
-  ``max_concurrent_rollouts`` per engine), and, with the pool's size known (``set_workers``), at most its
-  share of the budget, ``ceil(budget / workers)``: the workers that start first cannot take the whole
-  budget while a later one idles (measured: 3 of 4 workers held all 24 groups of a lag-2 budget).
-- *Least loaded first.* While several workers wait for room, a claim is granted to the one holding the
-  fewest claimed groups (veRL's ``AsyncLLMServerManager`` sends each request to the least-loaded
+- *Engine capacity and a fair share.* A worker's engine may hold at most ``worker_capacity`` groups (the
+  groups it decodes at once: ``rollout.max_batch_rows // rollout.group_size``; AReaL's
+  ``max_concurrent_rollouts`` per engine), counted in the rows *on* the engine: a trajectory waiting on
+  a search or another tool, or finished while its group's others run, holds no engine row (vLLM frees a
+  finished request's slot; the next turn is a new request), so the worker reports those rows with each
+  claim and put (``set_off_engine``) and the claimed groups' rows less them must fit. Counting every
+  claimed group instead left about half the rows empty on a Search-R1-shaped workload (bench README,
+  schedule-sim ablation). With the pool's size known (``set_workers``), a worker also holds at
+  most its share of the budget in claimed groups, ``ceil(budget / workers)``: the workers that start
+  first cannot take the whole budget while a later one idles (measured: 3 of 4 workers held all 24
+  groups of a lag-2 budget).
+- *Least loaded first.* While several workers wait for room, a claim is granted to the one whose engine
+  holds the fewest groups (veRL's ``AsyncLLMServerManager`` sends each request to the least-loaded
   server): claims balance over the engines instead of racing (a race split one run's 32 trajectories
   [32, 0, 0, 0]).
 - *Just in time* (``replay.just_in_time``). When the learner is the bottleneck, filling the pipeline to
@@ -199,7 +205,7 @@ class JustInTime:
 class ReplayCore:
     def __init__(self, capacity_groups: int, max_policy_lag: int, stale_policy: str,
                  num_prompts: int, seed: int, max_inflight_groups: int = 0, groups_per_step: int = 0,
-                 worker_capacity: int = 0, just_in_time: bool = False):
+                 worker_capacity: int = 0, just_in_time: bool = False, group_rows: int = 1):
         if max_inflight_groups < 0:
             raise ValueError(f"max_inflight_groups={max_inflight_groups} must be >= 0 (0: unlimited)")
         if groups_per_step < 0:
@@ -210,7 +216,13 @@ class ReplayCore:
             raise ValueError("just_in_time admission needs groups_per_step > 0 (the learner's take)")
         self.max_inflight = max_inflight_groups
         self.groups_per_step = groups_per_step
+        if group_rows < 1:
+            raise ValueError(f"group_rows={group_rows} must be >= 1 (trajectories per group)")
         self.worker_capacity = worker_capacity
+        self.group_rows = group_rows
+        self.off_engine: dict[int, int] = {}
+        """Rows (trajectories) of each worker's claimed groups off its engine (waiting on a tool, or done
+        while their group's others run), as it last reported them (``set_off_engine``)."""
         self.jit = JustInTime() if just_in_time else None
         self.waiting: dict[int, int] = {}
         """Claim calls waiting for room, per worker (``ReplayQueue.claim`` registers them): least loaded first."""
@@ -293,24 +305,40 @@ class ReplayCore:
             raise ValueError(f"workers={n} must be >= 0 (0: unknown)")
         self.workers = n
 
-    def worker_cap(self) -> int:
-        """Groups one worker may hold claimed (0: no bound): its engine's capacity and its share of the budget."""
-        caps = [c for c in (self.worker_capacity,
-                            math.ceil(self.max_inflight / self.workers) if self.workers and self.max_inflight else 0)
-                if c > 0]
-        return min(caps) if caps else 0
+    def set_off_engine(self, worker_id: int, rows: int) -> None:
+        """``worker_id`` has ``rows`` trajectories of its claimed groups off its engine (module doc)."""
+        if rows < 0:
+            raise ValueError(f"off-engine rows={rows} must be >= 0")
+        self.off_engine[worker_id] = rows
+
+    def engine_load(self, worker_id: int) -> float:
+        """Groups' worth of rows on ``worker_id``'s engine: its claimed groups less the rows it last reported
+        off the engine. The report is as old as the worker's last claim or put, so a row that went back to
+        the engine since counts as off until the next one (the cap may be passed by that much: vLLM queues
+        the excess), and the load never goes below zero."""
+        load = self.load(worker_id)
+        off = min(self.off_engine.get(worker_id, 0), load * self.group_rows)
+        return load - off / self.group_rows
+
+    def share_cap(self) -> int:
+        """Claimed groups one worker may hold: its share of the budget (0: no bound, pool size unknown)."""
+        return math.ceil(self.max_inflight / self.workers) if self.workers and self.max_inflight else 0
 
     def _fits_worker(self, worker_id: int, n: int) -> bool:
-        """Within the worker's cap (``worker_cap``), or the worker holds nothing (a request larger than the
-        cap must still run alone, or it never would)."""
-        load, cap = self.load(worker_id), self.worker_cap()
-        return cap == 0 or load == 0 or load + n <= cap
+        """Within the engine's capacity (in rows on it, ``engine_load``) and the worker's share of the budget
+        (in claimed groups), or the worker holds nothing (a request larger than a cap must still run
+        alone, or it never would)."""
+        load = self.load(worker_id)
+        if load == 0:
+            return True
+        share, cap = self.share_cap(), self.worker_capacity
+        return (share == 0 or load + n <= share) and (cap == 0 or self.engine_load(worker_id) + n <= cap)
 
     def defers(self, worker_id: int, n: int) -> bool:
-        """Another worker waits for room holding fewer claimed groups, and its claim fits its engine:
-        it goes first (least loaded first)."""
-        mine = self.load(worker_id)
-        return any(w != worker_id and k > 0 and self.load(w) < mine and self._fits_worker(w, n)
+        """Another worker waits for room with fewer groups on its engine, and its claim fits: it goes first
+        (least loaded first)."""
+        mine = self.engine_load(worker_id)
+        return any(w != worker_id and k > 0 and self.engine_load(w) < mine and self._fits_worker(w, n)
                    for w, k in self.waiting.items())
 
     def may_claim(self, n: int, version: int = -1, worker_id: int | None = None, now: float | None = None) -> bool:
@@ -369,6 +397,7 @@ class ReplayCore:
     def release_worker(self, worker_id: int) -> int:
         """Requeue every outstanding claim of a dead worker; returns how many."""
         lost = self.claims.pop(worker_id, [])
+        self.off_engine.pop(worker_id, None)
         self._claimed -= len(lost)
         for i in lost:
             self._claimed_at.pop((worker_id, i), None)
@@ -535,9 +564,9 @@ class ReplayQueue:
 
     def __init__(self, capacity_groups: int, max_policy_lag: int, stale_policy: str, num_prompts: int, seed: int,
                  max_inflight_groups: int = 0, groups_per_step: int = 0, worker_capacity: int = 0,
-                 just_in_time: bool = False):
+                 just_in_time: bool = False, group_rows: int = 1):
         self.core = ReplayCore(capacity_groups, max_policy_lag, stale_policy, num_prompts, seed, max_inflight_groups,
-                               groups_per_step, worker_capacity, just_in_time)
+                               groups_per_step, worker_capacity, just_in_time, group_rows)
         self._cond: asyncio.Condition | None = None
         self._closed = False
 
@@ -546,14 +575,19 @@ class ReplayQueue:
             self._cond = asyncio.Condition()
         return self._cond
 
-    async def claim(self, worker_id: int, n: int, wait_s: float = 0.0, version: int = -1) -> list[int]:
+    async def claim(self, worker_id: int, n: int, wait_s: float = 0.0, version: int = -1,
+                    off_engine_rows: int | None = None) -> list[int]:
         """n prompt indices, or [] if the admission budget stayed full for ``wait_s`` seconds or the
         queue is closed (the caller retries, so a stopping worker is never stuck in here).
-        ``version``: the policy version the worker samples with (-1: unknown, flat budget only)."""
+        ``version``: the policy version the worker samples with (-1: unknown, flat budget only).
+        ``off_engine_rows``: its claimed trajectories off its engine now (None: not reported; module doc)."""
         cond = self._c()
         core = self.core
         deadline = time.monotonic() + wait_s
         async with cond:
+            if off_engine_rows is not None:
+                core.set_off_engine(worker_id, off_engine_rows)
+                cond.notify_all()  # its engine may have room now: its other waiting claims re-check
             core.waiting[worker_id] = core.waiting.get(worker_id, 0) + 1  # least loaded first: others yield to it
             try:
                 while not core.may_claim(n, version, worker_id, time.monotonic()) and not self._closed:
@@ -597,13 +631,16 @@ class ReplayQueue:
             cond.notify_all()
 
     async def put(self, payload: bytes, min_version: int, num_trajs: int, prompt_index: int, worker_id: int,
-                  searched: bool | None = None) -> bool:
+                  searched: bool | None = None, off_engine_rows: int | None = None) -> bool:
         """Waits while the queue is full (backpressure). Returns False if the queue was closed, or if a
         retrieval outage requeued the group. ``searched``: whether a search of the group succeeded (None:
         not said, the group counts as searched); during an outage a group that did not is requeued, and
-        one that did ends the outage (module doc)."""
+        one that did ends the outage (module doc). ``off_engine_rows``: as for ``claim``, without this
+        group's rows (its claim ends here)."""
         cond = self._c()
         async with cond:
+            if off_engine_rows is not None:
+                self.core.set_off_engine(worker_id, off_engine_rows)
             if searched is not False:
                 self.core.search_worked(time.monotonic())
             elif self.core.outage is not None and self.core.holds_claim(worker_id, prompt_index):

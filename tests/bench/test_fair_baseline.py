@@ -195,8 +195,9 @@ class FakeReplay:
             def remote(self, *a):
                 return SimpleNamespace(future=lambda: _done(self.fn(*a)))
 
-        def claim(worker_id, n, wait_s=0.0, version=-1):  # ReplayQueue.claim's signature
+        def claim(worker_id, n, wait_s=0.0, version=-1, off_engine_rows=None):  # ReplayQueue.claim's signature
             assert isinstance(version, int) and version >= 0, version  # the worker names its policy version
+            assert isinstance(off_engine_rows, int) and off_engine_rows >= 0, off_engine_rows  # and its rows off
             with replay.lock:
                 idx = list(range(replay.next, replay.next + n))
                 replay.next += n
@@ -211,6 +212,7 @@ class FakeReplay:
 
 
 def _worker(cfg, engine):
+    from sonar.actors.rollout import OffEngine
     from sonar.actors.worker import RolloutWorker, SwappingEngine
 
     w = object.__new__(RolloutWorker)
@@ -220,7 +222,7 @@ def _worker(cfg, engine):
                       _stats={"groups": 0, "trajectories": 0, "model_tokens": 0, "searches": 0, "gen_s": 0.0,
                               "retrieve_s": 0.0, "requeued": 0, "busy_s": 0.0}, _working=0, _busy_since=0.0,
                       _recent=[], _last_progress=0.0, _stop=threading.Event(), _error=None, _thread=None,
-                      _data_cache={}, tools=[])
+                      _data_cache={}, tools=[], _off_engine=OffEngine())
     return w
 
 
@@ -260,3 +262,48 @@ def test_sync_share_is_not_capped_by_lanes():
     engine = CountingEngine(16)
     _worker(cfg, engine).generate_groups(FakeReplay(), 0, cfg.stages[-1], 4, 0)
     assert engine.peak == 16
+
+
+# ------------------------------------------------------------------ rows off the engine (engine capacity)
+class SearchThenAnswerEngine:
+    """Every row searches in its first turn and answers in its second."""
+    version = 0
+
+    def generate(self, prompts, params, max_new_tokens_per_prompt=None):
+        return [_gen("<answer> paris </answer>" if tid("city") in list(map(int, p))
+                     else "<search> capital of france </search>", params) for p in prompts]
+
+
+class CountingRetriever(FakeRetriever):
+    def __init__(self, off):
+        super().__init__()
+        self.off, self.seen = off, []
+
+    async def abatch_search(self, queries, k):
+        self.seen.append(self.off.rows)
+        return await super().abatch_search(queries, k)
+
+
+@pytest.mark.parametrize("per_trajectory", [True, False])
+def test_rows_waiting_on_a_search_or_their_group_count_as_off_the_engine(per_trajectory):
+    """The replay's engine capacity counts only rows on the engine; the worker's ``OffEngine`` counts the rest:
+    a row is off while it searches and, per trajectory, once done until its group is handed on."""
+    from sonar.actors.rollout import OffEngine
+
+    off = OffEngine()
+    ret = CountingRetriever(off)
+    at_hand_off: list[int] = []
+
+    async def on_group(i, group):
+        at_hand_off.append(off.rows)
+
+    asyncio.run(rollout_groups(ITEMS[:1], engine=SearchThenAnswerEngine(), retriever=ret, tokenizer=TOK,
+                               tags=TAGS, proto=ProtocolConfig(), temperature=1.0, group_size=2, k=1,
+                               reward_fn=em_reward, seed=5, per_trajectory=per_trajectory,
+                               on_group=on_group if per_trajectory else None, off_engine=off))
+    if per_trajectory:  # each row searches on its own: itself, and perhaps its sibling, are off
+        assert len(ret.seen) == 2 and all(1 <= n <= 2 for n in ret.seen), ret.seen
+        assert at_hand_off == [0]  # the group's rows leave the count before the put that ends its claim
+    else:  # lockstep: both rows search in one call
+        assert ret.seen == [2]
+    assert off.rows == 0

@@ -124,6 +124,20 @@ def test_least_loaded_first_spreads_groups_where_the_race_does_not():
     assert min(race) == 0, race
 
 
+def test_engine_capacity_in_rows_on_the_engine_fills_the_rows_a_search_leaves():
+    """Every trajectory makes one 2 s search between two 100-token turns; an engine holds 2 groups of 4 rows.
+    Counting claimed groups, the engine idles through each search; counting the rows on it (the worker's
+    report with each claim and put), groups start in that time and the engine trains more per second."""
+    w = replace(FIXED, calls_pmf=(0.0, 1.0), tools=(Tool("search", 1.0, 2000.0, 0.0, 50),), row_cap=8,
+                mfu=1.0, push_s=0.0)
+    base = Sim(rollout_gpus=2, learner_gpus=1, groups_per_step=4, versions=8, lag=2, lanes=8, groups_per_request=1)
+    claimed = simulate(w, replace(base, decoding_rows=False))
+    on_engine = simulate(w, base)
+    assert claimed["balance"]["balanced"] and on_engine["balance"]["balanced"]
+    assert on_engine["trained_traj_per_s"] > 1.3 * claimed["trained_traj_per_s"], (on_engine, claimed)
+    assert on_engine["rollout_idle_share"] < claimed["rollout_idle_share"] - 0.2, (on_engine, claimed)
+
+
 def test_the_same_seed_gives_the_same_result_and_another_seed_another():
     s = Sim(rollout_gpus=3, learner_gpus=1, groups_per_step=4, versions=4)
     a, b = simulate(SHORT, s), simulate(SHORT, s)

@@ -620,9 +620,44 @@ def test_a_whole_take_hands_the_full_batch_or_nothing_and_drops_the_stale_either
 
 
 # ---------------------------------------------------------------- scheduling (module doc "Scheduling")
-def _sched(capacity=0, jit=False, budget=100, B=4, lag=10):
+def _sched(capacity=0, jit=False, budget=100, B=4, lag=10, group_rows=1):
     return ReplayCore(capacity_groups=1000, max_policy_lag=lag, stale_policy="drop", num_prompts=1000, seed=0,
-                      max_inflight_groups=budget, groups_per_step=B, worker_capacity=capacity, just_in_time=jit)
+                      max_inflight_groups=budget, groups_per_step=B, worker_capacity=capacity, just_in_time=jit,
+                      group_rows=group_rows)
+
+
+def test_engine_capacity_counts_only_the_rows_on_the_engine():
+    """Finding (schedule-sim ablation): counting every claimed group against the engine's capacity left a
+    third of its rows empty on a Search-R1-shaped workload, since a trajectory waiting on a search holds
+    no engine row. A worker reports its rows waiting on a tool with each claim; they leave room."""
+    core = _sched(capacity=2, group_rows=8)  # 16 rows: 2 groups of 8
+    core.claim(0, 2)
+    assert core.engine_load(0) == 2 and not core.may_claim(1, worker_id=0)
+    core.set_off_engine(0, 7)  # 7 of its 16 rows are searching: 9 on the engine, 7 free (< a group of 8)
+    assert core.engine_load(0) == 2 - 7 / 8 and not core.may_claim(1, worker_id=0)
+    core.set_off_engine(0, 8)  # a whole group's worth of rows off the engine: one more group fits
+    assert core.engine_load(0) == 1 and core.may_claim(1, worker_id=0)
+    core.claim(0, 1)
+    assert core.engine_load(0) == 2 and not core.may_claim(1, worker_id=0)  # the new group's rows count at once
+    # a stale report cannot take the load below zero: 20 rows reported off, 3 groups (24 rows) claimed
+    core.set_off_engine(0, 20)
+    assert core.engine_load(0) == 3 - 20 / 8
+    for p in list(core.claims[0]):
+        core.add(group(p, 0, worker=0))
+    assert core.load(0) == 0 and core.engine_load(0) == 0
+    # least loaded first goes by the rows on the engine: worker 1 holds more groups but fewer rows on it
+    core = _sched(capacity=4, group_rows=8)
+    core.claim(0, 2)
+    core.claim(1, 3)
+    core.set_off_engine(1, 16)  # worker 1: 3 groups, 1 on the engine; worker 0: 2 on it
+    core.waiting = {0: 1, 1: 1}
+    assert core.defers(0, 1) and not core.defers(1, 1)
+    core.release_worker(1)
+    assert 1 not in core.off_engine  # a dead worker's report goes with its claims
+    with pytest.raises(ValueError, match="off-engine rows=-1"):
+        core.set_off_engine(0, -1)
+    with pytest.raises(ValueError, match="group_rows=0"):
+        _sched(group_rows=0)
 
 
 def test_a_worker_holds_at_most_its_engine_capacity_but_a_lone_oversized_request_runs():
@@ -770,19 +805,37 @@ def test_no_claim_starts_a_group_the_stage_will_not_train():
         lone.set_stage_demand(-1)
 
 
+def test_queue_claim_takes_the_workers_report_of_rows_off_the_engine():
+    async def scenario():
+        q = ReplayQueue(1000, 10, "drop", 1000, 0, max_inflight_groups=100, groups_per_step=4, worker_capacity=2,
+                        group_rows=8)
+        assert len(await q.claim(0, 2, 0.0, -1, 0)) == 2
+        assert await q.claim(0, 1, 0.0, -1, 0) == []  # its engine holds 2 groups' rows
+        assert len(await q.claim(0, 1, 0.0, -1, 8)) == 1  # a group's worth of rows is searching
+        assert q.core.off_engine == {0: 8}
+
+    asyncio.run(scenario())
+
+
 def test_each_worker_holds_at_most_its_share_of_the_budget():
     core = _sched(capacity=8, budget=24)
-    assert core.worker_cap() == 8  # pool size unknown: the engine's capacity alone
+    assert core.share_cap() == 0  # pool size unknown: the engine's capacity alone
     core.set_workers(4)
-    assert core.worker_cap() == 6  # ceil(24 / 4): three early workers cannot take all 24
+    assert core.share_cap() == 6  # ceil(24 / 4): three early workers cannot take all 24
     for w in range(3):
         core.claim(w, 6)
         assert not core.may_claim(2, worker_id=w)
+        core.set_off_engine(w, 6)  # the share counts claimed groups: rows off the engine do not lift it
+        assert not core.may_claim(2, worker_id=w)
     assert core.may_claim(2, worker_id=3)  # the late worker still finds its share
     core.set_workers(5)
-    assert core.worker_cap() == 5
+    assert core.share_cap() == 5
     core.set_workers(2)
-    assert core.worker_cap() == 8  # the engine's capacity bounds a larger share
+    assert core.share_cap() == 12
+    roomy = _sched(capacity=8, budget=100)
+    roomy.set_workers(2)  # a share of 50
+    roomy.claim(0, 8)
+    assert not roomy.may_claim(1, worker_id=0) and roomy.may_claim(1, worker_id=1)  # the engine bounds a larger share
     with pytest.raises(ValueError, match="workers=-1"):
         core.set_workers(-1)
 
