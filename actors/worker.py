@@ -13,6 +13,10 @@ can be unit-tested in-process.
 """
 from __future__ import annotations
 
+from sonar.cluster.wire.bootstrap import role_process
+
+role_process()  # first: in an actor's process, its thread and hub settings before torch and transformers load
+
 import asyncio
 import os
 import threading

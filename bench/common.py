@@ -118,7 +118,7 @@ def hardware_info() -> dict:
         "gpu": None,
         # Priority of this process and, for a local cluster it starts (roles.init_ray), of Ray's workers:
         # None there is Ray's default, nice 15, under which every actor yields to any other load (as in
-        # every result written before sonar.LOCAL_NODE_ENV; see bench/README.md, "Results on this machine").
+        # every result written before sonar.cluster.wire.bootstrap.LOCAL_NODE_ENV; see bench/README.md, "Results on this machine").
         "niceness": {"driver": os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None,
                      "ray_workers_env": os.environ.get("RAY_worker_niceness")},
     }

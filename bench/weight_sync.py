@@ -66,6 +66,10 @@ kill other people's jobs.
 """
 from __future__ import annotations
 
+from sonar.cluster.wire.bootstrap import role_process
+
+role_process()  # first: in an actor's process, its thread and hub settings before torch and transformers load
+
 import gc
 import os
 import time

@@ -13,6 +13,10 @@ Create with ``ray.remote(Learner)``; nothing here imports Ray at module level.
 """
 from __future__ import annotations
 
+from sonar.cluster.wire.bootstrap import role_process
+
+role_process()  # first: in an actor's process, its thread and hub settings before torch and transformers load
+
 import functools
 import os
 import socket

@@ -24,6 +24,10 @@ shards. With ``elastic.store_vectors`` the bulk load encodes each batch and stor
 """
 from __future__ import annotations
 
+from sonar.cluster.wire.bootstrap import role_process
+
+role_process()  # first: in an actor's process, its thread and hub settings before torch and transformers load
+
 import logging
 import time
 from dataclasses import dataclass, replace

@@ -24,6 +24,10 @@ The inner retriever must be thread-safe when ``max_concurrency > 1``.
 """
 from __future__ import annotations
 
+from sonar.cluster.wire.bootstrap import role_process
+
+role_process()  # first: in an actor's process, its thread and hub settings before torch and transformers load
+
 import asyncio
 import logging
 import math

@@ -1,5 +1,5 @@
 """Test-wide environment: one thread per process, Ray on loopback without token auth and with its workers at
-Sonar's niceness (``sonar.LOCAL_NODE_ENV``: without it every actor yields to any other process), offline HF.
+Sonar's niceness (``sonar.cluster.wire.bootstrap.LOCAL_NODE_ENV``: without it every actor yields to any other process), offline HF.
 
 And what keeps the suite at a developer's pace (issue 26):
 - the ``ray``/``vllm`` markers kept true (``tests/backend_guard.py``: an unmarked test that starts Ray or
@@ -21,7 +21,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-from sonar import set_local_node_env  # noqa: E402
+# The suite's start-up speed-ups (tests/speedups/: transformers without sklearn/SciPy, on-disk caches of the
+# installed packages' module map and transformers' import structure), in this process and, through
+# PYTHONPATH and its sitecustomize, in every process the suite starts (the Ray nodes' workers inherit it).
+_SPEEDUPS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "speedups")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SPEEDUPS, os.environ.get("PYTHONPATH")) if p)
+import sys  # noqa: E402
+
+sys.path.insert(0, _SPEEDUPS)
+import sonar_test_speedups  # noqa: E402
+
+sonar_test_speedups.install()
+from sonar.cluster.wire.bootstrap import set_local_node_env  # noqa: E402
 
 set_local_node_env()  # every cluster a test starts runs its actors at the driver's priority
 

@@ -1,8 +1,11 @@
-"""What every Sonar process pays at start-up (``__init__.py``): transformers' model classes load without
-scikit-learn, which only assisted generation's confidence-threshold tuning uses, and without SciPy, which
-only the object-detection losses use; both still import afterwards, and ``SONAR_TRANSFORMERS_SKLEARN=1``/
-``SONAR_TRANSFORMERS_SCIPY=1`` leave transformers as it is. The installed packages' module map
-(``packages_distributions``) is kept on disk per environment. Fresh processes: nothing may be loaded before."""
+"""The suite's start-up speed-ups (``tests/speedups/``), and that Sonar itself patches nothing at import.
+
+The speed-ups: transformers' model classes load without scikit-learn, which only assisted generation's
+confidence-threshold tuning uses, and without SciPy, which only the object-detection losses use; both
+still import afterwards, and ``SONAR_TRANSFORMERS_SKLEARN=1``/``SONAR_TRANSFORMERS_SCIPY=1`` leave
+transformers as it is. The installed packages' module map (``packages_distributions``) and transformers'
+import structure are kept on disk per environment and equal the computed answers. Fresh processes:
+nothing may be loaded before."""
 import json
 import os
 import subprocess
@@ -12,8 +15,11 @@ import pytest
 
 pytestmark = pytest.mark.slow  # every test starts a fresh Python process (tests/backend_guard.py)
 
-CODE = ("import sys\n"
-        "import sonar\n"
+SPEEDUPS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "speedups")
+INSTALL = f"import sys\nsys.path.insert(0, {SPEEDUPS!r})\nimport sonar_test_speedups\nsonar_test_speedups.install()\n"
+"""What the suite's ``sitecustomize`` runs, placed where each test wants it."""
+
+CODE = (INSTALL +
         "from sonar.actors.worker import RolloutWorker\n"  # what a rollout actor's process runs first
         "from sonar.actors.model import build_policy\n"
         "from transformers import AutoModelForCausalLM, DynamicCache\n"
@@ -26,8 +32,18 @@ CODE = ("import sys\n"
         " callable(linear_sum_assignment))\n")
 
 
-def _run(code: str, **env) -> list[str]:
-    env = {k: v for k, v in {**os.environ, "OMP_NUM_THREADS": "1", **env}.items() if v is not None}
+def _without_speedups(pythonpath: str | None) -> str | None:
+    kept = [p for p in (pythonpath or "").split(os.pathsep) if p and os.path.abspath(p) != SPEEDUPS]
+    return os.pathsep.join(kept) or None
+
+
+def _run(code: str, sitecustomize: bool = False, **env) -> list[str]:
+    """Run ``code`` in a fresh process; without ``sitecustomize`` the speed-ups are only what ``code`` installs."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    env["PYTHONPATH"] = _without_speedups(env.get("PYTHONPATH"))
+    if sitecustomize:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (SPEEDUPS, env["PYTHONPATH"]) if p)
+    env = {k: v for k, v in env.items() if v is not None}
     for keep in ("SONAR_TRANSFORMERS_SKLEARN", "SONAR_TRANSFORMERS_SCIPY"):
         env.setdefault(keep, "0")  # the test's own choice, not the caller's environment
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
@@ -47,7 +63,7 @@ def test_the_opt_outs_leave_transformers_its_sklearn_and_scipy():
     assert after == "after True True True True", after
 
 
-def test_a_package_transformers_answered_for_before_sonar_loaded_is_left_alone():
+def test_a_package_transformers_answered_for_before_the_speedups_loaded_is_left_alone():
     """transformers imported before Sonar: its import already asked for SciPy (its lazy module checks the
     model classes' backends) and the answer True stays (hiding SciPy then would break the module that
     imports it); scikit-learn, not asked for yet, is still hidden from it."""
@@ -56,8 +72,8 @@ def test_a_package_transformers_answered_for_before_sonar_loaded_is_left_alone()
     assert after == "after True True True True", after
 
 
-METADATA = ("import importlib.metadata as md, json, sys\n"
-            "import sonar\n"
+METADATA = ("import importlib.metadata as md, json, sys\n" +
+            INSTALL +
             "got = md.packages_distributions()\n"
             "print(json.dumps({'wrapped': type(md.packages_distributions).__name__, 'got': got,"
             " 'fresh': md.packages_distributions.__wrapped__() if hasattr(md.packages_distributions, '__wrapped__')"
@@ -105,7 +121,7 @@ def test_the_module_map_is_kept_per_environment_and_recomputed_when_it_changes(t
 def test_an_unwritable_cache_still_answers_and_the_backport_is_cached_too(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")  # a file where the cache folder should be: nothing can be stored under it
-    code = ("import importlib.metadata as md, json, sonar, sys\n"
+    code = ("import importlib.metadata as md, json, sys\n" + INSTALL +
             "assert 'importlib_metadata' not in sys.modules\n"  # not imported for nothing
             "import importlib_metadata as bp\n"
             "print(json.dumps([md.packages_distributions() == md.packages_distributions.__wrapped__(),"
@@ -117,8 +133,8 @@ def test_an_unwritable_cache_still_answers_and_the_backport_is_cached_too(tmp_pa
     assert len(list(cache.glob("packages_distributions-*.json"))) == 2  # the standard library's and the backport's
 
 
-STRUCTURE = ("import json, sys\n"
-             "import sonar\n"
+STRUCTURE = ("import json, sys\n" +
+             INSTALL +
              "import transformers.utils.import_utils as iu\n"
              "f = iu.create_import_structure_from_path\n"
              "def enc(x):  # dicts, sets and frozensets of strings, nested: a canonical JSON form\n"
@@ -176,7 +192,7 @@ def test_transformers_import_structure_is_kept_per_folder_and_recomputed_when_a_
 def test_transformers_loads_its_model_classes_from_the_stored_structure(tmp_path):
     """Two fresh processes on one cache: the second reads every structure the first stored and loads the
     same model classes."""
-    code = ("import sonar\n"
+    code = (INSTALL +
             "from transformers import AutoModelForCausalLM, Qwen2ForCausalLM, LlamaConfig\n"
             "import transformers.utils.import_utils as iu\n"
             "print(Qwen2ForCausalLM.__module__, LlamaConfig.__module__, type(iu.create_import_structure_from_path).__name__)\n")
@@ -187,3 +203,25 @@ def test_transformers_loads_its_model_classes_from_the_stored_structure(tmp_path
     assert _run(code, SONAR_CACHE_DIR=str(cache))[0] == first == \
         "transformers.models.qwen2.modeling_qwen2 transformers.models.llama.configuration_llama _CachedImportStructure"
     assert sorted(p.name for p in cache.glob("import_structure-*.marshal")) == stored  # all read, none new
+
+
+def test_importing_sonar_and_its_roles_patches_nothing():
+    """Sonar is a library: importing it (and a role's module, outside a Ray worker) leaves other packages,
+    the import machinery and the environment as they were (issue 55)."""
+    code = ("import importlib.metadata as md, json, os, sys\n"
+            "import ray\n"  # sets RAY_CLIENT_MODE at its import: Ray's doing, before the snapshot
+            "meta, env, pd = list(sys.meta_path), dict(os.environ), md.packages_distributions\n"
+            "import sonar, sonar.actors.worker, sonar.learner.worker, sonar.retrieval.server\n"
+            "from transformers.utils.import_utils import is_sklearn_available\n"
+            "print(json.dumps([sys.meta_path == meta, dict(os.environ) == env, md.packages_distributions is pd,"
+            " is_sklearn_available(), sorted(k for k in dir(sonar) if not k.startswith('__'))]))\n")
+    same_meta, same_env, same_pd, sklearn, names = json.loads(_run(code)[0])
+    assert same_meta and same_env and same_pd and sklearn  # transformers sees scikit-learn, as installed
+    assert names == ["actors", "cluster", "learner", "retrieval"]  # the subpackages imported, nothing else
+
+
+def test_the_suites_processes_get_the_speedups_through_sitecustomize():
+    code = ("import importlib.metadata as md\n"
+            "print(type(md.packages_distributions).__name__)\n")
+    assert _run(code, sitecustomize=True)[0] == "_CachedPackagesDistributions"
+    assert _run(code)[0] == "function"

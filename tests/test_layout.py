@@ -517,3 +517,21 @@ def test_the_unused_name_rule_sees_dead_code_and_spares_registered_and_used_name
     sources = {"a.py": "@R.register('x')\ndef plug():\n    pass\n\ndef dead():\n    pass\n\ndef used():\n    pass\n",
                "b.py": "from a import used\nclass _Private:\n    pass\n\nclass Lonely:\n    pass\n"}
     assert unused_public_names(sources) == [("a.py", "dead"), ("b.py", "Lonely")]
+
+
+def test_the_package_root_does_nothing_at_import_and_each_role_module_bootstraps_first():
+    """Issue 55: the root ``__init__.py`` holds its docstring and version only (no import hooks, no patching
+    of other packages); each module Ray loads to run a role calls ``role_process()`` before any other import
+    of Sonar or of torch (an actor's thread and hub settings are read when those load)."""
+    from sonar.cluster.wire.bootstrap import ROLE_MODULES
+
+    root = ast.parse((ROOT / "__init__.py").read_text())
+    kinds = [type(n).__name__ for n in root.body]
+    assert kinds == ["Expr", "Assign"] and root.body[1].targets[0].id == "__version__", kinds
+    for module in ROLE_MODULES:
+        body = [n for n in ast.parse(MODULES[module].read_text()).body
+                if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))  # the docstring
+                and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")]
+        first, second = body[0], body[1]
+        assert isinstance(first, ast.ImportFrom) and first.module == "sonar.cluster.wire.bootstrap", module
+        assert isinstance(second, ast.Expr) and ast.unparse(second) == "role_process()", module

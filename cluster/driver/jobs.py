@@ -2,9 +2,9 @@
 
 * **Runtime env.** Ray merges the job's runtime env (``--runtime-env-json``, handed to the driver in
   ``RAY_JOB_CONFIG_JSON_ENV_VAR``) with the one ``ray.init`` is given and refuses the same env-var key in
-  both. Sonar's defaults (one thread per process, offline hub: ``sonar.ACTOR_ENV``) are not passed in
-  it: each actor's process sets them at ``import sonar``, for the keys the job's runtime env leaves unset
-  (``sonar._apply_actor_env``): the user's values win, nothing conflicts, and an actor without a runtime
+  both. Sonar's defaults (one thread per process, offline hub: ``sonar.cluster.wire.bootstrap.ACTOR_ENV``) are not passed in
+  it: each actor's process sets them when its role module loads, for the keys the job's runtime env leaves unset
+  (``sonar.cluster.wire.bootstrap.role_process``): the user's values win, nothing conflicts, and an actor without a runtime
   env of its own starts in one of the workers Ray keeps ready.
 * **Code that travels.** ``pyproject.toml`` maps the package ``sonar`` to the repository root, so the
   folder ``ray job submit --working-dir .`` uploads holds the package's *contents*, not a ``sonar/``:
@@ -43,13 +43,13 @@ import threading
 from pathlib import Path
 from typing import Mapping
 
-from sonar import ACTOR_ENV
+from sonar.cluster.wire.bootstrap import ACTOR_ENV
 
 log = logging.getLogger("sonar")
 
 SONAR_ENV_VARS = ACTOR_ENV
-"""Environment every Sonar actor gets unless the job's runtime env sets the key itself (``sonar.ACTOR_ENV``,
-applied by the actor's own process at ``import sonar``: ``sonar._apply_actor_env``)."""
+"""Environment every Sonar actor gets unless the job's runtime env sets the key itself (``sonar.cluster.wire.bootstrap.ACTOR_ENV``,
+applied by the actor's own process when its role module loads: ``sonar.cluster.wire.bootstrap.role_process``)."""
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 """Where Ray's job supervisor hands the job's config (runtime env, metadata) to the driver."""
 
@@ -78,7 +78,7 @@ def driver_runtime_env(environ: Mapping[str, str]) -> dict:
     (``CHECKOUT_ENV``), that checkout as ``py_modules``, after the job's own entries when it names some
     (``merge_override`` then lets this list replace the job's). Sonar's environment defaults
     (``SONAR_ENV_VARS``) are not passed: each actor's process sets them itself, less the keys the job's
-    runtime env sets (``sonar._apply_actor_env``), so an actor has no runtime env of its own to wait for."""
+    runtime env sets (``sonar.cluster.wire.bootstrap.role_process``), so an actor has no runtime env of its own to wait for."""
     job = job_runtime_env(environ)
     user = job.get("env_vars") or {}
     skipped = sorted(set(SONAR_ENV_VARS) & set(user))

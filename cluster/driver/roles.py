@@ -124,12 +124,12 @@ def start_local_node(start: Callable, attempts: int = 3):
     children by pid (never by name) before the next try. Processes under an older child (a node added
     before) are not touched.
 
-    Every node started here is on the machine this process runs on, so it gets ``sonar.LOCAL_NODE_ENV``
+    Every node started here is on the machine this process runs on, so it gets ``sonar.cluster.wire.bootstrap.LOCAL_NODE_ENV``
     (its actors at the driver's priority) unless the environment already says otherwise: the driver's
     private cluster, the benchmarks' and the tests' clusters alike."""
     import psutil
 
-    from sonar import set_local_node_env
+    from sonar.cluster.wire.bootstrap import set_local_node_env
 
     set_local_node_env()  # the raylet reads it from the environment it inherits
     me = psutil.Process()

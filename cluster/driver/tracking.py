@@ -210,6 +210,12 @@ EMPTY_STORE = "mlflow-empty-store-{version}.db"
 schema migration applied and nothing in them, one file per MLflow version."""
 
 
+def cache_dir() -> Path:
+    """Where Sonar keeps files it can rebuild (the empty MLflow store template): ``$SONAR_CACHE_DIR``, else
+    ``~/.cache/sonar``."""
+    return Path(os.environ.get("SONAR_CACHE_DIR") or Path.home() / ".cache" / "sonar")
+
+
 def seed_sqlite_store(uri: str) -> bool:
     """Give a new local sqlite store (``uri`` names a file that does not exist yet) MLflow's empty schema
     by copying a store MLflow built once per MLflow version, rather than letting MLflow build its tables
@@ -231,9 +237,7 @@ def seed_sqlite_store(uri: str) -> bool:
 
         import mlflow
 
-        from sonar import _cache_dir
-
-        template = Path(_cache_dir()) / EMPTY_STORE.format(version=mlflow.__version__)
+        template = cache_dir() / EMPTY_STORE.format(version=mlflow.__version__)
         if not template.is_file():
             _build_empty_store(template)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -84,7 +84,7 @@ def save_policy(model, tokenizer, path: str | Path, state_dict: dict | None = No
     path.mkdir(parents=True, exist_ok=True)
     # No "Writing model shards" bar: the driver writes the initial policy, the learner its exports, a
     # vLLM worker its engine's copy, and each bar is a line of the run's log (the actors' env turns bars
-    # off already, ``sonar.ACTOR_ENV``; the driver's, one per run, was left).
+    # off already, ``sonar.cluster.wire.bootstrap.ACTOR_ENV``; the driver's, one per run, was left).
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

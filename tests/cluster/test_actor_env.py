@@ -1,6 +1,7 @@
-"""Sonar's environment defaults reach every actor's process without a runtime env (``sonar._apply_actor_env``):
-an actor sets ``sonar.ACTOR_ENV`` at its first ``import sonar``, except the keys its job's runtime env
-sets, and its own process is one of the workers Ray started ahead of time (no ``setup_worker.py``)."""
+"""Sonar's environment defaults reach every actor's process without a runtime env
+(``sonar.cluster.wire.bootstrap.role_process``, the first line of each role module): an actor sets
+``ACTOR_ENV`` when its role's module loads, except the keys its job's runtime env sets, and its own process is
+one of the workers Ray started ahead of time (no ``setup_worker.py``)."""
 import pytest
 
 pytestmark = pytest.mark.ray
@@ -21,7 +22,7 @@ def _probe(address, runtime_env):
             self.before = {k: os.environ.get(k) for k in keys}
             for k in keys:  # what the process would otherwise hold: none of Sonar's values
                 os.environ[k] = "unset-by-test"
-            import sonar  # noqa: F401 - what loading any Sonar actor class runs first
+            import sonar.learner.worker  # noqa: F401 - what loading the learner's actor class runs first
 
             self.env = {k: os.environ.get(k) for k in keys}
             from huggingface_hub.utils import are_progress_bars_disabled  # read at import, as transformers does
@@ -40,7 +41,7 @@ def _probe(address, runtime_env):
 
 
 def test_an_actor_sets_sonars_defaults_itself_and_leaves_the_jobs_keys(ray_cluster, monkeypatch):
-    from sonar import ACTOR_ENV
+    from sonar.cluster.wire.bootstrap import ACTOR_ENV
 
     if ray_cluster is None:
         pytest.skip("needs the session's Ray cluster")
@@ -78,7 +79,7 @@ ray.shutdown()
 
 def test_a_local_cluster_runs_its_actors_at_the_drivers_niceness(tmp_path):
     """Ray's default (nice 15 for every worker) would make every role yield to any other process on the
-    machine (``sonar.LOCAL_NODE_ENV``): the driver's own start of a private cluster (``init_ray``, what
+    machine (``sonar.cluster.wire.bootstrap.LOCAL_NODE_ENV``): the driver's own start of a private cluster (``init_ray``, what
     ``sonar train`` runs) sets Sonar's value, and an actor then runs at the driver's priority."""
     import json
     import os
@@ -103,7 +104,7 @@ def test_the_local_clusters_niceness_is_the_environments_when_it_sets_one(preset
 
     import ray
 
-    from sonar import LOCAL_NODE_ENV
+    from sonar.cluster.wire.bootstrap import LOCAL_NODE_ENV
     from sonar.bench.common import init_ray_local
     from sonar.cluster.driver import roles
     from sonar.cluster.wire.config import load_config

@@ -5,7 +5,7 @@ import signal
 import pytest
 from ray.runtime_env.runtime_env import _merge_runtime_env  # what ray.init does with a job's runtime env
 
-from sonar import actor_env
+from sonar.cluster.wire.bootstrap import actor_env
 from sonar.cluster.driver.jobs import (JOB_CONFIG_ENV, SONAR_ENV_VARS, driver_runtime_env, job_runtime_env,
                                        keep_sigterm_handler)
 
@@ -15,7 +15,7 @@ def _job(runtime_env) -> dict:
 
 
 def test_outside_a_job_the_driver_passes_no_runtime_env():
-    """Sonar's defaults are set by each actor's own process (``sonar._apply_actor_env``), so an actor has
+    """Sonar's defaults are set by each actor's own process (``sonar.cluster.wire.bootstrap.role_process``), so an actor has
     no runtime env to be started through (Ray's pre-started workers serve it)."""
     assert driver_runtime_env({}) == {}
     assert job_runtime_env({JOB_CONFIG_ENV: "not json"}) == {}
