@@ -78,7 +78,6 @@ paper vs released code") tabulates every difference.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import re
@@ -98,7 +97,6 @@ if TYPE_CHECKING:  # config imports omegaconf; rewards only reads a few fields
     from sonar.cluster.wire.protocol import Trajectory
 
 PARTS = ("em", "f1", "acc_r", "f1_r1", "format", "retrieval", "penalty", "num_searches", "failed_searches")
-REWARD_NAMES = ("answer_em", "answer_f1", "cover_em", "search_r1", "rag_r1", "r1_stage1", "r1_stage2")
 VARIANTS = ("paper", "code_qwen", "code_llama")
 """``RewardConfig.variant``: the paper's formulas, or R1-Searcher's released Qwen / Llama reward server."""
 BROKEN_FORMAT = (FinishReason.MALFORMED, FinishReason.MAX_TURNS, FinishReason.MAX_TOKENS)
@@ -310,58 +308,35 @@ def answer_parts(traj: "Trajectory") -> dict[str, float]:
     }
 
 
-def needs_text(cfg: "RewardConfig") -> bool:
-    """Whether ``trajectory_reward`` needs the decoded response (the R1-Searcher code variants)."""
-    return cfg.variant != "paper" and cfg.name in ("r1_stage1", "r1_stage2")
+def _scored(cfg: "RewardConfig", traj: "Trajectory") -> dict[str, float]:
+    """The checks every built-in makes, then the answer parts (``answer_parts``). Raises ``ValueError`` for an
+    unknown variant or finish reason and an ``answered`` trajectory without a prediction."""
+    finish = traj.finish_reason
+    if finish not in FinishReason.ALL:
+        raise ValueError(f"trajectory {traj.traj_id!r}: finish_reason={finish!r} is not one of {list(FinishReason.ALL)}")
+    if finish == FinishReason.ANSWERED and traj.prediction is None:
+        raise ValueError(f"trajectory {traj.traj_id!r}: finish_reason='answered' but prediction is None")
+    if cfg.variant not in VARIANTS:
+        raise ValueError(f"reward.variant={cfg.variant!r} is not one of {list(VARIANTS)}")
+    return answer_parts(traj)
+
+
+def _fmt(traj: "Trajectory") -> float:
+    """The format term: 1 for a trajectory that answered, else 0."""
+    return 1.0 if traj.finish_reason == FinishReason.ANSWERED else 0.0
 
 
 def trajectory_reward(cfg: "RewardConfig", traj: "Trajectory", text: ResponseText | None = None,
                       tags: "TagSet | None" = None) -> RewardBreakdown:
-    """Reward of one finished trajectory (see the module docstring for the table and the papers).
-
-    Reads ``cfg.name``, ``cfg.variant``, ``cfg.format_weight``, ``cfg.format_penalty`` and
-    ``traj.prediction``, ``traj.golds``, ``traj.searches``, ``traj.finish_reason``; the R1-Searcher code
-    variants also ``text`` and ``tags`` (``needs_text``). Raises ``ValueError`` for an unknown reward
-    name, variant or finish reason, an ``answered`` trajectory without a prediction, and a code variant
-    called without ``text``/``tags``.
-    """
-    finish = traj.finish_reason
-    if finish not in FinishReason.ALL:
-        raise ValueError(f"trajectory {traj.traj_id!r}: finish_reason={finish!r} is not one of {list(FinishReason.ALL)}")
-    pred = traj.prediction
-    if finish == FinishReason.ANSWERED and pred is None:
-        raise ValueError(f"trajectory {traj.traj_id!r}: finish_reason='answered' but prediction is None")
-    if cfg.variant not in VARIANTS:
-        raise ValueError(f"reward.variant={cfg.variant!r} is not one of {list(VARIANTS)}")
-    answered = finish == FinishReason.ANSWERED
-    fmt = 1.0 if answered else 0.0
-    broken = finish in BROKEN_FORMAT
-    parts = answer_parts(traj)
-    name = cfg.name
-    if name not in REWARD_NAMES:
-        raise ValueError(f"reward.name={name!r} is not one of {list(REWARD_NAMES)}")
-    if needs_text(cfg):
-        if text is None or tags is None:
-            raise ValueError(f"reward.name={name!r} with reward.variant={cfg.variant!r} reads the decoded response: "
-                             "pass text= and tags= (make_reward_fn does)")
-        if finish == FinishReason.RETRIEVAL_ERROR:  # Sonar's rule: not the model's fault, no score at all
-            parts.update(format=0.0, retrieval=0.0)
-            return RewardBreakdown(0.0, parts)
-        return RewardBreakdown(_r1_code(cfg, traj, text, tags, parts), parts)
-    if name == "answer_em":
-        total = parts["em"] + cfg.format_weight * fmt
-    elif name == "answer_f1":
-        total = parts["f1"] + cfg.format_weight * fmt
-    elif name == "cover_em":
-        total = parts["acc_r"] + cfg.format_weight * fmt
-    elif name in ("search_r1", "rag_r1"):
-        total = parts["em"] if answered else 0.0
-    elif name == "r1_stage1":
-        total = R1_STAGE1_RETRIEVAL * parts["retrieval"] + R1_STAGE1_FORMAT * fmt
-    else:  # r1_stage2, paper
-        parts["penalty"] = float(cfg.format_penalty) if broken else 0.0
-        total = parts["f1_r1"] + parts["penalty"]
-    return RewardBreakdown(float(total), parts)
+    """Reward of one finished trajectory by the built-in ``cfg.name`` (see the module docstring for the table
+    and the papers), for callers that hold the decoded ``text`` rather than a tokenizer: the same
+    registered function ``make_reward_fn`` calls. The R1-Searcher code variants read ``text`` and
+    ``tags``; the others never decode. Raises ``ValueError`` for a name that is no built-in reward."""
+    if cfg.name not in BUILTIN_REWARDS:
+        raise ValueError(f"reward.name={cfg.name!r} is not one of {list(BUILTIN_REWARDS)}")
+    sample = RewardInput(traj, None, tags)
+    sample._text = text
+    return REWARDS.get(cfg.name, "reward.name")(sample, cfg)
 
 
 def _r1_code(cfg: "RewardConfig", traj: "Trajectory", text: ResponseText, tags: "TagSet",
@@ -429,18 +404,80 @@ class RewardInput:
         return self.text.model
 
 
-def _builtin(name: str) -> Callable[[RewardInput, "RewardConfig"], RewardBreakdown]:
-    def reward(sample: RewardInput, config: "RewardConfig") -> RewardBreakdown:
-        cfg = config if config.name == name else dataclasses.replace(config, name=name)
-        if not needs_text(cfg):
-            return trajectory_reward(cfg, sample.trajectory)
-        return trajectory_reward(cfg, sample.trajectory, sample.text, sample._tags)
-    reward.__name__ = reward.__qualname__ = name
-    return reward
+    def decoded(self, cfg: "RewardConfig") -> ResponseText:
+        """The decoded response, for a reward that reads it (the R1-Searcher code variants)."""
+        if self._tags is None or (self._text is None and self._tokenizer is None):
+            raise ValueError(f"reward.name={cfg.name!r} with reward.variant={cfg.variant!r} reads the decoded "
+                             "response: pass text= and tags= (make_reward_fn does)")
+        return self.text
 
 
-for _name in REWARD_NAMES:
-    REWARDS.register(_name)(_builtin(_name))
+# ---------------------------------------------------------------- the built-ins, through the same door
+@REWARDS.register("answer_em")
+def answer_em(sample: RewardInput, config: "RewardConfig") -> RewardBreakdown:
+    """EM of the answer plus ``format_weight`` x the format term."""
+    parts = _scored(config, sample.trajectory)
+    return RewardBreakdown(parts["em"] + config.format_weight * _fmt(sample.trajectory), parts)
+
+
+@REWARDS.register("answer_f1")
+def answer_f1(sample: RewardInput, config: "RewardConfig") -> RewardBreakdown:
+    """Token F1 of the answer plus ``format_weight`` x the format term."""
+    parts = _scored(config, sample.trajectory)
+    return RewardBreakdown(parts["f1"] + config.format_weight * _fmt(sample.trajectory), parts)
+
+
+@REWARDS.register("cover_em")
+def cover_em(sample: RewardInput, config: "RewardConfig") -> RewardBreakdown:
+    """R1-Searcher's ACC_R (a gold contained in the answer) plus ``format_weight`` x the format term."""
+    parts = _scored(config, sample.trajectory)
+    return RewardBreakdown(parts["acc_r"] + config.format_weight * _fmt(sample.trajectory), parts)
+
+
+def _em_if_answered(sample: RewardInput, config: "RewardConfig") -> RewardBreakdown:
+    """EM of the answer, 0 without one, no format term (Search-R1's and RAG-R1's ``qa_em.py``)."""
+    parts = _scored(config, sample.trajectory)
+    return RewardBreakdown(parts["em"] * _fmt(sample.trajectory), parts)
+
+
+REWARDS.register("search_r1")(_em_if_answered)
+REWARDS.register("rag_r1")(_em_if_answered)
+
+
+def _r1_searcher(sample: RewardInput, config: "RewardConfig") -> tuple[dict[str, float], float | None]:
+    """R1-Searcher's checks; with a released variant, the servers' score (None: the paper's formula)."""
+    parts = _scored(config, sample.trajectory)
+    if config.variant == "paper":
+        return parts, None
+    text = sample.decoded(config)
+    if sample.finish_reason == FinishReason.RETRIEVAL_ERROR:  # Sonar's rule: not the model's fault, no score
+        parts.update(format=0.0, retrieval=0.0)
+        return parts, 0.0
+    return parts, _r1_code(config, sample.trajectory, text, sample._tags, parts)
+
+
+@REWARDS.register("r1_stage1")
+def r1_stage1(sample: RewardInput, config: "RewardConfig") -> RewardBreakdown:
+    """R1-Searcher stage 1: 0.5 x retrieval (searched and got documents) + 0.5 x format."""
+    parts, code = _r1_searcher(sample, config)
+    if code is None:
+        code = R1_STAGE1_RETRIEVAL * parts["retrieval"] + R1_STAGE1_FORMAT * _fmt(sample.trajectory)
+    return RewardBreakdown(float(code), parts)
+
+
+@REWARDS.register("r1_stage2")
+def r1_stage2(sample: RewardInput, config: "RewardConfig") -> RewardBreakdown:
+    """R1-Searcher stage 2: F1 of the answer (R1's normalisation) plus ``format_penalty`` for a broken format."""
+    parts, code = _r1_searcher(sample, config)
+    if code is None:
+        parts["penalty"] = float(config.format_penalty) if sample.finish_reason in BROKEN_FORMAT else 0.0
+        code = parts["f1_r1"] + parts["penalty"]
+    return RewardBreakdown(float(code), parts)
+
+
+BUILTIN_REWARDS = REWARDS.names()
+"""The built-in rewards, as registered above (the config's list, ``plugins.BUILTIN_NAMES``, is pinned to it
+by tests/cluster/test_plugins.py)."""
 
 REWARD_ERROR = "reward_error"
 """The part a plug-in reward's breakdown carries: 1 when the plug-in raised (the reward is then 0 and

@@ -11,11 +11,11 @@ import re
 import pytest
 
 from sonar.actors.prompts import get_protocol
-from sonar.actors.rewards import (PARTS, R1_MAX_ANSWER_WORDS, RewardBreakdown, ResponseText, acc_r, bool_mapping,
-                                  exact_match, exact_match_r1, f1, f1_r1, make_reward_fn, needs_text,
+from sonar.actors.rewards import (BUILTIN_REWARDS, PARTS, R1_MAX_ANSWER_WORDS, RewardBreakdown, ResponseText, acc_r, bool_mapping,
+                                  exact_match, exact_match_r1, f1, f1_r1, make_reward_fn,
                                   normalize_answer, normalize_answer_r1, r1_format_failures, trajectory_reward)
 from sonar.cluster.wire.config import ProtocolConfig, RewardConfig
-from sonar.cluster.wire.protocol import FinishReason, SearchCall, Trajectory
+from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, Trajectory
 
 NORMALISE = [  # (raw, SQuAD/HotpotQA, R1-Searcher)
     ("The Beatles", "beatles", "beatles"),
@@ -356,9 +356,25 @@ def test_llama_stage1_server(text, kw, total, parts):
         assert out.parts[k] == v, k
 
 
-def test_needs_text_only_for_r1_code_variants():
-    assert not needs_text(RewardConfig(name="r1_stage2"))
-    assert needs_text(code("code_qwen")) and needs_text(code("code_llama", name="r1_stage1"))
+class NoDecode:
+    def decode(self, ids, skip_special_tokens=False):
+        raise AssertionError("decoded")
+
+
+def test_only_the_r1_code_variants_decode_the_response():
+    """Every built-in is a registered function of the sample; only R1-Searcher's released servers read the
+    decoded response, so the others never pay for decoding it."""
+    t = traj()
+    t.segments = [Segment(SegmentKind.MODEL, [5, 6, 7], [0.0, 0.0, 0.0], 0)]
+    for name in BUILTIN_REWARDS:
+        make_reward_fn(RewardConfig(name=name), NoDecode(), T)(t)
+    for cfg in (code("code_qwen"), code("code_llama", name="r1_stage1")):
+        with pytest.raises(AssertionError, match="decoded"):
+            make_reward_fn(cfg, NoDecode(), T)(t)
+    with pytest.raises(ValueError, match="reads the decoded response: pass text= and tags="):
+        trajectory_reward(code("code_qwen"), t)  # no text and no tokenizer to decode it with
+    with pytest.raises(ValueError, match=r"reward.name='mine' is not one of \['answer_em'"):
+        trajectory_reward(RewardConfig(name="mine"), t)
 
 
 def test_make_reward_fn_decodes_the_rollout_as_the_server_reads_it():

@@ -42,7 +42,7 @@ def test_each_registry_holds_exactly_the_builtin_names_the_config_validates():
     (f"stages.0.reward.name={PLUGINS}:make_echo_retriever", r"called with 1 or 2 positional argument.*takes 3 required"),
     ("stages.0.reward.name=no_such_pkg.mod:fn", r"module 'no_such_pkg' not found"),
     ("stages.0.reward.name=answer_emm", r"stages\[0\]\.reward\.name='answer_emm' is not one of .* nor a plug-in"),
-    ("retrieval.backend=sonar.actors.rewards:REWARD_NAMES", r"'REWARD_NAMES' is a tuple, not a callable"),
+    ("retrieval.backend=sonar.actors.rewards:BUILTIN_REWARDS", r"'BUILTIN_REWARDS' is a tuple, not a callable"),
     ("stages.0.reward.name=:fn", r"a plug-in is 'module.path:attr'"),
 ])
 def test_a_bad_plugin_is_refused_at_load_naming_the_field_and_what_is_missing(override, match):
