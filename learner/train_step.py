@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from sonar.cluster.wire import metrics as K
+from sonar.cluster.wire.algos import spec_of
 from sonar.cluster.wire.config import (AlgoConfig, LearnerConfig, ReplayConfig, algo_dynamic_sampling,
                                        algo_std_normalize, proximal_forward_runs)
 from sonar.cluster.wire.protocol import Trajectory
@@ -244,7 +245,7 @@ def rl_step(stepper: Stepper, groups: list[list[Trajectory]], lags: list[int], a
         kl = kl_estimate(cur, ref, algo.kl_estimator, algo.kl_clamp) * batch.loss_mask
         m[K.LEARNER_KL_REWARD_PENALTY] = float(algo.kl_coef * kl.sum() / max(1.0, float(batch.loss_mask.sum())))
     batch.advantages = batch_advantages(batch, algo, kl, critic, dp)
-    if algo.name == "ppo":
+    if spec_of(algo.name).critic:
         m[K.LEARNER_CRITIC_WARMUP] = float(not train_policy)
     use_ref = ref_module is not None and algo.kl_coef > 0 and algo.kl_mode == "loss"
     stepper.module.train()
@@ -366,14 +367,15 @@ def batch_advantages(batch: Batch, algo: AlgoConfig, kl: torch.Tensor | None, cr
     """The advantage seam: per-token advantages [B, T-1] (float32, 0 where loss_mask is 0) of the whole
     batch, computed once before the first update and held fixed over every epoch and mini-batch.
 
-    ``algo.name='ppo'`` needs ``critic`` (``learner.critic.Critic``): GAE over the critic's V_old
-    (``critic.gae_advantages``); V_old and the returns are kept on the batch (``Batch.old_values`` /
-    ``Batch.returns``) for the critic's value-loss step on every mini-batch (V_old split across the ``dp``
-    ranks like ``batch_logprobs``). The other algorithms:
-    ``advantages.compute_advantages`` (group baselines, the REINFORCE++ family)."""
-    if algo.name == "ppo":
+    An algorithm whose spec takes a critic (``AlgoSpec.critic``: ppo) needs ``critic``
+    (``learner.critic.Critic``): GAE over the critic's V_old (``critic.gae_advantages``); V_old and the
+    returns are kept on the batch (``Batch.old_values`` / ``Batch.returns``) for the critic's value-loss step
+    on every mini-batch (V_old split across the ``dp`` ranks like ``batch_logprobs``). The others: their
+    registered estimator (``advantages.compute_advantages``: group baselines, the REINFORCE++ family, a
+    plug-in)."""
+    if spec_of(algo.name).critic:
         if critic is None:
-            raise ValueError("algo.name='ppo' trains with a critic: rl_step needs critic= (learner/critic.py)")
+            raise ValueError(f"algo.name={algo.name!r} trains with a critic: rl_step needs critic= (learner/critic.py)")
         adv, batch.old_values, batch.returns = gae_advantages(critic, batch, kl, algo.kl_coef, dp)
         return adv.float()
     return compute_advantages(algo.name, batch.rewards, batch.group_index, batch.loss_mask,

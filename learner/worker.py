@@ -25,6 +25,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Sequence
 
 from sonar.cluster.wire import metrics as K
+from sonar.cluster.wire.algos import spec_of, trains_critic
 from sonar.cluster.wire.config import Config, StageConfig
 from sonar.cluster.wire.errors import ReplayUnresponsive
 from sonar.cluster.wire.protocol import StepResult
@@ -177,9 +178,9 @@ class Learner:
         self._group = None
         self._buckets = None
         self.sft_data = SFTData(cfg.run.seed)
-        # PPO's value model, built once when any RL stage runs ppo (checkpointed with the policy).
+        # PPO's value model, built once when any RL stage's algorithm takes a critic (checkpointed with the policy).
         self.critic = None
-        if any(st.kind == "rl" and st.algo.name == "ppo" for st in cfg.stages):
+        if trains_critic(cfg):
             from sonar.learner.critic import Critic
 
             # under DeepSpeed like the policy: the same ZeRO stage and precision, its own AdamW (critic.lr)
@@ -589,7 +590,7 @@ class Learner:
         from sonar.learner.train_step import rl_step
 
         lr = self._set_lr(stage)
-        ppo = stage.algo.name == "ppo"
+        ppo = spec_of(stage.algo.name).critic  # the critic trains, and alone during its warm-up
         metrics = rl_step(self.stepper, groups, lags, stage.algo, self.cfg.learner, self.cfg.replay,
                           temperature=self.cfg.rollout.temperature, pad_id=self.pad_id,
                           device=self.device, ref_module=self.ref_module, difficulty=tuple(stage.difficulty),

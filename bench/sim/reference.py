@@ -177,6 +177,7 @@ def learner_passes(algo, critic_mode: str = "separate", train_policy: bool = Tru
     """
     import dataclasses
 
+    from sonar.cluster.wire.algos import spec_of
     from sonar.cluster.wire.config import AlgoConfig, proximal_forward_runs
 
     if isinstance(algo, dict):
@@ -189,7 +190,7 @@ def learner_passes(algo, critic_mode: str = "separate", train_policy: bool = Tru
     forwards = int(need_prox or kl_reward) + int(kl_reward)
     if kl_coef > 0 and kl_mode == "loss" and train_policy:
         forwards += epochs
-    if algo.name == "ppo":
+    if spec_of(algo.name).critic:
         forwards += 1  # V_old
         if critic_mode == "separate":
             updates += epochs

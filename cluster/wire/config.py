@@ -29,6 +29,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from sonar.cluster.wire import plugins as _plugins
+from sonar.cluster.wire.algos import spec_of
 from sonar.cluster.wire.paths import CONFIG_DIR, find_config, resolve_relative, resolve_run_root
 from sonar.cluster.wire.resolved import broadcast_backend, engine_dtype, vllm_batched_tokens  # noqa: F401  (re-exported: callers import them from here)
 
@@ -501,7 +502,8 @@ class AlgoConfig:
     OpenRLHF's ``reinforce_baseline`` (R1-Searcher): the group mean is subtracted from the outcome, then the
     per-token returns are whitened over the batch; ``reinforce_pp`` whitens without the group baseline;
     ``group_norm`` is OpenRLHF's ``group_norm`` (R1-Searcher's Llama stage 1): (r - group mean) / (unbiased
-    group std + 1e-9), per-token returns, no batch whitening."""
+    group std + 1e-9), per-token returns, no batch whitening. Or a plug-in ``module:attr`` / ``file.py:attr``:
+    an estimator carrying its ``AlgoSpec`` (``cluster/wire/algos.py``; learner/README.md)."""
     std_normalize: Optional[bool] = None
     """grpo / ppo: divide the group-centred rewards by the unbiased group std + 1e-6 (TRL, veRL). None: the
     algorithm's default (True for grpo and ppo, False for dr_grpo); True with dr_grpo or a REINFORCE++ variant
@@ -1010,7 +1012,7 @@ keeps the two lists equal; the wire imports nothing of the actors)."""
 
 _STAGE_CHOICES = {
     "kind": ("sft", "rl"),
-    "algo.name": ("grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "group_norm", "ppo"),
+    "algo.name": BUILTIN_NAMES["algorithm"],
     "algo.loss_agg": (None, "token_mean", "seq_mean_token_mean", "seq_sum_norm"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.kl_mode": ("loss", "reward"),
@@ -1026,19 +1028,16 @@ def _get(obj: Any, dotted: str) -> Any:
     return obj
 
 
-REINFORCE_PP_FAMILY = ("reinforce_pp", "reinforce_pp_baseline", "group_norm")
-"""The algorithms built on REINFORCE++'s per-token returns (OpenRLHF ``reinforce`` / ``reinforce_baseline`` /
-``group_norm``)."""
-
-
 def algo_std_normalize(a: AlgoConfig) -> bool:
-    """Resolved ``algo.std_normalize``: the explicit value, else True for grpo and ppo, False otherwise."""
-    return a.std_normalize if a.std_normalize is not None else a.name in ("grpo", "ppo")
+    """Resolved ``algo.std_normalize``: the explicit value, else the algorithm's default (``AlgoSpec``: True
+    for grpo and ppo)."""
+    return a.std_normalize if a.std_normalize is not None else spec_of(a.name).std_normalize
 
 
 def algo_dynamic_sampling(a: AlgoConfig) -> bool:
-    """Resolved ``algo.dynamic_sampling``: the explicit value, else True for grpo and dr_grpo only."""
-    return a.dynamic_sampling if a.dynamic_sampling is not None else a.name in ("grpo", "dr_grpo")
+    """Resolved ``algo.dynamic_sampling``: the explicit value, else the algorithm's default (``AlgoSpec``: True
+    for grpo and dr_grpo)."""
+    return a.dynamic_sampling if a.dynamic_sampling is not None else spec_of(a.name).dynamic_sampling
 
 
 def proximal_forward_runs(a: AlgoConfig) -> bool:
@@ -1056,10 +1055,11 @@ def proximal_forward_runs(a: AlgoConfig) -> bool:
 
 
 def algo_loss_agg(a: AlgoConfig) -> str:
-    """Resolved ``algo.loss_agg``: the explicit value, else seq_sum_norm for dr_grpo, token_mean otherwise."""
+    """Resolved ``algo.loss_agg``: the explicit value, else the algorithm's default (``AlgoSpec``:
+    seq_sum_norm for dr_grpo, token_mean otherwise)."""
     if a.loss_agg is not None:
         return a.loss_agg
-    return "seq_sum_norm" if a.name == "dr_grpo" else "token_mean"
+    return spec_of(a.name).loss_agg
 
 
 ROLE_NAMES = ("learner", "rollout", "retrieval")
@@ -1270,13 +1270,14 @@ def _check_memory(cfg: Config) -> None:
 
 
 
-PLUGIN_FIELDS = {"retrieval.backend": "retriever", "reward.name": "reward", "format": "dataset", "tools": "tool"}
+PLUGIN_FIELDS = {"retrieval.backend": "retriever", "reward.name": "reward", "format": "dataset", "tools": "tool",
+                 "algo.name": "algorithm"}
 """Choice fields that also take a plug-in ``module:attr`` / ``file.py:attr`` (``cluster/wire/plugins.py``),
 by field (a stage's, eval's or the protocol's) -> plug-in kind."""
 
-PLUGIN_ARITY = {"reward": (1, 2), "retriever": (3, 3), "dataset": (1, 1), "tool": (1, 1)}
+PLUGIN_ARITY = {"reward": (1, 2), "retriever": (3, 3), "dataset": (1, 1), "tool": (1, 1), "algorithm": (3, 3)}
 """Positional arguments each kind of plug-in is called with (least, most): ``reward(sample[, config])``,
-``make(config, corpus, index_root)``, ``load(path)``, ``make(config)``."""
+``make(config, corpus, index_root)``, ``load(path)``, ``make(config)``, ``fn(rewards, group_index, mask, *, ...)``."""
 
 
 def _check_choices(cfg: Config, section: str) -> None:
@@ -1301,6 +1302,8 @@ def plugin_values(cfg: Config) -> list[tuple[str, str, str]]:
             out.append(("reward", f"stages[{i}].reward.name", st.reward.name))
         if _plugins.is_plugin(st.format):
             out.append(("dataset", f"stages[{i}].format", st.format))
+        if _plugins.is_plugin(st.algo.name):
+            out.append(("algorithm", f"stages[{i}].algo.name", st.algo.name))
     if _plugins.is_plugin(cfg.eval.format):
         out.append(("dataset", "eval.format", cfg.eval.format))
     return out
@@ -1329,6 +1332,8 @@ def resolve_plugins(cfg: Config) -> Config:
         if read is not None:
             sources[read[0]] = read[1]
         _plugins.check(kind, value, fld, sources, PLUGIN_ARITY[kind])
+        if kind == "algorithm":
+            spec_of(value, fld, sources)  # it carries its AlgoSpec, which the checks and the learner read
     _plugins.remember(sources)
     return cfg if sources == dict(cfg.plugins) else dataclasses.replace(cfg, plugins=sources)
 
@@ -1511,8 +1516,8 @@ def _check_learner(cfg: Config) -> None:
 def _check_critic(cfg: Config) -> None:
     _check_choices(cfg, "critic")
     for i, st in enumerate(cfg.stages):
-        if st.kind == "rl" and st.algo.name == "ppo" and st.algo.dynamic_sampling and cfg.rollout.group_size == 1:
-            raise ValueError(f"stages[{i}].algo.name='ppo' with stages[{i}].algo.dynamic_sampling=True and "
+        if st.kind == "rl" and st.algo.dynamic_sampling and cfg.rollout.group_size == 1:
+            raise ValueError(f"stages[{i}].algo.name={st.algo.name!r} with stages[{i}].algo.dynamic_sampling=True and "
                              f"rollout.group_size=1: a group of one always has all-equal rewards, so dynamic "
                              "sampling would drop every sample (leave it unset: off for ppo)")
 
@@ -1548,17 +1553,14 @@ def _check_stages(cfg: Config) -> None:
         if len(d) != 2 or d[0] > d[1]:  # each bound in [0, 1]: its range
             raise ValueError(f"stages[{i}].difficulty={list(d)} must be [lo, hi] with 0 <= lo <= hi <= 1")
         a = stage.algo
-        if a.name == "dr_grpo" and a.std_normalize:
-            raise ValueError(f"stages[{i}].algo.name='dr_grpo' with stages[{i}].algo.std_normalize=True: Dr.GRPO has no std normalisation")
-        if a.name in REINFORCE_PP_FAMILY and a.std_normalize:
-            raise ValueError(f"stages[{i}].algo.name={a.name!r} with stages[{i}].algo.std_normalize=True: REINFORCE++ "
-                             "whitens over the batch (group_norm divides by the group std itself); leave it unset")
+        spec = spec_of(a.name, f"stages[{i}].algo.name", cfg.plugins)
+        if spec.no_std and a.std_normalize:
+            raise ValueError(f"stages[{i}].algo.name={a.name!r} with stages[{i}].algo.std_normalize=True: {spec.no_std}")
         rows = cfg.learner.groups_per_step * cfg.rollout.group_size
         if stage.kind == "rl" and a.mini_batches > rows:
             raise ValueError(f"stages[{i}].algo.mini_batches={a.mini_batches} > learner.groups_per_step x "
                              f"rollout.group_size={rows}: a mini-batch needs at least one trajectory")
-        if stage.kind == "rl" and a.name in ("grpo", "dr_grpo", "reinforce_pp_baseline", "group_norm") \
-                and cfg.rollout.group_size < 2:
+        if stage.kind == "rl" and spec.groups and cfg.rollout.group_size < 2:
             raise ValueError(f"stages[{i}].algo.name={a.name!r} needs rollout.group_size >= 2, got {cfg.rollout.group_size}")
         _check_data(cfg, f"stages[{i}]", stage.data, stage.format, stage.fields)
         if stage.kind == "sft" and stage.data is not None:

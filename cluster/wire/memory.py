@@ -152,6 +152,7 @@ from typing import Mapping, Optional, Sequence
 
 # No import of config.py: config.validate calls this module (_check_memory), so ``Config`` here is an
 # annotation only and the two resolvers come from their own module (tests/test_layout.py: no cycles).
+from sonar.cluster.wire.algos import trains_critic
 from sonar.cluster.wire.resolved import broadcast_backend, engine_dtype, vllm_batched_tokens
 from sonar.cluster.wire.weights import (CHECKSUM_CHUNK_BYTES, DEFAULT_BUCKET_BYTES, TensorSpec, plan_buckets,
                                         recv_buffer_bytes, send_buffer_bytes)
@@ -522,7 +523,7 @@ def _kl_on(cfg: Config) -> bool:
 
 
 def _critic_on(cfg: Config) -> bool:
-    return cfg.critic.mode == "separate" and any(st.kind == "rl" and st.algo.name == "ppo" for st in cfg.stages)
+    return cfg.critic.mode == "separate" and trains_critic(cfg)
 
 
 def micro_tokens(cfg: Config) -> int:

@@ -1,6 +1,6 @@
 """Plug-ins: user code named in the config, resolved once at load, the same door as the built-ins.
 
-Four kinds (``KINDS``), each a config field that takes either a built-in name or a plug-in:
+Five kinds (``KINDS``), each a config field that takes either a built-in name or a plug-in:
 
 =========  ====================================  =====================================================
 kind       field                                 what the named object is
@@ -12,6 +12,9 @@ retriever  ``retrieval.backend``                 ``make(config: RetrievalConfig,
 dataset    ``stages.N.format`` / ``eval.format``  ``load(path: str) -> iterable of dicts with question,
                                                  golds (and optionally qid, meta)`` or of ``QAItem``
 tool       ``protocol.tools`` (a list)           ``make(config: Config) -> Tool`` (``actors/tools.py``)
+algorithm  ``stages.N.algo.name``                ``fn(rewards, group_index, mask, *, std_normalize, kl,
+                                                 kl_coef) -> advantages`` carrying its ``AlgoSpec``
+                                                 (``cluster/wire/algos.py``, ``learner/algo/advantages.py``)
 =========  ====================================  =====================================================
 
 A plug-in is written ``module.path:attr`` or ``path/to/file.py:attr``:
@@ -26,7 +29,8 @@ A plug-in is written ``module.path:attr`` or ``path/to/file.py:attr``:
   directory ``sonar`` starts in.
 
 Built-ins register in the module that implements them (``Registry.register``; ``actors/rewards.py``,
-``retrieval/factory.py``, ``actors/datasets.py``, ``actors/tools.py``), and ``Registry.get`` serves a
+``retrieval/factory.py``, ``actors/datasets.py``, ``actors/tools.py``,
+``learner/algo/advantages.py``), and ``Registry.get`` serves a
 built-in name and a plug-in alike. The config layer, which imports nothing of those modules, knows
 the built-in names from ``BUILTIN_NAMES`` (a test keeps each registry equal to its names) and checks
 a plug-in at load with ``check``: the file or module exists, the attribute exists and is callable.
@@ -45,12 +49,13 @@ import types
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-KINDS = ("reward", "retriever", "dataset", "tool")
+KINDS = ("reward", "retriever", "dataset", "tool", "algorithm")
 
 BUILTIN_NAMES: dict[str, tuple[str, ...]] = {
     "reward": ("answer_em", "answer_f1", "cover_em", "search_r1", "rag_r1", "r1_stage1", "r1_stage2"),
     "retriever": ("tantivy", "elasticsearch", "dense", "http"),
     "tool": ("search", "visit"),
+    "algorithm": ("grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "group_norm", "ppo"),
 }
 """The built-in entries of each registry, as the config validates them (``dataset``: the config's
 ``DATA_FORMATS``). Each registry's entries are pinned to these by tests/cluster/test_plugins.py."""
@@ -64,6 +69,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "retriever": ("retrieval.backend", "make(config: RetrievalConfig, corpus: str | None, index_root: str) -> Retriever"),
     "dataset": ("stages.N.format, eval.format", "load(path: str) -> iterable of QAItem | {question, golds[, qid, meta]}"),
     "tool": ("protocol.tools", "make(config: Config) -> Tool"),
+    "algorithm": ("stages.N.algo.name", "@algorithm(AlgoSpec(...)) fn(rewards, group_index, mask, *, std_normalize, "
+                  "kl, kl_coef) -> Tensor [B, T-1]"),
 }
 """Each kind's config field and the signature a plug-in of it has (``sonar config list`` prints them)."""
 

@@ -37,14 +37,20 @@ What is simplified, and why:
   algorithms subtract ``kl_coef * sum_t kl_t * mask_t`` from the sequence reward before centring
   (the sequence-level equivalent of the same penalty).
 
-Pure module: torch only.
+The algorithms are the estimators registered in ``ALGOS`` at the end of this module, each carrying its
+``AlgoSpec`` (``cluster/wire/algos.py``: needs groups, takes a critic, its defaults); a user's estimator
+enters through the same door (``stages.N.algo.name=path/to/file.py:fn``).
+
+Pure module: torch and the wire's plug-in registry only.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-ALGORITHMS = ("grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "group_norm", "ppo")
+from sonar.cluster.wire.algos import BUILTIN_SPECS, algorithm
+from sonar.cluster.wire.plugins import Registry
+
 REINFORCE_PP_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "group_norm")
 """The REINFORCE++ family, by ``AlgoConfig.name`` (OpenRLHF: reinforce, reinforce_baseline, group_norm)."""
 GRPO_EPS = 1e-6
@@ -238,39 +244,98 @@ def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, kl: Tensor | None = N
 def compute_advantages(name: str, rewards: Tensor, group_index: Tensor, mask: Tensor,
                        std_normalize: bool | None = None, *, kl: Tensor | None = None,
                        kl_coef: float = 0.0) -> Tensor:
-    """Token-level advantages [B, T-1] for ``AlgoConfig.name``; 0 wherever ``mask`` is 0.
+    """Token-level advantages [B, T-1] by the estimator ``ALGOS`` holds for ``name`` (``AlgoConfig.name``:
+    a built-in or a plug-in); 0 wherever ``mask`` is 0.
 
     Args:
-        name: one of ``ALGORITHMS``.
+        name: a built-in of ``ALGOS`` or a plug-in ``module:attr`` / ``file.py:attr``.
         rewards: [B] outcome rewards.
         group_index: [B] long group labels.
         mask: [B, T-1] float loss mask.
-        std_normalize: grpo / ppo only (resolved ``AlgoConfig.std_normalize``; None: True for grpo
-            and ppo, False for dr_grpo). True is refused for dr_grpo and the REINFORCE++ family.
+        std_normalize: resolved ``AlgoConfig.std_normalize`` (None: the algorithm's default, its
+            ``AlgoSpec``); True is refused where the spec says why (dr_grpo, the REINFORCE++ family).
         kl: [B, T-1] detached per-token KL for ``kl_mode="reward"`` (None otherwise).
         kl_coef: its coefficient.
-
-    grpo / dr_grpo / ppo: the sequence advantage from ``group_advantages`` broadcast over that
-    sequence's trained tokens (KL in reward mode is summed over the sequence and subtracted from
-    its reward first). The REINFORCE++ family: ``reinforce_pp_advantages``.
     """
-    if name not in ALGORITHMS:
-        raise ValueError(f"algo.name={name!r} is not one of {list(ALGORITHMS)}")
+    fn = ALGOS.get(name, "algo.name")
+    spec = getattr(fn, "spec", None)
+    if spec is None:
+        raise ValueError(f"algo.name={name!r} carries no AlgoSpec: decorate it with @algorithm(AlgoSpec(...)) "
+                         "(cluster/wire/algos.py)")
     if mask.dim() != 2 or rewards.shape != (mask.shape[0],) or group_index.shape != rewards.shape:
         raise ValueError(f"rewards {tuple(rewards.shape)} / group_index {tuple(group_index.shape)} must be [B] "
                          f"for mask {tuple(mask.shape)} [B, T-1]")
-    if std_normalize and name not in ("grpo", "ppo"):
-        raise ValueError(f"algo.name={name!r} with algo.std_normalize=True: only grpo and ppo divide by the group "
-                         "std (Dr.GRPO never does; REINFORCE++ whitens over the batch, group_norm divides itself)")
-    if name in REINFORCE_PP_ESTIMATORS:
-        return reinforce_pp_advantages(rewards, mask, kl, kl_coef, group_index=group_index, estimator=name)
+    if std_normalize and spec.no_std:
+        raise ValueError(f"algo.name={name!r} with algo.std_normalize=True: {spec.no_std}")
     if std_normalize is None:
-        std_normalize = name in ("grpo", "ppo")
+        std_normalize = spec.std_normalize
+    if kl is not None and kl.shape != mask.shape:
+        raise ValueError(f"kl {tuple(kl.shape)} must match mask {tuple(mask.shape)}")
+    adv = fn(rewards, group_index, mask, std_normalize=bool(std_normalize), kl=kl, kl_coef=kl_coef)
+    if not isinstance(adv, Tensor) or adv.shape != mask.shape:
+        raise ValueError(f"algo.name={name!r} returned {getattr(adv, 'shape', type(adv).__name__)}; expected a "
+                         f"tensor shaped like the mask {tuple(mask.shape)} [B, T-1]")
+    return torch.where(mask > 0, adv, torch.zeros((), dtype=adv.dtype, device=mask.device))
+
+
+# ---------------------------------------------------------------- the registry (built-ins and plug-ins)
+ALGOS = Registry("algorithm")
+"""``algo.name`` -> estimator ``fn(rewards, group_index, mask, *, std_normalize, kl, kl_coef) -> [B, T-1]``
+carrying its ``AlgoSpec`` (``cluster/wire/algos.py``). The built-ins below and a user's plug-in are served
+by the same ``ALGOS.get``."""
+
+
+def _builtin(name: str):
+    """Register a built-in estimator under ``name`` with its spec from ``BUILTIN_SPECS``."""
+    def deco(fn):
+        return ALGOS.register(name)(algorithm(BUILTIN_SPECS[name])(fn))
+    return deco
+
+
+def sequence_advantages(rewards: Tensor, group_index: Tensor, mask: Tensor, *, std_normalize: bool,
+                        kl: Tensor | None, kl_coef: float) -> Tensor:
+    """A group-baseline sequence advantage (``group_advantages``) broadcast over the sequence's trained
+    tokens; in KL reward mode the sequence's KL is summed and subtracted from its reward first."""
     r = rewards.detach()
     if kl is not None and kl_coef != 0.0:
-        if kl.shape != mask.shape:
-            raise ValueError(f"kl {tuple(kl.shape)} must match mask {tuple(mask.shape)}")
         r = r - kl_coef * torch.where(mask > 0, kl.detach(), torch.zeros_like(kl)).sum(dim=1).to(r.dtype)
     seq = group_advantages(r, group_index, std_normalize=std_normalize)
-    return torch.where(mask > 0, seq[:, None].expand(mask.shape),
-                       torch.zeros((), dtype=seq.dtype, device=mask.device))
+    return torch.where(mask > 0, seq[:, None].expand(mask.shape), torch.zeros((), dtype=seq.dtype, device=mask.device))
+
+
+@_builtin("grpo")
+def grpo(rewards, group_index, mask, *, std_normalize, kl, kl_coef):
+    """(r - group mean) / (unbiased group std + 1e-6), broadcast over the sequence."""
+    return sequence_advantages(rewards, group_index, mask, std_normalize=std_normalize, kl=kl, kl_coef=kl_coef)
+
+
+@_builtin("dr_grpo")
+def dr_grpo(rewards, group_index, mask, *, std_normalize, kl, kl_coef):
+    """r - group mean (its length part is the seq_sum_norm aggregation, its spec's default)."""
+    return sequence_advantages(rewards, group_index, mask, std_normalize=False, kl=kl, kl_coef=kl_coef)
+
+
+@_builtin("reinforce_pp")
+def reinforce_pp(rewards, group_index, mask, *, std_normalize, kl, kl_coef):
+    """OpenRLHF ``reinforce``: returns of the raw outcome, whitened over the batch."""
+    return reinforce_pp_advantages(rewards, mask, kl, kl_coef, group_index=group_index, estimator="reinforce_pp")
+
+
+@_builtin("reinforce_pp_baseline")
+def reinforce_pp_baseline(rewards, group_index, mask, *, std_normalize, kl, kl_coef):
+    """OpenRLHF ``reinforce_baseline`` (R1-Searcher): the outcome less its group mean, then as reinforce_pp."""
+    return reinforce_pp_advantages(rewards, mask, kl, kl_coef, group_index=group_index,
+                                   estimator="reinforce_pp_baseline")
+
+
+@_builtin("group_norm")
+def group_norm(rewards, group_index, mask, *, std_normalize, kl, kl_coef):
+    """OpenRLHF ``group_norm``: (r - group mean) / (unbiased group std + 1e-9), the returns, no whitening."""
+    return reinforce_pp_advantages(rewards, mask, kl, kl_coef, group_index=group_index, estimator="group_norm")
+
+
+@_builtin("ppo")
+def ppo(rewards, group_index, mask, *, std_normalize, kl, kl_coef):
+    """Without a value model, the PPO-clip surrogate with the group-mean baseline (GRPO's advantages); its
+    spec takes a critic, and with one the learner replaces this by GAE (``train_step.batch_advantages``)."""
+    return sequence_advantages(rewards, group_index, mask, std_normalize=std_normalize, kl=kl, kl_coef=kl_coef)
