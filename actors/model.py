@@ -20,7 +20,6 @@ Invariants:
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Sequence
 
@@ -29,7 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 # load_policy/save_policy live in the wire (the learner loads and exports with them); actors code and
 # `sonar eval` keep importing them from here.
-from sonar.cluster.wire.config import model_tags
+from sonar.cluster.wire.config import HUB_ID, model_tags
 from sonar.cluster.wire.policy import ATTN_IMPLEMENTATION, load_policy, save_policy  # noqa: F401
 
 
@@ -103,9 +102,6 @@ def add_tags_to_policy(model, tokenizer) -> list[str]:
     return added
 
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
 def _offline(env) -> bool:
     return str(env.get("HF_HUB_OFFLINE", "")).strip().lower() in ("1", "true", "yes", "on")
 
@@ -122,7 +118,7 @@ def resolve_model_path(value: str, *, env=None, download=None) -> Path:
     path = Path(os.path.expanduser(value))
     if (path / "config.json").is_file():
         return path
-    if path.exists() or not _HUB_ID.match(value):
+    if path.exists() or not HUB_ID.match(value):
         raise ValueError(f"model.path={value!r} is not a Hugging Face model directory (no config.json)")
     if download is None:
         from huggingface_hub import snapshot_download as download

@@ -482,7 +482,7 @@ async def _produce_claimed(w: "RolloutWorker", replay, stage_index: int, stage: 
     # once). In lockstep every group of the request ends at the same turn anyway.
     per_group = w.cfg.rollout.per_trajectory
     groups, rstats = await _arollout(w, items, stage_index, stage, w.cfg.rollout.temperature, seed=seed,
-                                     on_group=hand_off if per_group else None)
+                                     on_group=hand_off if per_group else None, off_engine=w._off_engine)
     if not per_group:
         for j, group in enumerate(groups):
             await hand_off(j, group)
@@ -492,7 +492,7 @@ async def _produce_claimed(w: "RolloutWorker", replay, stage_index: int, stage: 
 
 
 async def _arollout(w: "RolloutWorker", items, stage_index: int, stage: StageConfig, temperature: float,
-                    search_enabled: bool = True, seed: int | None = None, on_group=None):
+                    search_enabled: bool = True, seed: int | None = None, on_group=None, off_engine=None):
     from sonar.actors.rewards import make_reward_fn
     from sonar.actors.rollout import rollout_groups
 
@@ -502,4 +502,4 @@ async def _arollout(w: "RolloutWorker", items, stage_index: int, stage: StageCon
         group_size=w.cfg.rollout.group_size if temperature > 0 else 1,
         k=w.cfg.retrieval.k, reward_fn=make_reward_fn(stage.reward, w.tokenizer, w.tags),
         actor_id=w.worker_id, stage=stage_index, search_enabled=search_enabled, seed=seed,
-        per_trajectory=w.cfg.rollout.per_trajectory, tools=w.tools, on_group=on_group, off_engine=w._off_engine)
+        per_trajectory=w.cfg.rollout.per_trajectory, tools=w.tools, on_group=on_group, off_engine=off_engine)

@@ -106,8 +106,8 @@ def test_an_override_that_cannot_fit_the_checkpoint_is_refused(user_run, overrid
     from sonar.cluster.driver.evaluate import EvalError, eval_config
 
     field, _, value = override.partition("=")
-    with pytest.raises(EvalError) as ei:
-        eval_config(user_run["run"] / "model", files, [override])
+    with pytest.raises(EvalError) as ei:  # notes=[] as the CLI passes: a model.path not here is noted, not refused
+        eval_config(user_run["run"] / "model", files, [override], notes=[])
     msg = str(ei.value)
     assert "\n" not in msg and msg.startswith(f"{field}={value!r} does not fit the checkpoint ")
     assert f"its run trained with {field}={ran}" in msg and str(user_run["run"] / "config.yaml") in msg

@@ -1338,9 +1338,43 @@ def resolve_plugins(cfg: Config) -> Config:
     return cfg if sources == dict(cfg.plugins) else dataclasses.replace(cfg, plugins=sources)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A model directory holds its tokenizer when it has one of these (what ``AutoTokenizer`` reads)."""
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+"""A ``model.path`` that is no local path and reads ``org/name`` is a Hugging Face Hub id (resolved from the
+hub's cache when the run starts: ``actors/model.py``)."""
+
+
+def _check_model_dir(path: str) -> None:
+    """``model.path`` is a Hugging Face model directory: ``config.json`` and a tokenizer (``TOKENIZER_FILES``).
+    Refused naming what is missing. The driver reads it to build the policy every role loads, so a path
+    missing here is refused too, but by the ``sonar config`` verbs (run where the cluster's storage may be
+    out of reach: noted) and for a Hub id (resolved when the run starts)."""
+    d = Path(path).expanduser()
+    if not d.exists():
+        if HUB_ID.match(path) or not_checked(f"model.path={path!r}: not on this machine (its config.json and "
+                                             "tokenizer are read where the run starts)"):
+            return
+        raise ValueError(f"model.path={path!r}: no such directory here, where the run starts and reads the model "
+                         "to build the policy every role loads (a Hugging Face model directory, or a Hub id org/name)")
+    if not d.is_dir():
+        raise ValueError(f"model.path={path!r} is a file; it must be a Hugging Face model directory "
+                         "(config.json and the tokenizer's files)")
+    missing = [] if (d / "config.json").is_file() else ["config.json"]
+    if not any((d / f).is_file() for f in TOKENIZER_FILES):
+        missing.append(f"tokenizer files ({' / '.join(TOKENIZER_FILES)})")
+    if missing:
+        raise ValueError(f"model.path={path!r} is not a Hugging Face model directory: {' and '.join(missing)} "
+                         "missing there (the model's and the tokenizer's save_pretrained write them)")
+
+
 def _check_model(cfg: Config) -> None:
     _check_choices(cfg, "model")
     m = cfg.model
+    if m.path:
+        _check_model_dir(m.path)
     if m.tags == "text" and not m.path:
         raise ValueError("model.tags='text' needs model.path (a stock tokenizer): the tiny word-level model's "
                          "tokenizer has every tag as one token of its own vocabulary; use model.tags='auto' or 'special'")

@@ -290,6 +290,7 @@ def test_gpu_config_loads(tmp_path):
     """configs/gpu.yaml loads and validates (not run: no GPU here) with model.path naming a real directory."""
     model = tmp_path / "policy"
     tiny_llama(50257).save_pretrained(model)
+    (model / "tokenizer_config.json").write_text("{}")  # validate checks a model directory holds its tokenizer
     # notes=[]: the preset's dataset files live on the cluster's storage (/data), not checked here.
     cfg = load_config([Path(__file__).resolve().parents[2] / "configs" / "gpu.yaml"], [f"model.path={model}"], notes=[])
     assert model_tags(cfg.model) == "text"  # a stock instruct model keeps the tags as text

@@ -25,6 +25,7 @@ def test_every_shipped_config_loads(path, tmp_path):
     model_path = (raw.get("model") or {}).get("path")
     if model_path and not (Path(model_path) / "config.json").is_file():
         (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+        (tmp_path / "tokenizer_config.json").write_text("{}")  # validate checks a model dir has its tokenizer
         overrides = [f"model.path={tmp_path}"]
     if "sim" in raw:
         from sonar.bench.sim.config import load_bench_config
@@ -282,7 +283,7 @@ def test_out_of_range_values_name_the_field_and_value(overrides, fields):
     ["retrieval.replicas=1"], ["retrieval.replicas=3"], ["rollout.top_p=1.0"], ["rollout.top_p=0.9"],
     ["rollout.temperature=0", "stages.0.kind=sft"],  # greedy is fine without an RL stage
     ["rollout.temperature=0", "stages.0.steps=0"],
-    ["model.hidden_size=130", "model.num_heads=4", "model.path=/some/hf/dir", "world.force=true"],  # the tiny-model shape is unused
+    ["model.hidden_size=130", "model.num_heads=4", "model.path=org/hf-model", "world.force=true"],  # the tiny-model shape is unused (a Hub id: read at start)
     ["replay.stale_downweight=0"],  # only read with stale_policy=downweight
 ])
 def test_in_range_values_load(overrides):

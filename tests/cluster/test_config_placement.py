@@ -46,12 +46,23 @@ def test_fractional_gpus_under_nccl_are_refused(overrides, named):
 
 
 def test_a_model_directory_vllm_cannot_load_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"model\.path=.*rollout\.engine='vllm'.*config\.json"):
+    with pytest.raises(ValueError, match=r"model\.path=.* is not a Hugging Face model directory: config\.json and "
+                                         r"tokenizer files \(tokenizer\.json / .*\) missing there"):
         load("rollout.engine=vllm", f"model.path={tmp_path}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"model\.path=.*: config\.json missing there"):
+        load(f"model.path={tmp_path}")  # whatever the engine
+    (tmp_path / "tokenizer.json").unlink()
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(ValueError, match=r"model\.path=.*: config\.json and tokenizer files"):
+        load(f"model.path={tmp_path}")  # a folder named config.json is no config
+    (tmp_path / "config.json").rmdir()
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "tokenizer_config.json").write_text("{}")  # validate checks a model dir has its tokenizer
     with pytest.raises(ValueError, match=r"model\.path=.*architectures"):
         load("rollout.engine=vllm", f"model.path={tmp_path}")
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "tokenizer_config.json").write_text("{}")  # validate checks a model dir has its tokenizer
     assert load("rollout.engine=vllm", f"model.path={tmp_path}").model.path == str(tmp_path)
     assert load("rollout.engine=vllm").model.path is None  # the run's tiny policy, saved for every role
 

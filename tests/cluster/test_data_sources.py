@@ -105,7 +105,7 @@ def test_extra_vocab_covers_the_files_and_the_corpus_and_the_policy_has_no_unkno
     assert {"brightloom", "velmora", "oskan", "odile", "marr", "1921", "filmmaker", "4", ",", "210"} <= set(words)
     assert words == sorted(set(words))
     assert extra_vocab(load_config([CONFIG_DIR / "smoke.yaml"])) == []        # the world alone: nothing extra
-    assert extra_vocab(files_cfg("model.path=/some/hf/dir")) == []             # a real model's tokenizer covers it
+    assert extra_vocab(files_cfg("model.path=org/hf-model")) == []             # a real model's tokenizer covers it
     world = world_of(cfg)
     plain = load_tokenizer(materialise_policy(cfg.model, world, tmp_path / "plain"))
     wide = load_tokenizer(materialise_policy(cfg.model, world, tmp_path / "wide", extra_vocab=words))

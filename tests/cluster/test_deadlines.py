@@ -25,6 +25,7 @@ def test_the_floor_is_waves_times_steps_times_the_weight_and_kv_reads():
 
 def test_a_deadline_below_the_floor_is_refused_and_the_preset_clears_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    (tmp_path / "tokenizer_config.json").write_text("{}")  # validate checks a model dir has its tokenizer
     assert load_config(["r1_searcher"], [f"model.path={tmp_path}"], notes=[]).cluster.step_timeout_s == 3600
     with pytest.raises(ValueError, match=r"cluster.step_timeout_s=500 bounds a whole sync batch .* at least 57\d s: "
                                          r"1,040 rows per engine in 5 wave\(s\)"):

@@ -143,6 +143,7 @@ def test_the_search_r1_preset_with_qwen2_5_3b_plans_8_colocated_gpus_that_fit_80
     from sonar.cluster.driver.cli import main
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN3B))
+    (tmp_path / "tokenizer_config.json").write_text("{}")  # validate checks a model dir has its tokenizer
     assert M.shape_from_dir(tmp_path).params == N3
     assert main(["config", "validate", "--config", "search_r1", f"model.path={tmp_path}"]) == 0
     out = capsys.readouterr().out

@@ -108,6 +108,7 @@ def test_the_shape_is_cached_per_file_and_mtime(tmp_path):
     raw = json.loads((d / "config.json").read_text())
     raw["num_hidden_layers"] = 35  # one layer fewer, written later: a new mtime
     (d / "config.json").write_text(json.dumps(raw))
+    (d / "tokenizer_config.json").write_text("{}")  # validate checks a model dir has its tokenizer
     st = (d / "config.json").stat()
     os.utime(d / "config.json", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     b = M.shape_from_dir(d)
@@ -119,9 +120,11 @@ def test_a_missing_or_unbuildable_config_json_is_not_planned_and_bad_json_is_an_
     with pytest.raises(M.NotReadable, match="config.json not readable here"):
         M.shape_from_dir(tmp_path / "nowhere")
     (tmp_path / "config.json").write_text("{not json")
+    (tmp_path / "tokenizer_config.json").write_text("{}")  # validate checks a model dir has its tokenizer
     with pytest.raises(ValueError, match="not valid JSON"):
         M.shape_from_dir(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))  # no model_type
+    (tmp_path / "tokenizer_config.json").write_text("{}")  # validate checks a model dir has its tokenizer
     with pytest.raises(M.NotReadable, match="cannot build this model on the meta device"):
         M.shape_from_dir(tmp_path)
 

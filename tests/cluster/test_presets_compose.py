@@ -42,7 +42,7 @@ def test_gpu_preset_on_a_laptop_names_what_it_could_not_check():
 
 
 def test_without_notes_a_missing_model_or_dataset_file_is_an_error(tmp_path):
-    with pytest.raises(ValueError, match=r"model.path='/models/policy' with rollout.engine='vllm': no config.json"):
+    with pytest.raises(ValueError, match=r"model.path='/models/policy': no such directory here, where the run starts"):
         load_config(["gpu"])
     model = _model_dir(tmp_path, 151_936)
     with pytest.raises(ValueError, match=r"stages\[0\]\.data\[0\]='/data/train.jsonl': no such file"):
@@ -63,6 +63,7 @@ def _model_dir(tmp_path, vocab: int):
     d = tmp_path / f"model-{vocab}"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": vocab}))
+    (d / "tokenizer_config.json").write_text("{}")  # validate checks a model dir has its tokenizer
     return d
 
 
