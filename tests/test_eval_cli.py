@@ -57,6 +57,24 @@ def test_eval_refuses_a_directory_without_a_model(setup, tmp_path):
         resolve_model_dir(str(tmp_path))
 
 
+def test_an_evaluation_is_logged_at_the_training_step_its_policy_is_from(tmp_path):
+    """Issue 55: eval metrics logged at step 0 drew a false line back to the start in MLflow's charts. A
+    checkpoint's step is its run_step; a run's final model/ its last logged step; any other policy 0."""
+    from sonar.cluster.driver.evaluate import checkpoint_step
+
+    run = tmp_path / "run"
+    tag = run / "checkpoints" / "step-12"
+    (tag / "hf").mkdir(parents=True)
+    (tag / "state.json").write_text(json.dumps({"version": 12, "run_step": 31}))
+    (run / "model").mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.1}) + "\n" for s in (0, 5, 40)))
+    assert checkpoint_step(tag / "hf", run) == 31
+    assert checkpoint_step(run / "model", run) == 40
+    assert checkpoint_step(tmp_path / "elsewhere", None) == 0
+    (run / "metrics.jsonl").write_text("{not json\n")
+    assert checkpoint_step(run / "model", run) == 0  # unreadable records: unknown, and the evaluation still runs
+
+
 def scripted_policy(tokenizer, chain: dict[str, str], default: str):
     """A Llama whose greedy next token depends only on the current one (a bigram table): ``chain[t]``
     after ``t``, else ``default``. Every layer writes zero into the residual stream (o_proj and

@@ -123,6 +123,20 @@ def resolve_model_dir(checkpoint: str) -> Path:
                             "(looked for config.json in it, in hf/ and in model/)")
 
 
+def checkpoint_step(model_dir: Path, train_dir: Path | None) -> int:
+    """The training run's step a policy directory holds, for its evaluation's metrics (MLflow charts them by
+    step beside the run's own): a checkpoint's ``run_step`` (``<tag>/state.json`` beside its ``hf/``), else
+    the training run's last logged step (its final ``model/``), else 0 (a policy from elsewhere)."""
+    state = model_dir.parent / "state.json"
+    try:
+        if state.is_file():
+            return int(json.loads(state.read_text()).get("run_step", 0))
+        rows = (train_dir / "metrics.jsonl").read_text().splitlines() if train_dir is not None else []
+        return max((int(json.loads(r).get("step", 0)) for r in rows if r.strip()), default=0)
+    except (OSError, ValueError, TypeError):  # unreadable records: the step is unknown, the evaluation still runs
+        return 0
+
+
 def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
@@ -365,6 +379,7 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
     # A training run's checkpoint: its results beside its run (<run>/eval-<stamp>); any other policy
     # directory: under run.root (./runs of the current directory unless configured).
     train_dir = tracking.find_run_dir(model_dir)
+    step = checkpoint_step(model_dir, train_dir)  # the metrics land at the training step the policy is from
     out = Path(out_dir or (train_dir or Path(cfg.run.root)) / f"eval-{run_stamp()}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
@@ -378,7 +393,8 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
     table: dict[str, dict] = {}
     current = None
     try:
-        sink.log_params({**flatten(to_dict(cfg)), "eval.checkpoint": str(model_dir), "eval.searched": where,
+        sink.log_params({**flatten(to_dict(cfg)), "eval.checkpoint": str(model_dir), "eval.step": step,
+                         "eval.searched": where,
                          "eval.config": source or "the config given",
                          **{f"eval.data.{name}": str(path) for name, path, _ in datasets}})
         for name, path, items in datasets:
@@ -398,7 +414,7 @@ def run_eval(cfg: Config, checkpoint: str, data_files: list[str], out_dir: str |
             tmp.replace(pred)  # a predictions file is whole or absent
             table[name] = evaluation.summarize(records)
             (out / "eval.md").write_text(evaluation.markdown(table))  # the rows finished so far
-            sink.log_metrics(evaluation.eval_metrics(name, table[name]), step=0)
+            sink.log_metrics(evaluation.eval_metrics(name, table[name]), step=step)
             (out / "eval_summary.json").write_text(json.dumps(table, indent=2, default=str))
             sink.log_artifact(str(pred), "predictions")
             sink.log_artifact(str(out / "eval.md"))

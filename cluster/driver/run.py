@@ -168,6 +168,7 @@ def start_run(cfg: Config) -> Run:
     sink = tracking.make_sink(cfg, run_dir, name,
                               resume_dir=Path(resume_from).parent.parent if resume_from else None)
     sink.log_params(flatten(to_dict(cfg)))
+    sink.log_inputs(tracking.data_files(cfg))  # the training and evaluation files, as the run's MLflow inputs
     # A continued MLflow run keeps its first config at the top; each resume's beside it.
     sink.log_artifact(str(run_dir / "config.yaml"), f"resumes/{name}" if getattr(sink, "resumed", False) else None)
     log.info("run directory %s (MLflow run %s)", run_dir, sink.run_id)

@@ -23,6 +23,7 @@ of ``sonar.cluster.wire.metrics``. MLflow by its conventions:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -30,8 +31,9 @@ import signal
 import socket
 import subprocess
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.redact import has_userinfo, redact
@@ -49,6 +51,40 @@ NON_METRIC_KEYS = {"stage": STAGE_TAG}
 """Keys of a metrics row that MLflow gets as a tag (the latest value), not as a metric series."""
 
 
+@dataclass(frozen=True)
+class DataFile:
+    """A dataset file a run reads, as MLflow records it among the run's inputs (``log_inputs``)."""
+    path: str
+    name: str
+    """The field that names it: ``stages[1].data[0]``, ``eval.data[0]``."""
+    context: str
+    """MLflow's input context: ``training`` or ``evaluation``."""
+
+
+def data_files(cfg: Any) -> list[DataFile]:
+    """The dataset files ``cfg`` trains and evaluates on (none for the synthetic world's questions)."""
+    def listed(data) -> list:  # a field holds one path or a list of them
+        return [] if data is None else [data] if isinstance(data, str) else list(data)
+
+    out = [DataFile(str(path), f"stages[{i}].data[{j}]", "training")
+           for i, st in enumerate(cfg.stages) for j, path in enumerate(listed(st.data))]
+    out += [DataFile(str(path), f"eval.data[{j}]", "evaluation") for j, path in enumerate(listed(cfg.eval.data))]
+    return out
+
+
+def file_digest(path: str, chunk: int = 1 << 20) -> str:
+    """The first 16 hex digits of the file's SHA-256 (MLflow's dataset digest: a changed file is another
+    dataset); "" when the file cannot be read here (the cluster's storage)."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(chunk):
+                h.update(block)
+    except OSError:
+        return ""
+    return h.hexdigest()[:16]
+
+
 class Sink(Protocol):
     run_id: str | None
 
@@ -61,6 +97,8 @@ class Sink(Protocol):
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None: ...
 
     def log_artifacts(self, path: str, artifact_path: str | None = None) -> None: ...
+
+    def log_inputs(self, files: Sequence[DataFile]) -> None: ...
 
     def log_model(self, path: str, eval_table: Mapping | None = None, config: Mapping | None = None) -> str | None: ...
 
@@ -79,6 +117,8 @@ class NullSink:
     def log_artifact(self, path, artifact_path=None): pass
 
     def log_artifacts(self, path, artifact_path=None): pass
+
+    def log_inputs(self, files): pass
 
     def log_model(self, path, eval_table=None, config=None): return None
 
@@ -390,6 +430,18 @@ class MLflowSink:
     def log_artifacts(self, path: str, artifact_path: str | None = None) -> None:
         with _atomic_write():
             self._mlflow.log_artifacts(path, artifact_path)
+
+    def log_inputs(self, files: Sequence[DataFile]) -> None:
+        """Each file as an MLflow dataset input of the run (its source the file, its digest the content's),
+        so the run's page lists what it trained and evaluated on; a resume logs them again (MLflow keeps one
+        entry per dataset and context)."""
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.data.sources import LocalArtifactDatasetSource
+
+        with _atomic_write():
+            for f in files:
+                ds = MetaDataset(LocalArtifactDatasetSource(f.path), name=f.name, digest=file_digest(f.path) or None)
+                self._mlflow.log_input(ds, context=f.context)
 
     def log_model(self, path: str, eval_table: Mapping | None = None, config: Mapping | None = None) -> str | None:
         """The exported Hugging Face folder, logged with the transformers flavour as a text-generation
@@ -722,6 +774,8 @@ class RayDashboardSink:
     def log_artifact(self, path, artifact_path=None): self.inner.log_artifact(path, artifact_path)
 
     def log_artifacts(self, path, artifact_path=None): self.inner.log_artifacts(path, artifact_path)
+
+    def log_inputs(self, files): self.inner.log_inputs(files)
 
     def log_model(self, path, eval_table=None, config=None): return self.inner.log_model(path, eval_table, config)
 

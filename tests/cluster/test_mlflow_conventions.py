@@ -347,3 +347,26 @@ def test_real_ray_gauges_are_created_and_set_in_a_local_driver(shared_ray):
         assert sink.gauges[K.REPLAY_DEPTH].info["name"] == "sonar_replay_depth"
         assert isinstance(sink.counter, M.Counter)
         assert tags["ray.job_id"] == ray.get_runtime_context().get_job_id()
+
+
+def test_the_training_and_evaluation_files_are_the_runs_mlflow_inputs(tmp_path):
+    """Issue 55: the dataset files a run reads are listed on its MLflow page (inputs, with their context and a
+    content digest), not only buried in its params."""
+    train, dev = tmp_path / "train.jsonl", tmp_path / "dev.jsonl"
+    train.write_text('{"question": "q", "golds": ["a"]}\n')
+    dev.write_text('{"question": "r", "golds": ["b"]}\n')
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"id": "d1", "title": "a", "text": "a is the answer"}\n')
+    cfg = _cfg(tmp_path, f"stages.0.data={train}", f"eval.data=[{dev}]", f"retrieval.corpus={corpus}")
+    files = tracking.data_files(cfg)
+    assert [(f.name, f.context) for f in files] == [("stages[0].data[0]", "training"), ("eval.data[0]", "evaluation")]
+    (tmp_path / "r").mkdir()
+    sink = tracking.make_sink(cfg, tmp_path / "r", "r")
+    sink.log_inputs(files)
+    sink.finish()
+    inputs = _client(sink.uri).get_run(sink.run_id).inputs.dataset_inputs
+    got = {(i.dataset.name, [t.value for t in i.tags if t.key == "mlflow.data.context"][0], i.dataset.digest,
+            json.loads(i.dataset.source)["uri"]) for i in inputs}
+    assert got == {("stages[0].data[0]", "training", tracking.file_digest(str(train)), str(train)),
+                   ("eval.data[0]", "evaluation", tracking.file_digest(str(dev)), str(dev))}
+    assert len(tracking.file_digest(str(train))) == 16 and tracking.file_digest(str(tmp_path / "gone")) == ""
