@@ -55,7 +55,7 @@ Shape of it (notation: a *row* is one prompt of a ``generate`` call, i.e. one tu
   a receive even when receive and load were separate calls.) Every output token's version comes from
   vLLM itself (``CompletionOutput.weight_versions``, the version the engine core stamped on the step
   that produced it), not from a guess at submit time. ``apply_staged()`` waits for a push in progress
-  (evaluation and sync mode call it). ``weights_checksum()`` is ``sonar.cluster.wire.weights.checksum``
+  (evaluation and sync mode call it). ``weights_checksum()`` is ``sonar.cluster.transport.weights.checksum``
   of the tensors the vLLM workers received, summed as they arrived, so it compares with the learner's.
 
 Traps handled here: vLLM starts its engine core with ``spawn`` (a script that builds this engine at
@@ -439,7 +439,7 @@ class VLLMEngine:
         ``bucket_bytes``: the bucket plan's budget (None: ``weights.DEFAULT_BUCKET_BYTES``, the learner's);
         the sender must plan with the same one (every push's handshake checks). Returns the layout digest
         (the driver compares it with the learner's)."""
-        from sonar.cluster.wire.weights import TensorSpec, layout_digest, wire_layout
+        from sonar.cluster.transport.weights import TensorSpec, layout_digest, wire_layout
 
         wire = [TensorSpec(s.name, tuple(s.shape), s.dtype) for s in self._specs]
         if sender_specs is not None:

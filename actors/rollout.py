@@ -222,7 +222,7 @@ class OffEngine:
     """Rows of a worker's rollouts off its engine now, over all its concurrent ``rollout_groups`` calls:
     waiting on a search or another tool, or (per trajectory) done while their group's others run, until the
     group is handed on. They hold no engine row; the replay's engine capacity counts only the rows on the
-    engine (``cluster/wire/replay.py``). Read and written on the worker's one event loop."""
+    engine (``cluster/replay/queue.py``). Read and written on the worker's one event loop."""
     __slots__ = ("rows",)
 
     def __init__(self):

@@ -9,7 +9,7 @@ calls these methods through ``collective_rpc``, which runs them on every rank.
 Why here and not in the Ray actor: a tensor cannot cross ``collective_rpc`` (the engine core is
 another process, and its msgpack encoder fails on tensors: "cannot pickle memoryview objects"), and
 copying weights actor -> engine core -> worker would cost three copies of the model. So each vLLM
-worker joins the learner's broadcast group itself (``sonar.cluster.wire.weights.BroadcastGroup``,
+worker joins the learner's broadcast group itself (``sonar.cluster.transport.weights.BroadcastGroup``,
 gloo on CPU, NCCL on GPU) and receives the buckets straight onto its device. Only names, shapes,
 dtypes, addresses and version numbers travel by RPC.
 
@@ -70,7 +70,7 @@ import time
 
 import torch
 
-from sonar.cluster.wire.weights import (DEFAULT_BUCKET_BYTES, BroadcastGroup, Checksum, TensorSpec, layout_digest,
+from sonar.cluster.transport.weights import (DEFAULT_BUCKET_BYTES, BroadcastGroup, Checksum, TensorSpec, layout_digest,
                                         plan_buckets, recv_buffer_bytes)
 
 
@@ -141,7 +141,7 @@ class SonarWorkerExtension:
                 "reload_misses_expected": misses.expected, "reload_misses": sorted(misses.other), **out}
 
     def sonar_checksum(self) -> dict:
-        """``sonar.cluster.wire.weights.checksum`` of the tensors of the last complete push, summed as they
+        """``sonar.cluster.transport.weights.checksum`` of the tensors of the last complete push, summed as they
         arrived (None before any, or after a push that failed)."""
         got = getattr(self, "_sonar_checksum", None)
         return {"rank": int(self.rank), "version": None if got is None else got[0],

@@ -213,7 +213,7 @@ class RolloutWorker:
         """Join the group as ``rank`` (the first of ``broadcast_ranks()``); returns the layout digest.
         ``sender_specs``: the learner's tensor specs; the buckets take their dtypes (``wire_layout``:
         names and shapes must be this engine's). None: this engine's own specs."""
-        from sonar.cluster.wire.weights import BroadcastGroup, TensorSpec, layout_digest, plan_buckets, wire_layout
+        from sonar.cluster.transport.weights import BroadcastGroup, TensorSpec, layout_digest, plan_buckets, wire_layout
 
         timeout_s = self.cfg.cluster.broadcast_timeout()  # every wait of a push: a dead learner raises within it
         if receives_weights(self.engine.inner):
@@ -279,7 +279,7 @@ class RolloutWorker:
 
     def checksum(self) -> dict:
         """Same function as the learner's (cluster.weights.checksum), so the two can be compared."""
-        from sonar.cluster.wire.weights import checksum
+        from sonar.cluster.transport.weights import checksum
 
         inner = self.engine.inner
         if receives_weights(inner):  # the weights live in the engine's own processes: it sums what they received

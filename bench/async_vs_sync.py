@@ -50,7 +50,7 @@ What makes the comparison fair:
   ``capacity_groups = L * groups_per_step`` and ``broadcast_every=1``; its admission budget is
   ``(L + 1) * groups_per_step`` groups claimed or queued (``replay.max_inflight_groups=-1``), and
   a claim must fit in the groups the learner takes while the claiming worker's weights are fresh
-  (version-aware admission, ``cluster/wire/replay.py``).
+  (version-aware admission, ``cluster/replay/queue.py``).
   Stale groups are dropped and counted (``dropped_stale``); the learner still takes exactly
   ``steps`` steps of ``groups_per_step`` groups, so async pays for its waste in wall-clock.
 - On 2 cores, async is *handicapped*: two workers decoding and a learner training want three cores.

@@ -248,7 +248,7 @@ def bench_queue(cfg: dict, metrics: dict, rows: list) -> None:
     from ray.util.queue import Queue
 
     from sonar.cluster.wire.protocol import encode_group
-    from sonar.cluster.wire.replay import ReplayQueue
+    from sonar.cluster.replay.queue import ReplayQueue
 
     items, batch = cfg["queue_items"], cfg["batch"]
     q = ray.remote(ReplayQueue).options(num_cpus=0).remote(10 * items, 1_000_000, "downweight", 1000, 0)

@@ -125,7 +125,7 @@ def measure_push(engine, model, repeats: int) -> list[dict]:
     """See the module docstring: ``repeats`` timed pushes of ``model``'s weights into the vLLM engine."""
     import threading
 
-    from sonar.cluster.wire.weights import BroadcastGroup, TensorSpec, checksum, open_store, plan_buckets
+    from sonar.cluster.transport.weights import BroadcastGroup, TensorSpec, checksum, open_store, plan_buckets
 
     tensors = {n: p.detach() for n, p in model.named_parameters()}
     buckets = plan_buckets([TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])

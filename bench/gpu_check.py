@@ -5,7 +5,7 @@ last, carried wheels) only.
 
 Needs torch; transformers is used when present (a Qwen2-shaped model), else a plain torch decoder stand-in.
 Checks 1-7 import no Sonar module that needs Ray, DeepSpeed or MLflow: Sonar's weight broadcast
-(``cluster/wire/weights.py``), chunked logprobs (``learner/algo/chunked.py``) and the learner's collectives
+(``cluster/transport/weights.py``), chunked logprobs (``learner/algo/chunked.py``) and the learner's collectives
 (``learner/collectives.py``) import only torch and are loaded by file path.
 
 1. ``nccl_broadcast``: Sonar's ``BroadcastGroup`` with the NCCL backend (``ProcessGroupNCCL(store, rank,
@@ -23,7 +23,7 @@ Checks 1-7 import no Sonar module that needs Ray, DeepSpeed or MLflow: Sonar's w
    float64 chunk, not a float64 copy of the tensor (4.1 GiB), and gives the same value.
 7. ``nograd_forward_memory``: a no-grad forward of a 1.5B Qwen2 shape at 32k tokens keeping every hidden
    state against the trunk's last hidden state only (the learner's path): peak memory of each.
-8. ``colocated_handover``: colocated placement's hand-over (``cluster/wire/handover.py``, ``cuda_ipc``): a
+8. ``colocated_handover``: colocated placement's hand-over (``cluster/transport/handover.py``, ``cuda_ipc``): a
    0.5B bf16 state pushed by Sonar's bucketed push into a second process on the same GPU through one CUDA
    IPC segment (no NCCL): GB/s, checksums, the sender's memory beside the weights against the plan (the
    push's two stream buffers and a segment of the largest bucket).
@@ -113,7 +113,7 @@ def qwen05b_state(torch, device, dtype, layers: int = QWEN05B["layers"], vocab: 
 
 # ------------------------------------------------------------------------------------------------ 1
 def check_nccl_broadcast(torch, args) -> dict:
-    W = load_by_path("sonar_wire_weights", "cluster/wire/weights.py")
+    W = load_by_path("sonar_wire_weights", "cluster/transport/weights.py")
     os.environ.setdefault("NCCL_DEBUG", "WARN")
     backend = "nccl" if DEVICE == "cuda" else "gloo"
     t0 = time.perf_counter()
@@ -326,7 +326,7 @@ def check_dp_sum_nccl(torch, args) -> dict:
     import torch.distributed as dist
 
     Co = load_by_path("sonar_learner_collectives", "learner/collectives.py")
-    W = load_by_path("sonar_wire_weights", "cluster/wire/weights.py")
+    W = load_by_path("sonar_wire_weights", "cluster/transport/weights.py")
     backend = "nccl" if DEVICE == "cuda" else "cuda:gloo"  # on CPU: the stand-in that refuses CPU tensors
     store = W.master_store("127.0.0.1", 0, 1, args.group_timeout_s)
     dist.init_process_group(backend, store=store, rank=0, world_size=1,
@@ -357,7 +357,7 @@ def check_push_memory_and_timing(torch, args) -> dict:
     """The streamed push (``BroadcastGroup.send_weights``): its device buffers are two buckets whatever the
     model size, and the call returns after the transfer completed (``last_push['seconds']`` against the
     wall time of the call between two synchronises)."""
-    W = load_by_path("sonar_wire_weights", "cluster/wire/weights.py")
+    W = load_by_path("sonar_wire_weights", "cluster/transport/weights.py")
     backend = "nccl" if DEVICE == "cuda" else "gloo"
     store = W.open_store("127.0.0.1", 1, timeout_s=args.group_timeout_s)
     grp = with_deadline(lambda: W.BroadcastGroup("127.0.0.1", store.port, 0, 1, backend=backend,
@@ -397,7 +397,7 @@ def check_push_memory_and_timing(torch, args) -> dict:
 def check_checksum_memory(torch, args) -> dict:
     """``weights.checksum`` on a tensor shaped like Qwen2.5-7B's embedding ([152,064, 3,584] bf16, 1.0 GiB):
     its temporary is one float64 chunk, where the old whole-tensor ``double()`` took 4.1 GiB."""
-    W = load_by_path("sonar_wire_weights", "cluster/wire/weights.py")
+    W = load_by_path("sonar_wire_weights", "cluster/transport/weights.py")
     rows, cols = (152_064, 3_584) if DEVICE == "cuda" else (4_096, 64)
     g = torch.Generator(device=DEVICE).manual_seed(0)
     t = torch.randn(rows, cols, generator=g, device=DEVICE, dtype=torch.float32).to(torch.bfloat16)
@@ -469,8 +469,8 @@ def _handover_receiver(port, name, n_pushes, device, specs, timeout_s, q_out):
 
     if device == "cuda":
         torch.cuda.set_device(0)
-    W = load_by_path("sonar_wire_weights", "cluster/wire/weights.py")
-    H = load_by_path("sonar_wire_handover", "cluster/wire/handover.py")
+    W = load_by_path("sonar_wire_weights", "cluster/transport/weights.py")
+    H = load_by_path("sonar_wire_handover", "cluster/transport/handover.py")
     import datetime
 
     import torch.distributed as dist
@@ -489,7 +489,7 @@ def _handover_receiver(port, name, n_pushes, device, specs, timeout_s, q_out):
 
 
 def check_colocated_handover(torch, args) -> dict:
-    """Colocated placement's hand-over (``cluster/wire/handover.py``, backend ``cuda_ipc``): Sonar's bucketed
+    """Colocated placement's hand-over (``cluster/transport/handover.py``, backend ``cuda_ipc``): Sonar's bucketed
     push from this process (the learner) into a second process on the same GPU (an engine), through one CUDA
     IPC segment of the largest bucket's size and the store's events, no NCCL. Figures: GB/s of the push
     (copy in, IPC, copy out), the receiver's checksum against the sender's, and the sender's peak memory
@@ -498,8 +498,8 @@ def check_colocated_handover(torch, args) -> dict:
     import torch.multiprocessing as mp
     import torch.distributed as dist
 
-    W = load_by_path("sonar_wire_weights", "cluster/wire/weights.py")
-    H = load_by_path("sonar_wire_handover", "cluster/wire/handover.py")
+    W = load_by_path("sonar_wire_weights", "cluster/transport/weights.py")
+    H = load_by_path("sonar_wire_handover", "cluster/transport/handover.py")
     state = qwen05b_state(torch, DEVICE, torch.bfloat16, args.state_layers, args.vocab)
     specs = [W.TensorSpec(n, tuple(t.shape), t.dtype) for n, t in state.items()]
     buckets = W.plan_buckets(specs)

@@ -247,7 +247,7 @@ def run(bcfg: dict) -> tuple[dict, dict]:
     from sonar.bench.sim.hooks import sim_hooks
     from sonar.cluster.driver import roles as D_roles, run as D_run
     from sonar.cluster.driver.rollout_pool import RolloutPool, start_worker
-    from sonar.cluster.wire.replay import ReplayQueue
+    from sonar.cluster.replay.queue import ReplayQueue
     from sonar.learner.worker import Learner
 
     cfg, sim = load_cfg([CONFIG], bcfg["overrides"])

@@ -156,7 +156,7 @@ class SyncRank:
     def join(self, addr: str, port: int, world_size: int, prefix: str) -> int:
         import torch
 
-        from sonar.cluster.wire.weights import BroadcastGroup
+        from sonar.cluster.transport.weights import BroadcastGroup
 
         self.group = BroadcastGroup(addr, port, self.rank, world_size, "gloo", prefix=prefix, timeout_s=600)
         self.group.broadcast(torch.zeros(16), 0)  # first collective opens the gloo pairs: not timed
@@ -166,7 +166,7 @@ class SyncRank:
         """Install the tensor layout; the learner (re)allocates its source tensors. Returns bytes."""
         import torch
 
-        from sonar.cluster.wire.weights import TensorSpec, plan_buckets
+        from sonar.cluster.transport.weights import TensorSpec, plan_buckets
 
         self.src, self.out, self.flats = {}, None, None
         gc.collect()
@@ -206,7 +206,7 @@ class SyncRank:
         return 0
 
     def recv_bucketed_reuse(self) -> int:
-        from sonar.cluster.wire.weights import unflatten_bucket
+        from sonar.cluster.transport.weights import unflatten_bucket
 
         self.out = None
         out = {}
@@ -592,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats:  # an explicit count applies to every point and variant
         cfg["repeats"] = cfg["repeats_large"] = args.repeats
         cfg["large_single"] = []
-    from sonar.cluster.wire.weights import DEFAULT_BUCKET_BYTES
+    from sonar.cluster.transport.weights import DEFAULT_BUCKET_BYTES
 
     cfg.update(quick=args.quick, bucket_bytes=DEFAULT_BUCKET_BYTES, backend="gloo", dtype="float32",
                variants=list(VARIANTS), timing="driver wall clock from issuing the calls to the last reply",

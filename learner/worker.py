@@ -64,7 +64,7 @@ def _init_process_group_on_loopback(backend: str, rank: int, world_size: int, ma
 
     import torch.distributed as dist
 
-    from sonar.cluster.wire.weights import is_loopback, loopback_interface, master_store
+    from sonar.cluster.transport.weights import is_loopback, loopback_interface, master_store
 
     timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
     if store is None and rank == 0:
@@ -195,7 +195,7 @@ class Learner:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from sonar.cluster.wire.weights import master_store
+        from sonar.cluster.transport.weights import master_store
 
         L = self.cfg.learner
         host = "127.0.0.1" if L.rendezvous == "loopback" else ray.util.get_node_ip_address()
@@ -232,7 +232,7 @@ class Learner:
     def param_specs(self) -> list:
         """Names, full shapes and dtypes in model order. Under ZeRO-3 the full shape is DeepSpeed's
         ``ds_shape``: nothing is gathered (a gather of the whole model would put 2 B x N on every rank)."""
-        from sonar.cluster.wire.weights import TensorSpec
+        from sonar.cluster.transport.weights import TensorSpec
 
         specs = [TensorSpec(n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype)
                  for n, p in self.engine.module.named_parameters()]
@@ -258,7 +258,7 @@ class Learner:
         ``setup_broadcast`` takes it, so no other process can grab the port in between."""
         import ray
 
-        from sonar.cluster.wire.weights import open_store, resolve_bind_host
+        from sonar.cluster.transport.weights import open_store, resolve_bind_host
 
         nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
         host = resolve_bind_host(self.cfg.cluster.bind_host, ray.util.get_node_ip_address(), nodes)
@@ -267,7 +267,7 @@ class Learner:
         return host, int(self._bcast_store.port)
 
     def setup_broadcast(self, master_addr: str, master_port: int, world_size: int, backend: str, prefix: str) -> str:
-        from sonar.cluster.wire.weights import BroadcastGroup, layout_digest, plan_buckets
+        from sonar.cluster.transport.weights import BroadcastGroup, layout_digest, plan_buckets
 
         specs = self.param_specs()
         self._buckets = plan_buckets(specs)
@@ -301,7 +301,7 @@ class Learner:
         zero3 = self.cfg.learner.zero_stage == 3
         if self.rank != 0:
             if zero3:  # join rank 0's gathers, bucket by bucket, in its order (the same pure bucket plan)
-                from sonar.cluster.wire.weights import plan_buckets
+                from sonar.cluster.transport.weights import plan_buckets
 
                 specs = getattr(self, "_specs", None) or self.param_specs()  # no collective: ds_shape
                 for b in plan_buckets(specs):
@@ -326,7 +326,7 @@ class Learner:
     def checksum(self) -> dict:
         """``weights.checksum`` of the (gathered) parameters: the receivers' function, chunked (no
         full-tensor float64 copy)."""
-        from sonar.cluster.wire.weights import Checksum, checksum
+        from sonar.cluster.transport.weights import Checksum, checksum
 
         if self.cfg.learner.zero_stage != 3:
             with self._gathered() as views:

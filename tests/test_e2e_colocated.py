@@ -79,7 +79,7 @@ def test_every_rl_step_switched_phases_and_the_push_went_through_the_shared_segm
 def test_the_run_ends_with_every_engine_holding_the_final_weights_and_no_segment_left(colocated_run):
     import os
 
-    from sonar.cluster.wire.handover import segment_dir
+    from sonar.cluster.transport.handover import segment_dir
 
     cfg, s, _, _ = colocated_run
     learner = s["weights"]["learner"]

@@ -28,12 +28,16 @@ ROOT = Path(__file__).resolve().parents[1]
 TOP = ("actors", "learner", "retrieval", "cluster", "bench")
 
 WIRE = "sonar.cluster.wire"
+TRANSPORT = "sonar.cluster.transport"
+REPLAY = "sonar.cluster.replay"
 ALLOWED = {  # room -> prefixes it may import (its own room is always allowed)
     "sonar.cluster.wire": (),
-    "sonar.actors": (WIRE, "sonar.retrieval.base"),
-    "sonar.learner": (WIRE,),
+    REPLAY: (WIRE,),  # the queue between the workers and the learner: the driver starts it, they call it
+    TRANSPORT: (WIRE,),  # both ends of the weight push: the learner sends, the workers receive
+    "sonar.actors": (WIRE, TRANSPORT, "sonar.retrieval.base"),
+    "sonar.learner": (WIRE, TRANSPORT),
     "sonar.retrieval": (WIRE,),
-    "sonar.cluster.driver": (WIRE, "sonar.actors", "sonar.learner", "sonar.retrieval", "sonar"),
+    "sonar.cluster.driver": (WIRE, REPLAY, TRANSPORT, "sonar.actors", "sonar.learner", "sonar.retrieval", "sonar"),
     "sonar.bench": ("sonar",),
     "sonar": ("sonar.cluster.driver.cli",),  # __init__ / __main__
 }
@@ -296,7 +300,7 @@ def public_methods(path: Path, cls: str) -> set[str]:
 
 WORKER_METHODS = public_methods(ROOT / "actors" / "worker.py", "RolloutWorker") | {"__ray_call__", "__ray_ready__"}
 OTHER_ACTOR_METHODS = (public_methods(ROOT / "learner" / "worker.py", "Learner")
-                       | public_methods(ROOT / "cluster" / "wire" / "replay.py", "ReplayQueue")
+                       | public_methods(ROOT / "cluster" / "replay" / "queue.py", "ReplayQueue")
                        | public_methods(ROOT / "retrieval" / "server.py", "RetrievalServerImpl"))
 WORKER_ONLY = WORKER_METHODS - OTHER_ACTOR_METHODS - {"__ray_call__", "__ray_ready__"}
 """Methods only a rollout worker has: a ``.remote`` call of one is a worker call, whatever the handle's name."""
@@ -359,7 +363,7 @@ def worker_calls_outside_the_pool(tree: ast.AST) -> list[str]:
 
 
 TRANSPORT_WORKER_METHODS = {
-    f.name for f in next(n for n in ast.parse((ROOT / "cluster" / "wire" / "transport.py").read_text()).body
+    f.name for f in next(n for n in ast.parse((ROOT / "cluster" / "transport" / "transport.py").read_text()).body
                          if isinstance(n, ast.ClassDef) and n.name == "WeightTransport").body
     if isinstance(f, ast.FunctionDef) and len(f.args.args) > 1 and f.args.args[1].arg == "worker"}
 """The transport's methods that address a worker (their first argument is its handle)."""
@@ -535,3 +539,12 @@ def test_the_package_root_does_nothing_at_import_and_each_role_module_bootstraps
         first, second = body[0], body[1]
         assert isinstance(first, ast.ImportFrom) and first.module == "sonar.cluster.wire.bootstrap", module
         assert isinstance(second, ast.Expr) and ast.unparse(second) == "role_process()", module
+
+
+def test_the_readme_diagram_names_the_folder_of_every_room():
+    """Issue 55: each box of README.md's "What runs" diagram names the folder that holds it, so a reader goes
+    from the picture to the code; every room of the rules above is in it (the benchmarks aside)."""
+    block = re.search(r"## What runs.*?```\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    rooms = [r for r in ALLOWED if r.startswith("sonar.") and r != "sonar.bench"]
+    missing = [r for r in rooms if r.removeprefix("sonar.").replace(".", "/") + "/" not in block]
+    assert not missing, f"README.md's diagram names no folder for: {missing}"

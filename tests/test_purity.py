@@ -7,8 +7,8 @@ import pytest
 
 pytestmark = pytest.mark.slow  # one fresh Python process for all (tests/backend_guard.py)
 
-PURE = ["sonar.cluster.wire.protocol", "sonar.cluster.wire.config", "sonar.cluster.wire.replay",
-        "sonar.cluster.wire.weights", "sonar.cluster.wire.transport", "sonar.cluster.wire.metrics", "sonar.cluster.wire.logs", "sonar.actors.parsing",
+PURE = ["sonar.cluster.wire.protocol", "sonar.cluster.wire.config", "sonar.cluster.replay.queue",
+        "sonar.cluster.transport.weights", "sonar.cluster.transport.transport", "sonar.cluster.wire.metrics", "sonar.cluster.wire.logs", "sonar.actors.parsing",
         "sonar.actors.multiquery", "sonar.actors.rewards",
         "sonar.actors.prompts", "sonar.actors.world", "sonar.learner.algo.advantages", "sonar.learner.algo.losses",
         "sonar.learner.algo.staleness", "sonar.learner.batching", "sonar.learner.deepspeed_config",

@@ -3,7 +3,7 @@ retrieval and learner. BENCHMARKS ONLY.
 
 Why: the CPU benchmarks (async-vs-sync) run the real system with slept GPU costs, so one 8-step run of a
 6-GPU layout takes minutes and a 1,024-GPU layout cannot run at all. The scheduling decisions, though, are
-pure (``cluster/wire/replay.py``: admission, least-loaded first, engine capacity, just-in-time starts,
+pure (``cluster/replay/queue.py``: admission, least-loaded first, engine capacity, just-in-time starts,
 version-aware slots, the whole-batch take, stale drops). This module calls exactly that code on a simulated
 clock (an event heap; nothing sleeps, no Ray, no torch), so a layout of thousands of GPUs runs in seconds
 and a change to ``ReplayCore`` changes what it measures.
@@ -44,7 +44,7 @@ batching (each call is one request), prefix caching, preemption and chunked pref
 data-parallel inefficiency at large GPU counts, and the 0.05 s polling of a version-blocked claim (it retries
 on the next put, take or push instead).
 
-Pure module: numpy, the standard library and ``sonar.cluster.wire.replay``.
+Pure module: numpy, the standard library and ``sonar.cluster.replay.queue``.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ import numpy as np
 
 from sonar.bench.sim import gpu_cost
 from sonar.bench.sim.reference import PEAK_BF16_FLOPS
-from sonar.cluster.wire.replay import QueuedGroup, ReplayCore
+from sonar.cluster.replay.queue import QueuedGroup, ReplayCore
 
 MODES = ("async", "sync_split", "colocated")
 

@@ -9,7 +9,7 @@ One RL step on each device, as ``loop.run_rl_stage`` drives it (sync mode only):
                       cache), then the learner's offloaded states come back
     learner step      the learner alone on the device
     to_generation     the engines wake their weights; the new weights are handed over on the device
-                      (the pool's push through the hand-over, cluster/wire/handover.py); the learner
+                      (the pool's push through the hand-over, cluster/transport/handover.py); the learner
                       offloads its states; the engines wake their KV cache
 
 The order inside ``to_generation`` keeps the peak at the hand-over below the generation phase's: the KV

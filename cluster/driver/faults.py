@@ -99,7 +99,7 @@ def rollback_records(run: Run, version: int, run_step: int) -> int:
 
 
 class OutagePause:
-    """Says once when a retrieval outage pauses the learner (``cluster/wire/replay.py``) and once when
+    """Says once when a retrieval outage pauses the learner (``cluster/replay/queue.py``) and once when
     training resumes; ``see`` takes each learner call's ``StepResult``."""
 
     def __init__(self):

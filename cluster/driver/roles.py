@@ -209,7 +209,7 @@ def init_ray(cfg: Config) -> bool:
 def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
     import ray
 
-    from sonar.cluster.wire.replay import ReplayQueue
+    from sonar.cluster.replay.queue import ReplayQueue
 
     hooks = hooks or Hooks()
     with startup_phase("ray"):

@@ -1,7 +1,7 @@
 """The rollout workers, owned by one object: ``RolloutPool``.
 
 Starting them, waiting for them, their health, restarts, the elastic pool's grow and drain, the weight
-transport's group (``cluster/wire/transport.py``) and the weight push: all of it is here, and every call
+transport's group (``cluster/transport/transport.py``) and the weight push: all of it is here, and every call
 the driver makes to a member worker goes through ``RolloutPool.call``, the one fault path:
 
 - A worker whose call fails because it died (``RayActorError``), or that does not answer by the call's
@@ -47,7 +47,7 @@ from sonar.cluster.driver.reports import answer, rollout_metrics
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, StageConfig, broadcast_backend
 from sonar.cluster.wire.errors import RunFault
-from sonar.cluster.wire.transport import BroadcastTransport, Endpoint, WeightTransport
+from sonar.cluster.transport.transport import BroadcastTransport, Endpoint, WeightTransport
 
 log = logging.getLogger("sonar")
 
@@ -387,7 +387,7 @@ class RolloutPool:
         False: a worker died while asked (replaced)."""
         import ray
 
-        from sonar.cluster.wire.weights import is_loopback
+        from sonar.cluster.transport.weights import is_loopback
 
         c = self.cfg.cluster
         # Only the explicit choice: a simulated cluster's nodes have distinct 127/8 addresses of their own.

@@ -714,14 +714,14 @@ class ReplayConfig:
     rollout.groups_per_request (AReaL's staleness-aware admission); 0: unlimited (only capacity_groups
     and the lag drop bound). Sync mode is never gated: its batch is the step. With a budget, a claim
     also names the policy version the worker holds and must fit in the groups the learner takes while
-    that version is fresh (cluster/wire/replay.py, version-aware admission). With a budget, a worker's
+    that version is fresh (cluster/replay/queue.py, version-aware admission). With a budget, a worker's
     engine also holds at most the groups it decodes at once (``worker_capacity``), counted in the rows on
     it (a trajectory waiting on a search holds no engine row), and the least-loaded waiting worker claims
     first."""
     just_in_time: bool = True
     """Async runs with a budget: when the learner is the bottleneck, a claim waits until its group would
     be done no earlier than the learner's take before the one that trains it (measured generation time
-    and take interval, cluster/wire/replay.py), instead of filling the pipeline to the staleness bound
+    and take interval, cluster/replay/queue.py), instead of filling the pipeline to the staleness bound
     with groups that would only age in the queue. A rollout-bound run is not held back."""
 
 
@@ -874,8 +874,8 @@ class ClusterConfig:
     rendezvous and on every wait of a push. A dead receiver or learner raises at the call within it, so
     a worker that dies mid-push, or inside the backend's rendezvous, costs at most this long before the
     group forms again (one found dead before every rank arrived calls the formation off at once: the
-    presence barrier, ``cluster/wire/weights.py``); a vLLM engine in ``rollout.weight_update='pause'`` drains its rows in flight inside it. NCCL's
-    watchdog gets this plus a margin (``cluster/wire/weights.py``)."""
+    presence barrier, ``cluster/transport/weights.py``); a vLLM engine in ``rollout.weight_update='pause'`` drains its rows in flight inside it. NCCL's
+    watchdog gets this plus a margin (``cluster/transport/weights.py``)."""
 
     def broadcast_timeout(self) -> float:
         """``broadcast_timeout_s``, or ``step_timeout_s`` where it is None (seconds)."""
@@ -888,7 +888,7 @@ class ClusterConfig:
     broadcast group (NCCL between GPUs, gloo otherwise). colocated: each learner rank shares its device
     with one engine and the two take turns (veRL's hybrid engine, OpenRLHF's ``--colocate_all_models``):
     the engines generate a batch, sleep (``rollout.sleep_level``), the learner trains, the new weights are
-    handed over on the device (``cluster/wire/handover.py``: shared memory on CPU, CUDA IPC on GPU; NCCL
+    handed over on the device (``cluster/transport/handover.py``: shared memory on CPU, CUDA IPC on GPU; NCCL
     refuses two ranks of one GPU), the engines wake and generate again. Sync only (``cluster.mode=sync``):
     generation and training cannot overlap on one device. On GPU it needs learner.num_gpus=1,
     rollout.num_gpus_per_worker=1 (the GPU each shares) and one vLLM engine per learner rank

@@ -114,7 +114,7 @@ the plan is one GPU per rank with the peak of three phases of an RL step, never 
                  learner offloaded) N x e + its receive buffers + the layer reload's held copies + the
                  checksum chunk + its context, beside the learner's held rows (it offloads after the push)
 
-The learner's push rows are the hand-over's (``cluster/wire/handover.py``, every rank: each hands over to
+The learner's push rows are the hand-over's (``cluster/transport/handover.py``, every rank: each hands over to
 its own engine): two send stream buffers as the NCCL push has them (under ZeRO-3 every bucket is
 flattened, the per-bucket gathers of ``learner/worker.py``) and the CUDA IPC segment, as large as the
 largest bucket (a 7B: its 1.09 GB embedding); no NCCL buffers. vLLM refuses to start unless
@@ -153,9 +153,9 @@ from typing import Mapping, Optional, Sequence
 # No import of config.py: config.validate calls this module (_check_memory), so ``Config`` here is an
 # annotation only and the two resolvers come from their own module (tests/test_layout.py: no cycles).
 from sonar.cluster.wire.algos import trains_critic
-from sonar.cluster.wire.resolved import broadcast_backend, engine_dtype, vllm_batched_tokens
-from sonar.cluster.wire.weights import (CHECKSUM_CHUNK_BYTES, DEFAULT_BUCKET_BYTES, TensorSpec, plan_buckets,
+from sonar.cluster.wire.buckets import (CHECKSUM_CHUNK_BYTES, DEFAULT_BUCKET_BYTES, TensorSpec, plan_buckets,
                                         recv_buffer_bytes, send_buffer_bytes)
+from sonar.cluster.wire.resolved import broadcast_backend, engine_dtype, vllm_batched_tokens
 
 GIB = 1 << 30
 CUDA_OVERHEAD_BYTES = 1 << 30
@@ -570,7 +570,7 @@ def _push_rows(cfg: Config, s: ModelShape, p: int) -> list[Row]:
                     "2 stream buffers, " + ("every bucket flattened (ZeRO-3 gathers)" if z3 else
                                             f"multi-tensor buckets (<= {DEFAULT_BUCKET_BYTES >> 20} MiB)")),
                 Row("hand-over IPC segment", max(b.nbytes for b in buckets),
-                    "the largest bucket, mapped by the engine (cluster/wire/handover.py)")]
+                    "the largest bucket, mapped by the engine (cluster/transport/handover.py)")]
     return []
 
 

@@ -65,7 +65,7 @@ REPLAY_REQUEUED_INFRA = "replay/requeued_infra"
 """Prompts requeued because a search of their group failed for infrastructure reasons (not trained)."""
 REPLAY_REQUEUED_OUTAGE = "replay/requeued_outage"
 """Prompts requeued because their group, put during a retrieval outage, made no successful search
-(training on those alone would teach the policy not to search; ``cluster/wire/replay.py``)."""
+(training on those alone would teach the policy not to search; ``cluster/replay/queue.py``)."""
 REPLAY_OUTAGE_S = "replay/outage_s"
 """Seconds the learner was paused by retrieval outages so far (ended ones; the one in progress is in
 ``replay/outage_now_s``)."""

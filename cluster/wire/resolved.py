@@ -18,7 +18,7 @@ def broadcast_backend(cfg: Config) -> str:
     every rollout worker) has a GPU and learner.dist_backend allows it; gloo otherwise (CPU tensors; a GPU
     learner copies its buckets to host memory first). Colocated placement (``cluster.placement``): the
     hand-over on the device the learner and its engine share, ``cuda_ipc`` on GPU, ``shm`` (shared
-    memory) on CPU (``cluster/wire/handover.py``)."""
+    memory) on CPU (``cluster/transport/handover.py``)."""
     L = cfg.learner
     if getattr(cfg.cluster, "placement", "split") == "colocated":
         return "cuda_ipc" if L.num_gpus > 0 else "shm"

@@ -29,7 +29,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; without it vLLM res
 from sonar.actors.engine import HFEngine, ParamSpec, SamplingParams  # noqa: E402
 from sonar.actors.engine_vllm import row_seed  # noqa: E402
 from sonar.actors.rollout import model_segments  # noqa: E402
-from sonar.cluster.wire.weights import BroadcastGroup, TensorSpec, checksum, open_store, plan_buckets  # noqa: E402
+from sonar.cluster.transport.weights import BroadcastGroup, TensorSpec, checksum, open_store, plan_buckets  # noqa: E402
 
 PROMPTS = [np.array([2, 10, 11, 12, 13]), np.array([2, 40]), np.array([2, 50, 51, 52]), np.array([2, 7, 8])]
 EOS_PROMPT = np.array([2, 60, 61])
@@ -167,7 +167,7 @@ def test_worker_extension_imports_only_torch_vllm_and_the_wire():
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             mods.add(node.module)
     allowed = ("torch", "vllm", "sonar.cluster.wire", "__future__", "contextlib", "logging", "time")
-    assert "sonar.cluster.wire.weights" in mods
+    assert "sonar.cluster.transport.weights" in mods
     assert all(any(m == a or m.startswith(a + ".") for a in allowed) for m in mods), mods
 
 
@@ -458,7 +458,7 @@ def test_a_bf16_learner_pushes_bf16_and_the_float32_engine_casts_on_load(env):
     th.start()
     digest = env.engine.setup_broadcast("127.0.0.1", store.port, 1, 2, "gloo", "test-bf16", sender)
     th.join(DEADLINE_S)
-    from sonar.cluster.wire.weights import layout_digest
+    from sonar.cluster.transport.weights import layout_digest
 
     assert digest == layout_digest(sender)
     th = threading.Thread(target=box["g"].send_weights, args=(plan_buckets(sender), bf16))

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.vllm
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; without it vLLM reserves 92 % of RAM on CPU
 
 from sonar.actors.engine import HFEngine, ParamSpec, SamplingParams  # noqa: E402
-from sonar.cluster.wire.weights import (BroadcastGroup, TensorSpec, checksum, open_store, plan_buckets,  # noqa: E402
+from sonar.cluster.transport.weights import (BroadcastGroup, TensorSpec, checksum, open_store, plan_buckets,  # noqa: E402
                                         recv_buffer_bytes, send_buffer_bytes)
 
 PROMPTS = [np.array([2, 10, 11, 12, 13]), np.array([2, 40]), np.array([2, 50, 51, 52]), np.array([2, 7, 8])]

@@ -12,7 +12,7 @@ from sonar.bench.sim import gpu_cost
 from sonar.bench.sim.reference import PEAK_BF16_FLOPS
 from sonar.bench.sim.scheduler_sim import Sim, Tool, Workload, simulate
 from sonar.bench.sim.workloads import SHORT, lognormal_pmf
-from sonar.cluster.wire.replay import ReplayCore
+from sonar.cluster.replay.queue import ReplayCore
 
 # Deterministic: one turn of exactly 100 tokens (sigma 0), no tools, prompt 100 tokens.
 FIXED = Workload(name="fixed", calls_pmf=(1.0,), turn_median=100.0, turn_sigma=0.0, turn_max=100,

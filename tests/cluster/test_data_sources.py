@@ -12,7 +12,7 @@ from sonar.cluster.driver.data import (cursor_prompts, eval_questions, extra_voc
                                        write_stage_prompts)
 from sonar.cluster.driver.run import world_of
 from sonar.cluster.wire.config import CONFIG_DIR, load_config
-from sonar.cluster.wire.replay import QueuedGroup, ReplayCore
+from sonar.cluster.replay.queue import QueuedGroup, ReplayCore
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "datasets"
 HOTPOT, DEV, CORPUS = FIX / "hotpot_mini.json", FIX / "hotpot_mini_dev.json", FIX / "hotpot_mini_corpus.jsonl"

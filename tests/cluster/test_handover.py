@@ -1,4 +1,4 @@
-"""The colocated hand-over (cluster/wire/handover.py) under the weight push: the same BroadcastGroup
+"""The colocated hand-over (cluster/transport/handover.py) under the weight push: the same BroadcastGroup
 calls (staged, streamed, several pushes, a segment that grows), every byte equal, nothing left in the
 segment folder, and a peer that never comes raising within the group's timeout."""
 import os
@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from sonar.cluster.wire.handover import HandoverCollective, segment_dir
-from sonar.cluster.wire.weights import BroadcastGroup, Checksum, TensorSpec, checksum, plan_buckets
+from sonar.cluster.transport.handover import HandoverCollective, segment_dir
+from sonar.cluster.transport.weights import BroadcastGroup, Checksum, TensorSpec, checksum, plan_buckets
 from sonar.learner.worker import free_port
 
 
@@ -110,7 +110,7 @@ def test_a_learner_whose_receiver_never_takes_the_broadcast_raises_and_cleans_up
 
 
 def test_a_segment_on_another_machine_is_named():
-    from sonar.cluster.wire.handover import _FileSegment
+    from sonar.cluster.transport.handover import _FileSegment
 
     with pytest.raises(FileNotFoundError, match="colocated needs each engine on its learner rank's node"):
         _FileSegment(os.path.join(segment_dir(), "sonar-no-such-segment"), 8, create=False)

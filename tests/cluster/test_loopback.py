@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sonar.cluster.wire.weights import (BroadcastGroup, is_loopback, local_address_towards, master_store,
+from sonar.cluster.transport.weights import (BroadcastGroup, is_loopback, local_address_towards, master_store,
                                         open_store)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +98,7 @@ import psutil
 from sonar.actors.model import materialise_policy
 from sonar.actors.world import build_world
 from sonar.cluster.wire.config import ModelConfig, WorldConfig, load_config
-from sonar.cluster.wire.weights import BroadcastGroup, open_store, plan_buckets
+from sonar.cluster.transport.weights import BroadcastGroup, open_store, plan_buckets
 from sonar.learner.worker import Learner
 
 small = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_position_embeddings=64)

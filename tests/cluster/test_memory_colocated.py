@@ -50,7 +50,7 @@ def _preset(name: str, model: Path, *over: str):
 def _buckets(d: Path):
     import torch
 
-    from sonar.cluster.wire.weights import TensorSpec, plan_buckets
+    from sonar.cluster.transport.weights import TensorSpec, plan_buckets
 
     return plan_buckets([TensorSpec(n, sh, torch.bfloat16) for n, sh in M.shape_from_dir(d).tensors], MIB128)
 
@@ -61,7 +61,7 @@ def test_3b_under_the_search_r1_preset_by_hand():
     """configs/search_r1.yaml (ZeRO-2 over 8 ranks, KL reference, micro-batch 16,384 tokens, vLLM at 0.6,
     the learner's optimizer states in host memory while generating, sleep level 2) with Qwen2.5-3B on
     80 GiB: each phase's rows and total from the formulas."""
-    from sonar.cluster.wire.weights import recv_buffer_bytes, send_buffer_bytes
+    from sonar.cluster.transport.weights import recv_buffer_bytes, send_buffer_bytes
 
     cfg = _preset("search_r1", D3)
     p = M.plan(cfg, M.shape_from_dir(D3), 80.0)
@@ -161,7 +161,7 @@ def test_the_search_r1_preset_with_qwen2_5_3b_plans_8_colocated_gpus_that_fit_80
 def test_a_7b_on_8_gpus_of_24_gb_is_refused_with_each_phase_and_its_figures():
     """configs/rag_r1.yaml (ZeRO-3, PPO critic, KL reference) with Qwen2.5-7B on 24 GiB: vLLM's 0.6 x 24 GiB
     does not even hold the weights, and the learner's phases exceed the GPU; no single change fits."""
-    from sonar.cluster.wire.weights import recv_buffer_bytes
+    from sonar.cluster.transport.weights import recv_buffer_bytes
 
     with pytest.raises(M.MemoryPlanError) as e:
         _preset("rag_r1", D7, "cluster.gpu_memory_gib=24")

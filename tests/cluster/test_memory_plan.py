@@ -67,7 +67,7 @@ LAYER7 = (3584 * 3584 + 3584) + 2 * (3584 * 512 + 512) + 3584 * 3584 + 3 * 3584 
 def _buckets7():
     import torch
 
-    from sonar.cluster.wire.weights import TensorSpec, plan_buckets
+    from sonar.cluster.transport.weights import TensorSpec, plan_buckets
 
     return plan_buckets([TensorSpec(n, sh, torch.bfloat16) for n, sh in M.shape_from_dir(D7).tensors], MIB128)
 
@@ -76,7 +76,7 @@ def _send7() -> int:
     """The learner's two send buffers: only buckets of more than one tensor are flattened (a bucket of one
     tensor, the embedding or an MLP matrix of 136 MB > 128 MiB, is broadcast from the tensor itself), so
     each buffer is at most 128 MiB."""
-    from sonar.cluster.wire.weights import recv_buffer_bytes, send_buffer_bytes
+    from sonar.cluster.transport.weights import recv_buffer_bytes, send_buffer_bytes
 
     buckets = _buckets7()
     assert recv_buffer_bytes(buckets) == RECV7  # the weight push's own accounting agrees with the hand figure

@@ -8,7 +8,7 @@ import pytest
 
 from sonar.cluster.driver.pool import Pool, PoolController, wanted_bundles
 from sonar.cluster.wire.config import load_config, pool_bounds
-from sonar.cluster.wire.replay import QueuedGroup, ReplayCore
+from sonar.cluster.replay.queue import QueuedGroup, ReplayCore
 
 
 def ctl(size=2, lo=1, hi=4, window=10.0, cooldown=0.0, now=0.0):

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from sonar.cluster.wire.replay import PromptCursor, QueuedGroup, ReplayCore, ReplayQueue
+from sonar.cluster.replay.queue import PromptCursor, QueuedGroup, ReplayCore, ReplayQueue
 from tests.waiting import await_until, settle
 
 
@@ -48,7 +48,7 @@ def test_staleness_bound_drops_and_counts():
 
 
 def test_policy_lag():
-    from sonar.cluster.wire.replay import policy_lag
+    from sonar.cluster.replay.queue import policy_lag
 
     assert policy_lag(10, 10) == 0
     assert policy_lag(10, 7) == 3
@@ -707,7 +707,7 @@ def test_least_loaded_ignores_a_waiter_whose_engine_is_full():
 
 
 def test_just_in_time_closed_form():
-    from sonar.cluster.wire.replay import JustInTime
+    from sonar.cluster.replay.queue import JustInTime
 
     j = JustInTime()
     assert j.earliest(5, 4) is None  # no estimates yet: admit as before

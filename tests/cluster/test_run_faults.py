@@ -70,7 +70,7 @@ def test_a_stopped_replay_queue_fails_the_learners_get_naming_it(shared_ray):
     from sonar.cluster.wire.config import load_config
     from sonar.cluster.driver.reports import answer
     from sonar.cluster.wire.errors import ReplayUnresponsive, RoleUnresponsive
-    from sonar.cluster.wire.replay import ReplayQueue
+    from sonar.cluster.replay.queue import ReplayQueue
     from sonar.learner.worker import Learner
     from tests.ray_job import ray_for_module
 

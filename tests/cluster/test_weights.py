@@ -3,7 +3,7 @@ import threading
 import pytest
 import torch
 
-from sonar.cluster.wire.weights import BroadcastGroup, TensorSpec, checksum, layout_digest, plan_buckets
+from sonar.cluster.transport.weights import BroadcastGroup, TensorSpec, checksum, layout_digest, plan_buckets
 from sonar.learner.worker import free_port
 
 
@@ -64,7 +64,7 @@ def test_gloo_broadcast_delivers_every_tensor_to_every_rank():
 
 
 def test_flatten_bucket_is_the_inverse_of_unflatten_and_fills_the_given_buffer():
-    from sonar.cluster.wire.weights import flatten_bucket, unflatten_bucket
+    from sonar.cluster.transport.weights import flatten_bucket, unflatten_bucket
 
     torch.manual_seed(1)
     src = {"a": torch.randn(3, 4), "b": torch.randn(5), "c": torch.randn(2, 2, 2)}
@@ -84,7 +84,7 @@ def _present(port: int, prefix: str, ranks) -> bool:
 
     import torch.distributed as dist
 
-    from sonar.cluster.wire.weights import PRESENCE_SUFFIX
+    from sonar.cluster.transport.weights import PRESENCE_SUFFIX
 
     client = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=datetime.timedelta(seconds=30))
     return dist.PrefixStore(prefix + PRESENCE_SUFFIX, client).check([f"present/{r}" for r in ranks])
@@ -115,7 +115,7 @@ def test_a_formation_called_off_while_a_rank_is_missing_ends_at_once_on_every_wa
     after the call-off."""
     import time
 
-    from sonar.cluster.wire.weights import GroupAborted, abort_formation, open_store
+    from sonar.cluster.transport.weights import GroupAborted, abort_formation, open_store
     from tests.waiting import wait_until
 
     store = open_store("127.0.0.1", 4, timeout_s=600)  # the learner's endpoint: open before any rank joins
@@ -141,7 +141,7 @@ def test_a_formation_called_off_while_a_rank_is_missing_ends_at_once_on_every_wa
 def test_a_rank_that_never_arrives_is_named_when_the_barrier_times_out():
     import torch.distributed as dist
 
-    from sonar.cluster.wire.weights import presence_barrier
+    from sonar.cluster.transport.weights import presence_barrier
 
     store = dist.HashStore()
     store.set("present/2", b"1")  # rank 2 arrived; 1 and 3 never do
@@ -153,7 +153,7 @@ def test_a_rank_that_never_arrives_is_named_when_the_barrier_times_out():
 def test_the_barrier_returns_once_every_rank_is_present_and_a_call_off_with_no_store_reports_it():
     """The whole group forms (the barrier, then gloo's rendezvous) and pushes; calling off a formation
     whose store is gone (nobody listens on its port) reports False within its connect timeout."""
-    from sonar.cluster.wire.weights import abort_formation
+    from sonar.cluster.transport.weights import abort_formation
 
     port = free_port()
     threads, errors, groups = _form_in_threads(port, [0, 1, 2], 3, timeout_s=60)
@@ -188,7 +188,7 @@ def test_a_push_called_off_ends_every_rank_at_once_whichever_rank_stopped(stuck)
     stopped rank too once it moves again, none waits out the timeout, and none is left inside the push."""
     import time
 
-    from sonar.cluster.wire.weights import GroupAborted, abort_formation, open_store
+    from sonar.cluster.transport.weights import GroupAborted, abort_formation, open_store
 
     torch.manual_seed(2)
     src = {f"layer.{i}.w": torch.randn(256) for i in range(6)}  # 1 KiB each: one bucket each
@@ -251,7 +251,7 @@ def test_the_nccl_weight_group_is_built_to_abort_its_communicator_not_the_proces
 
     import torch.distributed as dist
 
-    from sonar.cluster.wire import weights
+    from sonar.cluster.transport import weights
 
     seen = []
 
@@ -275,7 +275,7 @@ def test_the_nccl_weight_group_is_built_to_abort_its_communicator_not_the_proces
 def test_a_called_off_group_refuses_every_later_push_naming_why():
     """After a call-off (``BroadcastGroup.abort``) the group is never used again: a later push raises
     ``GroupAborted`` at once, not an ``AttributeError`` on the dropped backend."""
-    from sonar.cluster.wire.weights import GroupAborted
+    from sonar.cluster.transport.weights import GroupAborted
 
     src = {"w": torch.randn(8)}
     buckets = plan_buckets(specs_of(src))

@@ -3,7 +3,7 @@ names or shapes -- those must be the receiver's own, or the push would load the 
 import pytest
 import torch
 
-from sonar.cluster.wire.weights import TensorSpec, layout_digest, plan_buckets, wire_layout
+from sonar.cluster.transport.weights import TensorSpec, layout_digest, plan_buckets, wire_layout
 
 OWN = [TensorSpec("embed", (10, 4), torch.float32), TensorSpec("norm", (4,), torch.float32)]
 

@@ -1,4 +1,4 @@
-"""The streamed weight push (cluster/wire/weights.py, issue 21 item 3 and the push parts of 8/9): two
+"""The streamed weight push (cluster/transport/weights.py, issue 21 item 3 and the push parts of 8/9): two
 bucket buffers on each side whatever the bucket count, a receiver that loads bucket by bucket and never
 lets a buffer be refilled under a tensor its loader still holds, the streamed result bit-identical to
 the staged full copy over a real gloo group, a chunked float64 checksum with a bounded temporary, push
@@ -18,8 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-import sonar.cluster.wire.weights as W
-from sonar.cluster.wire.weights import (BroadcastGroup, Checksum, TensorSpec, checksum, name_weight, plan_buckets,
+import sonar.cluster.transport.weights as W
+from sonar.cluster.transport.weights import (BroadcastGroup, Checksum, TensorSpec, checksum, name_weight, plan_buckets,
                                         recv_buffer_bytes, send_buffer_bytes)
 from sonar.learner.worker import free_port
 

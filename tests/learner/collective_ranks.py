@@ -41,7 +41,7 @@ def run(rank: int, world: int, port: int, backend: str, out: str) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from sonar.cluster.wire.weights import loopback_interface
+    from sonar.cluster.transport.weights import loopback_interface
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)

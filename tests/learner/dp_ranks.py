@@ -71,7 +71,7 @@ def push_alone(learner, rank: int) -> dict:
     """``Learner.broadcast`` into a weight-broadcast group of rank 0 alone (no receiver needed: what is
     tested is that the learner ranks' gathers pair up and every bucket is sent). {} on other ranks."""
     if rank == 0:
-        from sonar.cluster.wire.weights import BroadcastGroup, plan_buckets
+        from sonar.cluster.transport.weights import BroadcastGroup, plan_buckets
         from sonar.learner.worker import free_port
 
         learner._buckets = plan_buckets(learner.param_specs())

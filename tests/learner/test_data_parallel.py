@@ -168,7 +168,7 @@ def test_the_push_checksum_and_specs_of_two_ranks_need_no_whole_model_gather(two
     """Under ZeRO-3 the push gathers one bucket at a time (rank 1 joins each gather in rank 0's order, so
     the two processes do not deadlock), the checksum one parameter at a time, and the specs come from
     ``ds_shape`` with no gather; all equal what the gathered weights give."""
-    from sonar.cluster.wire.weights import checksum
+    from sonar.cluster.transport.weights import checksum
 
     _, res, ranks = two_ranks
     w1 = res[case]["w1"]

@@ -19,7 +19,7 @@ Every method makes one actor call and returns its ObjectRef, except ``abort``: t
 meeting point itself (the learner's actor is busy in the rendezvous), best effort, and returns nothing.
 
 ``BroadcastTransport`` is the one implementation: the gloo/NCCL broadcast group of
-``cluster/wire/weights.py`` (``BroadcastGroup``), whose actor halves are ``Learner.broadcast_endpoint``,
+``cluster/transport/weights.py`` (``BroadcastGroup``), whose actor halves are ``Learner.broadcast_endpoint``,
 ``setup_broadcast`` and ``broadcast`` (``learner/worker.py``) and ``RolloutWorker.broadcast_ranks``,
 ``setup_broadcast`` and ``receive_weights`` (``actors/worker.py``; a vLLM engine joins from its own
 worker processes, ``actors/vllm_extension.py``). Another transport is one class of this shape, plus
@@ -111,6 +111,6 @@ class BroadcastTransport:
         return worker.receive_weights.remote(version)
 
     def abort(self, endpoint: Endpoint, reason: str) -> None:
-        from sonar.cluster.wire.weights import abort_formation  # torch: imported by the driver only when needed
+        from sonar.cluster.transport.weights import abort_formation  # torch: imported by the driver only when needed
 
         abort_formation(endpoint.host, endpoint.port, self.prefix(endpoint), reason)
