@@ -259,7 +259,8 @@ def run(bcfg: dict) -> tuple[dict, dict]:
     load = {"start": loadavg()}
     try:
         corpus = D_roles.prepare_corpus(cfg, run_)
-        retrieval = D_roles.start_retrieval(cfg, run_, corpus, hooks.retriever_wrap)
+        replicas = D_roles.start_retrieval(cfg, run_, corpus, hooks.retriever_wrap)
+        retrieval = replicas.handles
         handles += retrieval
         policy = D_roles.prepare_policy(cfg, run_)
         replay = ray.remote(num_cpus=0)(ReplayQueue).options(max_concurrency=1000).remote(
@@ -272,7 +273,7 @@ def run(bcfg: dict) -> tuple[dict, dict]:
         ray.get([learner.ping.remote()] + [w.ready.remote() for w in workers])
         pool = RolloutPool(cfg, learner=learner, replay=replay, retrieval=retrieval, policy=policy,
                            engine_wrap=hooks.engine_wrap)
-        roles = D_roles.Roles(retrieval, replay, learner, pool, hooks=hooks, policy=policy, cfg=cfg)
+        roles = D_roles.Roles(replicas, replay, learner, pool, hooks=hooks, policy=policy, cfg=cfg)
         for rep in range(bcfg["repeats"]):
             for n in bcfg["workers"]:
                 m = measure_point(cfg, roles, workers, n, bcfg["warmup_s"], bcfg["window_s"])

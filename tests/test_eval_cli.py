@@ -143,7 +143,7 @@ def test_training_eval_and_sonar_eval_give_the_same_numbers(setup, tmp_path, sha
     owns = init_ray(cfg)
     try:
         run = start_run(cfg)
-        handles = start_retrieval(cfg, run, prepare_corpus(cfg, run))
+        handles = start_retrieval(cfg, run, prepare_corpus(cfg, run)).handles
         worker = start_worker(cfg, 0, handles, policy=str(policy))
         training = reports.evaluate(cfg, SimpleNamespace(pool=RolloutPool(cfg, workers=[worker])), run,
                                     split="parity")["search"]

@@ -15,7 +15,7 @@ kills a rollout worker *during the next weight push* (``Hooks.on_pool``'s ``"pus
 started sending, no worker has received), at each rank position in turn (worker 0, 1, ..., then 0
 again): the pool calls the push off for every rank and replaces the worker. At step S it pauses a random
 rollout worker (SIGSTOP: alive, silent; the pool replaces it once it misses ``cluster.health_timeout_s``)
-and at step T the retrieval replica (replaced after ``roles.SILENT_CHECKS`` silent health check; meanwhile the
+and at step T the retrieval replica (replaced after ``replica_pool.SILENT_CHECKS`` silent health check; meanwhile the
 searches fail, the replay pauses the learner for the outage, and the first search that works again
 ends it). A resumed learner
 continues from its checkpoint's version, so the steps it trains again count again, and a fault already

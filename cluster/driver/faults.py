@@ -2,7 +2,7 @@
 (``cluster.auto_resume``).
 
 Rollout workers and retrieval replicas are restarted in place (``rollout_pool.RolloutPool.call``,
-``roles.check_retrieval``, Ray's ``max_restarts``); the learner holds the optimizer state and the
+``ReplicaPool.check``, Ray's ``max_restarts``); the learner holds the optimizer state and the
 policy version, the replay queue the prompt cursor and the accounting (both saved in every
 checkpoint), so the death of either ends that set of roles. ``train`` (``loop.py``) then asks
 ``role_died``; if so, ``auto_resume_config`` kills what is left, rolls this run's records back to
@@ -58,7 +58,7 @@ def auto_resume_config(cfg: Config, roles: Roles, run: Run) -> Config:
     restarts = faults.setdefault("worker_restarts", 0)
     faults["worker_restarts"] = restarts + sum(roles.restarts.values())
     faults["push_call_offs"] = faults.get("push_call_offs", 0) + getattr(roles.pool, "push_call_offs", 0)
-    replaced = sum(getattr(roles, "replica_replacements", {}).values())
+    replaced = sum(roles.replicas.replacements.values())
     faults["replica_replacements"] = faults.get("replica_replacements", 0) + replaced
     kill_roles(roles)
     try:

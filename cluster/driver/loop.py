@@ -14,7 +14,7 @@ from sonar.cluster.driver.critical_path import StepClock
 from sonar.cluster.driver.data import stage_questions, write_stage_prompts
 from sonar.cluster.driver.reports import (StageProgress, Throughput, answer, evaluate, print_summary, record_prompts,
                                          replay_metrics, retrieval_metrics, split_meter, step_log_line)
-from sonar.cluster.driver.roles import (Hooks, Roles, check_retrieval, export_model, kill_roles, maybe_checkpoint,
+from sonar.cluster.driver.roles import (Hooks, Roles, export_model, kill_roles, maybe_checkpoint,
                                        maybe_resume, prepare_demonstrations, save_checkpoint, start_roles, stop_roles)
 from sonar.cluster.driver.faults import OutagePause, auto_resume_config, check_starved, role_died
 from sonar.cluster.driver.pool import Pool
@@ -171,7 +171,7 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
                 roles.pool.generate(index, stage, cfg.learner.groups_per_step, steps)
         with clock.phase("health"):
             worker_metrics = roles.pool.health()  # waits for health: a dead worker surfaces here
-            worker_metrics.update(check_retrieval(cfg, roles))  # waits for every replica's ping (or the deadline)
+            worker_metrics.update(roles.replicas.check())  # waits for every replica's ping (or the deadline)
         # Wait for one learner step. The learner waits at most 10 s for groups, so a stalled rollout
         # side comes back as `waiting` and meets the health check above instead of hanging here.
         # Colocated: waits for every engine to sleep before the step, and after it for the hand-over and

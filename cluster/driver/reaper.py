@@ -72,6 +72,25 @@ def kill_if_same(pid: int, created: float) -> bool:
         return False
 
 
+def kill_process_on(node_id: str, pid: int, created: float, timeout_s: float) -> bool:
+    """SIGKILL process ``pid`` created at ``created`` on Ray node ``node_id`` (a zero-CPU task pinned
+    there), as its own health answer gave them: never a later process that reuses the pid. A SIGSTOPped
+    actor never answers Ray's kill request, and its process keeps its resources (measured: the replacement
+    replica of a stopped one waited for its CPU slot until its own start timeout). Returns whether it was
+    alive."""
+    import logging
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(kill_if_same).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+    try:
+        return bool(ray.get(task.remote(pid, created), timeout=timeout_s))
+    except Exception as e:  # noqa: BLE001 - the node is gone too: nothing left to free there
+        logging.getLogger("sonar").warning("could not kill pid %d on node %s: %s: %s", pid, node_id[:12], type(e).__name__, e)
+        return False
+
+
 def reap(known: dict[int, float]) -> list[int]:
     """SIGKILL every remembered process still alive with its remembered creation time; returns their pids."""
     return [pid for pid, created in known.items() if kill_if_same(pid, created)]

@@ -200,20 +200,7 @@ def split_meter(cfg: Config) -> SplitMeter | None:
 
 def retrieval_metrics(roles: Roles) -> dict:
     """Service-side retrieval metrics (QPS, latency, batch size, cache hit rate, errors by kind)."""
-    import ray
-
-    stats = []
-    refs = [h.stats.remote() for h in roles.retrieval]
-    timeout = roles.cfg.cluster.health_timeout_s if roles.cfg is not None else None
-    ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])  # a hung replica: no stats this step
-    for ref in refs:
-        if ref not in ready:
-            continue
-        try:
-            stats.append(ray.get(ref))
-        except ray.exceptions.RayActorError:  # a dead or restarting replica has no stats now
-            continue
-    stats = [s for s in stats if s]
+    stats = [s for s in roles.replicas.stats() if s]  # a hung, dead or restarting replica: none this step
     if not stats:
         return {}
     m = {K.RETRIEVAL_QPS: sum(s["qps"] for s in stats),
@@ -339,7 +326,7 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
         "faults": {"worker_restarts": run.results.get("faults", {}).get("worker_restarts", 0)
                    + sum(getattr(roles, "restarts", {}).values()),
                    "replica_replacements": run.results.get("faults", {}).get("replica_replacements", 0)
-                   + sum(getattr(roles, "replica_replacements", {}).values()),
+                   + sum(roles.replicas.replacements.values()),
                    "learner_resumes": run.results.get("faults", {}).get("learner_resumes", 0),
                    "replay_resumes": run.results.get("faults", {}).get("replay_resumes", 0),
                    "push_call_offs": run.results.get("faults", {}).get("push_call_offs", 0)

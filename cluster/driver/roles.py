@@ -18,14 +18,13 @@ from typing import Callable
 from sonar.cluster.driver.data import cursor_prompts
 from sonar.cluster.driver.demands import role_resources
 from sonar.cluster.driver.learner_ranks import remove_learner_group, start_learner
-from sonar.cluster.driver.reaper import kill_if_same, start_reaper
+from sonar.cluster.driver.reaper import start_reaper
+from sonar.cluster.driver.replica_pool import ReplicaPool
 from sonar.cluster.driver.reports import answer, eval_table, startup_phase
 from sonar.cluster.driver.rollout_pool import RolloutPool, node_of
 from sonar.cluster.driver.run import Run, world_of
 from sonar.cluster.wire.startup import startup_without_gc
-from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, inflight_budget, to_yaml, worker_capacity
-from sonar.cluster.wire.errors import RunFault
 from sonar.cluster.wire.resolved import colocated_on_gpu
 
 log = logging.getLogger("sonar")
@@ -64,7 +63,8 @@ class Hooks:
 
 @dataclass
 class Roles:
-    retrieval: list
+    replicas: ReplicaPool
+    """The retrieval replicas and every call to them (``replica_pool``)."""
     replay: object
     learner: object
     pool: RolloutPool
@@ -81,16 +81,11 @@ class Roles:
     files_node: str | None = None
     """The learner's Ray node id when the driver cannot see its ``run.dir`` and ``cluster.upload_files``
     streams its checkpoints and export here (``files.py``); None: the files are shared."""
-    corpus: str | None = ""
-    """The corpus the retrieval replicas serve (``prepare_corpus``; None for an http server's): a
-    replacement replica opens it too."""
-    replica_replacements: dict = field(default_factory=dict)
-    """Replica slot -> replacements so far (``replace_replica``, bounded by ``cluster.max_replica_replacements``)."""
-    replica_silent: dict = field(default_factory=dict)
-    replica_procs: dict = field(default_factory=dict)
-    """Replica index -> (node id, pid, creation time) from its last health answer: a hung replica's process is killed
-    there (``kill_process_on``), since Ray cannot stop a stopped actor's process itself."""
-    """Replica slot -> health checks in a row it let pass without an answer (``check_retrieval``)."""
+
+    @property
+    def retrieval(self) -> list:
+        """The retrieval replicas' handles, slot i at index i: ``replicas.handles``, to read (the pool calls them)."""
+        return self.replicas.handles
 
     @property
     def workers(self) -> list:
@@ -241,9 +236,10 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
             # engine must start beside the learner in its generation-phase memory (states offloaded), as the
             # memory plan's generation row counts it.
             ray.get(learner.offload_states.remote(), timeout=cfg.cluster.step_timeout_s)
-        pool = RolloutPool(cfg, learner=learner, replay=replay, retrieval=retrieval, policy=policy,
+        pool = RolloutPool(cfg, learner=learner, replay=replay, retrieval=retrieval.handles, policy=policy,
                            placement_group=learner_pg,
                            engine_wrap=hooks.engine_wrap, on_event=hooks.on_pool)
+        retrieval.on_replace = pool.replace_replica  # a replacement replica reaches every worker's clients
         pool.start(cfg.rollout.num_workers)
         try:
             learner_info = ray.get(learner.ping.remote(), timeout=cfg.cluster.step_timeout_s)
@@ -252,7 +248,7 @@ def start_roles(cfg: Config, run: Run, hooks: Hooks | None = None) -> Roles:
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(start_timeout_message(cfg, ray.cluster_resources(), ray.available_resources())) from None
     roles = Roles(retrieval, replay, learner, pool, owns_ray=owns, hooks=hooks, policy=policy, cfg=cfg,
-                  learner_pg=learner_pg, corpus=corpus)
+                  learner_pg=learner_pg)
     with startup_phase("weight transport"):
         pool.form_group()  # every worker and the learner join the weight transport; the weights pushed
     roles.files_node = unshared_learner_node(cfg, roles, run)
@@ -395,8 +391,8 @@ def indexes_dir(cfg: Config) -> str:
     return str(Path(cfg.run.root).resolve() / "index")
 
 
-def start_retrieval(cfg: Config, run: Run, corpus: str | None, wrap_backend: Callable | None = None) -> list:
-    """The retrieval replicas; each builds ``build_retriever(..., wrap_backend=wrap_backend)``."""
+def start_retrieval(cfg: Config, run: Run, corpus: str | None, wrap_backend: Callable | None = None) -> ReplicaPool:
+    """The retrieval replicas, in their pool; each builds ``build_retriever(..., wrap_backend=wrap_backend)``."""
     from sonar.retrieval.factory import build_retriever
     from sonar.retrieval.server import start_retrieval_service
 
@@ -406,8 +402,9 @@ def start_retrieval(cfg: Config, run: Run, corpus: str | None, wrap_backend: Cal
     # down stops the run here, naming its address, before any learner or rollout worker holds a GPU
     probe_retriever(build_retriever(cfg.retrieval, corpus, indexes_dir(cfg), resilient=False), cfg.retrieval)
     # retrieval.replicas actors; Ray restarts a dead one (cluster.max_replica_restarts) under the same handle,
-    # so the workers' clients keep working once it answers again (past that, replace_replica).
-    return start_replicas(cfg, corpus, cfg.retrieval.replicas, wrap_backend)
+    # so the workers' clients keep working once it answers again (past that, ReplicaPool.replace).
+    return ReplicaPool(cfg, start_replicas(cfg, corpus, cfg.retrieval.replicas, wrap_backend),
+                       start=lambda n: start_replicas(cfg, corpus, n, wrap_backend))
 
 
 def start_replicas(cfg: Config, corpus: str | None, n: int, wrap_backend: Callable | None = None) -> list:
@@ -435,126 +432,6 @@ def stop_roles(roles: Roles | None) -> None:
         ray.shutdown()
 
 
-class ReplicaFailed(RunFault):
-    """Every retrieval replica is dead and their replacements are used up; the message names them."""
-
-
-SILENT_CHECKS = 1
-"""Health checks in a row a retrieval replica may let pass unanswered before it is replaced as hung. One:
-a check waits ``cluster.health_timeout_s`` for a call the replica answers at once (an async method, no
-work), so a replica silent that long is hung, and a hang then costs one health deadline plus the
-replacement's start (two cost a chaos run's learner 132 s at the default 60 s)."""
-
-
-def check_retrieval(cfg: Config, roles: Roles) -> dict:
-    """Ping every retrieval replica at once (``health()``: a cheap actor call), one shared deadline
-    (``cluster.health_timeout_s``). A replica Ray is restarting (``ActorUnavailableError``), or that
-    is silent, counts as unhealthy for now: the workers' clients wait for it (``cluster.retrieval_wait_s``).
-    One that is gone for good (its ``cluster.max_replica_restarts`` used up) is replaced by a new actor
-    (``replace_replica``, within ``cluster.max_replica_replacements`` per slot); one past that is reported,
-    and when every replica is gone the run fails with ``ReplicaFailed`` naming them. Returns the healthy
-    count and the replacements so far.
-
-    A replica silent for ``SILENT_CHECKS`` checks in a row (hung: a stopped process, a deadlock; a restart
-    answers within one) is killed and replaced like a dead one, so a hang costs at most that many health
-    deadlines, never the run."""
-    import ray
-
-    refs = [h.health.remote() for h in roles.retrieval]
-    ready = set(ray.wait(refs, num_returns=len(refs), timeout=cfg.cluster.health_timeout_s)[0])
-    healthy, gone = 0, []
-    for i, ref in enumerate(refs):
-        if ref not in ready:
-            silent = roles.replica_silent[i] = roles.replica_silent.get(i, 0) + 1
-            if silent >= SILENT_CHECKS and roles.replica_replacements.get(i, 0) < cfg.cluster.max_replica_replacements:
-                replace_replica(cfg, roles, i, f"retrieval replica {i}: no answer to {silent} health checks in a row "
-                                               f"(cluster.health_timeout_s={cfg.cluster.health_timeout_s} each): hung",
-                                hung=True)
-                roles.replica_silent[i] = 0
-                healthy += 1
-            continue
-        roles.replica_silent[i] = 0
-        try:
-            answer = ray.get(ref)
-            healthy += bool(answer.get("ok"))
-            if answer.get("node") and answer.get("pid") and answer.get("created"):
-                roles.replica_procs[i] = (answer["node"], int(answer["pid"]), float(answer["created"]))
-        except ray.exceptions.ActorDiedError as e:
-            if not replica_dead_for_good(cfg, roles.retrieval[i]):
-                continue  # it died in that call and Ray restarts it: it comes back under the same handle
-            err = f"retrieval replica {i}: {type(e).__name__}"
-            if roles.replica_replacements.get(i, 0) < cfg.cluster.max_replica_replacements:
-                replace_replica(cfg, roles, i, err)
-                healthy += 1
-            else:
-                gone.append(err + f" (cluster.max_replica_replacements={cfg.cluster.max_replica_replacements} "
-                                  "used up)")
-        except ray.exceptions.RayActorError:  # restarting (ActorUnavailableError): it comes back
-            pass
-    if gone and len(gone) == len(refs):
-        raise ReplicaFailed(f"every retrieval replica is dead and cluster.max_replica_restarts="
-                            f"{cfg.cluster.max_replica_restarts} is used up: {'; '.join(gone)}")
-    if gone:
-        log.warning("retrieval running degraded: %s", "; ".join(gone))
-    return {K.RETRIEVAL_REPLICAS_HEALTHY: float(healthy),
-            K.RETRIEVAL_REPLICAS_REPLACED: float(sum(roles.replica_replacements.values()))}
-
-
-def replica_dead_for_good(cfg: Config, handle) -> bool:
-    """After a ping failed with ``ActorDiedError``: whether the replica is dead and Ray will not restart it.
-    A process that dies while a call runs fails that call with ``ActorDiedError`` even when Ray then
-    restarts it; a second call to a restarting actor waits for the restart (answered, or silent
-    within ``cluster.health_timeout_s``), while one to an actor that is dead for good fails at once."""
-    import ray
-
-    try:
-        ray.get(handle.health.remote(), timeout=cfg.cluster.health_timeout_s)
-    except ray.exceptions.ActorDiedError:
-        return True
-    except Exception:  # noqa: BLE001 - restarting, or slow: not gone
-        return False
-    return False
-
-
-def kill_process_on(node_id: str, pid: int, created: float, timeout_s: float) -> bool:
-    """SIGKILL process ``pid`` created at ``created`` on Ray node ``node_id`` (a zero-CPU task pinned
-    there), as its own health answer gave them: never a later process that reuses the pid. A SIGSTOPped
-    actor never answers Ray's kill request, and its process keeps its resources (measured: the replacement
-    replica of a stopped one waited for its CPU slot until its own start timeout). Returns whether it was
-    alive."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    task = ray.remote(kill_if_same).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-    try:
-        return bool(ray.get(task.remote(pid, created), timeout=timeout_s))
-    except Exception as e:  # noqa: BLE001 - the node is gone too: nothing left to free there
-        log.warning("could not kill pid %d on node %s: %s: %s", pid, node_id[:12], type(e).__name__, e)
-        return False
-
-
-def replace_replica(cfg: Config, roles: Roles, i: int, err: str, hung: bool = False) -> None:
-    """Replica ``i`` is dead for good: start a new actor in its slot (with its own Ray restarts) and
-    hand its handle to every rollout worker's retrieval clients (``pool.replace_replica``: a worker that
-    died meanwhile is restarted, with the new handle). ``roles.retrieval`` holds it from now on, so workers
-    started later and the driver's stats calls use it too."""
-    roles.replica_replacements[i] = roles.replica_replacements.get(i, 0) + 1
-    log.warning("replacing retrieval replica %d (replacement %d of cluster.max_replica_replacements=%d): %s",
-                i, roles.replica_replacements[i], cfg.cluster.max_replica_replacements, err)
-    import ray
-
-    proc = roles.replica_procs.pop(i, None)
-    if hung and proc is not None:  # a stopped process keeps its CPU slot: Ray's kill does not reach it
-        kill_process_on(*proc, timeout_s=cfg.cluster.health_timeout_s)
-    try:
-        ray.kill(roles.retrieval[i], no_restart=True)
-    except Exception:  # noqa: BLE001 - gone already
-        pass
-    new = start_replicas(cfg, roles.corpus, 1, roles.hooks.retriever_wrap)[0]  # waits until it answers
-    roles.retrieval[i] = new
-    roles.pool.replace_replica(i, new)
-
-
 def dead_role(cfg: Config, roles: Roles | None) -> str | None:
     """Which of the run's stateful roles is gone: ``"learner"`` (its ``ping`` raises ``RayActorError``),
     ``"replay queue"`` (its ``stats``), or None. Both hold state that only a checkpoint restores (the
@@ -579,7 +456,8 @@ def kill_roles(roles: Roles) -> None:
     import ray
 
     roles.pool.kill()
-    for h in [roles.learner, roles.replay, *roles.retrieval]:
+    roles.replicas.kill()
+    for h in [roles.learner, roles.replay]:
         try:
             ray.kill(h, no_restart=True)
         except Exception:  # noqa: BLE001 - gone already

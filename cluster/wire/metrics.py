@@ -57,7 +57,7 @@ stored vector store), over the run so far, all replicas."""
 RETRIEVAL_RERANK_VECTOR_HIT_RATE = "retrieval/rerank/vector_hit_rate"
 """The dense reranker's candidates whose vector was cached or stored, over all its candidates so far."""
 RETRIEVAL_REPLICAS_HEALTHY = "retrieval/replicas_healthy"
-"""Retrieval replicas that answered the driver's health ping this step (``roles.check_retrieval``)."""
+"""Retrieval replicas that answered the driver's health ping this step (``ReplicaPool.check``, ``cluster/driver/replica_pool.py``)."""
 RETRIEVAL_REPLICAS_REPLACED = "retrieval/replicas_replaced"
 """Retrieval replicas the driver replaced so far, dead for good with Ray's restarts used up
 (``cluster.max_replica_replacements``; counted since the run's roles started, an auto-resume starts anew)."""

@@ -1,6 +1,6 @@
 """Issue 54, finding 3: a hung (not dead) retrieval replica (SIGSTOP) stalled training without bound: the
 driver counted a silent replica as coming back, and its stats call had no deadline. Now a replica silent
-for ``roles.SILENT_CHECKS`` health check(s) in a row is killed and replaced like a dead one, and the run
+for ``replica_pool.SILENT_CHECKS`` health check(s) in a row is killed and replaced like a dead one, and the run
 finishes. The stop lands after an RL step (``Hooks.on_step``): no sleeps."""
 import os
 import signal
