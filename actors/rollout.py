@@ -331,17 +331,18 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
     groups, states = _prepare(items, group_size, call, actor_id, stage)
     handed: set[int] = set()  # groups already finished and given to on_group
     if per_trajectory:
-        async def run_row(r: int) -> None:
+        async def run_row(r: int, done: list) -> None:
             await _run_trajectory(call, states[r], r)
             _off(call, +1)  # done: its engine row is free while its group's others run
+            done.append(r)
 
         async def run_group(gi: int) -> None:
             rows = range(gi * group_size, (gi + 1) * group_size)  # _prepare lays groups out contiguously
-            live = [r for r in rows if not states[r].done]
+            done: list[int] = []
             try:
-                await asyncio.gather(*(run_row(r) for r in live))
+                await asyncio.gather(*(run_row(r, done) for r in rows if not states[r].done))
             finally:
-                _off(call, -sum(1 for r in live if states[r].done))  # handed on (or failed): no longer claimed
+                _off(call, -len(done))  # handed on (or failed): no longer claimed
             if on_group is not None:
                 for r in rows:
                     _finish(call, states[r].traj, reward_fn)
