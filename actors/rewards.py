@@ -400,7 +400,7 @@ class RewardInput:
     @property
     def model_text(self) -> str:
         """The policy's own tokens decoded (no retrieved documents). No built-in reward reads it: it is
-        the plug-in reward API (README, "Your own reward"), which tests exercise."""
+        the plug-in reward API (actors/README.md, "Your own reward, tool, retriever and data"), which tests exercise."""
         return self.text.model
 
 

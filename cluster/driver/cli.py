@@ -102,7 +102,7 @@ def config_command(args) -> int:
         from sonar.cluster.wire.plugins import FIELDS
 
         print("\nplug-in fields: a built-in name, or a plug-in 'module.path:attr' / 'path/to/file.py:attr' "
-              "(README: Your own reward, tool, retriever and data)")
+              "(actors/README.md: Your own reward, tool, retriever and data)")
         for kind, (fld, signature) in FIELDS.items():
             names = BUILTIN_NAMES.get(kind) or tuple(f for f in DATA_FORMATS if f != "auto")
             print(f"  {fld:<28} {kind}: {signature}\n  {'':<28} built-in: {', '.join(names)}")
