@@ -55,8 +55,28 @@ QWEN05B = {"vocab": VOCAB, "hidden": 896, "layers": 24, "intermediate": 4864, "k
 """Qwen2.5-0.5B's tensor shapes (494M parameters, tied embeddings)."""
 
 
+TORCH_ONLY_PACKAGE = ("sonar", "sonar.cluster", "sonar.cluster.wire", "sonar.cluster.wire.buckets")
+"""The Sonar modules a check may import as a package: the bucket plan the transport's ``weights.py`` imports
+(pure, torch only) and the packages above it, which do nothing at import."""
+
+
+def checkout_importable() -> None:
+    """Where ``sonar`` is not installed (the device machine has torch only), make this checkout importable as
+    it: a link named ``sonar`` to the repository root, first on ``sys.path`` (``pyproject.toml`` maps the
+    package to the root the same way). Only ``TORCH_ONLY_PACKAGE`` is imported through it."""
+    if importlib.util.find_spec("sonar") is not None:
+        return
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="sonar-checkout-")
+    os.symlink(REPO, os.path.join(d, "sonar"))
+    sys.path.insert(0, d)
+
+
 def load_by_path(name: str, rel: str):
-    """A Sonar module that imports only torch, loaded from its file (no ``sonar`` package needed)."""
+    """A Sonar module that imports only torch (and the bucket plan, ``TORCH_ONLY_PACKAGE``), loaded from its
+    file: the installed package or none."""
+    checkout_importable()
     spec = importlib.util.spec_from_file_location(name, REPO / rel)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses look their module up while the class is built

@@ -155,7 +155,7 @@ def test_row_seeds_are_distinct_across_rows_turns_and_resubmissions():
     assert row_seed(5, 4) != row_seed(6, 3)  # a sum would make these collide
 
 
-def test_worker_extension_imports_only_torch_vllm_and_the_wire():
+def test_worker_extension_imports_only_torch_vllm_the_wire_and_the_transport():
     import ast
     from pathlib import Path
 
@@ -166,7 +166,8 @@ def test_worker_extension_imports_only_torch_vllm_and_the_wire():
             mods.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             mods.add(node.module)
-    allowed = ("torch", "vllm", "sonar.cluster.wire", "__future__", "contextlib", "logging", "time")
+    allowed = ("torch", "vllm", "sonar.cluster.wire", "sonar.cluster.transport", "__future__", "contextlib", "logging",
+               "time")
     assert "sonar.cluster.transport.weights" in mods
     assert all(any(m == a or m.startswith(a + ".") for a in allowed) for m in mods), mods
 

@@ -1,8 +1,9 @@
 """``bench/gpu_check.py`` off the GPU: without CUDA it exits 0 with every check SKIP and writes its JSON;
 ``--cpu-smoke`` runs every check's code path on CPU at toy sizes (gloo broadcast group through Sonar's
 ``BroadcastGroup``, chunked vs unchunked learner step, a two-process shared-tensor hand-off) and passes,
-importing no Sonar package module (it loads the two torch-only files by path) and neither Ray, DeepSpeed
-nor MLflow: the GPU machine has torch only."""
+importing no Sonar module but the torch-only files it loads by path and the wire's bucket plan they import
+(the checkout made importable where Sonar is not installed), and neither Ray, DeepSpeed nor MLflow: the GPU
+machine has torch only."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ try:
     runpy.run_path({script!r}, run_name="__main__")
 except SystemExit as e:
     rc = e.code
-bad = sorted(m for m in sys.modules if m.split(".")[0] in {forbidden!r})
+bad = sorted(m for m in sys.modules if m.split(".")[0] in {forbidden!r} and m not in {allowed!r})
 print("FORBIDDEN=" + json.dumps(bad))
 sys.exit(rc)
 """
@@ -32,7 +33,10 @@ def run_check(tmp_path: Path, *args: str, env_extra: dict | None = None,
               forbidden=("sonar", "ray", "deepspeed", "mlflow")) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "gpu.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    code = RUN.format(script=str(SCRIPT), args=[*args, "--out", str(out)], forbidden=tuple(forbidden))
+    from sonar.bench.gpu_check import TORCH_ONLY_PACKAGE  # the bucket plan and the packages above it
+
+    code = RUN.format(script=str(SCRIPT), args=[*args, "--out", str(out)], forbidden=tuple(forbidden),
+                      allowed=TORCH_ONLY_PACKAGE)
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=600)
     assert "FORBIDDEN=[]" in r.stdout, r.stdout + r.stderr
@@ -84,3 +88,26 @@ def test_cpu_smoke_runs_every_torch_only_check(tmp_path):
     # colocated placement's hand-over into a second process (shm here, CUDA IPC on the GPU): every byte arrived
     hand = c["colocated_handover"]
     assert hand["backend"] == "shm" and hand["checksums_equal"] and hand["bytes"] > 0 and hand["gb_per_s"] > 0
+
+
+NOT_INSTALLED = """
+import importlib.util, runpy, sys
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]  # as if Sonar were not installed
+assert importlib.util.find_spec("sonar") is None
+g = runpy.run_path({script!r}, run_name="not_main")
+W = g["load_by_path"]("sonar_wire_weights", "cluster/transport/weights.py")
+assert callable(W.plan_buckets) and callable(W.BroadcastGroup)
+print(sorted(m for m in sys.modules if m == "sonar" or m.startswith(("sonar.", "sonar_wire"))))
+"""
+
+
+@pytest.mark.slow
+def test_the_transport_loads_where_sonar_is_not_installed(tmp_path):
+    """The device machine has the checkout and torch, not Sonar installed: the transport's weights.py, which
+    imports the wire's bucket plan, loads through the checkout made importable as ``sonar``."""
+    from sonar.bench.gpu_check import TORCH_ONLY_PACKAGE
+
+    r = subprocess.run([sys.executable, "-c", NOT_INSTALLED.format(script=str(SCRIPT))], cwd=tmp_path,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert set(json.loads(r.stdout.strip().replace("'", '"'))) == {"sonar_wire_weights", *TORCH_ONLY_PACKAGE}
