@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, replace
@@ -75,8 +76,27 @@ def groups_per_step(w, gpus: int) -> int:
     return gpus * (GROUPS_PER_GPU_LONG if w.name == "long" else GROUPS_PER_GPU)
 
 
-def runs(w, sims: list[Sim]) -> list[dict]:
-    return [simulate(w, s) for s in sims]
+def runs(w, sims: list[Sim], jobs: int = 1) -> list[dict]:
+    return run_batches(w, {"": sims}, jobs)[""]
+
+
+def run_batches(w, plan: dict[str, list[Sim]], jobs: int = 1) -> dict[str, list[dict]]:
+    """Every run of ``plan`` (setting -> its seeds' runs), in ``jobs`` processes at once: each run is a pure
+    function of its workload and ``Sim`` (its seed included), so the results equal the serial ones, in order."""
+    flat = [s for sims in plan.values() for s in sims]
+    if jobs <= 1 or len(flat) <= 1:
+        done = [simulate(w, s) for s in flat]
+    else:
+        import functools
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=min(jobs, len(flat)), mp_context=multiprocessing.get_context("fork")) as ex:
+            done = list(ex.map(functools.partial(simulate, w), flat))
+    out, i = {}, 0
+    for k, sims in plan.items():
+        out[k], i = done[i:i + len(sims)], i + len(sims)
+    return out
 
 
 def ci(rows: list[dict], key: str) -> dict:
@@ -112,7 +132,7 @@ def compare(w, cfg: dict) -> dict:
     """Every layout at every batch: async at each split and lag, sync_split at each split, colocated on all
     GPUs; the best async against the best of the rest, paired per seed."""
     G, seeds = cfg["gpus"], cfg["seeds"]
-    settings: dict[str, list[dict]] = {}
+    plan: dict[str, list[Sim]] = {}
     params: dict[str, dict] = {}
     for suf, B in batches(w, G).items():
         for gr in cfg["splits"]:
@@ -120,14 +140,15 @@ def compare(w, cfg: dict) -> dict:
             for lag in cfg["lags"]:
                 k = f"async_lag{lag}_{_split(gr, G)}{suf}"
                 params[k] = {"mode": "async", "rollout_gpus": gr, "groups_per_step": B, "lag": lag}
-                settings[k] = runs(w, [replace(base, lag=lag, seed=s) for s in seeds])
+                plan[k] = [replace(base, lag=lag, seed=s) for s in seeds]
             k = f"sync_split_{_split(gr, G)}{suf}"
             params[k] = {"mode": "sync_split", "rollout_gpus": gr, "groups_per_step": B}
-            settings[k] = runs(w, [replace(base, mode="sync_split", seed=s) for s in seeds])
+            plan[k] = [replace(base, mode="sync_split", seed=s) for s in seeds]
         k = f"colocated_{G}{suf}"
         params[k] = {"mode": "colocated", "rollout_gpus": G, "groups_per_step": B}
-        settings[k] = runs(w, [Sim(mode="colocated", rollout_gpus=G - 1, learner_gpus=1, groups_per_step=B,
-                                   versions=cfg["versions"], seed=s) for s in seeds])
+        plan[k] = [Sim(mode="colocated", rollout_gpus=G - 1, learner_gpus=1, groups_per_step=B,
+                       versions=cfg["versions"], seed=s) for s in seeds]
+    settings = run_batches(w, plan, cfg.get("jobs", 1))
     table = {k: {"trained_traj_per_s": ci(v, "trained_traj_per_s"), "run_traj_per_s": ci(v, "run_traj_per_s"),
                  "first_version_s": ci(v, "first_version_s"), "stale_share": ci(v, "stale_share"),
                  "rollout_idle_share": ci(v, "rollout_idle_share"), "learner_idle_share": ci(v, "learner_idle_share"),
@@ -166,8 +187,8 @@ def ablation(w, cfg: dict, best: dict) -> dict:
                 "production, capacity in claimed rows": replace(base, decoding_rows=False),
                 "production (all on)": base}
     out = {}
-    for k, s in variants.items():
-        rs = runs(w, [replace(s, seed=x) for x in cfg["seeds"]])
+    done = run_batches(w, {k: [replace(s, seed=x) for x in cfg["seeds"]] for k, s in variants.items()}, cfg.get("jobs", 1))
+    for k, rs in done.items():
         spread = [max(r["group_load"]) / max(1e-9, statistics.mean(r["group_load"])) for r in rs]
         out[k] = {"trained_traj_per_s": ci(rs, "trained_traj_per_s"), "stale_share": ci(rs, "stale_share"),
                   "max_over_mean_worker_groups": mean_ci(spread), "learner_idle_share": ci(rs, "learner_idle_share"),
@@ -182,18 +203,22 @@ def projection(w, cfg: dict) -> dict:
     for G in cfg["projection"]:
         seeds = cfg["projection_seeds_small"] if G <= 64 else [0]
         fracs = cfg["projection_splits"] if G <= 64 else [best_frac]
-        rows = {}
+        plan: dict[str, list[Sim]] = {}
+        where: dict[str, tuple] = {}  # setting -> (split fraction or None, groups per version)
         for suf, B in batches(w, G).items():
             for f in fracs:
                 gr = min(G - 1, max(1, round(G * f)))
                 base = Sim(rollout_gpus=gr, learner_gpus=G - gr, groups_per_step=B,
                            versions=cfg["projection_versions"])
                 for name, s in (("async", base), ("sync_split", replace(base, mode="sync_split"))):
-                    rs = runs(w, [replace(s, seed=x) for x in seeds])
-                    rows[f"{name}_{_split(gr, G)}{suf}"] = (f, B, statistics.mean(r["trained_traj_per_s"] for r in rs))
-            col = runs(w, [Sim(mode="colocated", rollout_gpus=G - 1, learner_gpus=1, groups_per_step=B,
-                               versions=cfg["projection_versions"], seed=x) for x in seeds])
-            rows[f"colocated_{G}{suf}"] = (None, B, statistics.mean(r["trained_traj_per_s"] for r in col))
+                    k = f"{name}_{_split(gr, G)}{suf}"
+                    plan[k], where[k] = [replace(s, seed=x) for x in seeds], (f, B)
+            k = f"colocated_{G}{suf}"
+            plan[k] = [Sim(mode="colocated", rollout_gpus=G - 1, learner_gpus=1, groups_per_step=B,
+                           versions=cfg["projection_versions"], seed=x) for x in seeds]
+            where[k] = (None, B)
+        done = run_batches(w, plan, cfg.get("jobs", 1))
+        rows = {k: (*where[k], statistics.mean(r["trained_traj_per_s"] for r in rs)) for k, rs in done.items()}
         ba = max((k for k in rows if k.startswith("async")), key=lambda k: rows[k][2])
         bs = max((k for k in rows if not k.startswith("async")), key=lambda k: rows[k][2])
         if G <= 64:
@@ -363,11 +388,15 @@ def plot(extra: dict, png: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = base_parser(NAME, __doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", help="seeds at 8 GPUs (default 0-4)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="simulations run at once, each in its own process (default: the CPUs; the results equal "
+                        "a serial run's)")
     args = p.parse_args(argv)
     cfg = bench_settings(args, QUICK, FULL)
     cfg.pop("repeats", None)
     if args.seeds:
         cfg["seeds"] = list(args.seeds)
+    cfg["jobs"] = max(1, args.jobs)
     cfg["quick"] = args.quick
     t0 = time.time()
     metrics, extra = run(cfg)

@@ -221,3 +221,17 @@ def test_projected_runs_are_long_enough_for_a_steady_state():
         short_run = simulate(LONG, replace(base, versions=schedule_sim.PROJECTION_VERSIONS))["trained_traj_per_s"]
         steady = simulate(LONG, replace(base, versions=10))["trained_traj_per_s"]
         assert short_run == pytest.approx(steady, rel=0.15), (seed, short_run, steady)
+
+
+def test_runs_in_several_processes_equal_the_serial_ones():
+    """``sonar bench schedule-sim --jobs``: the runs are pure functions of workload and Sim, so spreading them
+    over processes changes nothing but the wall clock, and each setting gets its own runs back in order."""
+    from sonar.bench.schedule_sim import run_batches
+
+    w = replace(FIXED, calls_pmf=(0.5, 0.5), turn_sigma=0.5, tools=(Tool("search", 1.0, 200.0, 0.5, 50),))
+    plan = {"async": [Sim(rollout_gpus=2, learner_gpus=1, groups_per_step=4, versions=3, seed=s) for s in (0, 1)],
+            "sync": [Sim(mode="sync_split", rollout_gpus=2, learner_gpus=1, groups_per_step=4, versions=3, seed=2)]}
+    serial, forked = run_batches(w, plan, 1), run_batches(w, plan, 2)
+    assert list(forked) == ["async", "sync"] and [len(v) for v in forked.values()] == [2, 1]
+    assert forked == serial
+    assert serial["async"][0] != serial["async"][1]  # two seeds, two runs: the order is kept, not merely the set
