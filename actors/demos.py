@@ -123,7 +123,7 @@ def make_demonstrations(questions: Sequence, tags: TagSet, tokenizer, retriever,
     ``k`` is the search depth asked of the retriever; the top ``proto.docs_per_query`` hits of each
     query are injected (as in rollouts). Retrieval errors propagate: demonstrations are training data,
     never built from failed searches, and a broken index must fail loudly. ``tools``: the run's tools
-    other than search (``actors.tools.build_tools``); each that has ``demonstration(hits)`` is called
+    (``actors.tools.build_tools``; search's steps are the plan's); each that has ``demonstration(hits)`` is called
     after the last search with the arguments it returns for that search's hits (visit: the first
     document's title), its output rendered as rollouts render it (``tools.render_output``) and recorded as
     a ``ToolCall``, before the answer: SFT teaches the call's format as it teaches the search's.

@@ -80,7 +80,7 @@ async def greedy_records(items: list[PromptItem], *, engine: Any, retriever: Any
 
     ``reward`` fills each record's ``reward``/``reward_parts`` (the metrics do not depend on it).
     ``retriever`` may be None only with ``search_enabled=False``. ``progress(n)`` is called after each
-    batch with the number of questions it held. ``tools``: the run's tools other than search
+    batch with the number of questions it held. ``tools``: the run's tools
     (``actors.tools.build_tools``), as in training.
     """
     from sonar.actors.rollout import rollout_groups

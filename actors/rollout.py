@@ -16,19 +16,19 @@ Shape of one call (``rollout_groups``): every item becomes ``group_size`` trajec
    under ``protocol.rules=upstream``). Under Search-R1's / RAG-R1's own rules a turn without
    ``query_close`` first loses the ids after the token that completes its first ``answer_close``, and
    any turn a final EOS (``_upstream_cut``), as their loops cut and decode each turn;
-3. ``_search``: every query of every trajectory that searched this turn goes out in ONE batched
-   search (identical query strings are sent once; ``retrieval.base.search_async`` awaits any
-   retriever, blocking or not), then ``_inject``, per trajectory: the documents are de-duplicated
-   across its queries of this step, ``docs_per_query`` kept per query, and the block
-   ``render_documents(...)`` is appended as a RETRIEVAL segment (neutralised there, so a document can
-   never produce a tag id or spell a tag; it is never parsed either way). Multi-query formats echo each query above its documents.
-
-4. ``_tools_and_inject``: a turn whose first action is a call of another tool (``tools``, ``actors/tools.py``:
-   visit, a plug-in's; parsed before the protocol's actions, ``tools.first_tool_call``) runs it, all
-   such calls of the turn concurrently, each bounded by its tool's timeout; the output is a RETRIEVAL
-   segment (``tools.render_output``) and the call a ``ToolCall``. Each tool has its own budget
-   (``Tool.max_calls``; a call past it ends the trajectory, MAX_TURNS), apart from ``max_turns``; a
-   tool's failure is data (``ToolCall.error``), as a search's is. With no other tool nothing changes.
+3. ``_call_tools``: one path for every tool (``actors/tools.py``; the run's ``protocol.tools``, search
+   among them). A turn's action is a tool call: another tool's (visit, a plug-in's: its tags opened
+   before the protocol's query or answer tag, ``tools.first_tool_call``, its body read by the tool's
+   ``parse``) or the protocol's search (``Search``, from the protocol's turn parser). One budget rule:
+   a call past its tool's ``max_calls`` ends the trajectory (MAX_TURNS), search's being
+   ``protocol.max_turns``. Each tool's calls of the turn run at once, the tools concurrently: a tool
+   with ``call_batch`` gets them all in one coroutine (search: ONE retriever call over the turn's unique
+   queries, ``docs_per_query`` per query, de-duplicated across a step's queries), others one ``call``
+   each, bounded by the tool's ``timeout_s``; a failure is data (the call's ``error``, "no results"),
+   not a crash. Then ``_inject``, per call: the tool's record (``SearchCall`` for search, ``ToolCall``
+   otherwise) and its output rendered (``tools.render_output``, neutralised there, so a document can
+   never produce a tag id or spell a tag; it is never parsed either way) and appended as a RETRIEVAL
+   segment. Multi-query formats echo each query above its documents.
 
 ``_finish`` then labels and rewards each trajectory.
 
@@ -45,8 +45,8 @@ included), so the loss mask is still born with the tokens.
 Finish rules (``cluster.wire.protocol.FinishReason``), decided per trajectory:
 
 - ``Answer`` -> ANSWERED, ``prediction`` = the answer text.
-- ``Search`` when ``proto.max_turns`` turns (searches and invalid actions answered with a message)
-  were already made -> MAX_TURNS (not executed).
+- A call of a tool whose ``max_calls`` calls were already made -> MAX_TURNS (not executed); for search,
+  ``proto.max_turns`` turns (searches and invalid actions answered with a message).
 - ``Malformed`` (an invalid action) -> with ``proto.on_invalid='message'`` and turns left, the
   upstream message (``prompts.render_invalid``, Search-R1 / RAG-R1) is appended as a RETRIEVAL
   segment (loss mask 0) and the trajectory continues, as Search-R1's and RAG-R1's loops do;
@@ -54,7 +54,7 @@ Finish rules (``cluster.wire.protocol.FinishReason``), decided per trajectory:
   has reached ``proto.max_total_tokens`` (the turn was cut by the trajectory budget, not by the
   policy's own format).
 - The prompt alone, or an injected documents block, would leave no room within
-  ``proto.max_total_tokens`` -> MAX_TOKENS (the block is then not appended; its SearchCall is kept).
+  ``proto.max_total_tokens`` -> MAX_TOKENS (the block is then not appended; its call's record is kept).
   The context never exceeds the budget: each turn's cap is the budget left.
 - RETRIEVAL_ERROR: retrieval failures are data, not crashes -- a failed search records
   ``SearchCall(error=kind)``, injects the "no results" block and the trajectory continues. A
@@ -82,13 +82,12 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from sonar.actors.engine import Engine, Generation, SamplingParams, StopStrings, cut_at_stop
-from sonar.actors.multiquery import dedupe_step
-from sonar.actors.prompts import TagSet, render_documents, render_invalid, render_prompt, stop_plan
-from sonar.actors.tools import ToolContext, ToolOutput, first_tool_call, render_output
+from sonar.actors.prompts import TagSet, render_invalid, render_prompt, stop_plan
+from sonar.actors.tools import SearchTool, ToolContext, ToolOutput, first_tool_call, record_call, render_output
 from sonar.actors.upstream import answer_cut, drops_eos, stop_tags, turn_parser
 from sonar.cluster.wire.config import ProtocolConfig
-from sonar.cluster.wire.protocol import FinishReason, SearchCall, Segment, SegmentKind, ToolCall, Trajectory
-from sonar.retrieval.base import AsyncRetriever, Hit, RetrievalError, Retriever, check_retriever, search_async
+from sonar.cluster.wire.protocol import FinishReason, Segment, SegmentKind, Trajectory
+from sonar.retrieval.base import AsyncRetriever, Hit, RetrievalError, Retriever, check_retriever
 
 
 @dataclass(frozen=True)
@@ -111,25 +110,45 @@ class RolloutStats:
     """Model turns summed over trajectories (one MODEL segment each)."""
     engine_calls: int = 0
     """Batched ``engine.generate`` calls (one per lockstep turn)."""
-    searches: int = 0
-    """Search steps (SearchCalls) summed over trajectories, failed ones included."""
-    queries: int = 0
-    """Queries in those steps (after the per-step budget)."""
-    retriever_calls: int = 0
-    """Batched ``retriever.batch_search`` calls (at most one per turn)."""
-    failed_searches: int = 0
     invalid_messages: int = 0
     """Invalid actions answered with the invalid-action message (``protocol.on_invalid='message'``)."""
     tool_calls: dict[str, int] = field(default_factory=dict)
-    """Calls of each tool other than search (``actors/tools.py``), by tool name."""
+    """Calls of each tool (``actors/tools.py``), by tool name, search included, failed ones included."""
+    tool_args: dict[str, int] = field(default_factory=dict)
+    """Their arguments (search: the queries, after the per-step budget)."""
     tool_errors: dict[str, int] = field(default_factory=dict)
-    """Those of them that failed (not found, timeout, an exception of the tool)."""
-    retrieval_latency_ms: list[float] = field(default_factory=list)
-    """Wall latency of each batched retriever call."""
+    """Those of them that failed (not found, timeout, a retrieval error, an exception of the tool)."""
+    tool_batches: dict[str, int] = field(default_factory=dict)
+    """Coroutines run per tool: one per turn for a tool with ``call_batch`` (search: one retriever call
+    per turn), one per call otherwise."""
+    tool_latency_ms: dict[str, list[float]] = field(default_factory=dict)
+    """Wall latency of each of those coroutines."""
     generate_s: float = 0.0
     retrieve_s: float = 0.0
+    """Wall time of the turns' tool phases (all tools of a turn run concurrently)."""
     wall_s: float = 0.0
     finish_reasons: dict[str, int] = field(default_factory=dict)
+
+    # Search's numbers under the names the metrics and the papers' tables use.
+    @property
+    def searches(self) -> int:
+        return self.tool_calls.get("search", 0)
+
+    @property
+    def queries(self) -> int:
+        return self.tool_args.get("search", 0)
+
+    @property
+    def retriever_calls(self) -> int:
+        return self.tool_batches.get("search", 0)
+
+    @property
+    def failed_searches(self) -> int:
+        return self.tool_errors.get("search", 0)
+
+    @property
+    def retrieval_latency_ms(self) -> list[float]:
+        return self.tool_latency_ms.get("search", [])
 
     @property
     def tokens_per_s(self) -> float:
@@ -151,6 +170,8 @@ class RolloutStats:
         for k, v in self.finish_reasons.items():
             d[f"finish/{k}"] = v
         for k, v in self.tool_calls.items():
+            if k == "search":  # its own keys above
+                continue
             d[f"tools/{k}/calls"] = v
             d[f"tools/{k}/errors"] = self.tool_errors.get(k, 0)
         return d
@@ -162,21 +183,15 @@ class _State:
 
     traj: Trajectory
     ctx: list[int]
-    searches_done: int = 0
-    invalid_done: int = 0
-    """Invalid actions answered with a message; they count against ``max_turns`` with the searches."""
     done: bool = False
-    tool_used: dict[str, int] = field(default_factory=dict)
-    """Calls made per tool other than search; each tool has its own budget (``Tool.max_calls``)."""
+    spent: dict[str, int] = field(default_factory=dict)
+    """Calls made per tool, against its budget (``Tool.max_calls``); an invalid action answered with a
+    message spends one of search's (``protocol.max_turns`` counts turns, searches and messages)."""
     seen: dict[str, Hit] = field(default_factory=dict)
     """Documents this trajectory's searches showed, by id (what a visit opens first)."""
     lead: str = ""
     """Under ``protocol.rules=upstream``: the text the last turn's final token carried past its stop string
     (BPE merges ``"</search>\\n\\n"``); the next block is rendered without it (``prompts.render_documents``)."""
-
-    @property
-    def turns_used(self) -> int:
-        return self.searches_done + self.invalid_done
 
     def finish(self, reason: str) -> None:
         self.traj.finish_reason = reason
@@ -198,7 +213,6 @@ class _Call:
     k: int
     seed: int | None
     parse_fn: Callable[[str, TagSet, int], Any]
-    retrieval_timeout_s: float | None
     stop_ids: tuple[int, ...]
     stop_strings: tuple[str, ...]
     """The closing tags that are plain text for the tokenizer (``prompts.stop_plan``): a turn stops
@@ -208,8 +222,10 @@ class _Call:
     caps_ok: bool
     """The engine takes per-prompt caps (``max_new_tokens_per_prompt``)."""
     stats: RolloutStats
-    tools: tuple = ()
-    """The tools other than search (``actors/tools.py``), parsed before the protocol's actions."""
+    tools: tuple
+    """The run's tools (``actors/tools.py``); those with tags are parsed before the protocol's actions."""
+    search: Any
+    """The search among them: the tool a ``Search`` action of the protocol's turn parser calls."""
     answer_cut: str | None = None
     """``upstream.answer_cut``: a turn without ``query_close`` is cut after this tag once generated."""
     eos_drop: int | None = None
@@ -234,17 +250,24 @@ def _off(call: "_Call", rows: int) -> None:
         call.off_engine.rows += rows
 
 
-async def _act_off_engine(call: "_Call", searching: list, tooling: list, turn: int) -> None:
-    """Run a turn's searches and tools, counting their rows as off the engine meanwhile."""
-    n = len(searching) + len(tooling)
-    _off(call, n)
+@dataclass
+class _Ask:
+    """One tool call a trajectory's turn asks for."""
+
+    s: _State
+    tool: Any
+    args: list[str]
+    dropped: int = 0
+    """Search: the queries past the per-step budget (not sent)."""
+
+
+async def _act_off_engine(call: "_Call", asks: list[_Ask], turn: int) -> None:
+    """Run a turn's tool calls, counting their rows as off the engine meanwhile."""
+    _off(call, len(asks))
     try:
-        if searching:
-            await _search_and_inject(call, searching, turn)
-        if tooling:
-            await _tools_and_inject(call, tooling, turn)
+        await _call_tools(call, asks, turn)
     finally:
-        _off(call, -n)
+        _off(call, -len(asks))
 
 
 def _accepts_caps(engine: Engine) -> bool:
@@ -261,7 +284,8 @@ def _stops(tokenizer, tags: TagSet, rules: str = "sonar", tools=(),
     the answer's, or only the query's for R1-Searcher's own rules; their ids when they are special
     tokens, their strings when plain text: ``prompts.stop_plan``), on each other tool's closing tag
     and on EOS (duplicates removed)."""
-    ids, texts = stop_plan(tokenizer, tags, (*stop_tags(tags, rules, prompt), *(t.close_tag for t in tools)))
+    ids, texts = stop_plan(tokenizer, tags, (*stop_tags(tags, rules, prompt),
+                                             *(t.close_tag for t in tools if t.close_tag is not None)))
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is not None:
         ids = (*ids, int(eos))
@@ -273,7 +297,6 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
                          k: int, reward_fn: Callable[[Trajectory], Any], actor_id: int = 0, stage: int = 0,
                          search_enabled: bool = True, seed: int | None = None,
                          parse_fn: Callable[[str, TagSet, int], Any] | None = None,
-                         retrieval_timeout_s: float | None = None,
                          top_p: float = 1.0, per_trajectory: bool = False,
                          tools: list | None = None,
                          on_group: Callable[[int, list[Trajectory]], Awaitable[None]] | None = None,
@@ -290,15 +313,13 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
     ``actors.upstream.parse_turn_upstream`` (``upstream``: the paper's released parsing; with R1-Searcher's
     evaluation prompt, its evaluation script's, ``upstream.turn_parser``); actions are
     dispatched by type name (``Search`` / ``Answer`` / ``Malformed``).
-    ``retrieval_timeout_s``: bound on one batched retriever call; a timeout fails that turn's searches
-    (error ``"timeout"``), like any exception from the retriever.
     ``reward_fn(traj)`` returns an object with ``.total`` (float) and ``.parts`` (dict[str, float]).
     ``per_trajectory`` (``rollout.per_trajectory``): every trajectory runs as its own coroutine
     (``_run_trajectory``: one single-row ``engine.generate`` and one search per turn of its own), so no
     row waits for another row's turn before it searches, as in veRL's agent loop; the engine must batch
-    concurrent calls (the continuous or vLLM engine). ``tools``: the tools other than search
-    (``actors.tools.build_tools``): a turn that ends with one's call runs it and appends its output as
-    a RETRIEVAL segment, recorded as a ``ToolCall``; each has its own budget. Row r's turn t then samples with its own seed
+    concurrent calls (the continuous or vLLM engine). ``tools``: the run's tools
+    (``actors.tools.build_tools``); without a search among them (or None) the protocol's search
+    (``tools.SearchTool``, no timeout of its own) is added. Per-trajectory, row r's turn t samples with its own seed
     (``row_seed(seed, r, t)``), since rows no longer share one call's generator. ``generate_s`` and
     ``retrieve_s`` are then summed over trajectories whose calls overlap: they can exceed ``wall_s``.
     ``on_group(index, group)`` (per-trajectory only): awaited as soon as each group's last trajectory
@@ -322,11 +343,15 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
 
     t_start = time.perf_counter()
     tools = tuple(tools or ())
+    search = next((t for t in tools if t.name == "search"), None)
+    if search is None:
+        search = SearchTool(proto)
+        tools = (search, *tools)
     eos = getattr(tokenizer, "eos_token_id", None)
     call = _Call(engine, retriever if search_enabled else None, tokenizer, tags, proto, temperature, top_p, k,
-                 seed, parse_fn, retrieval_timeout_s, *_stops(tokenizer, tags, proto.rules, tools, proto.prompt),
+                 seed, parse_fn, *_stops(tokenizer, tags, proto.rules, tools, proto.prompt),
                  tuple(render_invalid(tags, tokenizer, proto.prompt)), _accepts_caps(engine), RolloutStats(), tools,
-                 answer_cut(tags, proto.rules),
+                 search, answer_cut(tags, proto.rules),
                  int(eos) if eos is not None and drops_eos(tags, proto.rules) else None, off_engine)
     groups, states = _prepare(items, group_size, call, actor_id, stage)
     handed: set[int] = set()  # groups already finished and given to on_group
@@ -355,9 +380,9 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
     turn = 0
     while active := [s for s in states if not s.done]:
         gens, caps = await _generate(call, active, turn)
-        searching, tooling = _act(call, active, gens, caps)
-        if searching or tooling:
-            await _act_off_engine(call, searching, tooling, turn)
+        asks = _act(call, active, gens, caps)
+        if asks:
+            await _act_off_engine(call, asks, turn)
         turn += 1
     for row, s in enumerate(states):
         if row // group_size not in handed:
@@ -422,9 +447,9 @@ async def _run_trajectory(call: _Call, s: _State, row: int) -> None:
     turn = 0
     while not s.done:
         gens, caps = await _generate(call, [s], turn, row=row)
-        searching, tooling = _act(call, [s], gens, caps)
-        if searching or tooling:
-            await _act_off_engine(call, searching, tooling, turn)
+        asks = _act(call, [s], gens, caps)
+        if asks:
+            await _act_off_engine(call, asks, turn)
         turn += 1
 
 
@@ -476,18 +501,14 @@ def model_segments(ids: np.ndarray, lps: np.ndarray, version: int,
     return out
 
 
-def _act(call: _Call, active: list[_State], gens: list[Generation],
-         caps: list[int]) -> tuple[list[tuple[_State, list[str], int]], list[tuple[_State, Any, list[str]]]]:
+def _act(call: _Call, active: list[_State], gens: list[Generation], caps: list[int]) -> list[_Ask]:
     """Each row's new ids become a MODEL segment; ONLY those ids are decoded (special tokens kept), cut
-    after the first stop string, and parsed. An answer, a search past ``max_turns`` or an invalid action (unless answered with the
-    invalid-action message, ``_invalid``) finishes the trajectory.
-    A call of another tool (``call.tools``) that opens before the protocol's query or answer tag is that
-    tool's action: past its budget the trajectory ends (MAX_TURNS), an empty call is an invalid action.
-    Returns the trajectories that search this turn: (state, queries, queries dropped by the budget), and
-    those that call another tool: (state, tool, arguments)."""
-    proto = call.proto
-    searching: list[tuple[_State, list[str], int]] = []
-    tooling: list[tuple[_State, Any, list[str]]] = []
+    after the first stop string, and parsed: a call of a tool with tags that opens before the protocol's
+    query or answer tag is that tool's (its ``parse``; no arguments is an invalid action), else the
+    protocol's turn parser decides (an answer, a search, an invalid action answered with the message,
+    ``_invalid``). A call past its tool's budget finishes the trajectory (MAX_TURNS), as does an answer.
+    Returns the tool calls of this turn."""
+    asks: list[_Ask] = []
     for s, g, cap in zip(active, gens, caps):
         # Defensive truncation (an engine without per-prompt caps generated up to max(caps)): a
         # prefix of an autoregressive sample is itself a valid sample, logprobs unchanged.
@@ -503,33 +524,39 @@ def _act(call: _Call, active: list[_State], gens: list[Generation],
             call.stats.generated_tokens += len(ids)
         if call.stop_strings:
             full, text = text, cut_at_stop(text, call.stop_strings)
-            s.lead = full[len(text):] if proto.rules == "upstream" else ""
-        tc = first_tool_call(text, call.tools, (call.tags.query_open, call.tags.answer_open)) if call.tools else None
-        if tc is not None:
-            tool, body = tc
-            args = list(tool.parse(body))
-            if not args:
-                _invalid(call, s)
-            elif s.tool_used.get(tool.name, 0) >= tool.max_calls:
-                s.finish(FinishReason.MAX_TURNS)
-            else:
-                tooling.append((s, tool, args))
+            s.lead = full[len(text):] if call.proto.rules == "upstream" else ""
+        ask = _ask(call, s, text)
+        if ask is None:
             continue
-        action = call.parse_fn(text, call.tags, proto.max_queries_per_step)
-        kind = type(action).__name__
-        if kind == "Answer":
-            s.traj.prediction = action.text
-            s.finish(FinishReason.ANSWERED)
-        elif kind == "Search":
-            if s.turns_used >= proto.max_turns:
-                s.finish(FinishReason.MAX_TURNS)
-            else:
-                searching.append((s, list(action.queries), int(getattr(action, "dropped", 0))))
-        elif kind == "Malformed":
-            _invalid(call, s)
+        if s.spent.get(ask.tool.name, 0) >= ask.tool.max_calls:
+            s.finish(FinishReason.MAX_TURNS)
         else:
-            raise TypeError(f"parse_fn returned {action!r}; expected Search, Answer or Malformed")
-    return searching, tooling
+            asks.append(ask)
+    return asks
+
+
+def _ask(call: _Call, s: _State, text: str) -> _Ask | None:
+    """The tool call a turn's text asks for, or None (an answer, or an invalid action, handled here)."""
+    tc = first_tool_call(text, call.tools, (call.tags.query_open, call.tags.answer_open))
+    if tc is not None:
+        tool, body = tc
+        args = list(tool.parse(body))
+        if args:
+            return _Ask(s, tool, args)
+        _invalid(call, s)
+        return None
+    action = call.parse_fn(text, call.tags, call.proto.max_queries_per_step)
+    kind = type(action).__name__  # the protocol's turn parsers (actors/parsing.py, actors/upstream.py)
+    if kind == "Search":
+        return _Ask(s, call.search, list(action.queries), int(getattr(action, "dropped", 0)))
+    if kind == "Answer":
+        s.traj.prediction = action.text
+        s.finish(FinishReason.ANSWERED)
+    elif kind == "Malformed":
+        _invalid(call, s)
+    else:
+        raise TypeError(f"parse_fn returned {action!r}; expected Search, Answer or Malformed")
+    return None
 
 
 def _upstream_cut(call: _Call, ids: np.ndarray, lps: np.ndarray, text: str) -> tuple[np.ndarray, np.ndarray, str]:
@@ -558,136 +585,96 @@ def _invalid(call: _Call, s: _State) -> None:
     message = call.invalid_ids if not s.lead else tuple(render_invalid(call.tags, call.tokenizer, proto.prompt, s.lead))
     if len(s.ctx) >= proto.max_total_tokens:
         s.finish(FinishReason.MAX_TOKENS)
-    elif proto.on_invalid != "message" or s.turns_used >= proto.max_turns:
+    elif proto.on_invalid != "message" or s.spent.get(call.search.name, 0) >= call.search.max_calls:
         s.finish(FinishReason.MALFORMED)
     elif len(s.ctx) + len(message) > proto.max_total_tokens:
         s.finish(FinishReason.MAX_TOKENS)
     else:
         s.traj.segments.append(Segment(SegmentKind.RETRIEVAL, np.asarray(message, np.int32)))
         s.ctx.extend(message)
-        s.invalid_done += 1
+        s.spent[call.search.name] = s.spent.get(call.search.name, 0) + 1
         call.stats.invalid_messages += 1
         if len(s.ctx) >= proto.max_total_tokens:
             s.finish(FinishReason.MAX_TOKENS)
 
 
-async def _search_and_inject(call: _Call, searching: list[tuple[_State, list[str], int]], turn: int) -> None:
-    """One batched retrieval for the whole turn, then per trajectory its search call and documents."""
-    uniq = list(dict.fromkeys(q for _, qs, _ in searching for q in qs))
-    results, error, latency_ms = await _search(call, uniq)
-    for s, queries, dropped in searching:
-        _inject(call, s, queries, dropped, results, error, latency_ms, turn)
-
-
-async def _search(call: _Call, uniq: list[str]) -> tuple[dict[str, list[Hit]], str | None, float]:
-    """ONE ``batch_search`` over the unique queries of every searching trajectory (identical query
-    strings are sent once). Returns (hits by query, error kind or None, latency in ms).
-
-    No retriever (search disabled): no call, every query gets no documents, no error. A failure of
-    the batched call -- a ``RetrievalError``, the timeout, any exception -- fails every search of this
-    turn (they shared the call): failed searches are data, not crashes.
-    """
-    if call.retriever is None or not uniq:
-        return {}, None, 0.0
-    error: str | None = None
-    results: dict[str, list[Hit]] = {}
+async def _call_tools(call: _Call, asks: list[_Ask], turn: int) -> None:
+    """This turn's tool calls, each tool's at once and the tools concurrently; then ``_inject`` per call."""
     t0 = time.perf_counter()
-    try:
-        coro = search_async(call.retriever, uniq, call.k)
-        timeout_s = call.retrieval_timeout_s
-        hits = await (asyncio.wait_for(coro, timeout_s) if timeout_s is not None else coro)
-        if len(hits) != len(uniq):
-            raise RetrievalError("internal", f"retriever returned {len(hits)} result lists for {len(uniq)} queries")
-        results = dict(zip(uniq, hits))
-    except asyncio.TimeoutError:
-        error = "timeout"
-    except RetrievalError as e:
-        error = e.kind
-    except Exception:  # any backend bug is still data for the rollout, counted as internal
-        error = "internal"
-    latency_ms = (time.perf_counter() - t0) * 1000.0
-    call.stats.retrieve_s += latency_ms / 1000.0
-    call.stats.retrieval_latency_ms.append(latency_ms)
-    call.stats.retriever_calls += 1
-    return results, error, latency_ms
+    by_tool: dict[str, list[int]] = {}
+    for i, a in enumerate(asks):
+        by_tool.setdefault(a.tool.name, []).append(i)
+    done = await asyncio.gather(*(_run_tool(call, [asks[i] for i in idx]) for idx in by_tool.values()))
+    results: list[tuple[ToolOutput, float]] = [None] * len(asks)  # type: ignore[list-item]
+    for idx, outs in zip(by_tool.values(), done):
+        for i, r in zip(idx, outs):
+            results[i] = r
+    call.stats.retrieve_s += time.perf_counter() - t0
+    for a, (out, latency_ms) in zip(asks, results):
+        _inject(call, a, out, latency_ms, turn)
 
 
-def _inject(call: _Call, s: _State, queries: list[str], dropped: int, results: dict[str, list[Hit]],
-            error: str | None, latency_ms: float, turn: int) -> None:
-    """Record the trajectory's ``SearchCall`` and append its documents as a RETRIEVAL segment.
+async def _run_tool(call: _Call, asks: list[_Ask]) -> list[tuple[ToolOutput, float]]:
+    """One tool's calls of a turn: (output, latency in ms) per call, in order. ``call_batch``: one
+    coroutine for all, bounded by ``timeout_s`` as a whole; else one ``call`` each, concurrently, each
+    bounded. A call that raises or times out is data: error ``internal`` / ``timeout`` (a
+    ``RetrievalError``: its kind), no output but the empty documents block."""
+    tool, stats = asks[0].tool, call.stats
+    contexts = [ToolContext(call.retriever, a.s.seen, call.tokenizer, call.tags, call.k) for a in asks]
 
-    Documents are de-duplicated across the queries of this step (a doc shown for an earlier query is
-    skipped, later hits backfill; not under ``protocol.rules=upstream``, as RAG-R1's code), ``docs_per_query`` kept per query, rendered (neutralised) by
-    ``render_documents``. A block that would overflow ``max_total_tokens`` is not appended (MAX_TOKENS;
-    the SearchCall is kept); a block that exactly fills the budget finishes the trajectory too.
-    """
-    proto = call.proto
-    # RAG-R1's own code shows each query its own top documents, repeats included (generation_mq.py:492-507)
-    step = dedupe_step([results.get(q, []) if error is None else [] for q in queries], proto.docs_per_query,
-                       distinct=proto.rules != "upstream")
-    per_query_docs: list[list[tuple[str, str]]] = []
-    doc_ids: list[list[str]] = []
-    for chosen in step:
-        for h in chosen:
-            s.seen[h.doc_id] = h  # what the visit tool may open
-        per_query_docs.append([(h.title, h.text) for h in chosen])
-        doc_ids.append([h.doc_id for h in chosen])
-    s.traj.searches.append(SearchCall(turn=turn, queries=list(queries), doc_ids=doc_ids, latency_ms=latency_ms,
-                                      error=error, dropped_queries=dropped))
-    s.searches_done += 1
-    call.stats.searches += 1
-    call.stats.queries += len(queries)
-    if error is not None:
-        call.stats.failed_searches += 1
-    block = render_documents(call.tags, per_query_docs, call.tokenizer, proto.max_doc_tokens, error=error,
-                             queries=queries, style=proto.prompt, rules=proto.rules, lead=s.lead)
-    if len(s.ctx) + len(block) > proto.max_total_tokens:
+    async def bounded(coro, n: int, batch: bool) -> tuple[list[ToolOutput], float]:
+        t0 = time.perf_counter()
+        try:
+            out = await (asyncio.wait_for(coro, tool.timeout_s) if tool.timeout_s else coro)
+            outs = list(out) if batch else [out]
+            if len(outs) != n or not all(isinstance(o, ToolOutput) for o in outs):
+                raise TypeError(f"tool {tool.name!r} returned {out!r}, not {n} ToolOutput(s)")
+        except asyncio.TimeoutError:
+            outs = [ToolOutput(documents=[], error="timeout") for _ in range(n)]
+        except RetrievalError as e:
+            outs = [ToolOutput(documents=[], error=e.kind) for _ in range(n)]
+        except Exception:  # a tool's bug is data for the rollout, as a retriever's is
+            outs = [ToolOutput(documents=[], error="internal") for _ in range(n)]
+        latency_ms = (time.perf_counter() - t0) * 1000.0
+        stats.tool_batches[tool.name] = stats.tool_batches.get(tool.name, 0) + 1
+        stats.tool_latency_ms.setdefault(tool.name, []).append(latency_ms)
+        return outs, latency_ms
+
+    if hasattr(tool, "call_batch"):
+        outs, latency_ms = await bounded(tool.call_batch([a.args for a in asks], contexts), len(asks), True)
+        return [(o, latency_ms) for o in outs]
+    single = await asyncio.gather(*(bounded(tool.call(a.args, c), 1, False) for a, c in zip(asks, contexts)))
+    return [(outs[0], latency_ms) for outs, latency_ms in single]
+
+
+def _inject(call: _Call, a: _Ask, out: ToolOutput, latency_ms: float, turn: int) -> None:
+    """One call's outcome: its budget spent, its record (the tool's ``record``, else a ``ToolCall``), and
+    its output as a RETRIEVAL segment (``tools.render_output``). An output that would overflow
+    ``max_total_tokens`` is not appended (MAX_TOKENS; the record is kept); one that exactly fills the
+    budget finishes the trajectory too. What a call's groups showed, a later visit may open."""
+    s, tool, name, stats = a.s, a.tool, a.tool.name, call.stats
+    s.spent[name] = s.spent.get(name, 0) + 1
+    stats.tool_calls[name] = stats.tool_calls.get(name, 0) + 1
+    stats.tool_args[name] = stats.tool_args.get(name, 0) + len(a.args)
+    if out.error is not None:
+        stats.tool_errors[name] = stats.tool_errors.get(name, 0) + 1
+    for group in out.groups or ():
+        for h in group:
+            s.seen[h.doc_id] = h
+    block = render_output(tool, out, call.tokenizer, call.tags, call.proto, a.args, s.lead)
+    fits = len(s.ctx) + len(block) <= call.proto.max_total_tokens
+    record = getattr(tool, "record", None)
+    if record is not None:
+        record(s.traj, turn, a.args, out, latency_ms, a.dropped, len(block) if fits else 0)
+    else:
+        record_call(s.traj, tool, turn, a.args, out, latency_ms, len(block) if fits else 0)
+    if not fits:
         s.finish(FinishReason.MAX_TOKENS)
         return
     s.traj.segments.append(Segment(SegmentKind.RETRIEVAL, np.asarray(block, np.int32)))
     s.ctx.extend(int(t) for t in block)
-    if len(s.ctx) >= proto.max_total_tokens:
+    if len(s.ctx) >= call.proto.max_total_tokens:
         s.finish(FinishReason.MAX_TOKENS)
-
-
-async def _tools_and_inject(call: _Call, tooling: list[tuple[_State, Any, list[str]]], turn: int) -> None:
-    """This turn's calls of the tools other than search, concurrently, each bounded by its tool's
-    ``timeout_s``; then per trajectory its ``ToolCall`` and the output as a RETRIEVAL segment (never
-    trained). A call that raises or times out is data (error ``internal`` / ``timeout``, no output but
-    the empty documents block); an output that would overflow ``max_total_tokens`` is not appended
-    (MAX_TOKENS; the ToolCall is kept)."""
-    async def one(s: _State, tool, args: list[str]) -> tuple[ToolOutput, float]:
-        ctx = ToolContext(call.retriever, s.seen, call.tokenizer, call.tags, call.k)
-        t0 = time.perf_counter()
-        try:
-            coro = tool.call(args, ctx)
-            out = await (asyncio.wait_for(coro, tool.timeout_s) if tool.timeout_s else coro)
-            if not isinstance(out, ToolOutput):
-                raise TypeError(f"tool {tool.name!r} returned {type(out).__name__}, not a ToolOutput")
-        except asyncio.TimeoutError:
-            out = ToolOutput(documents=[], error="timeout")
-        except Exception:  # a tool's bug is data for the rollout, as a retriever's is
-            out = ToolOutput(documents=[], error="internal")
-        return out, (time.perf_counter() - t0) * 1000.0
-
-    results = await asyncio.gather(*(one(s, tool, args) for s, tool, args in tooling))
-    for (s, tool, args), (out, latency_ms) in zip(tooling, results):
-        s.tool_used[tool.name] = s.tool_used.get(tool.name, 0) + 1
-        call.stats.tool_calls[tool.name] = call.stats.tool_calls.get(tool.name, 0) + 1
-        if out.error is not None:
-            call.stats.tool_errors[tool.name] = call.stats.tool_errors.get(tool.name, 0) + 1
-        block = render_output(tool, out, call.tokenizer, call.tags, call.proto)
-        record = ToolCall(turn=turn, tool=tool.name, args=list(args), refs=[str(r) for r in out.refs],
-                          latency_ms=latency_ms, error=out.error)
-        s.traj.tool_calls.append(record)
-        if len(s.ctx) + len(block) > call.proto.max_total_tokens:
-            s.finish(FinishReason.MAX_TOKENS)
-            continue
-        record.output_tokens = len(block)
-        s.traj.segments.append(Segment(SegmentKind.RETRIEVAL, np.asarray(block, np.int32)))
-        s.ctx.extend(int(t) for t in block)
-        if len(s.ctx) >= call.proto.max_total_tokens:
-            s.finish(FinishReason.MAX_TOKENS)
 
 
 def _finish(call: _Call, t: Trajectory, reward_fn: Callable[[Trajectory], Any]) -> None:

@@ -1,15 +1,23 @@
-"""Tools a trajectory calls: one interface, search one of them, visit a second built-in, plug-ins a third kind.
+"""Tools a trajectory calls: one interface, one path through the rollout; search, visit and plug-ins alike.
 
 A tool (``Tool``) says how a call is written (``open_tag`` args ``close_tag``: the rollout stops a turn on
-``close_tag`` and parses the body with ``parse``), what a call does (``call``, a coroutine that returns
-a ``ToolOutput``: documents, text or token ids, appended as a RETRIEVAL segment, so never trained) and
-its own limits (``max_calls`` per trajectory, ``timeout_s`` per call). ``protocol.tools`` lists the tools of
-a run; ``TOOLS`` (``cluster/wire/plugins.py``'s registry) makes each from the config, a built-in or a
-user's ``make(config) -> Tool`` alike.
+``close_tag`` and parses the body with ``parse``), what calls do (``call``, a coroutine per call, or
+``call_batch``, one coroutine for every call of a turn across trajectories; either returns
+``ToolOutput``s: documents, text or token ids, appended as a RETRIEVAL segment, so never trained) and
+its own limits (``max_calls`` per trajectory, ``timeout_s`` per call or batch). ``protocol.tools`` lists
+the tools of a run; ``TOOLS`` (``cluster/wire/plugins.py``'s registry) makes each from the config, a
+built-in or a user's ``make(config) -> Tool`` alike, and the rollout runs them all through one path
+(``actors/rollout.py``: one budget rule, one runner, one inject). A tool may also say how its output is
+recorded (``record``; default: a ``ToolCall`` in ``Trajectory.tool_calls``).
 
-* **search** is the protocol's own tool: its tags are the protocol's query tags, its budget
-  ``protocol.max_turns``, and the rollout batches its calls across trajectories (one retriever call per
-  turn); the papers' protocols keep their exact text because nothing about it changed.
+* **search** is the protocol's own tool: its calls are written in the protocol's query tags and read by
+  the protocol's turn parser (which decides between a search and an answer under ``protocol.rules``, so
+  the papers' protocols keep their exact text), so its ``open_tag`` is None. Its budget is
+  ``protocol.max_turns`` (an invalid action answered with a message spends a turn of it too), its
+  ``call_batch`` sends every query of the turn in ONE retriever call (identical queries once), keeps
+  ``docs_per_query`` per query (de-duplicated across a step's queries, not under the papers' own rules)
+  and its record is a ``SearchCall`` (``Trajectory.searches``: what the rewards and the papers' metrics
+  count).
 * **visit** (``<visit>`` id or title ``</visit>``) opens one document of the corpus in full, up to
   ``protocol.visit_max_tokens`` (a search shows each document cut to ``max_doc_tokens``), as ASearcher
   and the web agents pair search with page visits. A document that an earlier search of the trajectory
@@ -17,29 +25,36 @@ user's ``make(config) -> Tool`` alike.
   retriever (a title search; the hit whose title matches). Its budget is ``protocol.visit_max_calls``,
   and it is reward-neutral: a visit is a ``ToolCall``, not a ``SearchCall``, so no reward counts it.
 
-Pure: ``actors.prompts`` (the tags), the wires and ``retrieval.base``.
+Pure: ``actors.prompts`` (the tags), ``actors.multiquery``, the wires and ``retrieval.base``.
 """
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from sonar.actors.multiquery import dedupe_step
 from sonar.actors.prompts import TOOL_TAGS, cap_chars, neutralise, render_documents, special_strings
 from sonar.cluster.wire.plugins import Registry
-from sonar.retrieval.base import Hit, search_async
+from sonar.cluster.wire.protocol import SearchCall, ToolCall, Trajectory
+from sonar.retrieval.base import Hit, RetrievalError, search_async
 
 
 @dataclass
 class ToolOutput:
-    """What a call returns; the first of ``documents``, ``text``, ``token_ids`` that is set is appended.
+    """What a call returns; the first of ``groups``, ``documents``, ``text``, ``token_ids`` that is set is
+    appended.
 
-    ``documents``: (title, text) pairs, rendered as the protocol's documents block (neutralised, each cut
-    to the tool's token limit); ``text``: rendered inside the documents tags, neutralised; ``token_ids``:
-    appended as they are (the tool owns their format). ``refs``: what the call touched (document ids),
-    recorded in the trajectory's ``ToolCall``; ``error``: None or the tool's word for a failure (its
-    output, if any, is still appended)."""
+    ``groups``: the hits shown for each argument (search: per query), rendered as the protocol's documents
+    block with each argument echoed where the format echoes queries; what they show is what a later visit
+    of the trajectory opens by id or title. ``documents``: (title, text) pairs, rendered as the protocol's
+    documents block (neutralised, each cut to the tool's token limit); ``text``: rendered inside the
+    documents tags, neutralised; ``token_ids``: appended as they are (the tool owns their format).
+    ``refs``: what the call touched (document ids), recorded in the trajectory's ``ToolCall``; ``error``:
+    None or the tool's word for a failure (its output, if any, is still appended)."""
 
+    groups: list[list[Hit]] | None = None
     documents: list[tuple[str, str]] | None = None
     text: str | None = None
     token_ids: list[int] | None = None
@@ -76,8 +91,12 @@ class Tool(Protocol):
         """The call's arguments from the text between the tags; [] is an invalid call."""
 
     async def call(self, args: list[str], context: ToolContext) -> ToolOutput:
-        """Run the call."""
+        """Run the call. (Or, instead, ``call_batch(args: list[list[str]], contexts: list[ToolContext])
+        -> list[ToolOutput]``: every call of a turn, across trajectories, in one coroutine, one output per
+        call in order, ``timeout_s`` bounding the batch; a ``RetrievalError`` fails them all with its kind.)"""
 
+    # Optional: ``record(traj, turn, args, out, latency_ms, dropped, output_tokens)``, which appends the
+    # call's record to the trajectory (default: ``record_call``, a ``ToolCall``; search's is a ``SearchCall``).
     # Optional: ``demonstration(hits: list[Hit]) -> list[str] | None``, the arguments an SFT demonstration
     # calls the tool with after its last search (whose hits it is given); None: no call. The driver's
     # demonstrations (``actors/demos.py``) then teach the call's format as they teach the search's.
@@ -88,15 +107,58 @@ TOOLS = Registry("tool")
 
 
 class SearchTool:
-    """The protocol's search (its tags, ``max_turns``); the rollout loop runs it batched (``rollout._search``),
-    so it has no ``call`` of its own."""
+    """The protocol's search (module docstring): its calls come from the protocol's turn parser, so it
+    has no tags or ``parse`` of its own; ``call_batch`` searches a whole turn at once."""
 
     name = "search"
+    open_tag = close_tag = None
 
-    def __init__(self, config):
-        self.max_calls = config.protocol.max_turns
-        self.timeout_s = config.retrieval.timeout_s
-        self.max_tokens = config.protocol.max_doc_tokens
+    def __init__(self, config, retrieval_timeout_s: float | None = None):
+        proto = config.protocol if hasattr(config, "protocol") else config
+        self.max_calls = proto.max_turns
+        self.max_tokens = proto.max_doc_tokens
+        self.docs_per_query = proto.docs_per_query
+        self.distinct = proto.rules != "upstream"  # RAG-R1's code shows each query its own top documents
+        self.retrieval_timeout_s = retrieval_timeout_s
+        """Bound on the batched retriever call (None: the retriever bounds its own calls, as the workers'
+        client does with ``retrieval.timeout_s``; held-out evaluation must not time out under load)."""
+
+    timeout_s = None
+    """Search bounds and fails its batch itself (``call_batch``), so a failed batch still shows every query
+    its "no results" group."""
+
+    async def call_batch(self, args: list[list[str]], contexts: list[ToolContext]) -> list[ToolOutput]:
+        """ONE ``batch_search`` over the unique queries of every call (search disabled, no retriever: no
+        call, no documents); then per call ``docs_per_query`` hits per query, de-duplicated across its
+        queries (``multiquery.dedupe_step``; later hits backfill). A failure of the batched call -- a
+        ``RetrievalError`` (its kind), the timeout, any exception (``internal``) -- fails every search of
+        the batch, which shared it: failed searches are data, not crashes."""
+        retriever, k = contexts[0].retriever, contexts[0].k
+        uniq = list(dict.fromkeys(q for qs in args for q in qs))
+        results: dict[str, list[Hit]] = {}
+        error: str | None = None
+        if retriever is not None and uniq:
+            try:
+                coro = search_async(retriever, uniq, k)
+                t = self.retrieval_timeout_s
+                hits = await (asyncio.wait_for(coro, t) if t is not None else coro)
+                if len(hits) != len(uniq):
+                    raise RetrievalError("internal", f"retriever returned {len(hits)} result lists for {len(uniq)} queries")
+                results = dict(zip(uniq, hits))
+            except asyncio.TimeoutError:
+                error = "timeout"
+            except RetrievalError as e:
+                error = e.kind
+            except Exception:  # any backend bug is still data for the rollout, counted as internal
+                error = "internal"
+        return [ToolOutput(groups=dedupe_step([results.get(q, []) for q in qs], self.docs_per_query,
+                                              distinct=self.distinct), error=error) for qs in args]
+
+    def record(self, traj: Trajectory, turn: int, args: list[str], out: ToolOutput, latency_ms: float,
+               dropped: int, output_tokens: int) -> None:
+        traj.searches.append(SearchCall(turn=turn, queries=list(args),
+                                        doc_ids=[[h.doc_id for h in g] for g in out.groups or [[] for _ in args]],
+                                        latency_ms=latency_ms, error=out.error, dropped_queries=dropped))
 
 
 def _norm(s: str) -> str:
@@ -142,14 +204,14 @@ TOOLS.register("visit")(VisitTool)
 
 
 def build_tools(config) -> list:
-    """The run's tools other than search, in ``protocol.tools`` order, each checked against ``Tool``."""
+    """The run's tools, search included, in ``protocol.tools`` order, each checked against ``Tool``."""
     out = []
     for j, name in enumerate(config.protocol.tools):
-        if name == "search":
-            continue
         tool = TOOLS.get(name, f"protocol.tools[{j}]")(config)
-        missing = [a for a in ("name", "open_tag", "close_tag", "max_calls", "timeout_s", "max_tokens", "parse", "call")
+        missing = [a for a in ("name", "open_tag", "close_tag", "max_calls", "timeout_s", "max_tokens")
                    if not hasattr(tool, a)]
+        missing += [] if hasattr(tool, "call") or hasattr(tool, "call_batch") else ["call (or call_batch)"]
+        missing += [] if getattr(tool, "open_tag", None) is None or hasattr(tool, "parse") else ["parse"]
         if missing:
             raise TypeError(f"protocol.tools[{j}]={name!r} made {tool!r}, which lacks {missing} of the Tool interface "
                             "(actors/tools.py)")
@@ -159,26 +221,39 @@ def build_tools(config) -> list:
     if unused:  # a typo in a tool's name would otherwise leave its settings silently unread
         raise ValueError(f"protocol.tool_options has settings for {unused}, which are not tools of this run "
                          f"(protocol.tools={list(config.protocol.tools)!r}, tool names {names})")
-    if len(set(names)) != len(names) or "search" in names:
-        raise ValueError(f"protocol.tools={list(config.protocol.tools)!r}: tool names {names} must be distinct and "
-                         "not 'search'")
+    if len(set(names)) != len(names) or names.count("search") != 1:
+        raise ValueError(f"protocol.tools={list(config.protocol.tools)!r}: tool names {names} must be distinct, "
+                         "search among them")
     return out
 
 
 def tool_tags(config) -> list[str]:
-    """The call tags of the run's tools other than search, built-in or plug-in (what the tiny word-level
-    tokenizer adds as special tokens, ``actors.model.materialise_policy``)."""
-    return [tag for tool in build_tools(config) for tag in (tool.open_tag, tool.close_tag)]
+    """The call tags of the run's tools other than search (whose are the protocol's), built-in or plug-in
+    (what the tiny word-level tokenizer adds as special tokens, ``actors.model.materialise_policy``)."""
+    return [tag for tool in build_tools(config) if tool.open_tag is not None for tag in (tool.open_tag, tool.close_tag)]
 
 
-def render_output(tool, out: ToolOutput, tokenizer, tags, proto) -> list[int]:
-    """A tool's output as token ids, the one rendering rollouts and demonstrations share: documents as the
-    protocol's documents block (``prompts.render_documents``: neutralised, each cut to ``tool.max_tokens``;
-    none: the block's "no results"), text neutralised inside the documents tags and cut to
-    ``tool.max_tokens``, token ids as they are."""
+def record_call(traj: Trajectory, tool, turn: int, args: list[str], out: ToolOutput, latency_ms: float,
+                output_tokens: int) -> None:
+    """The record of a call of a tool without its own ``record``: a ``ToolCall`` in ``traj.tool_calls``."""
+    traj.tool_calls.append(ToolCall(turn=turn, tool=tool.name, args=list(args), refs=[str(r) for r in out.refs],
+                                    latency_ms=latency_ms, error=out.error, output_tokens=output_tokens))
+
+
+def render_output(tool, out: ToolOutput, tokenizer, tags, proto, args: list[str] = (), lead: str = "") -> list[int]:
+    """A tool's output as token ids, the one rendering rollouts and demonstrations share: groups as the
+    protocol's documents block with each argument echoed where the format echoes queries (a search's
+    block), documents as that block without echo (``prompts.render_documents``: neutralised, each cut to
+    ``tool.max_tokens``; none: the block's "no results"), text neutralised inside the documents tags and
+    cut to ``tool.max_tokens``, token ids as they are. ``lead``: what the turn's last token already wrote
+    (``protocol.rules=upstream``)."""
+    if out.groups is not None:
+        return list(render_documents(tags, [[(h.title, h.text) for h in g] for g in out.groups], tokenizer,
+                                     tool.max_tokens, error=out.error, queries=list(args), style=proto.prompt,
+                                     rules=proto.rules, lead=lead))
     if out.documents is not None or (out.text is None and out.token_ids is None):
         return list(render_documents(tags, [list(out.documents or [])], tokenizer, tool.max_tokens,
-                                     style=proto.prompt, rules=proto.rules))
+                                     style=proto.prompt, rules=proto.rules, lead=lead))
     if out.text is not None:
         body = cap_chars(neutralise(out.text, special_strings(tokenizer)), tool.max_tokens)  # before tokenizing
         ids = list(tokenizer.encode(body, add_special_tokens=False))[: tool.max_tokens]
@@ -192,7 +267,7 @@ def first_tool_call(text: str, tools: list, before: tuple[str, ...]) -> tuple[An
     ``before`` (the protocol's query and answer openers: whichever action comes first decides), else None."""
     cut = min((p for p in (text.find(t) for t in before if t) if p >= 0), default=len(text))
     best = None
-    for tool in tools:
+    for tool in (t for t in tools if t.open_tag is not None):  # search's calls: the protocol's turn parser
         i = text.find(tool.open_tag)
         if 0 <= i < cut:
             j = text.find(tool.close_tag, i + len(tool.open_tag))

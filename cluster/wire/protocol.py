@@ -95,8 +95,9 @@ class SearchCall:
 
 @dataclass
 class ToolCall:
-    """One call of a tool other than search (``actors/tools.py``): what was asked and what came back.
-    Its output is a RETRIEVAL segment (loss mask 0); searches keep their own record, ``SearchCall``."""
+    """One call of a tool (``actors/tools.py``) that keeps no record of its own: what was asked and what came
+    back. Its output is a RETRIEVAL segment (loss mask 0); search's record is ``SearchCall`` (the rewards and
+    the papers' metrics read its queries and the documents per query)."""
 
     turn: int
     tool: str
@@ -130,7 +131,7 @@ class Trajectory:
     weight: float = 1.0
     """Sample weight set by the staleness policy (downweight); 1 otherwise."""
     tool_calls: list[ToolCall] = field(default_factory=list)
-    """Calls of the tools other than search, in order (schema 2)."""
+    """Calls of the tools other than search (visit, plug-ins), in order (schema 2)."""
     meta: dict[str, Any] = field(default_factory=dict)
     """The example's metadata from its dataset record (small scalars), for reward plug-ins (schema 2)."""
 

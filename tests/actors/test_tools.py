@@ -1,7 +1,8 @@
-"""Tools beside search in the rollout loop (actors/tools.py): the visit tool opens a document the
+"""Tools in the rollout loop (actors/tools.py), search one of them: the visit tool opens a document the
 trajectory's search showed, or one found by its title, masked from the loss and recorded as a ToolCall;
-budgets, errors and timeouts are data; a plug-in tool from a file outside the package runs the same way;
-search-only runs render exactly what they rendered before tools existed."""
+budgets, errors and timeouts are data; a plug-in tool from a file outside the package runs the same way,
+batched across trajectories as search is when it has ``call_batch``; search-only runs render exactly what
+they rendered before tools existed."""
 from __future__ import annotations
 
 import asyncio
@@ -83,7 +84,7 @@ def test_visit_opens_the_searched_document_in_full_masked_and_recorded():
     mask = t.loss_mask()
     start = sum(len(s) for s in t.segments[:4])
     assert not mask[start:start + visit_block].any()  # the visited document is never trained
-    assert stats.tool_calls == {"visit": 1} and stats.tool_errors == {}
+    assert stats.tool_calls == {"search": 1, "visit": 1} and stats.tool_errors == {}
     # reward-neutral: the visit is no search for any reward
     rb = trajectory_reward(RewardConfig(name="r1_stage1"), t)
     assert rb.parts["num_searches"] == 1.0
@@ -158,7 +159,8 @@ def test_a_plugin_tool_from_a_file_outside_the_package_runs_in_the_loop():
     spec = f"{PLUGINS}:make_calculator"
     cfg = validate(resolve_paths(_cfg(tools=["search", spec], tool_options={"calc": {"max_calls": 1}})))
     assert str(PLUGINS) in cfg.plugins  # its source travels with the config
-    (calc,) = build_tools(cfg)
+    search, calc = build_tools(cfg)  # search is a tool like the others, listed first here
+    assert search.name == "search" and search.max_calls == cfg.protocol.max_turns
     assert calc.name == "calc" and calc.max_calls == 1
     groups, stats = _run(lambda c, t: "<calc> 2 + 3 </calc>" if t == 0 else "<answer> paris </answer>",
                          [calc], ProtocolConfig())
@@ -196,12 +198,64 @@ def test_several_tools_in_one_trajectory_each_with_its_own_budget():
     spec = f"{PLUGINS}:make_calculator"
     cfg = validate(resolve_paths(_cfg(tools=["search", "visit", spec], visit_max_calls=1)))
     tools = build_tools(cfg)
-    assert [t.name for t in tools] == ["visit", "calc"]
+    assert [t.name for t in tools] == ["search", "visit", "calc"]
     script = ["<search> capital of france </search>", "<visit> doc:capital of france </visit>",
               "<calc> 2 + 3 </calc>", "<calc> 5 + 5 </calc>", "<answer> paris </answer>"]
     groups, stats = _run(lambda c, t: script[t], tools, ProtocolConfig(tools=list(cfg.protocol.tools)))
     t = groups[0][0]
     assert [(c.tool, c.turn) for c in t.tool_calls] == [("visit", 1), ("calc", 2), ("calc", 3)]
     assert len(t.searches) == 1 and t.finish_reason == FinishReason.ANSWERED
-    assert stats.tool_calls == {"visit": 1, "calc": 2}
+    assert stats.tool_calls == {"search": 1, "visit": 1, "calc": 2}
     assert not t.loss_mask()[sum(len(s) for s in t.segments[:6]):sum(len(s) for s in t.segments[:7])].any()
+
+
+class _Batched:
+    """A plug-in tool with ``call_batch``: every call of a turn, across trajectories, in one coroutine."""
+    name, open_tag, close_tag, max_calls, max_tokens = "calc", "<calc>", "</calc>", 3, 8
+
+    def __init__(self, timeout_s=None, hang=False):
+        self.timeout_s, self.hang, self.batches = timeout_s, hang, []
+
+    def parse(self, body):
+        return [body.strip()]
+
+    async def call_batch(self, args, contexts):
+        self.batches.append([a[0] for a in args])
+        if self.hang:
+            await asyncio.Event().wait()  # never set: only the tool's timeout ends the batch
+        return [ToolOutput(text=str(eval(a[0], {}))) for a in args]  # "2 + 3" from the script below
+
+
+def test_a_batched_plugin_tool_gets_every_call_of_a_turn_at_once_as_search_does():
+    from sonar.actors.rollout import rollout_groups
+
+    tool, ret = _Batched(), FakeRetriever()
+    script = ["<search> capital of france </search>", "<calc> 2 + 3 </calc>", "<answer> paris </answer>"]
+    groups, stats = asyncio.run(rollout_groups(
+        ITEMS[:1], engine=_Engine(lambda c, t: script[t], VTOK), retriever=ret, tokenizer=VTOK, tags=TAGS,
+        proto=ProtocolConfig(), temperature=1.0, group_size=4, k=3, reward_fn=em_reward, tools=[tool]))
+    assert tool.batches == [["2 + 3"] * 4]  # four trajectories' calls, one coroutine
+    assert len(ret.calls) == 1 and stats.retriever_calls == 1  # and search's four queries, one retriever call
+    assert stats.tool_batches == {"search": 1, "calc": 1} and stats.tool_calls == {"search": 4, "calc": 4}
+    for t in groups[0]:
+        (c,) = t.tool_calls
+        assert (c.tool, c.args, c.turn, c.error) == ("calc", ["2 + 3"], 1, None) and len(t.searches) == 1
+        assert t.finish_reason == FinishReason.ANSWERED
+
+
+def test_a_hanging_batch_times_out_as_a_whole_and_every_call_in_it_fails_as_data():
+    tool = _Batched(timeout_s=0.05, hang=True)
+    script = ["<calc> 2 + 3 </calc>", "<answer> paris </answer>"]
+    groups, stats = _run(lambda c, t: script[t], [tool], ProtocolConfig())
+    (c,) = groups[0][0].tool_calls
+    assert c.error == "timeout" and c.latency_ms >= 40 and stats.tool_errors == {"calc": 1}
+    assert groups[0][0].finish_reason == FinishReason.ANSWERED  # the trajectory went on
+
+
+def test_search_is_a_tool_of_the_registry_with_the_protocols_budget():
+    cfg = _cfg(max_turns=3, max_doc_tokens=7)
+    (search,) = build_tools(cfg)
+    assert isinstance(search, TOOLS.get("search", "protocol.tools[0]")) and search.open_tag is None
+    assert (search.max_calls, search.max_tokens, search.timeout_s) == (3, 7, None)
+    with pytest.raises(ValueError, match="search among them"):
+        build_tools(_cfg(tools=["visit"]))

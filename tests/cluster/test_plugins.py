@@ -196,7 +196,7 @@ def test_the_readme_example_loads_and_names_the_fixture_plugins(tmp_path, monkey
     assert cfg.protocol.tools[-1] == f"{rel}:make_calculator" and cfg.stages[1].reward.name.endswith(":short_answer_reward")
     from sonar.actors.tools import build_tools
 
-    assert [t.name for t in build_tools(cfg)] == ["visit", "calc"]
+    assert [t.name for t in build_tools(cfg)] == ["search", "visit", "calc"]
 
 
 def test_sonar_config_list_names_the_plugin_fields_and_their_builtins(capsys):
