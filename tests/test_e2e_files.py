@@ -1,5 +1,5 @@
-"""End to end (slow): the README's "Training on your own data" run, through the `sonar` command line and
-the real driver: GRPO steps on a HotpotQA-format file (tests/fixtures/datasets/hotpot_mini.json) with its
+"""End to end (slow): examples/own_data, the command its README gives, through the `sonar` command line and
+the real driver: GRPO steps on a HotpotQA-format file (examples/own_data/hotpot_mini.json) with its
 own passages as the corpus, held-out evaluation on a second file; the tiny word-level policy's
 vocabulary is widened to the files and the corpus."""
 import json
@@ -13,11 +13,14 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 ROOT = Path(__file__).resolve().parent.parent
-FIX = "tests/fixtures/datasets"
-# The command the README shows (relative paths: it runs from the repository root).
-COMMAND = ["--config", "configs/smoke.yaml",
-           "stages=[{name: hotpot, kind: rl, steps: 2, data: " + FIX + "/hotpot_mini.json}]",
-           f"retrieval.corpus={FIX}/hotpot_mini_corpus.jsonl", f"eval.data={FIX}/hotpot_mini_dev.json"]
+FIX = "examples/own_data"
+# The command the example's README shows (relative paths: it runs from the repository root).
+COMMAND = ["--config", f"{FIX}/config.yaml"]
+
+
+def test_the_command_is_the_one_the_example_and_the_actors_readme_show():
+    shown = "sonar train " + " ".join(COMMAND)
+    assert shown in (ROOT / FIX / "README.md").read_text() and shown in (ROOT / "actors" / "README.md").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +48,8 @@ def test_the_stage_trained_on_the_files_questions(files_run):
         [(r["_id"], r["question"], [r["answer"]]) for r in fixture]
     steps = read_jsonl(files_run / "trained_prompts.jsonl")
     trained = [i for s in steps for i in s["trained"]]
-    # two learner steps of smoke's learner.groups_per_step groups, every index one of the file's 8
-    # questions (the world of smoke.yaml has far more training questions than that)
+    # two learner steps of the example's learner.groups_per_step groups, every index one of the file's 8
+    # questions (the synthetic world has far more training questions than that)
     assert len([s for s in steps if s["trained"]]) == 2 and len(trained) >= 2
     assert set(trained) <= set(range(len(fixture)))
 

@@ -12,7 +12,7 @@ from sonar.cluster.wire import metrics as K
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
-PLUGINS = __import__("pathlib").Path(__file__).resolve().parent / "fixtures" / "plugins" / "my_plugins.py"
+PLUGINS = __import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / "plugins" / "my_plugins.py"
 
 
 @pytest.fixture(scope="module")
@@ -56,43 +56,54 @@ def test_the_policy_visits_what_it_searched_and_visits_are_not_searches(visit_ru
     assert "def short_answer_reward" in saved  # the run's config records the plug-in's code
 
 
+def example_server():
+    """examples/http_retriever/server.py, imported by its path as a user's file."""
+    import importlib.util
+
+    path = PLUGINS.parents[1] / "http_retriever" / "server.py"
+    spec = importlib.util.spec_from_file_location("example_search_server", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def http_run(tmp_path_factory, shared_ray):
-    """The smoke sizing with retrieval.backend=http against a Search-R1-shaped server on 127.0.0.1 that
-    answers from Sonar's own tantivy index of the world's corpus (so the run has real documents)."""
+    """examples/http_retriever: its server (BM25 over the world's corpus, on 127.0.0.1 and a free port) and
+    its config.yaml over the smoke preset, the URL pointed at that port."""
+    import threading
+
     from sonar.cluster.driver.loop import train
-    from sonar.cluster.driver.roles import indexes_dir, prepare_corpus
+    from sonar.cluster.driver.roles import prepare_corpus
     from sonar.cluster.wire.config import load_config
-    from sonar.retrieval.factory import build_retriever
-    from tests.retrieval.test_http_backend import SearchR1Server
 
     root = tmp_path_factory.mktemp("http")
     base = [f"run.root={root}", f"run.run_dir={root / 'http'}", "world.num_heldout_eval=8", "tracking.log_model=false",
             # SFT as long as the smoke preset's: its policy then searches at evaluation (after 6 steps it does not)
             "stages.0.steps=20", "stages.1.steps=2", "stages.2.steps=1", "eval.before=false", "rollout.num_workers=1"]
     local = load_config([smoke_sizing(root), "smoke"], base)
-    index = build_retriever(local.retrieval, prepare_corpus(local, None), indexes_dir(local))
-    server = SearchR1Server()
-
-    def answer(q, k, scores):  # the wire Search-R1's server speaks: {"document": {id, contents}, "score"}
-        return [{"document": {"id": h.doc_id, "contents": f'"{h.title}"\n{h.text}'}, "score": h.score}
-                for h in index.batch_search([q], k)[0]]
-    server.answer = answer
+    server_py = example_server()
+    bodies: list[dict] = []
+    httpd = server_py.make_server(server_py.load_corpus(prepare_corpus(local, None)), port=0, on_request=bodies.append)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
     try:
-        cfg = load_config(["smoke"], [*base, "retrieval.backend=http", f"retrieval.http.url={server.url}",
-                                      "retrieval.http.max_batch=4"])
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/retrieve"
+        cfg = load_config(["smoke", PLUGINS.parents[1] / "http_retriever" / "config.yaml"],
+                          [*base, f"retrieval.http.url={url}"])
         summary = train(cfg)
     finally:
-        server.close()
-    return cfg, summary, server
+        httpd.shutdown()
+        httpd.server_close()
+    return cfg, summary, bodies
 
 
 def test_a_run_searches_through_a_search_r1_retrieval_server(http_run):
-    cfg, s, server = http_run
-    assert s["learner_steps"] == 23 and s["replay"]["balanced"]
-    sent = [q for b in server.bodies for q in b["queries"]]
-    assert sent and all(b["return_scores"] is True and b["topk"] == cfg.retrieval.k for b in server.bodies)
-    assert all(1 <= len(b["queries"]) <= 4 for b in server.bodies)  # retrieval.http.max_batch
+    cfg, s, bodies = http_run
+    assert s["learner_steps"] == 23 and s["replay"]["balanced"] and cfg.retrieval.backend == "http"
+    sent = [q for b in bodies for q in b["queries"]]
+    assert sent and all(b["return_scores"] is True and b["topk"] == cfg.retrieval.k for b in bodies)
+    assert all(1 <= len(b["queries"]) <= 4 for b in bodies)  # the example's retrieval.http.max_batch
     from pathlib import Path
 
     (path,) = Path(s["run_dir"]).glob("predictions-after_search.jsonl")

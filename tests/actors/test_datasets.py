@@ -37,8 +37,8 @@ GOOD = [
      ["March 24, 2005"]),
     ("rag_r1/hotpotqa_train_filter/test_data.json", "rag_r1", "hotpotqa_train_filter", 3, "hotpotqa_train_filter-0",
      ["March 24, 2005"]),
-    # the README's training fixture (HotpotQA JSON with supporting facts and context)
-    ("hotpot_mini.json", "auto", "hotpotqa", 8, "hm01", ["Ada Pell"]),
+    # the "your own data" example (HotpotQA JSON with supporting facts and context)
+    ("../../../examples/own_data/hotpot_mini.json", "auto", "hotpotqa", 8, "hm01", ["Ada Pell"]),
 ]
 
 

@@ -18,7 +18,7 @@ from sonar.cluster.wire.protocol import FinishReason, SegmentKind, decode_group,
 from sonar.retrieval.base import Hit
 from tests.actors.test_rollout import ITEMS, TAGS, TOK, FakeRetriever, ScriptedEngine, em_reward, enc, run, word_tokenizer
 
-PLUGINS = Path(__file__).resolve().parents[1] / "fixtures" / "plugins" / "my_plugins.py"
+PLUGINS = Path(__file__).resolve().parents[2] / "examples" / "plugins" / "my_plugins.py"
 VTOK = word_tokenizer(("question : what is the capital of france germany paris berlin city country river "
                        "no results a b c d e , and answer . full text long story <visit> </visit> = 2 3 5 + "
                        "<calc> </calc> doc:capital").split())

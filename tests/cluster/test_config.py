@@ -290,9 +290,9 @@ def test_in_range_values_load(overrides):
     load_config([], overrides)
 
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "datasets"
-HOTPOT = str(FIXTURES / "hotpot_mini.json")
-CORPUS = str(FIXTURES / "hotpot_mini_corpus.jsonl")
+OWN = Path(__file__).resolve().parents[2] / "examples" / "own_data"
+HOTPOT = str(OWN / "hotpot_mini.json")
+CORPUS = str(OWN / "hotpot_mini_corpus.jsonl")
 
 
 def test_stage_data_takes_one_path_or_a_list_in_yaml_and_on_the_command_line(tmp_path):
@@ -301,9 +301,9 @@ def test_stage_data_takes_one_path_or_a_list_in_yaml_and_on_the_command_line(tmp
     one = load_config([], [f"stages.0.data={HOTPOT}", f"retrieval.corpus={CORPUS}", "stages.0.format=hotpotqa",
                            f"eval.data={HOTPOT}"])
     assert one.stages[0].data == HOTPOT and one.stages[0].format == "hotpotqa"
-    many = load_config([], [f"stages.0.data=[{HOTPOT}, {FIXTURES / 'hotpot_mini_dev.json'}]", f"retrieval.corpus={CORPUS}",
+    many = load_config([], [f"stages.0.data=[{HOTPOT}, {OWN / 'hotpot_mini_dev.json'}]", f"retrieval.corpus={CORPUS}",
                             f"eval.data={HOTPOT}"])
-    assert many.stages[0].data == [HOTPOT, str(FIXTURES / "hotpot_mini_dev.json")]
+    assert many.stages[0].data == [HOTPOT, str(OWN / "hotpot_mini_dev.json")]
     y = tmp_path / "files.yaml"
     y.write_text(f"retrieval:\n  corpus: {CORPUS}\neval:\n  data: {HOTPOT}\nstages:\n  - kind: rl\n    data: [{HOTPOT}]\n")
     cfg = load_config([y])

@@ -15,7 +15,8 @@ from sonar.cluster.wire.config import CONFIG_DIR, load_config
 from sonar.cluster.replay.queue import QueuedGroup, ReplayCore
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "datasets"
-HOTPOT, DEV, CORPUS = FIX / "hotpot_mini.json", FIX / "hotpot_mini_dev.json", FIX / "hotpot_mini_corpus.jsonl"
+OWN = Path(__file__).resolve().parents[2] / "examples" / "own_data"  # the "your own data" example
+HOTPOT, DEV, CORPUS = OWN / "hotpot_mini.json", OWN / "hotpot_mini_dev.json", OWN / "hotpot_mini_corpus.jsonl"
 R1 = FIX / "r1_searcher" / "training_set" / "stage_2.jsonl"
 
 

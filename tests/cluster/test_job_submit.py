@@ -34,7 +34,7 @@ from tests.waiting import wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 ROOT = Path(__file__).resolve().parents[2]
-PLUGINS = ROOT / "tests" / "fixtures" / "plugins" / "my_plugins.py"
+PLUGINS = ROOT / "examples" / "plugins" / "my_plugins.py"
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 from sonar.cluster.wire import plugins
 from sonar.cluster.wire.config import BUILTIN_NAMES, DATA_FORMATS, load_config
 
-PLUGINS = Path(__file__).resolve().parents[1] / "fixtures" / "plugins" / "my_plugins.py"
+PLUGINS = Path(__file__).resolve().parents[2] / "examples" / "plugins" / "my_plugins.py"
 
 
 def test_each_registry_holds_exactly_the_builtin_names_the_config_validates():
@@ -177,23 +177,24 @@ def test_schema_1_messages_still_decode():
     assert back.prediction == "paris" and np.array_equal(back.token_ids(), t.token_ids())
 
 
-def test_the_readme_example_loads_and_names_the_fixture_plugins(tmp_path, monkeypatch):
-    """README "Your own reward, tool, retriever and data": its YAML block, loaded from the repository root
-    as the README says, resolves every plug-in (the file's source into ``plugins``)."""
+def test_the_plugins_example_loads_with_its_own_command_and_names_every_plugin(monkeypatch):
+    """examples/plugins: its config.yaml, loaded from the repository root with the command its header
+    gives, resolves every plug-in (the file's source into ``plugins``) and builds its tools."""
     import re
 
     root = Path(__file__).resolve().parents[2]
-    text = (root / "actors" / "README.md").read_text()
-    block = re.search(r"<!-- plugins-example:begin -->\n```yaml\n(.*?)```\n<!-- plugins-example:end -->", text, re.S)
-    assert block, "README has no plugins-example block"
-    (tmp_path / "my_experiment.yaml").write_text(block.group(1))
+    path = root / "examples" / "plugins" / "config.yaml"
+    text = path.read_text()
     monkeypatch.chdir(root)
-    command = re.search(r"#   sonar train (.*?)\n(?!#)", block.group(1), re.S).group(1).replace("\\\n#", "").split()
-    assert command[:4] == ["--config", "smoke", "--config", "my_experiment.yaml"]
-    cfg = load_config(["smoke", tmp_path / "my_experiment.yaml"], command[4:])
-    rel = "tests/fixtures/plugins/my_plugins.py"
+    command = re.search(r"#   sonar train (.*?)\n(?!#)", text, re.S).group(1).replace("\\\n#", "").split()
+    assert command[:4] == ["--config", "smoke", "--config", "examples/plugins/config.yaml"]
+    assert command[4:] == ["stages.1.reward.name=examples/plugins/my_plugins.py:short_answer_reward"]
+    assert f"sonar train {' '.join(command[:4])}" in (path.parent / "README.md").read_text()  # its README's
+    cfg = load_config(["smoke", path], command[4:])
+    rel = "examples/plugins/my_plugins.py"
     assert cfg.plugins == {rel: PLUGINS.read_text()}
     assert cfg.protocol.tools[-1] == f"{rel}:make_calculator" and cfg.stages[1].reward.name.endswith(":short_answer_reward")
+    assert cfg.retrieval.backend == f"{rel}:make_echo_retriever"
     from sonar.actors.tools import build_tools
 
     assert [t.name for t in build_tools(cfg)] == ["search", "visit", "calc"]

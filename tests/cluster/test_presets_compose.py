@@ -78,7 +78,7 @@ def test_a_pretrained_model_on_the_toy_world_is_refused_a_sonar_word_policy_is_n
 
 def test_the_tiny_default_and_files_with_a_corpus_pass(tmp_path):
     assert load_config([]).world.force is False
-    fix = CONFIG_DIR.parent / "tests" / "fixtures" / "datasets"
+    fix = CONFIG_DIR.parent / "examples" / "own_data"
     cfg = load_config(["smoke"], [f"retrieval.corpus={fix / 'hotpot_mini_corpus.jsonl'}",
                                   f"eval.data={fix / 'hotpot_mini_dev.json'}", "stages.0.steps=0",
                                   *(f"stages.{i}.data={fix / 'hotpot_mini_dev.json'}" for i in (1, 2))])
@@ -92,7 +92,7 @@ def test_index_and_eval_are_not_refused_for_stages_they_do_not_train(tmp_path, m
 
     from sonar.cluster.driver.cli import _load
 
-    corpus = CONFIG_DIR.parent / "tests" / "fixtures" / "datasets" / "hotpot_mini_corpus.jsonl"
+    corpus = CONFIG_DIR.parent / "examples" / "own_data" / "hotpot_mini_corpus.jsonl"
     for cmd in ("index", "eval"):
         cfg = _load(SimpleNamespace(cmd=cmd, config=["smoke"], overrides=[f"retrieval.corpus={corpus}"]))
         assert cfg.retrieval.corpus == str(corpus)

@@ -315,13 +315,10 @@ def test_the_retriever_refuses_credentials_in_its_url():
     assert "hunter2" not in str(e.value)
 
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "datasets"
-
-
 def test_data_files_need_no_local_corpus_with_http_and_none_is_written(tmp_path):
     from sonar.cluster.driver.roles import prepare_corpus
 
-    hotpot = str(FIXTURES / "hotpot_mini.json")
+    hotpot = str(Path(__file__).resolve().parents[2] / "examples" / "own_data" / "hotpot_mini.json")
     with pytest.raises(ValueError, match="retrieval.corpus=None"):
         load_config([], [f"stages.0.data={hotpot}", f"eval.data={hotpot}"])
     cfg = load_config([], [f"stages.0.data={hotpot}", f"eval.data={hotpot}", "retrieval.backend=http",
