@@ -170,8 +170,9 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
                 # Sync mode: waits for the batch, one learner step's groups with the current weights (the lockstep).
                 roles.pool.generate(index, stage, cfg.learner.groups_per_step, steps)
         with clock.phase("health"):
+            pings = roles.replicas.ping()  # sent first: answered while the workers' health is awaited (one round)
             worker_metrics = roles.pool.health()  # waits for health: a dead worker surfaces here
-            worker_metrics.update(roles.replicas.check())  # waits for every replica's ping (or the deadline)
+            worker_metrics.update(roles.replicas.check(pings))  # waits for the rest of the replicas' pings
         # Wait for one learner step. The learner waits at most 10 s for groups, so a stalled rollout
         # side comes back as `waiting` and meets the health check above instead of hanging here.
         # Colocated: waits for every engine to sleep before the step, and after it for the hand-over and
@@ -188,6 +189,7 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
             check_starved(cfg, roles, time.monotonic() - waiting_since)  # no silent hang: fails with the replay's state
             continue
         waiting_since = None
+        counters = roles.replay.stats.remote()  # the replay's counters after this step, answered during the push
         steps += 1
         run.step += 1
         progress.update()
@@ -203,7 +205,7 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
         with clock.phase("log"):
             m.update(worker_metrics)
             roles.pool.logged()  # those rollouts are in this step's row; the next row reports newer ones
-            m.update(replay_metrics(roles))  # waits for the replay's counters (one small actor call)
+            m.update(replay_metrics(roles, counters))  # waits for the replay's counters (asked after the step)
             m.update(pool.step(roles.pool, res.metrics.get(K.LEARNER_WAIT_S, 0.0), int(m[K.REPLAY_DEPTH])))  # may resize
             m.update(throughput.tick(m))
             m.update(split.tick(m, len(roles.workers)) if split else {})  # each side's idle share, the balancing split

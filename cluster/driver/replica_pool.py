@@ -12,6 +12,7 @@ pid on its node first; when every replica is gone for good the run fails with ``
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 from sonar.cluster.driver.reaper import kill_process_on
@@ -53,9 +54,14 @@ class ReplicaPool:
         """Slot -> (node id, pid, creation time) from its last health answer: a hung replica's process is killed
         there (``kill_process_on``), since Ray cannot stop a stopped actor's process itself."""
 
-    def check(self) -> dict:
-        """Ping every replica at once (``health()``: a cheap actor call), one shared deadline
-        (``cluster.health_timeout_s``). A replica Ray is restarting (``ActorUnavailableError``), or that is
+    def ping(self) -> tuple[float, list]:
+        """Send every replica its health ping now (``health()``: a cheap actor call); ``check`` reads the
+        answers. The driver sends them before it waits for the workers' health, so both are one round."""
+        return time.monotonic(), [h.health.remote() for h in self.handles]
+
+    def check(self, pings: tuple[float, list] | None = None) -> dict:
+        """Read every replica's ping (``pings`` from ``ping``, else sent now) under one shared deadline,
+        ``cluster.health_timeout_s`` from when they were sent. A replica Ray is restarting (``ActorUnavailableError``), or that is
         silent, counts as unhealthy for now: the workers' clients wait for it (``cluster.retrieval_wait_s``).
         One gone for good is replaced (``replace``); one past its replacements is reported, and when every
         replica is gone the run fails with ``ReplicaFailed`` naming them. Returns the healthy count and the
@@ -63,8 +69,9 @@ class ReplicaPool:
         import ray
 
         cfg = self.cfg
-        refs = [h.health.remote() for h in self.handles]
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=cfg.cluster.health_timeout_s)[0])
+        sent, refs = pings if pings is not None else self.ping()
+        left = max(0.0, cfg.cluster.health_timeout_s - (time.monotonic() - sent))
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=left)[0])
         healthy, gone = 0, []
         for i, ref in enumerate(refs):
             if ref not in ready:

@@ -253,18 +253,21 @@ def answer(cfg: Config, ref, role: str, what: str, timeout_s: float | None = Non
                                "process); the run's checkpoints hold its state (`sonar train run.resume=latest`)") from None
 
 
-def replay_stats(roles: Roles) -> dict:
-    """The replay queue's ``stats()`` within ``cluster.health_timeout_s`` (``answer``; a harness's roles
-    without a config wait)."""
+def replay_stats(roles: Roles, asked=None) -> dict:
+    """The replay queue's ``stats()`` (``asked``: the call's reference, sent earlier) within
+    ``cluster.health_timeout_s`` (``answer``; a harness's roles without a config wait)."""
     import ray
 
+    ref = asked if asked is not None else roles.replay.stats.remote()
     if roles.cfg is None:
-        return ray.get(roles.replay.stats.remote())
-    return answer(roles.cfg, roles.replay.stats.remote(), "replay queue", "stats")
+        return ray.get(ref)
+    return answer(roles.cfg, ref, "replay queue", "stats")
 
 
-def replay_metrics(roles: Roles) -> dict:
-    s = replay_stats(roles)
+def replay_metrics(roles: Roles, asked=None) -> dict:
+    """The replay's counters as metrics; ``asked``: its ``stats.remote()`` sent earlier (the driver sends it
+    with the step's health checks, so the three are answered in one round), else asked now."""
+    s = replay_stats(roles, asked)
     return {K.REPLAY_DEPTH: s["depth_groups"], K.REPLAY_PRODUCED: s["produced"], K.REPLAY_CONSUMED: s["consumed"],
             K.REPLAY_DROPPED_STALE: s["dropped_stale"], K.REPLAY_REQUEUED: s["requeued_prompts"],
             K.REPLAY_REQUEUED_INFRA: s.get("requeued_infra", 0), K.REPLAY_REQUEUED_OUTAGE: s.get("requeued_outage", 0),
