@@ -179,7 +179,6 @@ class RolloutWorker:
         from sonar.actors.rollout import OffEngine
 
         self._off_engine = OffEngine()  # rows off the engine, reported with each claim and put (engine capacity)
-        self._recent: list[dict] = []
         self._lock = threading.Lock()
         self._data_cache: dict = {}
         """(data paths, format) -> the questions of those files (``_train_questions``)."""
@@ -321,14 +320,13 @@ class RolloutWorker:
 
     def health(self) -> dict:
         with self._lock:
-            recent, self._recent = self._recent, []
             stats = dict(self._stats)
             if self._working:  # the busy period in progress counts up to now
                 stats["busy_s"] += time.monotonic() - self._busy_since
         alive = self._thread is not None and self._thread.is_alive()
         return {"worker_id": self.worker_id, "alive": alive, "error": self._error,
                 "idle_s": time.monotonic() - self._last_progress, "version": self.engine.version,
-                "stats": stats, "recent": recent}
+                "stats": stats}
 
     def _loop(self, replay, stage_index: int, stage: StageConfig) -> None:
         """Keep up to ``rollout.batches_in_flight`` batches going: while one waits on retrieval, another
@@ -401,13 +399,6 @@ class RolloutWorker:
             for t in group:
                 self._stats["model_tokens"] += t.num_model_tokens()
                 self._stats["searches"] += len(t.searches)
-                self._recent.append({"reward": t.reward, "parts": dict(t.reward_parts),
-                                     "finish": t.finish_reason, "searches": len(t.searches),
-                                     "failed_searches": sum(1 for s in t.searches if s.error),
-                                     "latency_ms": [s.latency_ms for s in t.searches],
-                                     "tool_calls": {c.tool: sum(1 for d in t.tool_calls if d.tool == c.tool)
-                                                    for c in t.tool_calls},
-                                     "model_tokens": t.num_model_tokens()})
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, questions: list[dict], search_enabled: bool, stage: StageConfig) -> list[dict]:
@@ -423,6 +414,16 @@ class RolloutWorker:
             items, engine=self.engine, retriever=self.eval_retriever, tokenizer=self.tokenizer, tags=self.tags,
             proto=self.cfg.protocol, k=self.cfg.retrieval.k, reward=stage.reward, batch_size=self.cfg.eval.batch_size,
             search_enabled=search_enabled, actor_id=self.worker_id, tools=self.tools))
+
+
+def rollout_records(group: list[Trajectory]) -> list[dict]:
+    """What the rollout metrics read of each trajectory (``cluster/driver/reports.rollout_metrics``); they
+    travel to the driver with the group, through the replay (``ReplayQueue.report``)."""
+    return [{"reward": t.reward, "parts": dict(t.reward_parts), "finish": t.finish_reason,
+             "searches": len(t.searches), "failed_searches": sum(1 for s in t.searches if s.error),
+             "latency_ms": [s.latency_ms for s in t.searches],
+             "tool_calls": {c.tool: sum(1 for d in t.tool_calls if d.tool == c.tool) for c in t.tool_calls},
+             "model_tokens": t.num_model_tokens()} for t in group]
 
 
 INFRA_ERRORS = frozenset({"timeout", "connection", "internal", "http_5xx", "http_429", "breaker_open"})
@@ -474,7 +475,7 @@ async def _produce_claimed(w: "RolloutWorker", replay, stage_index: int, stage: 
         searched = any(s.error is None for t in group for s in t.searches)  # retrieval answered (an outage ends)
         ok = await asyncio.wrap_future(replay.put.remote(
             encode_group(group), group_min_version(group), len(group), i, w.worker_id, searched,
-            w._off_engine.rows).future())
+            w._off_engine.rows, rollout_records(group)).future())
         w._record(group, ok)
 
     # Per trajectory, each group is handed off as soon as its last trajectory ends, releasing its claim:

@@ -189,7 +189,9 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
             check_starved(cfg, roles, time.monotonic() - waiting_since)  # no silent hang: fails with the replay's state
             continue
         waiting_since = None
-        counters = roles.replay.stats.remote()  # the replay's counters after this step, answered during the push
+        # The replay's counters after this step and the rollouts it accepted since the last trained step
+        # (their metrics travel with them), answered during the push.
+        counters = roles.replay.report.remote()
         steps += 1
         run.step += 1
         progress.update()
@@ -204,8 +206,7 @@ def run_rl_stage(cfg: Config, roles: Roles, run: Run, index: int, stage: StageCo
                 m.update(roles.pool.push())
         with clock.phase("log"):
             m.update(worker_metrics)
-            roles.pool.logged()  # those rollouts are in this step's row; the next row reports newer ones
-            m.update(replay_metrics(roles, counters))  # waits for the replay's counters (asked after the step)
+            m.update(replay_metrics(roles, counters))  # waits for the replay's report (asked after the step)
             m.update(pool.step(roles.pool, res.metrics.get(K.LEARNER_WAIT_S, 0.0), int(m[K.REPLAY_DEPTH])))  # may resize
             m.update(throughput.tick(m))
             m.update(split.tick(m, len(roles.workers)) if split else {})  # each side's idle share, the balancing split

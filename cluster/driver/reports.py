@@ -265,13 +265,16 @@ def replay_stats(roles: Roles, asked=None) -> dict:
 
 
 def replay_metrics(roles: Roles, asked=None) -> dict:
-    """The replay's counters as metrics; ``asked``: its ``stats.remote()`` sent earlier (the driver sends it
-    with the step's health checks, so the three are answered in one round), else asked now."""
+    """The replay's counters as metrics, and with ``asked`` (its ``report.remote()``, sent earlier: the
+    driver sends it right after the learner step, answered during the push) the rollout metrics of the
+    groups it accepted since the last report; else its counters, asked now."""
     s = replay_stats(roles, asked)
+    rollouts = rollout_metrics(s["records"]) if "records" in s else {}
     return {K.REPLAY_DEPTH: s["depth_groups"], K.REPLAY_PRODUCED: s["produced"], K.REPLAY_CONSUMED: s["consumed"],
             K.REPLAY_DROPPED_STALE: s["dropped_stale"], K.REPLAY_REQUEUED: s["requeued_prompts"],
             K.REPLAY_REQUEUED_INFRA: s.get("requeued_infra", 0), K.REPLAY_REQUEUED_OUTAGE: s.get("requeued_outage", 0),
-            K.REPLAY_OUTAGE_S: s.get("outage_s", 0.0), K.REPLAY_OUTAGE_NOW_S: (s.get("outage") or {}).get("seconds", 0.0)}
+            K.REPLAY_OUTAGE_S: s.get("outage_s", 0.0), K.REPLAY_OUTAGE_NOW_S: (s.get("outage") or {}).get("seconds", 0.0),
+            **rollouts}
 
 
 def evaluate(cfg: Config, roles: Roles, run: Run, split: str) -> dict:

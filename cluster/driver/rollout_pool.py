@@ -43,7 +43,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable
 
-from sonar.cluster.driver.reports import answer, rollout_metrics
+from sonar.cluster.driver.reports import answer
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import Config, StageConfig, broadcast_backend
 from sonar.cluster.wire.errors import RunFault
@@ -168,7 +168,6 @@ class RolloutPool:
         self._regrouping = False
         self._closed = False  # shutdown: faults are no longer repaired
         self._candidate = None  # (index, handle, ready ref) of a worker the elastic pool is adding
-        self._unlogged: list[dict] = []
         """Rollout records the workers' health answers returned since the last trained step was logged
         (``logged``): a health check before a learner call that came back waiting must not lose them."""
 
@@ -460,7 +459,6 @@ class RolloutPool:
         import ray
 
         self.active = (index, stage)
-        self._unlogged = []  # the previous stage's unlogged rollouts are not this stage's metrics
         # Wait: each worker's share of the admission budget is set before any loop claims.
         ray.get(self.replay.set_workers.remote(len(self.workers)), timeout=self.cfg.cluster.step_timeout_s)
         if self.cfg.cluster.mode != "sync":
@@ -500,12 +498,10 @@ class RolloutPool:
     def health(self) -> dict:
         """Health check every iteration: every worker asked at once, one deadline for every answer
         (``cluster.health_timeout_s``: a silent worker costs one timeout per check, not one per worker).
-        A dead, silent, failed or (async) stalled worker is replaced; the others' recent rollouts make
-        the metrics: every record since the last trained step was logged (``logged``), so the rollouts
-        reported at health checks before a learner call that came back waiting (a loaded machine) are
-        still in the next trained step's metrics."""
+        A dead, silent, failed or (async) stalled worker is replaced. A small answer: liveness and the
+        worker's counters; the rollout metrics come with the rollouts, through the replay
+        (``ReplayQueue.report``). Returns the busy time of the workers that answered, as a metric."""
         c = self.cfg.cluster
-        recent = self._unlogged
         busy = None  # seconds with a claimed request in flight, summed over the workers that answered (None: none did)
         with self._deferred():  # one regroup for every worker replaced here
             answers = self.call("health", lambda w, i: w.health.remote(), timeout=c.health_timeout_s, collect=True)
@@ -520,15 +516,10 @@ class RolloutPool:
                     if err is None and c.mode == "async" and h["idle_s"] > c.step_timeout_s:
                         err = f"no progress for {h['idle_s']:.0f}s"
                 if err is None:
-                    recent.extend(h["recent"])
                     busy = (busy or 0.0) + float(h["stats"].get("busy_s", 0.0))
                 else:
                     self._replace(i, err)
-        return {**rollout_metrics(recent), **({} if busy is None else {K.ROLLOUT_BUSY_S: busy})}
-
-    def logged(self) -> None:
-        """The rollout metrics ``health`` returned were logged with a trained step: start afresh."""
-        self._unlogged = []
+        return {} if busy is None else {K.ROLLOUT_BUSY_S: busy}
 
     def evaluate(self, questions: list, search: bool, stage: StageConfig) -> list[dict]:
         """Held-out evaluation sharded over the workers (worker i takes ``questions[i::n]``); the records,

@@ -559,8 +559,18 @@ class ReplayCore:
         self.learner_version = s["learner_version"]
 
 
+RECORDS_KEPT = 100_000
+"""Rollout records the replay keeps for the driver's next report at most (a few hundred bytes each); older
+ones are dropped and counted (``records_dropped``), so a driver that stops reading cannot fill its memory."""
+
+
 class ReplayQueue:
-    """Async Ray actor around ReplayCore. Create with ``ray.remote(ReplayQueue)``."""
+    """Async Ray actor around ReplayCore. Create with ``ray.remote(ReplayQueue)``.
+
+    It also carries the rollout records of the groups it accepts (``put``'s ``records``: each trajectory's
+    reward, finish, searches, tokens) to the driver, which reads them with the counters in one call per
+    trained step (``report``): the rollout metrics travel with the rollouts, not on the workers' health
+    checks."""
 
     def __init__(self, capacity_groups: int, max_policy_lag: int, stale_policy: str, num_prompts: int, seed: int,
                  max_inflight_groups: int = 0, groups_per_step: int = 0, worker_capacity: int = 0,
@@ -569,6 +579,8 @@ class ReplayQueue:
                                groups_per_step, worker_capacity, just_in_time, group_rows)
         self._cond: asyncio.Condition | None = None
         self._closed = False
+        self._records: list[dict] = []
+        self._records_dropped = 0
 
     def _c(self) -> asyncio.Condition:
         if self._cond is None:
@@ -631,12 +643,14 @@ class ReplayQueue:
             cond.notify_all()
 
     async def put(self, payload: bytes, min_version: int, num_trajs: int, prompt_index: int, worker_id: int,
-                  searched: bool | None = None, off_engine_rows: int | None = None) -> bool:
+                  searched: bool | None = None, off_engine_rows: int | None = None,
+                  records: list[dict] | None = None) -> bool:
         """Waits while the queue is full (backpressure). Returns False if the queue was closed, or if a
         retrieval outage requeued the group. ``searched``: whether a search of the group succeeded (None:
         not said, the group counts as searched); during an outage a group that did not is requeued, and
         one that did ends the outage (module doc). ``off_engine_rows``: as for ``claim``, without this
-        group's rows (its claim ends here)."""
+        group's rows (its claim ends here). ``records``: the group's rollout records, kept for the
+        driver's next ``report`` when the group is accepted."""
         cond = self._c()
         async with cond:
             if off_engine_rows is not None:
@@ -661,8 +675,16 @@ class ReplayQueue:
                 self.core.requeue_claim(worker_id, prompt_index)  # never silently lost
                 return False
             self.core.add(QueuedGroup(payload, min_version, num_trajs, prompt_index, worker_id), time.monotonic())
+            self._keep(records or ())
             cond.notify_all()
             return True
+
+    def _keep(self, records) -> None:
+        self._records.extend(records)
+        over = len(self._records) - RECORDS_KEPT
+        if over > 0:
+            del self._records[:over]
+            self._records_dropped += over
 
     async def get(self, n_groups: int, learner_version: int, timeout_s: float) -> dict:
         """Wait for a whole batch of n fresh groups (stale ones are dropped on the way) and hand it out at
@@ -711,6 +733,13 @@ class ReplayQueue:
     async def stats(self) -> dict:
         return {**self.core.stats(), "outage": self.core.outage_report(time.monotonic())}
 
+    async def report(self) -> dict:
+        """``stats()`` and the rollout records of the groups accepted since the last report (drained:
+        each record is reported once), with ``records_dropped`` so far (``RECORDS_KEPT``)."""
+        records, self._records = self._records, []
+        return {**self.core.stats(), "outage": self.core.outage_report(time.monotonic()), "records": records,
+                "records_dropped": self._records_dropped}
+
     async def ping(self) -> dict:
         """``{"pid"}``: alive, and the process a fault test signals."""
         import os
@@ -731,8 +760,10 @@ class ReplayQueue:
             return n
 
     async def reopen(self) -> None:
-        """A stage starts: accept claims and puts again; the take interval is measured afresh."""
+        """A stage starts: accept claims and puts again; the take interval is measured afresh, and the
+        previous stage's unreported rollout records are not this stage's metrics."""
         self._closed = False
+        self._records = []
         if self.core.jit is not None:
             self.core.jit.reset_takes()
 

@@ -1,6 +1,6 @@
 """``RolloutPool.health`` asks every rollout worker at once and judges every answer against one deadline:
-a healthy worker's recent rollouts reach the metrics; a silent or dead one is replaced (``_replace``),
-with the reason."""
+a healthy worker's counters reach the metrics (its rollouts' own metrics come through the replay,
+tests/cluster/test_replay.py); a silent or dead one is replaced (``_replace``), with the reason."""
 import threading
 
 import pytest
@@ -41,8 +41,8 @@ class FakeWorker:
     health calls made one after another would leave the first one waiting for the deadline. A
     ``silent`` worker reaches the gate and then never answers."""
 
-    def __init__(self, worker_id: int, gate, reward: float, silent: bool = False):
-        self.worker_id, self.gate, self.reward, self.silent = worker_id, gate, reward, silent
+    def __init__(self, worker_id: int, gate, busy_s: float, silent: bool = False):
+        self.worker_id, self.gate, self.busy_s, self.silent = worker_id, gate, busy_s, silent
 
     def health(self) -> dict:
         import ray
@@ -50,10 +50,8 @@ class FakeWorker:
         ray.get(self.gate.arrive.remote())
         if self.silent:
             threading.Event().wait()
-        record = {"reward": self.reward, "parts": {"em": self.reward}, "finish": "answered", "searches": 1,
-                  "failed_searches": 0, "latency_ms": [2.0], "model_tokens": 5}
         return {"worker_id": self.worker_id, "alive": True, "error": None, "idle_s": 0.0, "version": 0,
-                "stats": {}, "recent": [record]}
+                "stats": {"busy_s": self.busy_s}}
 
 
 def _check(ray, workers, timeout_s, monkeypatch):
@@ -82,7 +80,7 @@ def test_health_is_asked_of_all_workers_at_once(ray_local, monkeypatch):
 
     gate = ray.remote(Gate).options(max_concurrency=16).remote(2)
     actor = ray.remote(FakeWorker).options(num_cpus=0)
-    workers = [actor.remote(0, gate, 1.0), actor.remote(1, gate, 0.0), actor.remote(2, gate, 0.0)]
+    workers = [actor.remote(0, gate, 1.0), actor.remote(1, gate, 10.0), actor.remote(2, gate, 2.0)]
     ray.kill(workers[1], no_restart=True)
     wait_actor_dead(workers[1])
     try:
@@ -91,8 +89,8 @@ def test_health_is_asked_of_all_workers_at_once(ray_local, monkeypatch):
         ray.kill(gate, no_restart=True)
     assert [i for i, _ in restarted] == [1], restarted
     assert restarted[0][1].startswith("health: ActorDiedError")
-    # Workers 0 and 2 answered: their records, and only theirs, reach the metrics.
-    assert m[K.ROLLOUT_TRAJECTORIES] == 2.0 and m[K.ROLLOUT_REWARD_MEAN] == 0.5
+    # Workers 0 and 2 answered: their counters, and only theirs, reach the metrics.
+    assert m == {K.ROLLOUT_BUSY_S: 3.0}
 
 
 def test_a_silent_worker_is_restarted_after_the_deadline(ray_local, monkeypatch):
@@ -106,29 +104,3 @@ def test_a_silent_worker_is_restarted_after_the_deadline(ray_local, monkeypatch)
         ray.kill(gate, no_restart=True)
     assert restarted == [(0, "health: no answer within 2 s")]
     assert m == {}
-
-
-def test_rollouts_reported_before_a_waiting_learner_call_reach_the_next_logged_step(ray_local):
-    """The driver checks health before every learner call; a call that came back waiting (a loaded
-    machine) logs no row. The rollouts that check reported are still in the next trained step's metrics,
-    and a logged step's are not reported again."""
-    import ray
-
-    from sonar.cluster.driver.rollout_pool import RolloutPool
-    from sonar.cluster.wire import metrics as K
-    from sonar.cluster.wire.config import CONFIG_DIR, load_config
-
-    gate = ray.remote(Gate).options(max_concurrency=16).remote(1)  # opens at once: one arrival is enough
-    workers = [ray.remote(FakeWorker).options(num_cpus=0).remote(0, gate, 1.0)]
-    cfg = load_config([CONFIG_DIR / "smoke.yaml"], ["cluster.mode=async"])
-    pool = RolloutPool(cfg, workers=workers)
-    try:
-        first = pool.health()   # before a learner call that came back waiting: not logged
-        second = pool.health()  # before the trained step: both checks' records
-        assert first[K.ROLLOUT_TRAJECTORIES] == 1.0 and second[K.ROLLOUT_TRAJECTORIES] == 2.0
-        pool.logged()
-        assert pool.health()[K.ROLLOUT_TRAJECTORIES] == 1.0  # only what came after the logged step
-    finally:
-        ray.kill(gate, no_restart=True)
-        for w in workers:
-            ray.kill(w, no_restart=True)

@@ -118,6 +118,34 @@ def test_queue_actor_logic_backpressure_and_timeout():
     asyncio.run(scenario())
 
 
+def test_rollout_records_travel_with_their_groups_and_each_is_reported_once():
+    """The driver reads the rollout metrics from the replay's report after each trained step. A group's
+    records count from the moment the replay accepts it: those of groups put before a learner call that
+    came back waiting (no row logged) are in the next report; a report drains them; a refused put's are
+    not kept; a new stage starts without the previous stage's."""
+    from sonar.cluster.replay import queue as Q
+
+    async def scenario():
+        q = ReplayQueue(4, 4, "drop", 10, 0)
+        idx = await q.claim(0, 4)
+        assert await q.put(b"a", 0, 1, idx[0], 0, records=[{"reward": 1.0}])
+        assert (await q.get(2, 0, timeout_s=0.05))["timed_out"]  # a learner call that came back waiting
+        assert await q.put(b"b", 0, 1, idx[1], 0, records=[{"reward": 0.0}])
+        first = await q.report()
+        assert first["records"] == [{"reward": 1.0}, {"reward": 0.0}] and first["records_dropped"] == 0
+        assert (await q.report())["records"] == []  # reported once
+        assert not await q.put(b"c", 0, 1, 9, 1, records=[{"reward": 5.0}])  # no claim: refused, not kept
+        assert await q.put(b"d", 0, 1, idx[2], 0, records=[{"reward": 2.0}])
+        await q.close()
+        await q.reopen()  # the next stage
+        assert (await q.report())["records"] == []
+        q._keep([{"n": i} for i in range(Q.RECORDS_KEPT + 3)])  # a driver that stopped reading
+        last = await q.report()
+        assert len(last["records"]) == Q.RECORDS_KEPT and last["records"][0] == {"n": 3} and last["records_dropped"] == 3
+
+    asyncio.run(scenario())
+
+
 def test_closed_queue_requeues_the_producer_prompt():
     async def scenario():
         q = ReplayQueue(1, 4, "drop", 10, 0)

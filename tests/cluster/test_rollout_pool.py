@@ -120,7 +120,7 @@ class Member:
         return {}
 
     def health(self) -> dict:
-        return {"alive": self.loop, "error": None, "idle_s": 0.0, "recent": [], "stats": {"trajectories": 0}}
+        return {"alive": self.loop, "error": None, "idle_s": 0.0, "stats": {"trajectories": 0}}
 
     def evaluate(self, questions, search, stage) -> list:
         return [{"q": q, "by": self.name, "version": self.version} for q in questions]
