@@ -352,17 +352,17 @@ class ReplayCore:
         n = self.grant_size(n)
         if n == 0:
             return False  # the stage's steps are covered: more would only be requeued at its end
-        if worker_id is not None and (not self._fits_worker(worker_id, n) or self.defers(worker_id, n)):
-            return False
         slots = self.fresh_slots(version)
         if slots is not None and slots <= 0:
             return False  # stale before any take: wait for newer weights (the next push brings them)
         inflight = self.inflight()
-        if inflight == 0:
-            return True
-        if inflight + n > self.max_inflight or (slots is not None and inflight + n > slots):
+        if inflight and (inflight + n > self.max_inflight or (slots is not None and inflight + n > slots)
+                         or self.jit_wait_s(n, now) > 0):
             return False
-        return self.jit_wait_s(n, now) <= 0
+        # The worker's own checks last: every condition here is pure, so the order changes no answer, and
+        # ``defers`` is a pass over the waiting workers while the pool-wide ones are O(1) (a full budget,
+        # the common refusal, then costs nothing per waiting worker).
+        return worker_id is None or (self._fits_worker(worker_id, n) and not self.defers(worker_id, n))
 
     def jit_wait_s(self, n: int, now: float | None) -> float:
         """Seconds until a claim of ``n`` groups may start just in time (0: now; module doc)."""
