@@ -588,7 +588,6 @@ class Simulator:
         def queued_since(wt):  # a lane gives up after claim_wait_s and asks again 0.05 s later, at the back
             return wt[1] + math.floor((now - wt[1]) / period) * period
 
-        self.waiters.sort(key=queued_since)
         core, n = self.core, self._n()
         inflight = core.inflight()  # read once, then kept by the claims made here
 
@@ -596,17 +595,30 @@ class Simulator:
             return bool(core.max_inflight and inflight > 0 and inflight + n > core.max_inflight) or \
                 (core.jit is not None and core.jit_wait_s(n, now) > 0)
 
-        i = 0
-        while i < len(self.waiters) and not shut():
+        if shut():  # no lane may claim now: their order is not read (the next wake sorts them again)
+            self._jit_timer()
+            return
+        self.waiters.sort(key=queued_since)
+        # Between two claims nothing a verdict reads changes (the clock stands, ``may_claim`` is pure and
+        # the off-engine report it is given is the worker's current one), so each worker is asked once per
+        # claim however many of its lanes wait, and ``shut`` is read again only after a claim.
+        verdict: dict[int, bool] = {}
+        i, closed = 0, False
+        while i < len(self.waiters) and not closed:
             worker, since, lane = self.waiters[i]
             if (now - since) % period > self.s.claim_wait_s:
                 i += 1  # between giving up and asking again
                 continue
-            if self._may(worker):
+            ok = verdict.get(worker)
+            if ok is None:
+                ok = verdict[worker] = self._may(worker)
+            if ok:
                 self.waiters.pop(i)
                 self._register(worker, -1)
                 self._claim(worker, lane)
                 inflight += n
+                verdict.clear()
+                closed = shut()
                 if self.s.least_loaded:
                     i = 0  # the loads changed: a lane before it that deferred may go now
                 continue
