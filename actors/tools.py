@@ -114,6 +114,8 @@ class SearchTool:
     open_tag = close_tag = None
 
     def __init__(self, config, retrieval_timeout_s: float | None = None):
+        """``config``: the run's ``Config`` (``TOOLS``' ``make(config)``) or its ``ProtocolConfig`` alone (a
+        rollout given no search of its own, ``rollout_groups``)."""
         proto = config.protocol if hasattr(config, "protocol") else config
         self.max_calls = proto.max_turns
         self.max_tokens = proto.max_doc_tokens
