@@ -351,6 +351,7 @@ class Simulator:
         self.learner_busy_s = 0.0
         self.steps: list[dict] = []
         self.waiters: list[tuple[int, float, int]] = []   # (worker, since, lane), in the order they waited
+        self.waiting_since: dict[int, list[float]] = {}  # worker -> the ``since`` of its waiting lanes (``_reask``)
         self.blocked_puts: deque = deque()
         self.servers: list[float] = []
         self.done = False
@@ -545,6 +546,7 @@ class Simulator:
             self._notify()  # the loads changed: a waiting lane may now go first
             return
         self.waiters.append((worker, self.now, lane))
+        self.waiting_since.setdefault(worker, []).append(self.now)
         self._jit_timer()
 
     def _reask(self, worker: int) -> None:
@@ -553,7 +555,7 @@ class Simulator:
         reads the count at that moment, not the one of the ask: optimistic by the rows that move between."""
         period = self.s.claim_wait_s + 0.05
         asks = [since + (math.floor((self.now - since) / period) + 1) * period
-                for wk, since, _ in self.waiters if wk == worker]
+                for since in self.waiting_since.get(worker, ())]
         if not asks:
             return
         t = min(asks) + 1e-6  # inside the ask, not at its boundary (float rounding)
@@ -614,6 +616,7 @@ class Simulator:
                 ok = verdict[worker] = self._may(worker)
             if ok:
                 self.waiters.pop(i)
+                self.waiting_since[worker].remove(since)
                 self._register(worker, -1)
                 self._claim(worker, lane)
                 inflight += n
