@@ -82,6 +82,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from sonar.actors.engine import Engine, Generation, SamplingParams, StopStrings, cut_at_stop
+from sonar.actors.parsing import Answer, Malformed, Search
 from sonar.actors.prompts import TagSet, render_invalid, render_prompt, stop_plan
 from sonar.actors.tools import SearchTool, ToolContext, ToolOutput, first_tool_call, record_call, render_output
 from sonar.actors.upstream import answer_cut, drops_eos, stop_tags, turn_parser
@@ -311,8 +312,8 @@ async def rollout_groups(items: list[PromptItem], *, engine: Engine, retriever: 
     ``seed``: turn t samples with seed ``seed + t`` (None: unseeded).
     ``parse_fn``: defaults to ``actors.parsing.parse_turn(text, tags, max_queries)`` (``proto.rules=sonar``) or
     ``actors.upstream.parse_turn_upstream`` (``upstream``: the paper's released parsing; with R1-Searcher's
-    evaluation prompt, its evaluation script's, ``upstream.turn_parser``); actions are
-    dispatched by type name (``Search`` / ``Answer`` / ``Malformed``).
+    evaluation prompt, its evaluation script's, ``upstream.turn_parser``); it returns ``actors.parsing``'s
+    ``Search`` / ``Answer`` / ``Malformed``.
     ``reward_fn(traj)`` returns an object with ``.total`` (float) and ``.parts`` (dict[str, float]).
     ``per_trajectory`` (``rollout.per_trajectory``): every trajectory runs as its own coroutine
     (``_run_trajectory``: one single-row ``engine.generate`` and one search per turn of its own), so no
@@ -546,13 +547,12 @@ def _ask(call: _Call, s: _State, text: str) -> _Ask | None:
         _invalid(call, s)
         return None
     action = call.parse_fn(text, call.tags, call.proto.max_queries_per_step)
-    kind = type(action).__name__  # the protocol's turn parsers (actors/parsing.py, actors/upstream.py)
-    if kind == "Search":
-        return _Ask(s, call.search, list(action.queries), int(getattr(action, "dropped", 0)))
-    if kind == "Answer":
+    if isinstance(action, Search):  # the actions of every turn parser (actors/parsing.py, actors/upstream.py)
+        return _Ask(s, call.search, list(action.queries), action.dropped)
+    if isinstance(action, Answer):
         s.traj.prediction = action.text
         s.finish(FinishReason.ANSWERED)
-    elif kind == "Malformed":
+    elif isinstance(action, Malformed):
         _invalid(call, s)
     else:
         raise TypeError(f"parse_fn returned {action!r}; expected Search, Answer or Malformed")
