@@ -185,10 +185,22 @@ class Chaos:
         log.warning("chaos: kill rollout worker %d (rank position %d) mid-push after RL step %d", i, i, self.step)
 
     @staticmethod
-    def _kill_handle(handle) -> None:
+    def _kill_handle(handle, deadline_s: float = 60.0) -> None:
+        """Kill the actor and return once Ray reports it dead (a call to it fails), so the push's receive,
+        issued next, always meets a dead worker: ``ray.kill`` is asynchronous, and on a loaded machine a
+        receive could otherwise run to its end before the kill lands, leaving no push to call off. Raises
+        when it is still answering after ``deadline_s``."""
         import ray
 
         ray.kill(handle, no_restart=True)
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            try:
+                ray.get(handle.health.remote(), timeout=max(0.1, end - time.monotonic()))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return
+            time.sleep(0.05)  # answered: the kill has not landed yet; ask again
+        raise RuntimeError(f"chaos: the killed rollout worker still answers after {deadline_s:g} s")
 
     def _kill(self, what: str, info_method, step: int, version: int, elapsed: float) -> None:
         self._signal(what, info_method, step, version, elapsed, signal.SIGKILL)
