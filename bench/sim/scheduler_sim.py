@@ -27,7 +27,8 @@ What is simulated, and how (``Workload`` holds the figures; ``bench/sim/workload
   ``groups_per_request`` groups, rolling them out and putting each group when its last trajectory ends
   (``per_group_put``; off: the claim's groups are put together when its slowest ends, the pre-change code).
 - **The claim** (``ReplayQueue.claim``): a lane registers in ``core.waiting`` (least-loaded first, when on),
-  asks ``may_claim(n, version, worker_id, now)`` and otherwise waits for a put, a take or a push (the
+  asks ``may_claim(n, version, worker_id, now)`` (as its two halves, ``pool_refusal`` and ``worker_refusal``,
+  so that one wake asks a version's pool-wide verdict once) and otherwise waits for a put, a take or a push (the
   queue's ``notify_all``), or for its just-in-time start (``jit_wait_s``); a lane refused for its version
   (``version_blocked``) retries when one of those happens. Waiters wake in the order they started waiting;
   each gives up after ``claim_wait_s`` and asks again 0.05 s later, at the back (the production loop).
@@ -57,7 +58,7 @@ import numpy as np
 
 from sonar.bench.sim import gpu_cost
 from sonar.bench.sim.reference import PEAK_BF16_FLOPS
-from sonar.cluster.replay.queue import QueuedGroup, ReplayCore
+from sonar.cluster.replay.queue import LASTING, QueuedGroup, ReplayCore
 
 MODES = ("async", "sync_split", "colocated")
 
@@ -516,11 +517,19 @@ class Simulator:
         return self.s.groups_per_request
 
     def _may(self, worker: int) -> bool:
-        s = self.s
+        return self._why(worker, {}) is None
+
+    def _why(self, worker: int, pool: dict[int, str | None]) -> str | None:
+        """``may_claim``'s answer with its reason (None: granted), the pool-wide part read from ``pool`` (policy
+        version -> ``pool_refusal``, filled here) when the worker's version is in it."""
+        s, core = self.s, self.core
         if s.decoding_rows:  # the claim call reports the rows waiting on a tool now
-            self.core.set_off_engine(worker, self.off_rows[worker])
-        wid = worker if (s.least_loaded or s.worker_capacity) else None
-        return self.core.may_claim(self._n(), self.engines[worker].next_version, wid, self.now)
+            core.set_off_engine(worker, self.off_rows[worker])
+        v = self.engines[worker].next_version
+        why = pool[v] if v in pool else pool.setdefault(v, core.pool_refusal(self._n(), v, self.now))
+        if why is None and (s.least_loaded or s.worker_capacity):
+            why = core.worker_refusal(worker, self._n())
+        return why
 
     def _claim(self, worker: int, lane: int) -> None:
         idx = self.core.claim(worker, self._n(), self.now)
@@ -584,12 +593,8 @@ class Simulator:
     def _wake(self) -> None:
         if not self.waiters or self.done:
             return
-        period = self.s.claim_wait_s + 0.05
+        period, wait_s = self.s.claim_wait_s + 0.05, self.s.claim_wait_s
         now = self.now
-
-        def queued_since(wt):  # a lane gives up after claim_wait_s and asks again 0.05 s later, at the back
-            return wt[1] + math.floor((now - wt[1]) / period) * period
-
         core, n = self.core, self._n()
         inflight = core.inflight()  # read once, then kept by the claims made here
 
@@ -600,31 +605,45 @@ class Simulator:
         if shut():  # no lane may claim now: their order is not read (the next wake sorts them again)
             self._jit_timer()
             return
-        self.waiters.sort(key=queued_since)
-        # Between two claims nothing a verdict reads changes (the clock stands, ``may_claim`` is pure and
-        # the off-engine report it is given is the worker's current one), so each worker is asked once per
-        # claim however many of its lanes wait, and ``shut`` is read again only after a claim.
-        verdict: dict[int, bool] = {}
-        i, closed = 0, False
+        # A lane gives up after claim_wait_s and asks again 0.05 s later, at the back: it queues since the
+        # start of its current ask, and between giving up and asking again it is not asked. (numpy: the same
+        # IEEE arithmetic as the scalar form, and a stable sort as list.sort, over thousands of lanes a wake.)
+        since = np.fromiter((wt[1] for wt in self.waiters), float, len(self.waiters))
+        order = np.argsort(since + np.floor((now - since) / period) * period, kind="stable")
+        self.waiters = [self.waiters[j] for j in order]
+        asking = (((now - since[order]) % period) <= wait_s).tolist()
+        # Between two claims nothing a verdict reads changes (the clock stands, the core is pure and the
+        # off-engine report a worker gives is its current one), so each version's pool-wide verdict and each
+        # worker's own are asked once however many lanes wait. A claim lifts no ``LASTING`` verdict, so the
+        # next pass starts at the first lane whose verdict it may lift, and ``shut`` is read again.
+        pool: dict[int, str | None] = {}  # policy version -> core.pool_refusal
+        verdict: dict[int, str | None] = {}  # worker -> its refusal (None: granted)
+        i, closed, reopen = 0, False, None
         while i < len(self.waiters) and not closed:
-            worker, since, lane = self.waiters[i]
-            if (now - since) % period > self.s.claim_wait_s:
+            if not asking[i]:
                 i += 1  # between giving up and asking again
                 continue
-            ok = verdict.get(worker)
-            if ok is None:
-                ok = verdict[worker] = self._may(worker)
-            if ok:
+            worker, since_i, lane = self.waiters[i]
+            if worker in verdict:
+                why = verdict[worker]
+            else:
+                why = verdict[worker] = self._why(worker, pool)
+            if why is None:
                 self.waiters.pop(i)
-                self.waiting_since[worker].remove(since)
+                asking.pop(i)
+                self.waiting_since[worker].remove(since_i)
                 self._register(worker, -1)
                 self._claim(worker, lane)
                 inflight += n
-                verdict.clear()
+                verdict = {w: r for w, r in verdict.items() if r in LASTING}
+                pool = {v: r for v, r in pool.items() if r is not None}
                 closed = shut()
-                if self.s.least_loaded:
-                    i = 0  # the loads changed: a lane before it that deferred may go now
+                if self.s.least_loaded and reopen is not None:
+                    i = reopen  # the loads changed: a lane before it that deferred may go now
+                reopen = None
                 continue
+            if reopen is None and why not in LASTING:
+                reopen = i
             i += 1
         self._jit_timer()
 

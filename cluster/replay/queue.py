@@ -202,6 +202,15 @@ class JustInTime:
         return self.last_take + (k - 1) * self.take_s - self.gen_s
 
 
+LASTING = frozenset({"stage", "version", "budget", "jit"})
+"""Refusals (``ReplayCore.pool_refusal``) that another claim granted at the same clock reading cannot lift: a
+claim only adds to the pipeline, and the pipeline plus what the next claim is granted (``grant_size``: the
+stage's need caps it, and that need shrinks by as much as the pipeline grows) never falls, so the budget,
+the fresh slots and the just-in-time position stay passed. A scheduler granting several claims in one
+instant may keep such a verdict until a put, a take, a push or the clock moves it. A worker's own refusal
+is not one: a smaller grant may fit an engine that a larger one did not."""
+
+
 class ReplayCore:
     def __init__(self, capacity_groups: int, max_policy_lag: int, stale_policy: str,
                  num_prompts: int, seed: int, max_inflight_groups: int = 0, groups_per_step: int = 0,
@@ -349,20 +358,44 @@ class ReplayCore:
         that passes the clock reading ``now`` waits for its just-in-time start (module doc)."""
         if self.max_inflight == 0:
             return True
-        n = self.grant_size(n)
-        if n == 0:
-            return False  # the stage's steps are covered: more would only be requeued at its end
-        slots = self.fresh_slots(version)
-        if slots is not None and slots <= 0:
-            return False  # stale before any take: wait for newer weights (the next push brings them)
-        inflight = self.inflight()
-        if inflight and (inflight + n > self.max_inflight or (slots is not None and inflight + n > slots)
-                         or self.jit_wait_s(n, now) > 0):
-            return False
-        # The worker's own checks last: every condition here is pure, so the order changes no answer, and
+        # The worker's own checks last: every condition is pure, so the order changes no answer, and
         # ``defers`` is a pass over the waiting workers while the pool-wide ones are O(1) (a full budget,
         # the common refusal, then costs nothing per waiting worker).
-        return worker_id is None or (self._fits_worker(worker_id, n) and not self.defers(worker_id, n))
+        return self.pool_refusal(n, version, now) is None and (
+            worker_id is None or self.worker_refusal(worker_id, n) is None)
+
+    def pool_refusal(self, n: int, version: int = -1, now: float | None = None) -> str | None:
+        """Why ``may_claim`` refuses any worker's claim of ``n`` groups sampled from ``version`` now (None: it
+        does not): ``"stage"`` (the stage's steps are covered), ``"version"`` (stale before its take),
+        ``"budget"`` (the pipeline is full) or ``"jit"`` (its just-in-time start is later), each
+        ``LASTING``."""
+        if self.max_inflight == 0:
+            return None
+        n = self.grant_size(n)
+        if n == 0:
+            return "stage"  # more would only be requeued at the stage's end
+        slots = self.fresh_slots(version)
+        if slots is not None and slots <= 0:
+            return "version"  # stale before any take: wait for newer weights (the next push brings them)
+        inflight = self.inflight()
+        if not inflight:
+            return None  # an empty pipeline admits anything, or an oversized request would never run
+        if inflight + n > self.max_inflight:
+            return "budget"
+        if slots is not None and inflight + n > slots:
+            return "version"
+        return "jit" if self.jit_wait_s(n, now) > 0 else None
+
+    def worker_refusal(self, worker_id: int, n: int) -> str | None:
+        """Why ``may_claim`` refuses ``worker_id``'s claim of ``n`` groups once the pool admits it (None: it
+        does not): ``"engine"`` (beyond its engine's capacity or its share) or ``"defer"`` (a less-loaded
+        waiting worker goes first)."""
+        if self.max_inflight == 0:
+            return None
+        n = self.grant_size(n)
+        if not self._fits_worker(worker_id, n):
+            return "engine"
+        return "defer" if self.defers(worker_id, n) else None
 
     def jit_wait_s(self, n: int, now: float | None) -> float:
         """Seconds until a claim of ``n`` groups may start just in time (0: now; module doc)."""

@@ -32,12 +32,16 @@ def gen_s(rows: int, prompt: int, tokens: int) -> float:
 
 
 def test_the_simulator_calls_replay_core_and_the_accounting_balances():
-    calls = {"may_claim": 0, "claim": 0, "add": 0, "take": 0}
+    calls = {"pool_refusal": 0, "worker_refusal": 0, "claim": 0, "add": 0, "take": 0}
 
-    class Counting(ReplayCore):
-        def may_claim(self, *a, **k):
-            calls["may_claim"] += 1
-            return super().may_claim(*a, **k)
+    class Counting(ReplayCore):  # admission is may_claim's two halves, asked apart so a wake can keep one
+        def pool_refusal(self, *a, **k):
+            calls["pool_refusal"] += 1
+            return super().pool_refusal(*a, **k)
+
+        def worker_refusal(self, *a, **k):
+            calls["worker_refusal"] += 1
+            return super().worker_refusal(*a, **k)
 
         def claim(self, *a, **k):
             calls["claim"] += 1
@@ -59,8 +63,8 @@ def test_the_simulator_calls_replay_core_and_the_accounting_balances():
 
 def test_a_replay_core_that_refuses_every_claim_stops_the_run():
     class Refusing(ReplayCore):
-        def may_claim(self, *a, **k):
-            return False
+        def pool_refusal(self, *a, **k):
+            return "budget"
 
     with pytest.raises(RuntimeError, match="nothing left to do"):
         simulate(FIXED, Sim(rollout_gpus=1, learner_gpus=1, groups_per_step=1, versions=2), Refusing)

@@ -734,6 +734,61 @@ def test_least_loaded_ignores_a_waiter_whose_engine_is_full():
     assert not core.defers(1, 1)
 
 
+def test_refusal_reasons_and_what_a_claim_cannot_lift():
+    """``may_claim`` is ``pool_refusal`` then ``worker_refusal``, each naming its reason; a scheduler that
+    grants several claims in one instant (the DES's wake) keeps a ``LASTING`` verdict across them, so a
+    claim must never lift one. Random states at one clock reading: every refusal in ``LASTING`` survives
+    every other claim that is granted then."""
+    from sonar.cluster.replay.queue import LASTING
+
+    rng = random.Random(0)
+    seen = set()
+    for trial in range(400):
+        core = _sched(capacity=rng.choice([0, 2, 3, 4]), jit=rng.random() < 0.5, budget=rng.choice([6, 10, 16]),
+                      B=rng.choice([2, 4]), lag=rng.choice([0, 1, 2]), group_rows=rng.choice([1, 4]))
+        core.set_workers(rng.choice([0, 3, 4]))
+        if rng.random() < 0.5:
+            core.set_stage_demand(rng.randrange(4, 20))
+        if core.jit is not None and rng.random() < 0.7:  # a measured pace: positions far back wait
+            core.jit.observe_put(rng.uniform(0.5, 5.0))
+            core.jit.observe_take(0.0)
+            core.jit.observe_take(rng.uniform(0.5, 3.0))
+        for _ in range(rng.randrange(0, 6)):
+            w = rng.randrange(4)
+            core.claim(w, rng.choice([1, 2]))
+            core.set_off_engine(w, rng.randrange(0, 4))
+        core.learner_version = rng.randrange(0, 3)
+        core.waiting = {w: 1 for w in range(4) if rng.random() < 0.7}
+        now, n = rng.uniform(0, 6), rng.choice([1, 2])
+        versions = {w: rng.randrange(-1, 3) for w in range(4)}
+
+        def why(w):
+            return core.pool_refusal(n, versions[w], now) or core.worker_refusal(w, n)
+
+        for w in range(4):  # the split is may_claim's answer
+            assert (why(w) is None) == core.may_claim(n, versions[w], w, now)
+        for _ in range(3):  # grant claims in this instant, in random order; the lasting verdicts hold
+            before = {w: why(w) for w in range(4)}
+            seen.update(before.values())
+            granted = [w for w in range(4) if before[w] is None]
+            if not granted:
+                break
+            core.claim(rng.choice(granted), n, now)
+            for w, r in before.items():
+                if r in LASTING:
+                    assert why(w) is not None, (trial, w, r)
+    assert seen >= {None, "budget", "version", "engine", "defer", "jit", "stage"}  # every reason was exercised
+    # and why a worker's own refusal is not lasting: the stage's need shrinks the next grant
+    core = _sched(capacity=3, B=4)
+    core.set_stage_demand(5)
+    core.claim(0, 2)
+    assert core.worker_refusal(0, 2) == "engine"  # 2 + 2 > 3
+    core.claim(1, 2)
+    assert core.grant_size(2) == 1 and core.worker_refusal(0, 2) is None  # granted 1: 2 + 1 fits
+    unlimited = _sched(budget=0)
+    assert unlimited.pool_refusal(5) is None and unlimited.worker_refusal(0, 5) is None
+
+
 def test_just_in_time_closed_form():
     from sonar.cluster.replay.queue import JustInTime
 
