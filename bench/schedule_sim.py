@@ -28,6 +28,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -196,7 +197,7 @@ def ablation(w, cfg: dict, best: dict) -> dict:
     return {"split": _split(gr, G), "groups_per_step": best["groups_per_step"], "lag": 2, "variants": out}
 
 
-def projection(w, cfg: dict) -> dict:
+def projection(w, cfg: dict, progress=lambda what: None) -> dict:
     """Per GPU count, at both batches: async and sync_split over a coarse split sweep (at 512 and 1,024 the
     fraction best at 64, one seed), colocated on all GPUs; the best async against the best of the rest."""
     out, best_frac = {}, None
@@ -228,6 +229,7 @@ def projection(w, cfg: dict) -> dict:
         out[str(G)] = {"groups_per_step": batches(w, G), "seeds": seeds, "rates": {k: v[2] for k, v in rows.items()},
                        "best_async": ba, "best_sync": bs, "ratio": rows[ba][2] / rows[bs][2],
                        "trajs_steady": trajs, "async_s": trajs / rows[ba][2], "sync_s": trajs / rows[bs][2]}
+        progress(f"{w.name}: {G}-GPU projection done")
     return out
 
 
@@ -338,15 +340,23 @@ def render_table(doc: dict, json_name: str) -> str:
 
 # ------------------------------------------------------------------------------------ main
 def run(cfg: dict) -> tuple[dict, dict]:
+    t0 = time.time()
+
+    def progress(what: str) -> None:  # a full run takes a while on a laptop: say where it is
+        print(f"[{NAME}] {what} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+
     extra = {"seeds": cfg["seeds"], "validation_result": W.VALIDATION_RESULT, "validation": validation(cfg), "compare": {}, "ablation": {}, "projection": {},
              "workloads": {k: {f: (v if not isinstance(v, tuple) else list(v)) for f, v in asdict(w).items()}
                            for k, w in W.WORKLOADS.items()}}
     metrics = {"validation_rel_error": {k: summarise([v["rel_error"]]) for k, v in extra["validation"].items()}}
+    progress("validation done")
     for name, w in W.WORKLOADS.items():
         c = compare(w, cfg)
         extra["compare"][name] = c
+        progress(f"{name}: {cfg['gpus']}-GPU comparison done")
         extra["ablation"][name] = ablation(w, cfg, c["table"][c["best_async"]]["params"])
-        extra["projection"][name] = projection(w, cfg)
+        progress(f"{name}: ablation done")
+        extra["projection"][name] = projection(w, cfg, progress)
         metrics.setdefault("async_over_best_sync", {})[name] = summarise(
             [a["trained_traj_per_s"] / b["trained_traj_per_s"] for a, b in
              zip(c["runs"][c["best_async"]], c["runs"][c["best_sync"]])])
