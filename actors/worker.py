@@ -28,7 +28,7 @@ import numpy as np
 
 from sonar.actors.engine import Engine, Generation, SamplingParams
 from sonar.cluster.wire.config import Config, StageConfig
-from sonar.cluster.wire.policy import load_policy
+from sonar.cluster.wire.policy import load_policy, with_lora
 from sonar.cluster.wire.protocol import Trajectory, encode_group, group_min_version
 from sonar.cluster.wire.startup import startup_without_gc
 
@@ -160,6 +160,8 @@ class RolloutWorker:
         self.world = build_world(cfg.world)
         # vLLM loads the weights itself; the worker needs only the parameter layout (meta tensors).
         model, self.tokenizer = load_policy(policy, weights=cfg.rollout.engine != "vllm")
+        if cfg.learner.lora.rank:  # the learner's adapters on the same frozen base: a push moves only them
+            model = with_lora(model, cfg.learner.lora, cfg.run.seed)
         self.tags = get_protocol(cfg.protocol.name)
         self.engine = SwappingEngine(build_engine(cfg, model, self.tokenizer, worker_id=worker_id, wrap=engine_wrap,
                                                   policy_dir=policy))

@@ -60,8 +60,11 @@ CRITIC_DIR = "critic"
 
 
 def trunk_of(model: nn.Module, required: bool = True) -> nn.Module | None:
-    """The decoder stack of a Hugging Face causal LM (``model.model`` for Llama/Qwen), without its head.
-    None when there is none and not ``required``."""
+    """The decoder stack of a Hugging Face causal LM (``model.model`` for Llama/Qwen), without its head, under
+    a peft wrapper too (``base_model``). None when there is none and not ``required``."""
+    from sonar.cluster.wire.policy import base_model
+
+    model = base_model(model)
     prefix = getattr(model, "base_model_prefix", "")
     trunk = getattr(model, prefix, None) if prefix else None
     if not isinstance(trunk, nn.Module):

@@ -23,6 +23,7 @@ from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.algos import spec_of
 from sonar.cluster.wire.config import (AlgoConfig, LearnerConfig, ReplayConfig, algo_dynamic_sampling,
                                        algo_std_normalize, proximal_forward_runs)
+from sonar.cluster.wire.policy import base_model
 from sonar.cluster.wire.protocol import Trajectory
 from sonar.learner.algo.advantages import compute_advantages, dynamic_sampling_mask, zero_signal_groups
 from sonar.learner.algo.chunked import chunked_logprobs
@@ -42,7 +43,7 @@ IS_EDGES = (0.5, 0.8, 0.95, 1.05, 1.25, 2.0)
 def _output_head(model):
     """The output-embedding module of a Stepper's or plain module's causal LM when its forward can skip
     the logits (``logits_to_keep``, Hugging Face Llama/Qwen and most decoders), else None."""
-    module = getattr(model, "module", model)
+    module = base_model(getattr(model, "module", model))  # under a peft wrapper: the causal LM's own forward
     get = getattr(module, "get_output_embeddings", None)
     head = get() if get is not None else None
     if head is None or "logits_to_keep" not in inspect.signature(module.forward).parameters:

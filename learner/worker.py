@@ -34,6 +34,9 @@ from sonar.cluster.wire.startup import startup_without_gc
 
 REFERENCE_FILE = "reference.pt"
 """In a checkpoint taken while a stage with a KL term runs: that stage's frozen reference policy."""
+ADAPTER_DIR = "adapter"
+"""In an export of a LoRA run: the trained adapter as peft writes it (``PeftModel.from_pretrained``); the
+export itself is the merged model."""
 
 
 def free_port() -> int:
@@ -159,6 +162,16 @@ class Learner:
         self.pad_id = pad_id(model, self.tokenizer)
         if cfg.learner.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        self.lora = cfg.learner.lora if cfg.learner.lora.rank else None
+        if self.lora is not None:  # the base frozen: only the adapters reach the optimizer (learner/lora.py)
+            from sonar.cluster.wire.policy import with_lora
+
+            kl = any(st.kind == "rl" and st.algo.kl_coef > 0 for st in cfg.stages)
+            model = with_lora(model, self.lora, cfg.run.seed, reference=kl)
+            if cfg.learner.gradient_checkpointing:
+                # reentrant checkpointing gives a segment no gradient when none of its inputs needs one, and
+                # behind frozen embeddings none does: the adapters would silently never train
+                model.enable_input_require_grads()
         params = [p for p in model.parameters() if p.requires_grad]
         # lr=0.0 is a placeholder: every step sets the stage's scheduled lr first (``_set_lr``). With optimizer
         # offload DeepSpeed builds its own AdamW from the config (it refuses a client torch optimizer).
@@ -210,13 +223,25 @@ class Learner:
         return store, host
 
     # ------------------------------------------------------------------ weights
+    def _served(self) -> list:
+        """``(name, parameter)`` of the policy the engines hold (model order): all of it, less the LoRA KL
+        reference's adapter (``served_parameters``)."""
+        from sonar.cluster.wire.policy import served_parameters
+
+        return served_parameters(self.engine.module)
+
+    def _pushed(self) -> list:
+        """``(name, parameter)`` a weight push moves (model order): the trained ones. Full fine-tuning: every
+        parameter; LoRA: the adapters (the engines hold the same frozen base)."""
+        return [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
+
     @contextmanager
-    def _gathered(self):
-        """The full parameters by name (model order) as detached views, no copies: under ZeRO-3 gathered
+    def _gathered(self, params: list | None = None):
+        """``params`` (default ``_served``) by name as detached full views, no copies: under ZeRO-3 gathered
         for the block (a collective: every rank enters it), else the live parameters."""
         import deepspeed
 
-        params = list(self.engine.module.named_parameters())
+        params = self._served() if params is None else params
         ctx = (deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None)
                if self.cfg.learner.zero_stage == 3 else nullcontext())
         with ctx:
@@ -230,12 +255,11 @@ class Learner:
 
     @on_all_ranks
     def param_specs(self) -> list:
-        """Names, full shapes and dtypes in model order. Under ZeRO-3 the full shape is DeepSpeed's
+        """Names, full shapes and dtypes of what a push moves (``_pushed``), in model order. Under ZeRO-3 the full shape is DeepSpeed's
         ``ds_shape``: nothing is gathered (a gather of the whole model would put 2 B x N on every rank)."""
         from sonar.cluster.transport.weights import TensorSpec
 
-        specs = [TensorSpec(n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype)
-                 for n, p in self.engine.module.named_parameters()]
+        specs = [TensorSpec(n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for n, p in self._pushed()]
         self._specs = specs  # every rank: the others rebuild rank 0's bucket plan from it (``broadcast``)
         return specs
 
@@ -315,7 +339,7 @@ class Learner:
             nbytes = self._group.send_weights(self._buckets, None, gather=lambda b: self._gathered_only(
                 [sp.name for sp in b.specs]))
         else:
-            with self._gathered() as views:
+            with self._gathered(self._pushed()) as views:
                 nbytes = self._group.send_weights(self._buckets, views)
         push = self._group.last_push
         return {"version": self.version, "bytes": nbytes, "seconds": push["seconds"], "wait_s": push["wait_s"],
@@ -324,15 +348,16 @@ class Learner:
 
     @on_all_ranks
     def checksum(self) -> dict:
-        """``weights.checksum`` of the (gathered) parameters: the receivers' function, chunked (no
-        full-tensor float64 copy)."""
+        """``weights.checksum`` of the (gathered) served parameters (``_served``; with LoRA the base and the
+        trained adapter, as the engines hold them): the receivers' function, chunked (no full-tensor float64
+        copy)."""
         from sonar.cluster.transport.weights import Checksum, checksum
 
         if self.cfg.learner.zero_stage != 3:
             with self._gathered() as views:
                 return {"version": self.version, "checksum": checksum(views.items())}
         sums = Checksum()  # ZeRO-3: one parameter gathered at a time, added in model order as checksum() does
-        for name, _ in self.engine.module.named_parameters():
+        for name, _ in self._served():
             with self._gathered_only([name]) as one:
                 sums.add(name, one[name])
         return {"version": self.version, "checksum": sums.value}
@@ -382,7 +407,15 @@ class Learner:
         info = {"stage": stage_index, "kind": stage.kind}
         # KL reference = the policy at the start of the stage (frozen); skipped when the coefficient is 0.
         self.ref_module = None
-        if stage.kind == "rl" and stage.algo.kl_coef > 0:
+        if stage.kind == "rl" and stage.algo.kl_coef > 0 and self.lora is not None:
+            # LoRA: the reference is a frozen adapter beside the trained one (learner/lora.py). Resumed
+            # mid-stage, it came back with the checkpoint's module state; else it takes the adapter's values now.
+            from sonar.learner.lora import AdapterReference, set_reference
+
+            if start_step == 0:
+                set_reference(self.engine.module, self.zero3, self.rank)
+            self.ref_module = AdapterReference(self.engine.module)
+        elif stage.kind == "rl" and stage.algo.kl_coef > 0:
             # Resumed mid-stage, the current weights are not the stage's start: the reference comes from the
             # checkpoint, which saved it (``REFERENCE_FILE``).
             self.ref_module = self._build_reference(self._resumed_reference(stage_index) if start_step > 0 else None)
@@ -517,13 +550,19 @@ class Learner:
         if self.rank == 0:
             from sonar.cluster.wire.policy import load_policy, save_policy
 
+            if self.lora is not None:  # the adapter as peft writes it, then the model it serves, merged
+                from sonar.learner.lora import merged, save_adapter
+
+                save_adapter(state, self.lora, os.path.join(path, ADAPTER_DIR), base=self.policy)
+                state = merged(state, self.lora)
             skeleton, _ = load_policy(self.policy, weights=False, dtype=self.dtype)
             save_policy(skeleton, self.tokenizer, path, state_dict=state)
 
     def _set_lr(self, stage: StageConfig) -> float:
         from sonar.learner.deepspeed_config import lr_at
 
-        lr = lr_at(self.stage_step, stage.lr, self.cfg.learner.warmup_steps, self.cfg.learner.lr_decay, stage.steps)
+        base = stage.lr * (self.lora.lr_scale if self.lora is not None else 1.0)  # LoraConfig.lr_scale: why
+        lr = lr_at(self.stage_step, base, self.cfg.learner.warmup_steps, self.cfg.learner.lr_decay, stage.steps)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         return lr
@@ -630,7 +669,8 @@ class Learner:
             """Collective under ZeRO-3 (every rank joins the gathers, the critic engine's save); rank 0
             writes the files; one model's worth of CPU copies at a time."""
             self._write_export(str(tmp / "hf"))
-            if self.ref_module is not None:  # a resume mid-stage needs the stage's KL reference
+            if self.ref_module is not None and self.lora is None:  # a resume mid-stage needs the stage's KL
+                # reference (LoRA's is an adapter of the module, in the DeepSpeed checkpoint)
                 import torch
 
                 ref_state = self._param_state(getattr(self.ref_module, "module", self.ref_module))

@@ -353,6 +353,7 @@ def print_summary(cfg: Config, roles: Roles, run: Run) -> dict:
             ("searches per question", summary["searches_per_question"]),
             ("trajectories/s (RL)", summary["trajectories_per_s"]),
             ("learner tokens/s", summary["tokens_per_s"]), ("policy lag (max)", summary["policy_lag_max"]),
+            ("bytes per weight push", (summary["weights"] or {}).get("push_bytes")),
             ("accounting balanced", stats["balanced"]), ("wall clock (s)", wall),
             ("MLflow run id", run.sink.run_id), ("run directory", run.dir)]
     width = max(len(r[0]) for r in rows)

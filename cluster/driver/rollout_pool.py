@@ -161,6 +161,8 @@ class RolloutPool:
         self.generation = 0
         """Formations of the group so far (0: none yet); each formation's ``Endpoint.generation``."""
         self.push_call_offs = 0
+        self.push_bytes: int | None = None
+        """Bytes the last completed push moved (the summary's "bytes per weight push")."""
         """Pushes called off because a worker died during them (the others stopped waiting at once)."""
         self._endpoint: Endpoint | None = None  # the formed group's meeting point: where a push is called off
         self._stale = False  # a member was replaced since the group last formed
@@ -446,7 +448,9 @@ class RolloutPool:
         errors = [g for g in got if isinstance(g, BaseException)]
         if errors:
             raise errors[0]
-        return {K.WEIGHTS_SYNC_S: s["seconds"], K.WEIGHTS_GBPS: s["bytes"] / max(s["seconds"], 1e-9) / 1e9}
+        self.push_bytes = int(s["bytes"])
+        return {K.WEIGHTS_SYNC_S: s["seconds"], K.WEIGHTS_GBPS: s["bytes"] / max(s["seconds"], 1e-9) / 1e9,
+                K.WEIGHTS_BYTES: s["bytes"]}
 
     def _event(self, name: str) -> None:
         if self.on_event is not None:
@@ -544,7 +548,8 @@ class RolloutPool:
                  for w in workers)
         if not ok:
             raise RuntimeError(f"weights diverged after the final push: learner {learner}, workers {workers}")
-        return {"learner": learner, "workers": workers, "worker_trajectories": produced}
+        return {"learner": learner, "workers": workers, "worker_trajectories": produced,
+                "push_bytes": self.push_bytes}
 
     def replace_replica(self, slot: int, handle) -> None:
         """Retrieval replica ``slot`` was replaced by ``handle``: every worker's retrieval clients switch to

@@ -632,6 +632,29 @@ class CriticConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA, Hu et al. 2021) trained in place of the policy's weights, with ``peft``: the
+    base stays frozen, every algorithm and SFT train the adapters only, and each weight push moves only
+    them (``learner/README.md``, "LoRA")."""
+
+    rank: int = ranged(0, ge=0)
+    """Adapter rank r (0: off, the whole model is trained). OpenRLHF's ``--lora_rank``, veRL's ``lora_rank``."""
+    alpha: float = ranged(32.0, gt=0)
+    """The adapter's output is scaled by alpha / r (peft's ``lora_alpha``; 32 = OpenRLHF's and veRL's
+    examples at r 16-64)."""
+    dropout: float = ranged(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training (peft's ``lora_dropout``; 0 as OpenRLHF's default)."""
+    target_modules: List[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Module names (their last component) that get adapters: every linear layer of a Qwen2 / Llama block
+    by default (what veRL's ``all-linear`` selects there; attention and MLP both, which LoRA for RL needs
+    to match full fine-tuning: Schulman et al., "LoRA Without Regret", Thinking Machines 2025)."""
+    lr_scale: float = ranged(10.0, gt=0)
+    """Every stage's ``lr`` is multiplied by this while LoRA is on: LoRA's best learning rate is about 10x
+    full fine-tuning's, for SFT and RL alike, at every rank (Schulman et al. 2025, the same study)."""
+
+
+@dataclass(frozen=True)
 class LearnerConfig:
     """The DeepSpeed learner."""
 
@@ -693,6 +716,8 @@ class LearnerConfig:
     offload_optimizer: bool = False
     """ZeRO-Offload of the optimizer state to CPU memory (needs learner.zero_stage >= 1). The learner
     then uses DeepSpeed's own AdamW (DeepSpeedCPUAdam, JIT-built on first use) instead of torch's."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Train low-rank adapters instead of the whole model (``lora.rank`` > 0)."""
 
 
 @dataclass(frozen=True)
@@ -1545,6 +1570,15 @@ def _check_learner(cfg: Config) -> None:
         raise ValueError(
             f"learner.broadcast_every={L.broadcast_every} > replay.max_policy_lag+1={cfg.replay.max_policy_lag + 1}: "
             "every trajectory would be stale before the workers saw new weights")
+    if L.lora.rank:
+        bad = [m for m in L.lora.target_modules if not m.isidentifier()]
+        if not L.lora.target_modules or bad:
+            raise ValueError(f"learner.lora.target_modules={list(L.lora.target_modules)!r}: name the modules that get "
+                             "adapters by their last name component (q_proj, up_proj, ...)"
+                             + (f"; not a module name: {bad[0]!r}" if bad else ""))
+        if cfg.rollout.engine == "vllm":
+            raise ValueError(f"learner.lora.rank={L.lora.rank} with rollout.engine='vllm': the vLLM engines do not take "
+                             "adapters yet (the transformers engines do); set rollout.engine=hf, or learner.lora.rank=0")
 
 
 def _check_critic(cfg: Config) -> None:

@@ -169,6 +169,8 @@ REPLAY_DROPPED_IN_GET = "replay/dropped_in_get"
 # weights
 WEIGHTS_SYNC_S = "weights/sync_s"
 WEIGHTS_GBPS = "weights/gb_per_s"
+WEIGHTS_BYTES = "weights/bytes"
+"""Bytes one push moved: the whole policy, or with ``learner.lora`` its adapters only."""
 # colocated placement (cluster/driver/colocate.py): the phase switch on the devices learner and engines share
 COLOCATE_SLEEP_S = "weights/colocate/sleep_s"
 """Seconds until every engine slept (the slowest worker's ``sleep``, as the driver waits for it)."""

@@ -11,8 +11,10 @@ Invariants:
   ``AutoTokenizer``) reloads offline, bit for bit (safetensors in the model's dtype: fp32, or bf16 from a
   bf16 learner, which ``load_policy`` widens to fp32 exactly).
 - ``pad_id`` comes from the tokenizer, else the model config, else EOS: never from the world.
+- With LoRA (``learner.lora``), the learner and the transformers engines wrap the loaded policy alike
+  (``with_lora``: the same adapters, names and initial values), so the push layout is the adapters'.
 
-Imports only torch and transformers (no other part of Sonar).
+Imports only torch, transformers and peft (no other part of Sonar).
 """
 from __future__ import annotations
 
@@ -94,6 +96,48 @@ def save_policy(model, tokenizer, path: str | Path, state_dict: dict | None = No
         if shown:
             hf_logging.enable_progress_bar()
     return path
+
+
+REFERENCE_ADAPTER = "reference"
+"""The learner's second, frozen adapter: the trained one's values at the start of a stage with a KL term,
+so the KL reference is the policy at the stage's start, as with full fine-tuning, without a second copy of
+the base (``AdapterReference``). Never pushed nor served."""
+
+
+def with_lora(model, lora, seed: int, reference: bool = False):
+    """``model`` (a loaded causal LM) wrapped by peft with trainable adapters per ``lora`` (a
+    ``LoraConfig``): every other parameter frozen. The adapters' initial values come from ``seed`` alone
+    (the global RNG is left as it was), so the learner and every engine start from the same ones; they are
+    in the base's dtype (no fp32 upcast), as the engines hold them. ``reference``: add the frozen
+    ``REFERENCE_ADAPTER`` beside the trained one (the learner, when a stage has a KL term)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    pc = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                    target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = get_peft_model(model, pc, autocast_adapter_dtype=False)
+        if reference:
+            model.add_adapter(REFERENCE_ADAPTER, pc)
+    for name, p in model.named_parameters():
+        if f".{REFERENCE_ADAPTER}." in name:
+            p.requires_grad_(False)  # peft leaves only the active adapter trainable; say so for the frozen one
+    return model
+
+
+def base_model(module):
+    """The Hugging Face model under a peft wrapper (or ``AdapterReference``), else ``module`` itself: where
+    the output head, the trunk and ``forward``'s own arguments are."""
+    get = getattr(module, "get_base_model", None)
+    return get() if callable(get) else module
+
+
+def served_parameters(module) -> list:
+    """``(name, parameter)`` of the policy the engines hold, in ``named_parameters`` order: every parameter
+    but the learner's ``REFERENCE_ADAPTER`` (the checksums compare these)."""
+    tag = f".{REFERENCE_ADAPTER}."
+    return [(n, p) for n, p in module.named_parameters() if tag not in n]
 
 
 def pad_id(model, tokenizer) -> int:

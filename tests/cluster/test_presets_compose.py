@@ -98,3 +98,20 @@ def test_index_and_eval_are_not_refused_for_stages_they_do_not_train(tmp_path, m
         assert cfg.retrieval.corpus == str(corpus)
     with pytest.raises(SystemExit):
         _load(SimpleNamespace(cmd="train", config=["smoke"], overrides=[f"retrieval.corpus={corpus}"]))
+
+
+@pytest.mark.parametrize("recipe", ["tiny", "smoke", "r1_searcher_tiny", "rag_r1_tiny", "search_r1_tiny"])
+def test_the_lora_overlay_turns_a_recipe_into_its_lora_version_and_changes_nothing_else(recipe):
+    import dataclasses
+
+    full, lora = load_config([recipe], notes=[]), load_config([recipe, "lora"], notes=[])
+    assert full.learner.lora.rank == 0 and lora.learner.lora.rank == 16 and lora.learner.lora.alpha == 32
+    same = dataclasses.replace(lora, learner=dataclasses.replace(lora.learner, lora=full.learner.lora))
+    assert same == full  # the stages (lr included: LoraConfig.lr_scale applies it), engines, data: all as before
+
+
+def test_the_lora_overlay_on_a_vllm_recipe_is_refused_naming_the_fields():
+    with pytest.raises(ValueError, match=r"learner\.lora\.rank=16 with rollout\.engine='vllm'.*rollout\.engine=hf"):
+        load_config(["r1_searcher", "lora"], notes=[])
+    with pytest.raises(ValueError, match=r"learner\.lora\.target_modules=\[\].*name the modules"):
+        load_config(["tiny", "lora"], ["learner.lora.target_modules=[]"], notes=[])

@@ -331,7 +331,8 @@ def test_a_worker_killed_mid_push_is_replaced_and_the_next_push_reaches_every_wo
         assert ray.get(replay.calls.remote()) == [("release_worker", dead), ("close",), ("reopen",)]
         ray.get(learner.bump.remote())
         m = pool.push()
-        assert m == {K.WEIGHTS_SYNC_S: 0.5, K.WEIGHTS_GBPS: pytest.approx(1000 / 0.5 / 1e9)}  # 1000 B in 0.5 s
+        assert m == {K.WEIGHTS_SYNC_S: 0.5, K.WEIGHTS_GBPS: pytest.approx(1000 / 0.5 / 1e9),  # 1000 B in 0.5 s
+                     K.WEIGHTS_BYTES: 1000}
         assert [s["version"] for s in states(ray, pool)] == [2, 2]
     finally:
         teardown(ray, pool, learner, replay, group)
