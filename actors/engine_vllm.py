@@ -93,6 +93,11 @@ from sonar.actors.engine import Generation, ParamSpec, SamplingParams, StopStrin
 
 EXTENSION = "sonar.actors.vllm_extension.SonarWorkerExtension"
 WEIGHT_UPDATE_MODES = ("pause", "interrupt")
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 takes for ``max_lora_rank`` (``vllm/config/lora.py: MaxLoRARanks``): an engine serving
+rank-r adapters is started with the least of them >= r."""
+LORA_ID = 1
+"""The engine's one adapter (``learner.lora``): every request names it, every push replaces what it holds."""
 _SEED_MASK = (1 << 63) - 1
 
 
@@ -167,7 +172,7 @@ class VLLMEngine:
                  kv_cache_gib: float = 0.0, gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, weight_update: str = "pause",
                  owned_dir: str | None = None, tokenizer: Any = None, sleep_mode: bool = False,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, lora: dict | None = None):
         if weight_update not in WEIGHT_UPDATE_MODES:
             raise ValueError(f"weight_update={weight_update!r} is not one of {list(WEIGHT_UPDATE_MODES)}")
         self.model_dir = model_dir
@@ -219,10 +224,20 @@ class VLLMEngine:
             kwargs["max_num_batched_tokens"] = max(int(max_model_len), 4096)
         if max_num_batched_tokens:  # the run's (``resolved.vllm_batched_tokens``), on either device
             kwargs["max_num_batched_tokens"] = int(max_num_batched_tokens)
+        # LoRA (``lora``: LoraConfig's fields): the base with one adapter slot; the pushes replace its adapter.
+        self._lora = self._lora_request = None
+        if lora is not None:
+            rank = int(lora["rank"])
+            if rank > VLLM_LORA_RANKS[-1]:
+                raise ValueError(f"learner.lora.rank={rank}: vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}")
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= rank))
+            self._lora = dict(lora, path=os.path.join(tempfile.mkdtemp(prefix="sonar-vllm-lora-"), "adapter"))
         if self.tensor_parallel_size > 1:
             kwargs["distributed_executor_backend"] = "mp"  # vLLM's workers on this actor's GPUs, not Ray actors
         try:
             self._llm = self._call(self._astart(kwargs))
+            if self._lora is not None:
+                self._call(self._aserve_adapter(initial=True))
         except BaseException:
             self._stop_loop()
             raise
@@ -253,13 +268,16 @@ class VLLMEngine:
 
         r = cfg.rollout
         eos = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
+        L = cfg.learner.lora
+        lora = (dict(rank=L.rank, alpha=L.alpha, dropout=L.dropout, target_modules=list(L.target_modules))
+                if L.rank else None)
         return cls(model_dir, specs, eos_token_ids=eos, dtype=engine_dtype(cfg), max_model_len=cfg.protocol.max_total_tokens,
                    max_num_seqs=r.max_batch_rows, seed=cfg.run.seed, kv_cache_gib=r.vllm_kv_cache_gib,
                    gpu_memory_utilization=r.vllm_gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
                    enable_prefix_caching=r.vllm_enable_prefix_caching, enforce_eager=r.vllm_enforce_eager,
                    weight_update=r.weight_update, owned_dir=owned, tokenizer=tokenizer if text_stops else None,
                    sleep_mode=cfg.cluster.placement == "colocated",
-                   max_num_batched_tokens=vllm_batched_tokens(cfg, on_gpu=_cuda()))
+                   max_num_batched_tokens=vllm_batched_tokens(cfg, on_gpu=_cuda()), lora=lora)
 
     def sleep(self, level: int) -> dict:
         """Colocated placement: free the GPU for the learner (vLLM's ``sleep``: level 1 offloads the weights
@@ -298,6 +316,26 @@ class VLLMEngine:
         await llm.update_weight_version("0")  # every output token carries the version that produced it
         return llm
 
+    async def _aserve_adapter(self, initial: bool = False) -> None:
+        """Serve the adapter at ``self._lora["path"]`` as ``LORA_ID``, in place of the one served (a push's,
+        while generation is paused). ``initial``: first write one of zeros in the pushed layout, which
+        generates exactly the base, as the learner's initial adapter does (peft starts ``lora_B`` at 0), so
+        every request names the adapter from the first one on."""
+        from vllm.lora.request import LoRARequest
+
+        if initial:
+            import torch
+
+            from sonar.cluster.wire.policy import write_adapter
+
+            zeros = [(s.name, torch.zeros(tuple(s.shape), dtype=s.dtype)) for s in self._specs]
+            write_adapter(zeros, self._lora, self._lora["path"])
+        else:
+            await self._llm.remove_lora(LORA_ID)  # vLLM keeps an id's first adapter: remove it, then add
+        self._lora_request = LoRARequest("sonar", LORA_ID, self._lora["path"])
+        if not await self._llm.add_lora(self._lora_request):
+            raise RuntimeError(f"vLLM refused the adapter at {self._lora['path']}")
+
     def _stop_loop(self) -> None:
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -318,6 +356,8 @@ class VLLMEngine:
             self._stop_loop()
             if self._owned_dir:
                 shutil.rmtree(self._owned_dir, ignore_errors=True)
+            if self._lora is not None:
+                shutil.rmtree(os.path.dirname(self._lora["path"]), ignore_errors=True)
 
     # ------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[np.ndarray], params: SamplingParams,
@@ -378,7 +418,7 @@ class VLLMEngine:
             self.stats["requests"] += 1
             final = None
             stream = self._llm.generate(tokens_input(prompt + ids), self._sampling(params, cap - base, stop, seed),
-                                        request_id=uuid.uuid4().hex)
+                                        request_id=uuid.uuid4().hex, lora_request=self._lora_request)
             try:
                 async for out in stream:
                     o = out.outputs[0]
@@ -447,7 +487,7 @@ class VLLMEngine:
         specs = [(s.name, list(s.shape), str(s.dtype).removeprefix("torch.")) for s in wire]
         out = self._call(self._arpc_locked("sonar_join", (master_addr, int(master_port), int(rank_base),
                                                           int(world_size), backend, prefix, specs, float(timeout_s),
-                                                          bucket_bytes)))
+                                                          bucket_bytes, self._lora)))
         mine = layout_digest(wire)
         if any(o["digest"] != mine for o in out):
             raise RuntimeError(f"vLLM workers computed layout digests {[o['digest'] for o in out]}, engine {mine}")
@@ -512,6 +552,8 @@ class VLLMEngine:
             t1 = time.perf_counter()
             try:
                 out = await self._llm.collective_rpc("sonar_update", args=(version,))
+                if self._lora is not None:  # rank 0 wrote the pushed adapter: serve it (vllm_extension)
+                    await self._aserve_adapter()
                 rpc_s = time.perf_counter() - t1
                 await self._llm.update_weight_version(str(version))
                 if not await self._llm.reset_prefix_cache():

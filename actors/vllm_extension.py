@@ -60,6 +60,12 @@ computed from the config, never in a checkpoint) and the second owner of a share
 its processing). Any other layer named there kept its previous weights: it is kept in vLLM's log and
 returned (``reload_misses``) for the engine to report.
 
+LoRA (``learner.lora``): the push carries the adapters only, and vLLM serves the base with LoRA enabled.
+A tensor cannot reach vLLM's LoRA manager but through a ``LoRARequest``, which names a directory, so each
+rank copies the adapter tensors it receives (megabytes), rank 0 writes them as peft does
+(``wire.policy.write_adapter``, atomically over the engine's one adapter directory), and the engine then
+replaces its one adapter (``VLLMEngine._areceive``): no layerwise reload, the base untouched.
+
 Imports: torch and ``sonar.cluster.wire`` only (vLLM inside methods) -- this module is imported inside
 vLLM's processes.
 """
@@ -78,13 +84,16 @@ class SonarWorkerExtension:
     """Mixed into vLLM's worker class; every method runs on every vLLM rank (``collective_rpc``)."""
 
     def sonar_join(self, master_addr: str, master_port: int, rank_base: int, world_size: int, backend: str,
-                   prefix: str, specs: list, timeout_s: float = 300.0, bucket_bytes: int | None = None) -> dict:
+                   prefix: str, specs: list, timeout_s: float = 300.0, bucket_bytes: int | None = None,
+                   lora: dict | None = None) -> dict:
         """Join the broadcast group as rank ``rank_base + self.rank``; blocks until every rank joined.
 
         ``specs``: ``[(name, shape, dtype name)]`` in the learner's order. ``timeout_s``: the group's
         (rendezvous and every wait of a push). ``bucket_bytes``: the plan's budget (None: the default,
-        the learner's). Returns the rank, the layout digest (the engine checks it against the learner's)
-        and the bytes of the two receive buffers a push will use."""
+        the learner's). ``lora``: the adapters' settings (``LoraConfig``'s fields) and ``path``, the
+        directory rank 0 writes each pushed adapter to (module docstring); None: the push is the model's
+        weights. Returns the rank, the layout digest (the engine checks it against the learner's) and the
+        bytes of the two receive buffers a push will use."""
         self.sonar_leave()
         tspecs = [TensorSpec(str(n), tuple(int(x) for x in shape), getattr(torch, str(d))) for n, shape, d in specs]
         rank = int(rank_base) + int(self.rank)
@@ -94,6 +103,7 @@ class SonarWorkerExtension:
         self._sonar_buckets = plan_buckets(tspecs, int(bucket_bytes or DEFAULT_BUCKET_BYTES))
         self._sonar_checksum: tuple[int, float] | None = None
         self._sonar_loaded = -1
+        self._sonar_lora = None if lora is None else dict(lora)
         return {"rank": rank, "digest": layout_digest(tspecs), "device": str(group.device),
                 "buffer_bytes": recv_buffer_bytes(self._sonar_buckets)}
 
@@ -117,6 +127,8 @@ class SonarWorkerExtension:
 
         self._sonar_checksum = None  # a push that fails half-way leaves no checksum to trust
         self._sonar_loaded = -1
+        if getattr(self, "_sonar_lora", None) is not None:
+            return self._sonar_update_adapter(group, int(version))
         model = self.model_runner.get_model()
         sums = Checksum()
         t0 = time.perf_counter()
@@ -139,6 +151,24 @@ class SonarWorkerExtension:
         self._sonar_loaded = int(version)
         return {"rank": int(self.rank), "version": int(version), "total_s": time.perf_counter() - t0,
                 "reload_misses_expected": misses.expected, "reload_misses": sorted(misses.other), **out}
+
+    def _sonar_update_adapter(self, group: BroadcastGroup, version: int) -> dict:
+        """``sonar_update`` of a LoRA run: receive the adapters (copied out of the bucket buffers), rank 0 writes
+        them where the engine's ``LoRARequest`` points (module docstring)."""
+        from sonar.cluster.wire.policy import write_adapter
+
+        got: list[tuple[str, torch.Tensor]] = []
+        sums = Checksum()
+        t0 = time.perf_counter()
+        out = group.recv_streamed(self._sonar_buckets, lambda named: got.extend((n, t.to("cpu", copy=True))
+                                                                                for n, t in named), sums)
+        lora = self._sonar_lora
+        if int(self.rank) == 0:
+            write_adapter(got, lora, lora["path"])
+        self._sonar_checksum = (version, sums.value)
+        self._sonar_loaded = version
+        return {"rank": int(self.rank), "version": version, "total_s": time.perf_counter() - t0,
+                "reload_misses_expected": 0, "reload_misses": [], **out}
 
     def sonar_checksum(self) -> dict:
         """``sonar.cluster.transport.weights.checksum`` of the tensors of the last complete push, summed as they

@@ -285,7 +285,9 @@ class RolloutWorker:
         inner = self.engine.inner
         if receives_weights(inner):  # the weights live in the engine's own processes: it sums what they received
             return dict(inner.weights_checksum())
-        return {"version": self.engine.version, "checksum": checksum(inner.model.named_parameters())}
+        # over what a push moves (``parameter_specs``: the trainable tensors; with LoRA the adapters)
+        return {"version": self.engine.version,
+                "checksum": checksum((n, p) for n, p in inner.model.named_parameters() if p.requires_grad)}
 
     # ------------------------------------------------------------------ rollout loop
     def start(self, replay, stage_index: int, stage: StageConfig) -> bool:

@@ -81,22 +81,3 @@ def merged(state: dict, lora) -> dict:
             name = f"{layer}.{leaf}"
         out[name] = t
     return out
-
-
-def save_adapter(state: dict, lora, path: str, base: str) -> None:
-    """The trained adapter of a peft policy state (``_param_state``) as peft writes one: ``adapter_config.json``
-    and ``adapter_model.safetensors`` (names without the adapter's name), which ``PeftModel.from_pretrained``
-    loads onto the base model at ``base``."""
-    from pathlib import Path
-
-    from peft import LoraConfig
-    from safetensors.torch import save_file
-
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules),
-               task_type="CAUSAL_LM", base_model_name_or_path=str(base)).save_pretrained(str(out))
-    tensors = {n.replace(".default.", "."): t.contiguous() for n, t in state.items() if ".lora_" in n and ".default." in n}
-    if not tensors:
-        raise ValueError("the policy state holds no trained adapter (lora_A/lora_B .default.) to save")
-    save_file(tensors, str(out / "adapter_model.safetensors"))

@@ -17,6 +17,7 @@ from sonar.cluster.wire.bootstrap import role_process
 
 role_process()  # first: in an actor's process, its thread and hub settings before torch and transformers load
 
+import dataclasses
 import functools
 import os
 import socket
@@ -223,13 +224,6 @@ class Learner:
         return store, host
 
     # ------------------------------------------------------------------ weights
-    def _served(self) -> list:
-        """``(name, parameter)`` of the policy the engines hold (model order): all of it, less the LoRA KL
-        reference's adapter (``served_parameters``)."""
-        from sonar.cluster.wire.policy import served_parameters
-
-        return served_parameters(self.engine.module)
-
     def _pushed(self) -> list:
         """``(name, parameter)`` a weight push moves (model order): the trained ones. Full fine-tuning: every
         parameter; LoRA: the adapters (the engines hold the same frozen base)."""
@@ -237,11 +231,11 @@ class Learner:
 
     @contextmanager
     def _gathered(self, params: list | None = None):
-        """``params`` (default ``_served``) by name as detached full views, no copies: under ZeRO-3 gathered
-        for the block (a collective: every rank enters it), else the live parameters."""
+        """``params`` (default: every parameter) by name as detached full views, no copies: under ZeRO-3
+        gathered for the block (a collective: every rank enters it), else the live parameters."""
         import deepspeed
 
-        params = self._served() if params is None else params
+        params = list(self.engine.module.named_parameters()) if params is None else params
         ctx = (deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None)
                if self.cfg.learner.zero_stage == 3 else nullcontext())
         with ctx:
@@ -348,16 +342,16 @@ class Learner:
 
     @on_all_ranks
     def checksum(self) -> dict:
-        """``weights.checksum`` of the (gathered) served parameters (``_served``; with LoRA the base and the
-        trained adapter, as the engines hold them): the receivers' function, chunked (no full-tensor float64
-        copy)."""
+        """``weights.checksum`` of the (gathered) tensors a push moves (``_pushed``: with LoRA the adapters, the
+        base being the policy directory every role loads): the receivers' function, chunked (no full-tensor
+        float64 copy)."""
         from sonar.cluster.transport.weights import Checksum, checksum
 
         if self.cfg.learner.zero_stage != 3:
-            with self._gathered() as views:
+            with self._gathered(self._pushed()) as views:
                 return {"version": self.version, "checksum": checksum(views.items())}
         sums = Checksum()  # ZeRO-3: one parameter gathered at a time, added in model order as checksum() does
-        for name, _ in self._served():
+        for name, _ in self._pushed():
             with self._gathered_only([name]) as one:
                 sums.add(name, one[name])
         return {"version": self.version, "checksum": sums.value}
@@ -551,9 +545,11 @@ class Learner:
             from sonar.cluster.wire.policy import load_policy, save_policy
 
             if self.lora is not None:  # the adapter as peft writes it, then the model it serves, merged
-                from sonar.learner.lora import merged, save_adapter
+                from sonar.cluster.wire.policy import write_adapter
+                from sonar.learner.lora import merged
 
-                save_adapter(state, self.lora, os.path.join(path, ADAPTER_DIR), base=self.policy)
+                write_adapter(state.items(), dataclasses.asdict(self.lora), os.path.join(path, ADAPTER_DIR),
+                              base=self.policy)
                 state = merged(state, self.lora)
             skeleton, _ = load_policy(self.policy, weights=False, dtype=self.dtype)
             save_policy(skeleton, self.tokenizer, path, state_dict=state)

@@ -1,6 +1,7 @@
-"""End to end (slow): configs/smoke.yaml with configs/lora.yaml through the real driver. The learner trains
-adapters only, every push moves exactly the adapters' bytes, every worker ends holding the learner's weights,
-and the run's model is the merged policy with its peft adapter beside it."""
+"""End to end (slow): configs/smoke.yaml with configs/lora.yaml through the real driver, on the transformers
+engines and on vLLM. The learner trains adapters only, every push moves exactly the adapters' bytes, every
+worker ends holding the learner's weights, and the run's model is the merged policy with its peft adapter
+beside it."""
 import json
 
 import pytest
@@ -9,14 +10,14 @@ import torch
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory, shared_ray):
+@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def lora_run(request, tmp_path_factory, shared_ray):
     from sonar.cluster.driver.loop import train
     from sonar.cluster.wire.config import CONFIG_DIR, load_config
 
     root = tmp_path_factory.mktemp("runs")
     cfg = load_config([CONFIG_DIR / "smoke.yaml", CONFIG_DIR / "lora.yaml"],
-                      [f"run.root={root}", f"run.run_dir={root / 'lora'}"])
+                      [f"run.root={root}", f"run.run_dir={root / 'lora'}", f"rollout.engine={request.param}"])
     return cfg, train(cfg)
 
 

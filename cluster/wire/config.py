@@ -1576,9 +1576,9 @@ def _check_learner(cfg: Config) -> None:
             raise ValueError(f"learner.lora.target_modules={list(L.lora.target_modules)!r}: name the modules that get "
                              "adapters by their last name component (q_proj, up_proj, ...)"
                              + (f"; not a module name: {bad[0]!r}" if bad else ""))
-        if cfg.rollout.engine == "vllm":
-            raise ValueError(f"learner.lora.rank={L.lora.rank} with rollout.engine='vllm': the vLLM engines do not take "
-                             "adapters yet (the transformers engines do); set rollout.engine=hf, or learner.lora.rank=0")
+        if cfg.rollout.engine == "vllm" and L.lora.rank > 512:
+            raise ValueError(f"learner.lora.rank={L.lora.rank} with rollout.engine='vllm': vLLM serves adapters of rank "
+                             "<= 512 (its max_lora_rank)")
 
 
 def _check_critic(cfg: Config) -> None:

@@ -56,6 +56,23 @@ communicator allocates its channel buffers on the device (``NCCL_BUFFSIZE`` 4 Mi
 peer: tens to a few hundred MiB for the two groups a learner rank joins), so 1.0 GiB covers both with
 some room for allocator slack.
 
+**LoRA** (``learner.lora.rank`` = r > 0: ``cluster/wire/policy.py`` ``with_lora``, ``learner/README.md``
+"LoRA"): the base is frozen, p x N / (R if z = 3 else 1) with no gradient nor optimizer state (DeepSpeed
+flattens and partitions the optimizer's parameters alone, and the learner gives it the trainable ones), and
+the five rows above count the adapter's A parameters instead of N: A = the sum of r x (in + out) over the
+``nn.Linear`` modules whose last name component is in ``learner.lora.target_modules`` (A [r, in] and
+B [out, r] in the base's dtype), read off the meta model (``ModelShape.linears``; a 7B at r = 16: 40.4e6,
+80.7 MB in bf16). Under ZeRO-3 the gathered layer is p x its parameters (the embedding, frozen: no
+gradient); the reduce bucket is allocated whole whatever the trainable count. The KL reference is a
+second, frozen adapter, p x A / (R if z = 3 else 1), not a second model (``learner/lora.py``); a push
+moves the trained adapter alone, so the send and receive buffers come from the bucket plan of its tensors
+(:func:`adapter_tensors`); a vLLM GPU is otherwise planned as without LoRA (its LoRA slot, inside the
+reservation, is not counted). The PPO critic is a full model either way. Activations are the full model's
+(the frozen base still carries the gradient back to the adapters). Not counted: with
+``learner.lora.dropout > 0``, peft's dropped copy of each targeted module's input (p x in per token and
+module; one layer's with checkpointing), and the adapters under DeepSpeed's
+``stage3_param_persistence_threshold`` (1e5 elements) that ZeRO-3 keeps whole on every rank (< p x A).
+
 **Activations** of one micro-batch of T = max(``learner.micro_batch_tokens``, ``protocol.max_total_tokens``)
 tokens (a longer sequence is a micro-batch of its own, ``learner/batching.py``), for a pre-norm decoder
 (Llama/Qwen2: RMSNorm, grouped-query attention with flash/SDPA, SwiGLU). Saved for the backward pass,
@@ -190,6 +207,9 @@ class ModelShape:
     tensors: tuple[tuple[str, tuple[int, ...]], ...]
     """(name, shape) of every parameter in ``named_parameters()`` order: what the weight push sends, so
     its bucket plan (``weights.plan_buckets``) is the learner's own."""
+    linears: tuple[tuple[str, int, int], ...]
+    """(module name, in_features, out_features) of every ``nn.Linear`` in ``named_modules()`` order: the
+    modules LoRA can target, so its adapters are counted from the model itself (:func:`adapter_tensors`)."""
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -389,11 +409,14 @@ def _shape_of(hf_config, source: str) -> ModelShape:
         model = AutoModelForCausalLM.from_config(hf_config)
     n, trunk, largest, biggest = _count(model)
     tensors = tuple((name, tuple(t.shape)) for name, t in model.named_parameters())
+    linears = tuple((name, m.in_features, m.out_features) for name, m in model.named_modules()
+                    if isinstance(m, torch.nn.Linear))
     c = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     heads = int(c.num_attention_heads)
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
     return ModelShape(
         params=n, trunk_params=trunk, largest_layer_params=largest, largest_tensor_params=biggest, tensors=tensors,
+        linears=linears,
         hidden_size=int(c.hidden_size), intermediate_size=int(c.intermediate_size),
         num_layers=int(c.num_hidden_layers), num_heads=heads,
         num_kv_heads=int(getattr(c, "num_key_value_heads", None) or heads), head_dim=head_dim,
@@ -546,13 +569,49 @@ def logits_bytes(s: ModelShape, tokens: int, chunk: int) -> int:
     return min(chunk or tokens, tokens) * s.vocab_size * 4 * LOGITS_COPIES
 
 
+def lora_of(cfg: Config) -> tuple[int, tuple[str, ...]]:
+    """(rank, target modules) of ``learner.lora``; (0, ()) when off (the whole model is trained). Hashable:
+    the push's bucket plan is cached by it."""
+    lo = cfg.learner.lora
+    return (lo.rank, tuple(lo.target_modules)) if lo.rank > 0 else (0, ())
+
+
+def _lora_tag(cfg: Config) -> str:
+    """Appended to the label of a row that LoRA sizes differently (the push's buffers from the adapters alone,
+    ZeRO-3's gathered layer without gradients)."""
+    return " (LoRA)" if lora_of(cfg)[0] else ""
+
+
+def adapter_tensors(s: ModelShape, rank: int, targets: Sequence[str]) -> tuple[tuple[str, tuple[int, int]], ...]:
+    """(name, shape) of the trained LoRA adapter (peft's ``default``, ``policy.with_lora``) in
+    ``named_parameters()`` order: for each ``nn.Linear`` of in x out features whose last name component is
+    in ``targets`` (peft matches a list of names against the whole module name or a ``.``-suffix), A [rank,
+    in] then B [out, rank], so rank x (in + out) parameters a module, in the base's dtype (no fp32 upcast).
+    What the optimizer holds and a weight push moves; the KL reference's adapter has the same shapes."""
+    want = set(targets)
+    out: list = []
+    for name, fin, fout in s.linears:
+        if name.rsplit(".", 1)[-1] in want:
+            out += [(f"base_model.model.{name}.lora_A.default.weight", (rank, fin)),
+                    (f"base_model.model.{name}.lora_B.default.weight", (fout, rank))]
+    return tuple(out)
+
+
+def adapter_params(s: ModelShape, rank: int, targets: Sequence[str]) -> int:
+    """A: parameters of one LoRA adapter (sum of rank x (in + out) over the targeted modules)."""
+    return sum(math.prod(shape) for _, shape in adapter_tensors(s, rank, targets))
+
+
 @functools.lru_cache(maxsize=64)
-def push_buckets(s: ModelShape, p: int) -> list:
-    """The weight push's bucket plan in the training dtype (the sender's: receivers take its dtypes)."""
+def push_buckets(s: ModelShape, p: int, lora: tuple[int, tuple[str, ...]] = (0, ())) -> list:
+    """The weight push's bucket plan in the training dtype (the sender's: receivers take its dtypes) over
+    what a push moves: every parameter, or with LoRA (``lora``: :func:`lora_of`) the trained adapter alone
+    (``learner/worker.py: _pushed``, the parameters that need a gradient)."""
     import torch
 
     dtype = torch.bfloat16 if p == 2 else torch.float32
-    return plan_buckets([TensorSpec(name, shape, dtype) for name, shape in s.tensors], DEFAULT_BUCKET_BYTES)
+    tensors = adapter_tensors(s, *lora) if lora[0] else s.tensors
+    return plan_buckets([TensorSpec(name, shape, dtype) for name, shape in tensors], DEFAULT_BUCKET_BYTES)
 
 
 def _push_rows(cfg: Config, s: ModelShape, p: int) -> list[Row]:
@@ -561,15 +620,15 @@ def _push_rows(cfg: Config, s: ModelShape, p: int) -> list[Row]:
     (a GPU learner flattens every bucket in host memory)."""
     backend = broadcast_backend(cfg)
     if backend == "nccl":
-        return [Row("weight push send buffers", send_buffer_bytes(push_buckets(s, p)),
+        return [Row("weight push send buffers" + _lora_tag(cfg), send_buffer_bytes(push_buckets(s, p, lora_of(cfg))),
                     f"2 stream buffers of flattened buckets (<= {DEFAULT_BUCKET_BYTES >> 20} MiB), rank 0")]
     if backend == "cuda_ipc":
-        buckets = push_buckets(s, p)
+        buckets = push_buckets(s, p, lora_of(cfg))
         z3 = cfg.learner.zero_stage == 3  # ZeRO-3 pushes through per-bucket gathers: every bucket is flattened
-        return [Row("hand-over send buffers", send_buffer_bytes(buckets, in_place=not z3),
+        return [Row("hand-over send buffers" + _lora_tag(cfg), send_buffer_bytes(buckets, in_place=not z3),
                     "2 stream buffers, " + ("every bucket flattened (ZeRO-3 gathers)" if z3 else
                                             f"multi-tensor buckets (<= {DEFAULT_BUCKET_BYTES >> 20} MiB)")),
-                Row("hand-over IPC segment", max(b.nbytes for b in buckets),
+                Row("hand-over IPC segment" + _lora_tag(cfg), max(b.nbytes for b in buckets),
                     "the largest bucket, mapped by the engine (cluster/transport/handover.py)")]
     return []
 
@@ -582,15 +641,28 @@ def layer_params(s: ModelShape) -> int:
 def learner_plan(cfg: Config, s: ModelShape, capacity: int) -> GpuPlan:
     L = cfg.learner
     p, R, z = train_bytes(cfg), L.num_ranks, L.zero_stage
-    rows = _states(s.params, "", cfg, p, f"N={_fmt_n(s.params)}")
-    if z == 3:
-        rows.append(Row("ZeRO-3 gathered layer", 4 * s.largest_layer_params,
-                        f"4 B x {_fmt_n(s.largest_layer_params)} (largest layer's params + grads)"))
-    if z >= 2:
+    dt, z3 = ("bf16" if p == 2 else "fp32"), (R if z == 3 else 1)
+    rank, targets = lora_of(cfg)
+    if rank:  # the base frozen (no gradient, no optimizer state); the adapters train like a model of A parameters
+        a = adapter_params(s, rank, targets)
+        rows = [Row(f"LoRA: frozen base {dt} parameters", p * s.params // z3,
+                    f"{p} B x N={_fmt_n(s.params)}{_shard(z3)}, no gradient or optimizer state")]
+        rows += _states(a, "LoRA: ", cfg, p, f"A={_fmt_n(a)} (the adapters, rank {rank})")
+    else:
+        rows = _states(s.params, "", cfg, p, f"N={_fmt_n(s.params)}")
+    if z == 3:  # DeepSpeed's largest_layer_memory: the largest module gathered, its bf16 parameters and gradients;
+        # under LoRA that module (the embedding) is frozen base: its parameters gathered, no gradient
+        per = p if rank else 4
+        rows.append(Row("ZeRO-3 gathered layer" + _lora_tag(cfg), per * s.largest_layer_params,
+                        f"{per} B x {_fmt_n(s.largest_layer_params)} (largest layer's params"
+                        + ("; frozen: no grads)" if rank else " + grads)")))
+    if z >= 2:  # allocated whole whatever the trainable count (stage_1_and_2.py setup_buckets, stage3.py)
         rows.append(Row("DeepSpeed reduce bucket", DS_REDUCE_BUCKET_ELEMENTS * p, f"5e8 elements x {p} B"))
-    if _kl_on(cfg):
-        rows.append(Row(f"KL reference ({'bf16' if p == 2 else 'fp32'})", p * s.params // (R if z == 3 else 1),
-                        f"{p} B x N{_shard(R if z == 3 else 1)}"))
+    if _kl_on(cfg) and rank:  # a second, frozen adapter on the same base (learner/lora.py), no second model
+        rows.append(Row(f"KL reference (LoRA adapter, {dt})", p * a // z3,
+                        f"{p} B x A{_shard(z3)}, frozen, beside the trained one"))
+    elif _kl_on(cfg):
+        rows.append(Row(f"KL reference ({dt})", p * s.params // z3, f"{p} B x N{_shard(z3)}"))
     if _critic_on(cfg):
         nc = s.trunk_params + s.hidden_size + 1
         rows += _states(nc, "critic: ", cfg, p, f"{_fmt_n(nc)} (trunk + head)", step="critic_step")
@@ -606,11 +678,11 @@ def learner_plan(cfg: Config, s: ModelShape, capacity: int) -> GpuPlan:
                     f"{chunk:,} tokens x {s.vocab_size:,} x 4 B x {LOGITS_COPIES}", phase="backward"))
     extra = []
     if L.offload_optimizer:  # master (bf16 only), Adam, fp32 gradient partition; ZeRO-3 also its bf16 gradients
-        n = s.params + (s.trunk_params + s.hidden_size + 1 if _critic_on(cfg) else 0)
+        n = (a if rank else s.params) + (s.trunk_params + s.hidden_size + 1 if _critic_on(cfg) else 0)
         cpu = ((8 + (8 if p == 2 else 4)) + (p if z == 3 else 0)) * n // R
         extra.append(f"host memory per rank (offloaded master, Adam, gradients): {cpu / GIB:.1f} GiB, not checked")
     title = (f"learner rank 0 of {R} (ZeRO-{z}{', optimizer offload' if L.offload_optimizer else ''}, "
-             f"{'bf16' if p == 2 else 'fp32'}, micro-batch {T:,} tokens)")
+             f"{dt}{f', LoRA rank {rank}' if rank else ''}, micro-batch {T:,} tokens)")
     plan = GpuPlan(title, tuple(rows), capacity, extra=tuple(extra))
     if plan.total > capacity:
         plan = dataclasses.replace(plan, problems=(_learner_problem(cfg, s, capacity, plan.total),))
@@ -712,7 +784,7 @@ def engine_plan(cfg: Config, s: ModelShape, capacity: int) -> GpuPlan:
     tokens = max(kv, 0) // per_tok
     dtype = engine_dtype(cfg)
     nccl = broadcast_backend(cfg) == "nccl"
-    recv = recv_buffer_bytes(push_buckets(s, p)) if nccl else 0
+    recv = recv_buffer_bytes(push_buckets(s, p, lora_of(cfg))) if nccl else 0
     held = p * layer_params(s) if nccl else 0
     rows = (
         Row("vLLM reservation", reserved, how),
@@ -720,7 +792,8 @@ def engine_plan(cfg: Config, s: ModelShape, capacity: int) -> GpuPlan:
         Row("  of which activation peak", act, f"{vllm_batched_tokens(cfg, on_gpu=True):,} batched tokens + sampler",
             phase="inside"),
         Row("  of which KV cache", max(kv, 0), f"{tokens:,} tokens ({per_tok:,} B per token)", phase="inside"),
-        Row("broadcast receive buffers", recv, "2 stream buffers, each its largest bucket (a tensor, or "
+        Row("broadcast receive buffers" + _lora_tag(cfg), recv,
+            "2 stream buffers, each its largest bucket (a tensor, or "
             f"{DEFAULT_BUCKET_BYTES >> 20} MiB)" if nccl else "0 on the GPU: gloo receives in host memory"),
         Row("held copies (layerwise reload)", held, f"<= one decoder layer, {p} B x {_fmt_n(layer_params(s))}"
             if nccl else "0 on the GPU (gloo)"),
@@ -796,7 +869,8 @@ def _engine_side(cfg: Config, s: ModelShape, capacity: int) -> dict:
         kv = reserved - weights - act
     per_tok = kv_bytes_per_token(s, e, tp)
     return dict(e=e, tp=tp, weights=weights, act=act, util_bytes=util_bytes, reserved=reserved, how=how, kv=kv,
-                per_tok=per_tok, tokens=max(kv, 0) // per_tok, recv=recv_buffer_bytes(push_buckets(s, p)),
+                per_tok=per_tok, tokens=max(kv, 0) // per_tok,
+                recv=recv_buffer_bytes(push_buckets(s, p, lora_of(cfg))),
                 held=p * layer_params(s), p=p)
 
 
@@ -810,7 +884,7 @@ def colocated_plan(cfg: Config, s: ModelShape, capacity: int, check: bool = True
     held = [x for x in lp.rows if x.phase == "held"]
     off = L.offload_while_generating
     ctx = Row("engine CUDA context", CUDA_OVERHEAD_BYTES, "constant")
-    recv = Row("engine receive buffers", en["recv"],
+    recv = Row("engine receive buffers" + _lora_tag(cfg), en["recv"],
                "2 stream buffers, each its largest bucket (kept between pushes)")
 
     # generation: the engine awake, what the learner keeps beside it
@@ -836,7 +910,8 @@ def colocated_plan(cfg: Config, s: ModelShape, capacity: int, check: bool = True
     level = ("level 1: weights offloaded to host memory, KV cache dropped" if r.sleep_level == 1 else
              "level 2: weights and KV cache dropped")
     train = GpuPlan(f"training: the engine asleep ({level}); the learner's states back",
-                    lp.rows + (Row("engine asleep: receive buffers", en["recv"], "kept between pushes"),
+                    lp.rows + (Row("engine asleep: receive buffers" + _lora_tag(cfg), en["recv"],
+                                   "kept between pushes"),
                                Row("engine asleep: CUDA context", CUDA_OVERHEAD_BYTES, "constant")), capacity)
 
     # hand-over: the engine's weights awake (KV cache not yet), the learner's states still on the GPU

@@ -133,11 +133,34 @@ def base_model(module):
     return get() if callable(get) else module
 
 
-def served_parameters(module) -> list:
-    """``(name, parameter)`` of the policy the engines hold, in ``named_parameters`` order: every parameter
-    but the learner's ``REFERENCE_ADAPTER`` (the checksums compare these)."""
-    tag = f".{REFERENCE_ADAPTER}."
-    return [(n, p) for n, p in module.named_parameters() if tag not in n]
+def write_adapter(tensors, lora: dict, path: str | Path, base: str | None = None) -> Path:
+    """The trained adapter (``lora``: ``LoraConfig``'s fields as a dict; ``(name, tensor)`` pairs of a peft policy's ``.default.`` adapter tensors, as the
+    learner pushes them) written as peft writes one: ``adapter_config.json`` and ``adapter_model.safetensors``
+    (names without the adapter's name), which ``PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load.
+    Atomic: written beside ``path`` and renamed over it, so a reader sees the old adapter or the new one."""
+    import shutil
+    import tempfile
+
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    out = {n.replace(".default.", "."): t.detach().to("cpu").contiguous()
+           for n, t in tensors if ".lora_" in n and ".default." in n}
+    if not out:
+        raise ValueError("no trained adapter tensors (lora_A/lora_B .default.) to write")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    LoraConfig(r=int(lora["rank"]), lora_alpha=float(lora["alpha"]), lora_dropout=float(lora["dropout"]),
+               target_modules=list(lora["target_modules"]), task_type="CAUSAL_LM",
+               base_model_name_or_path=None if base is None else str(base)).save_pretrained(str(tmp))
+    save_file(out, str(tmp / "adapter_model.safetensors"))
+    old = path.with_name(f".{path.name}.old")
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+    return path
 
 
 def pad_id(model, tokenizer) -> int:

@@ -252,6 +252,115 @@ def test_model_states_against_deepspeeds_zero3_estimate(ranks, offload):
     assert abs(mine - ds_gpu - (0 if offload else 2 * N7 // ranks)) <= 8
 
 
+# --------------------------------------------------------------------------------------------- LoRA
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # LoraConfig's default
+# Qwen2.5-7B's linear modules per layer, (in, out): q, k, v, o (28 heads, 4 KV heads of 128), gate, up, down
+LINEAR7 = {"q_proj": (3584, 3584), "k_proj": (3584, 512), "v_proj": (3584, 512), "o_proj": (3584, 3584),
+           "gate_proj": (3584, 18944), "up_proj": (3584, 18944), "down_proj": (18944, 3584)}
+
+
+def _adapter7(r: int, targets=TARGETS) -> int:
+    """The closed form: rank r adds A [r, in] and B [out, r], r x (in + out), to each targeted module of 28 layers."""
+    return 28 * sum(r * (LINEAR7[m][0] + LINEAR7[m][1]) for m in targets)
+
+
+A7 = _adapter7(16)
+"""The 7B's rank-16 adapter on every linear layer of a block: 40,370,176 parameters, 80.7 MB in bf16 (0.5 %)."""
+
+
+def _lora(cfg: Config, rank: int = 16) -> Config:
+    from sonar.cluster.wire.config import LoraConfig
+
+    return M.replace_fields(cfg, {"learner.lora": LoraConfig(rank=rank)})
+
+
+def _kl(cfg: Config) -> Config:
+    return dataclasses.replace(cfg, stages=[dataclasses.replace(
+        cfg.stages[0], algo=dataclasses.replace(cfg.stages[0].algo, kl_coef=1e-3))])
+
+
+def test_the_lora_adapters_are_counted_on_the_meta_model_as_peft_builds_them():
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sonar.cluster.wire.config import LoraConfig
+    from sonar.cluster.wire.policy import with_lora
+
+    s = M.shape_from_dir(D7)
+    assert M.adapter_params(s, 16, TARGETS) == A7 == 40_370_176
+    assert M.adapter_params(s, 64, ("q_proj", "v_proj")) == _adapter7(64, ("q_proj", "v_proj"))
+    assert M.adapter_params(s, 16, ("lm_head",)) == 16 * (3584 + 152_064)  # any linear module by its name
+    # the learner's own wrapping (policy.with_lora, KL reference included) on the meta device: its trained
+    # tensors are the plan's, names, shapes and order, so the push's bucket plan is the learner's
+    with torch.device("meta"):
+        peft = with_lora(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(D7)), LoraConfig(rank=16), seed=0,
+                         reference=True)
+    trained = tuple((n, tuple(p.shape)) for n, p in peft.named_parameters() if p.requires_grad)
+    assert trained == M.adapter_tensors(s, 16, TARGETS)
+    assert sum(p.numel() for n, p in peft.named_parameters() if ".reference." in n) == A7  # the KL reference's
+
+
+def test_7b_lora_by_hand_the_base_frozen_the_adapters_trained_one_adapter_as_kl_reference():
+    """8 ranks of ZeRO-2, a KL term, transformers engines on GPUs (an NCCL push): the base's parameters
+    alone for the 7.6e9, the five state rows over the adapter's A, the KL reference one more adapter, the
+    push's buffers the adapter's one bucket (80.7 MB < 128 MiB, flattened)."""
+    s = M.shape_from_dir(D7)
+    full = _kl(_cfg({"learner.num_ranks": 8, "learner.zero_stage": 2, "rollout.engine": "hf"}))
+    F, L = M.plan(full, s, 80.0).learner, M.plan(_lora(full), s, 80.0).learner
+    assert "LoRA rank 16" in L.title and "LoRA" not in F.title
+    assert _row(L, "LoRA: frozen base bf16 parameters") == 2 * N7
+    assert [_row(L, f"LoRA: {n}") for n in _STATE_ROWS] == [2 * A7, 2 * A7 // 8, 4 * A7 // 8, 8 * A7 // 8, 4 * A7 // 8]
+    assert _row(L, "KL reference (LoRA adapter, bf16)") == 2 * A7 and _row(F, "KL reference (bf16)") == 2 * N7
+    assert not any(r.name in _STATE_ROWS or r.name == "KL reference (bf16)" for r in L.rows)  # no full-model rows
+    assert _row(L, "weight push send buffers (LoRA)") == 2 * A7 and _row(F, "weight push send buffers") == _send7()
+    assert _row(L, "DeepSpeed reduce bucket") == 10**9  # allocated whole whatever the trainable count
+    backward = ACT7_32K + LOGITS7_1K  # the same activations: the frozen base still carries the gradient back
+    assert (_row(L, "activations (checkpointed)"), _row(L, "logits (chunked)")) == (ACT7_32K, LOGITS7_1K)
+    assert L.total == 2 * N7 + 2 * A7 + (2 + 4 + 8) * A7 // 8 + 10**9 + 2 * A7 + 2 * A7 + GIB + backward
+    # what LoRA saves: the gradients, master and Adam of N (14 B / 8 ranks), the reference model and the push's
+    # buffers, for an adapter's parameters, states, reference and buffers (the base's 2 B x N stays)
+    assert F.total - L.total == (14 * N7 // 8 + 2 * N7 + _send7()) - (2 * A7 + 14 * A7 // 8 + 2 * A7 + 2 * A7)
+    assert (_gib(F.total), _gib(L.total)) == (61.9, 35.5)
+    # ZeRO-3: the base and the reference adapter sharded; the gathered layer (the frozen embedding) has no gradient
+    Z = M.plan(_lora(M.replace_fields(full, {"learner.zero_stage": 3})), s, 80.0).learner
+    assert _row(Z, "LoRA: frozen base bf16 parameters") == 2 * N7 // 8
+    assert _row(Z, "ZeRO-3 gathered layer (LoRA)") == 2 * EMB7
+    assert _row(Z, "KL reference (LoRA adapter, bf16)") == 2 * A7 // 8
+    # optimizer offload: the host holds the adapter's states, not the model's
+    off = M.plan(_lora(M.replace_fields(full, {"learner.offload_optimizer": True})), s, 80.0).learner
+    assert any(f"{16 * A7 // 8 / GIB:.1f} GiB" in x for x in off.extra if "host memory per rank" in x)
+    # PPO's critic stays a full model: its rows are full fine-tuning's
+    ppo = dataclasses.replace(full, stages=[dataclasses.replace(
+        full.stages[0], algo=dataclasses.replace(full.stages[0].algo, name="ppo"))])
+    critic = lambda g: [(r.name, r.bytes) for r in g.rows if r.name.startswith("critic: ")]  # noqa: E731
+    assert critic(M.plan(_lora(ppo), s, 80.0).learner) == critic(M.plan(ppo, s, 80.0).learner) != []
+
+
+LORA_7B = ["rollout.engine=hf", "rollout.continuous_batching=true", "learner.micro_batch_tokens=8192"]
+"""configs/gpu.yaml's learner (8 ranks of ZeRO-2, a KL term, an NCCL push) with the transformers engines on their
+GPUs, at 8,192-token micro-batches (one trajectory each)."""
+
+
+def test_7b_lora_fits_8_gpus_of_40_gb_where_full_fine_tuning_is_refused_and_needs_under_half_on_80():
+    """The learner's peak is its states plus the backward's activations; LoRA drops the states to the frozen
+    base (14.2 GiB) and the reference to an adapter, and leaves the activations (4.3 + 1.7 GiB here) as they
+    are. Per learner GPU: full fine-tuning 48.8 GiB (refused on 40 GB), LoRA rank 16 22.5 GiB (0.46 of it)."""
+    over = [f"model.path={D7}"] + LORA_7B
+    with pytest.raises(M.MemoryPlanError) as e:
+        load_config(["gpu"], over + ["cluster.gpu_memory_gib=40"], notes=[])
+    assert "learner rank 0 needs 48.8 GiB per GPU (8 ranks of ZeRO-2), more than the GPU's 40.0 GiB" in str(e.value)
+    lora40 = load_config(["gpu"], over + ["cluster.gpu_memory_gib=40", "learner.lora.rank=16"], notes=[])
+    p40, _ = M.plan_for(lora40, {})
+    assert p40.fits and _gib(p40.learner.total) == 22.5
+    assert _row(p40.learner, "KL reference (LoRA adapter, bf16)") == 2 * A7  # no second model
+    on80 = over + ["cluster.gpu_memory_gib=80"]
+    full80 = M.plan_for(load_config(["gpu"], on80, notes=[]), {})[0]
+    lora80 = M.plan_for(load_config(["gpu"], on80 + ["learner.lora.rank=16"], notes=[]), {})[0]
+    assert full80.fits and _gib(full80.learner.total) == 48.8 and lora80.learner.total == p40.learner.total
+    assert 2 * lora80.learner.total < full80.learner.total  # under half the full fine-tune's learner memory
+
+
 # ------------------------------------------------------------------------------------- vLLM, by hand
 
 def test_7b_vllm_gpu_by_hand():

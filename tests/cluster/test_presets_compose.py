@@ -110,8 +110,10 @@ def test_the_lora_overlay_turns_a_recipe_into_its_lora_version_and_changes_nothi
     assert same == full  # the stages (lr included: LoraConfig.lr_scale applies it), engines, data: all as before
 
 
-def test_the_lora_overlay_on_a_vllm_recipe_is_refused_naming_the_fields():
-    with pytest.raises(ValueError, match=r"learner\.lora\.rank=16 with rollout\.engine='vllm'.*rollout\.engine=hf"):
-        load_config(["r1_searcher", "lora"], notes=[])
+def test_the_lora_overlay_on_a_vllm_recipe_serves_adapters_and_bad_settings_are_refused():
+    cfg = load_config(["r1_searcher", "lora"], notes=[])
+    assert cfg.rollout.engine == "vllm" and cfg.learner.lora.rank == 16
+    with pytest.raises(ValueError, match=r"learner\.lora\.rank=1024 with rollout\.engine='vllm'.*<= 512"):
+        load_config(["r1_searcher", "lora"], ["learner.lora.rank=1024"], notes=[])
     with pytest.raises(ValueError, match=r"learner\.lora\.target_modules=\[\].*name the modules"):
         load_config(["tiny", "lora"], ["learner.lora.target_modules=[]"], notes=[])
