@@ -32,6 +32,7 @@ BENCHMARKS = {
     "default-run": "what `sonar train` on the default preset gives, per training seed: the README's results table",
     "learner": "tokens/s and peak memory of a learner step: vocab 200 vs 151,936, chunked logits vs not, 1 vs 2 ranks",
     "schedule-sim": "async vs sync and colocated on a discrete-event simulator that drives the real ReplayCore",
+    "lora": "LoRA against the whole model: one weight push's seconds and bytes, held-out EM of the default run",
     "readme": "runs nothing: every results table of README.md and bench/README.md rendered from the JSON it names",
 }
 USAGE = "usage: sonar bench NAME [--quick] [--out DIR] [options of NAME]   (sonar bench NAME -h for them)"

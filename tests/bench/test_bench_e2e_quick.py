@@ -172,3 +172,25 @@ def test_default_run_quick(tmp_path):
     (tmp_path / "runs" / "seed0" / "other" / "summary.json").write_text("{}")
     with pytest.raises(RuntimeError, match="expected one finished run"):
         default_run.read_run(tmp_path / "runs" / "seed0")
+
+
+def test_lora_quick(tmp_path):
+    """``sonar bench lora --quick``: the push timed both ways over a real gloo group to a second process, and
+    one ``sonar train`` per variant (the whole model, then ``--config lora``), whose push bytes the JSON keeps."""
+    assert run.main(["lora", "--quick", "--out", str(tmp_path)]) == 0
+    doc = load_result(tmp_path, "lora")
+    x = doc["extra"]
+    push = x["push"]
+    assert len(push["seconds"]["full"]) == len(push["seconds"]["lora"]) == doc["config"]["repeats"] == 2
+    assert 0 < push["bytes"]["lora"] < push["bytes"]["full"] and push["tensors"]["lora"] != push["tensors"]["full"]
+    # Qwen2.5-7B's pushes, computed from its shape: rank r adds r (in + out) per adapted linear, in bf16
+    h, i, kv, L, r = 3584, 18944, 4 * 128, 28, x["lora"]["rank"]
+    per_layer = 2 * (h + h) + 2 * (h + kv) + 2 * (h + i) + (i + h)  # q, o; k, v; gate, up; down
+    assert x["qwen2.5_7b_push_bytes"]["lora"] == 2 * r * per_layer * L
+    assert 15.0e9 < x["qwen2.5_7b_push_bytes"]["full"] < 15.5e9  # 7.6 B parameters in bf16
+    full, lora = x["em"]["full"][0], x["em"]["lora"][0]
+    assert full["argv"][:4] == ["sonar", "train", "--config", "smoke"] and "--config" not in full["argv"][4:]
+    assert lora["argv"][:6] == ["sonar", "train", "--config", "smoke", "--config", "lora"]
+    assert "stages.0.steps=0" in lora["argv"] and any(a.endswith("/checkpoints/stage0/hf") for a in lora["argv"])
+    assert 0 < lora["push_bytes"] < full["push_bytes"]
+    assert lora["em_before_search"] == full["em_before_search"]  # RL starts from the same SFT'd policy
