@@ -35,9 +35,6 @@ from sonar.cluster.wire.startup import startup_without_gc
 
 REFERENCE_FILE = "reference.pt"
 """In a checkpoint taken while a stage with a KL term runs: that stage's frozen reference policy."""
-ADAPTER_DIR = "adapter"
-"""In an export of a LoRA run: the trained adapter as peft writes it (``PeftModel.from_pretrained``); the
-export itself is the merged model."""
 
 
 def free_port() -> int:
@@ -545,7 +542,7 @@ class Learner:
             from sonar.cluster.wire.policy import load_policy, save_policy
 
             if self.lora is not None:  # the adapter as peft writes it, then the model it serves, merged
-                from sonar.cluster.wire.policy import write_adapter
+                from sonar.cluster.wire.policy import ADAPTER_DIR, write_adapter
                 from sonar.learner.lora import merged
 
                 write_adapter(state.items(), dataclasses.asdict(self.lora), os.path.join(path, ADAPTER_DIR),

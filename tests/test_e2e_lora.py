@@ -51,6 +51,10 @@ def test_the_runs_model_is_the_merged_policy_with_its_adapter_beside_it(lora_run
     from transformers import AutoModelForCausalLM
 
     cfg, s = lora_run
+    from pathlib import Path
+
+    logged = list(Path(cfg.run.root).rglob(f"{s['mlflow_run_id']}/artifacts/adapter/adapter_model.safetensors"))
+    assert len(logged) == 1, "the adapter is logged to MLflow beside the merged model"
     merged = AutoModelForCausalLM.from_pretrained(f"{s['run_dir']}/model", local_files_only=True)
     assert not any("lora" in n for n, _ in merged.named_parameters())
     base = AutoModelForCausalLM.from_pretrained(f"{s['run_dir']}/policy", local_files_only=True)

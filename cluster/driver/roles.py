@@ -25,6 +25,7 @@ from sonar.cluster.driver.rollout_pool import RolloutPool, node_of
 from sonar.cluster.driver.run import Run, world_of
 from sonar.cluster.wire.startup import startup_without_gc
 from sonar.cluster.wire.config import Config, inflight_budget, to_yaml, worker_capacity
+from sonar.cluster.wire.policy import ADAPTER_DIR
 from sonar.cluster.wire.resolved import colocated_on_gpu
 
 log = logging.getLogger("sonar")
@@ -521,6 +522,8 @@ def export_model(cfg: Config, roles: Roles, run: Run) -> str:
         from sonar.cluster.driver.files import fetch_dir
 
         fetch_dir(roles.files_node, path, path)
+    if cfg.learner.lora.rank:  # the trained adapter alone (megabytes; PeftModel.from_pretrained on the base)
+        run.sink.log_artifacts(str(Path(path) / ADAPTER_DIR), ADAPTER_DIR)
     if cfg.tracking.log_model:  # transformers flavour, registered when tracking.registered_model_name is set
         import yaml
 

@@ -98,6 +98,9 @@ def save_policy(model, tokenizer, path: str | Path, state_dict: dict | None = No
     return path
 
 
+ADAPTER_DIR = "adapter"
+"""In an export of a LoRA run (``<run>/model``, a checkpoint's ``hf``): the trained adapter as peft writes it
+(``PeftModel.from_pretrained(base, ...)``, ``write_adapter``); the export itself is the merged model."""
 REFERENCE_ADAPTER = "reference"
 """The learner's second, frozen adapter: the trained one's values at the start of a stage with a KL term,
 so the KL reference is the policy at the stage's start, as with full fine-tuning, without a second copy of

@@ -8,7 +8,8 @@ import torch
 
 from sonar.cluster.wire import metrics as K
 from sonar.cluster.wire.config import load_config
-from sonar.learner.worker import ADAPTER_DIR, REFERENCE_FILE
+from sonar.cluster.wire.policy import ADAPTER_DIR
+from sonar.learner.worker import REFERENCE_FILE
 from tests.learner.test_critic import singleton_groups
 from tests.learner.test_learner_sft import policy  # noqa: F401  (module fixture: a tiny policy directory)
 
