@@ -213,6 +213,39 @@ def plot(extra: dict, png: Path) -> None:
     fig.savefig(png, dpi=110)
 
 
+def _pct(v) -> str:
+    return "n/a" if v is None else f"{100 * v:.1f} %"
+
+
+def render_table(doc: dict, json_name: str) -> str:
+    """bench/README.md's LoRA block: the push both ways (this machine, and Qwen2.5-7B's bytes), then EM per
+    seed of the default run's RL on the whole model and on LoRA from the same SFT'd policy."""
+    x = doc["extra"]
+    p, seven = x["push"], x["qwen2.5_7b_push_bytes"]
+    ratio = doc["metrics"]["push_ratio_full_over_lora"]
+    sec = doc["metrics"]["push_s"]
+    lines = [f"<!-- lora table: bench/results/{json_name} (sonar bench lora; rendered by `sonar bench readme`) -->",
+             f"One weight push, {x['push_model']} shape in bf16, gloo to a second process on this machine "
+             f"(median [min, max] of {ratio['n']}); Qwen2.5-7B's bytes computed from its shape:", "",
+             "| push | tensors | bytes | seconds | Qwen2.5-7B bytes |", "|---|---:|---:|---:|---:|"]
+    for k, label in (("full", "whole model"), ("lora", f"LoRA adapters, rank {x['lora']['rank']}")):
+        s = sec[k]
+        lines.append(f"| {label} | {p['tensors'][k]} | {p['bytes'][k] / 1e6:,.1f} MB | {s['median']:.4f} "
+                     f"[{s['min']:.4f}, {s['max']:.4f}] | {seven[k] / 1e9:,.2f} GB |")
+    lines += ["", f"The whole model's push takes {ratio['median']:.1f}x [{ratio['min']:.1f}, {ratio['max']:.1f}] the "
+              f"adapters' time (paired per repeat) for {p['bytes']['full'] / p['bytes']['lora']:.1f}x their bytes; a "
+              f"7B's weights are {seven['full'] / seven['lora']:.0f}x its adapters' bytes.", "",
+              "Held-out EM with search of the default run (`sonar train`), and of its RL on LoRA "
+              "(`--config lora`) from the same SFT'd policy:", "",
+              "| seed | before RL | after RL, whole model | after RL, LoRA | bytes per push, whole / LoRA |",
+              "|---|---:|---:|---:|---:|"]
+    for f, lo in zip(x["em"]["full"], x["em"]["lora"]):
+        lines.append(f"| {f['seed']} | {_pct(f['em_before_search'])} | {_pct(f['em_after_search'])} | "
+                     f"{_pct(lo['em_after_search'])} | {f['push_bytes']:,} / {lo['push_bytes']:,} |")
+    lines.append("<!-- /lora table -->")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = driver_bench_parser(NAME, __doc__.splitlines()[0], "the preset of the EM runs")
     p.add_argument("--config", help="preset the EM runs train (default tiny; quick: smoke)")

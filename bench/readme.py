@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 from sonar.bench import (async_vs_sync, codec_and_queue, corpus_scale, default_run, end_to_end, engines, learner_bench,
-                         multi_query, retrieval_bench, rollout_scaling, schedule_sim, sensitivity, soak, weight_sync)
+                         lora, multi_query, retrieval_bench, rollout_scaling, schedule_sim, sensitivity, soak,
+                         weight_sync)
 from sonar.bench.common import READMES, REPO_ROOT, load_full_result, splice
 
 BLOCKS = {
@@ -49,6 +50,7 @@ BLOCKS = {
     "engines": engines.render_table,
     "soak": soak.render_table,
     "schedule-sim": schedule_sim.render_table,
+    "lora": lora.render_table,
 }
 """Block kind -> the function that renders it (the kind's first word is the benchmark that wrote the JSON)."""
 MANY = {"async-vs-sync ablation", "default-run placements"}
