@@ -1,5 +1,5 @@
 """End to end (slow): configs/smoke.yaml with configs/lora.yaml through the real driver, on the transformers
-engines and on vLLM. The learner trains adapters only, every push moves exactly the adapters' bytes, every
+engines, on vLLM, and colocated (the push a hand-over). The learner trains adapters only, every push moves exactly the adapters' bytes, every
 worker ends holding the learner's weights, and the run's model is the merged policy with its peft adapter
 beside it."""
 import json
@@ -10,14 +10,19 @@ import torch
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
-@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+VARIANTS = {"hf": ["rollout.engine=hf"], "vllm": ["rollout.engine=vllm"],
+            # the push as a hand-over through a segment learner and engines both map (shared memory on CPU)
+            "colocated": ["rollout.engine=hf", "cluster.placement=colocated", "cluster.mode=sync"]}
+
+
+@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.vllm), "colocated"])
 def lora_run(request, tmp_path_factory, shared_ray):
     from sonar.cluster.driver.loop import train
     from sonar.cluster.wire.config import CONFIG_DIR, load_config
 
     root = tmp_path_factory.mktemp("runs")
     cfg = load_config([CONFIG_DIR / "smoke.yaml", CONFIG_DIR / "lora.yaml"],
-                      [f"run.root={root}", f"run.run_dir={root / 'lora'}", f"rollout.engine={request.param}"])
+                      [f"run.root={root}", f"run.run_dir={root / 'lora'}", *VARIANTS[request.param]])
     return cfg, train(cfg)
 
 
