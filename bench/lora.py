@@ -176,7 +176,8 @@ def run(bcfg: dict, run_root: str | None) -> tuple[dict, dict]:
     push = measure_push(SHAPES[bcfg["push_model"]], lora, bcfg["repeats"])
     log.info("%s push: full %.3f s, adapters %.4f s (median of %d)", NAME, statistics.median(push["seconds"]["full"]),
              statistics.median(push["seconds"]["lora"]), bcfg["repeats"])
-    seven = {k: sum(s.numel * s.dtype.itemsize for s in push_specs(QWEN25_7B, v)) for k, v in (("full", None), ("lora", lora))}
+    seven = {k: sum(s.numel * s.dtype.itemsize for s in push_specs(QWEN25_7B, v))
+             for k, v in (("full", None), ("lora", lora))}
     keep = run_root is not None
     base = Path(run_root).resolve() if keep else Path(tempfile.mkdtemp(prefix="sonar-lora-bench-"))
     try:
@@ -272,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result(NAME, bcfg, metrics, lambda png: plot(extra, png), args.out, extra=extra)
     print(f"[{NAME}] wrote {path}")
     m = metrics
-    print(f"[{NAME}] push: whole model {m['push_s']['full']['median']:.3f} s, adapters {m['push_s']['lora']['median']:.4f} s "
-          f"({m['push_ratio_full_over_lora']['median']:.0f}x); EM after RL: full {m['em_after_search']['full']['median']:.3f}, "
+    print(f"[{NAME}] push: whole model {m['push_s']['full']['median']:.3f} s, adapters "
+          f"{m['push_s']['lora']['median']:.4f} s ({m['push_ratio_full_over_lora']['median']:.0f}x); EM after RL: "
+          f"full {m['em_after_search']['full']['median']:.3f}, "
           f"LoRA {m['em_after_search']['lora']['median']:.3f}")
     return 0
 

@@ -246,8 +246,9 @@ class Learner:
 
     @on_all_ranks
     def param_specs(self) -> list:
-        """Names, full shapes and dtypes of what a push moves (``_pushed``), in model order. Under ZeRO-3 the full shape is DeepSpeed's
-        ``ds_shape``: nothing is gathered (a gather of the whole model would put 2 B x N on every rank)."""
+        """Names, full shapes and dtypes of what a push moves (``_pushed``), in model order. Under ZeRO-3 the
+        full shape is DeepSpeed's ``ds_shape``: nothing is gathered (a gather of the whole model would put
+        2 B x N on every rank)."""
         from sonar.cluster.transport.weights import TensorSpec
 
         specs = [TensorSpec(n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for n, p in self._pushed()]

@@ -1,7 +1,7 @@
 """End to end (slow): configs/smoke.yaml with configs/lora.yaml through the real driver, on the transformers
-engines, on vLLM, and colocated (the push a hand-over). The learner trains adapters only, every push moves exactly the adapters' bytes, every
-worker ends holding the learner's weights, and the run's model is the merged policy with its peft adapter
-beside it."""
+engines, on vLLM, and colocated (the push a hand-over). The learner trains adapters only, every push moves
+exactly the adapters' bytes, every worker ends holding the learner's weights, and the run's model is the
+merged policy with its peft adapter beside it."""
 import json
 
 import pytest

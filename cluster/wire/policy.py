@@ -137,10 +137,11 @@ def base_model(module):
 
 
 def write_adapter(tensors, lora: dict, path: str | Path, base: str | None = None) -> Path:
-    """The trained adapter (``lora``: ``LoraConfig``'s fields as a dict; ``(name, tensor)`` pairs of a peft policy's ``.default.`` adapter tensors, as the
-    learner pushes them) written as peft writes one: ``adapter_config.json`` and ``adapter_model.safetensors``
+    """The trained adapter written as peft writes one, ``adapter_config.json`` and ``adapter_model.safetensors``
     (names without the adapter's name), which ``PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load.
-    Atomic: written beside ``path`` and renamed over it, so a reader sees the old adapter or the new one."""
+    ``tensors``: ``(name, tensor)`` pairs of a peft policy's ``.default.`` adapter (as the learner pushes them;
+    others are skipped); ``lora``: ``LoraConfig``'s fields as a dict. Atomic: written beside ``path`` and
+    renamed over it, so a reader sees the old adapter or the new one."""
     import shutil
     import tempfile
 

@@ -100,13 +100,15 @@ def test_before_a_push_the_engine_generates_the_base(env):
 def test_a_pushed_adapter_is_what_the_engine_serves(env, seed):
     out = env.push(seed)
     assert out["bytes"] == out["bytes_expected"]  # the adapters, not the model
-    assert env.engine.weights_checksum() == {"version": env.version, "checksum": pytest.approx(out["checksum"], rel=1e-12)}
+    got = env.engine.weights_checksum()
+    assert got == {"version": env.version, "checksum": pytest.approx(out["checksum"], rel=1e-12)}
     paths = [greedy(env.engine, p) for p in PROMPTS]
     assert paths == [hf_greedy(env.peft, p, 12, env.stop) for p in PROMPTS]
     assert paths != [hf_greedy(env.base, p, 12, env.stop) for p in PROMPTS]  # the adapter changed what is generated
     gens = env.engine.generate(PROMPTS[:1] * 4, SamplingParams(max_new_tokens=10, temperature=1.0, seed=seed))
     assert all(g.version == env.version for g in gens)
-    learner, behaviour = teacher_forced(env.peft, PROMPTS[0], [g.token_ids for g in gens], [g.logprobs for g in gens], 1.0)
+    learner, behaviour = teacher_forced(env.peft, PROMPTS[0], [g.token_ids for g in gens], [g.logprobs for g in gens],
+                                        1.0)
     np.testing.assert_allclose(behaviour, learner, atol=LOGPROB_ATOL, rtol=0)
 
 
