@@ -1,5 +1,5 @@
-"""GPU device check (issues 12, 21 and 51): nine checks in under 10 minutes on one GPU, torch (and, for the
-last, carried wheels) only.
+"""GPU device check (issues 12, 21, 51 and 56): ten checks in under 10 minutes on one GPU, torch (and, for the
+last two, carried wheels) only.
 
     python bench/gpu_check.py --out $OUT/gpu.json [--wheels .gpu_wheels]     # from the repository root
 
@@ -31,6 +31,8 @@ Checks 1-7 import no Sonar module that needs Ray, DeepSpeed or MLflow: Sonar's w
    peak memory against the memory plan (``cluster/wire/memory.py``); then DeepSpeed's ``offload_states`` as
    ``learner.offload_while_generating`` calls it (memory freed against 12 bytes per parameter, and back). Needs DeepSpeed and omegaconf, which the
    check machine lacks: ``bench/gpu_wheels.sh`` downloads them (about 6 MB) into ``.gpu_wheels/`` to carry.
+10. ``zero2_lora_rl_step``: the same step of a LoRA learner (``learner.lora.rank=16``: the base frozen, the
+   adapters trained) against the plan's LoRA rows; needs peft too (carried).
 
 Each check prints ``PASS``/``FAIL``/``SKIP`` with its figure; ``--out`` gets one JSON with every check, the
 device, torch and CUDA versions. Without CUDA every check is ``SKIP`` and the script exits 0; ``--cpu-smoke``
@@ -599,18 +601,22 @@ def import_sonar(args):
     return tmp
 
 
-def check_zero2_rl_step(torch, args) -> dict:
+def check_zero2_rl_step(torch, args, lora_rank: int = 0) -> dict:
     """One ZeRO-2 bf16 ``rl_step`` of Sonar's learner (DeepSpeed, gradient checkpointing, 1,024-token logit
     chunks) on a randomly initialised Qwen2.5-1.5B shape at ``--rl-tokens`` tokens, world of one: its peak
     ``torch.cuda.max_memory_allocated`` against the memory plan's learner figure for the same config
-    (``cluster/wire/memory.py``). Needs DeepSpeed and omegaconf (``--wheels``); SKIP without them."""
+    (``cluster/wire/memory.py``). ``lora_rank`` > 0: the policy wrapped as a LoRA learner wraps it
+    (``with_lora``: the base frozen, only the adapters in the optimizer), the plan's LoRA rows. Needs DeepSpeed
+    and omegaconf (and peft for LoRA; ``--wheels``); SKIP without them."""
     try:
         import_sonar(args)
         import deepspeed  # noqa: F401
         import omegaconf  # noqa: F401
+        if lora_rank:
+            import peft  # noqa: F401
     except Exception as e:  # noqa: BLE001
-        return {"status": "SKIP", "figure": f"needs DeepSpeed and omegaconf ({type(e).__name__}: {e}); "
-                                            "carry them with --wheels (bench/gpu_wheels.sh)"}
+        return {"status": "SKIP", "figure": f"needs DeepSpeed, omegaconf{' and peft' if lora_rank else ''} "
+                                            f"({type(e).__name__}: {e}); carry them with --wheels (bench/gpu_wheels.sh)"}
     import numpy as np
 
     from sonar.cluster.wire import metrics as K
@@ -629,7 +635,8 @@ def check_zero2_rl_step(torch, args) -> dict:
     over = ["learner.precision=" + ("bf16" if cuda else "fp32"), "learner.zero_stage=2", "learner.gradient_checkpointing=true",
             "learner.logits_chunk_tokens=1024" if cuda else "learner.logits_chunk_tokens=8",
             f"learner.micro_batch_tokens={tokens}", f"learner.groups_per_step={rows // 2}", "rollout.group_size=2",
-            "replay.capacity_groups=64", "stages.0.algo.kl_coef=0", "world.force=true", "cluster.gpu_memory_gib=1000"]
+            "replay.capacity_groups=64", "stages.0.algo.kl_coef=0", "world.force=true", "cluster.gpu_memory_gib=1000",
+            f"learner.lora.rank={lora_rank}"]
     if cuda:
         over += [f"model.path={shape}", "learner.num_gpus=1"]
     cfg = load_config([], over, notes=[])
@@ -647,6 +654,11 @@ def check_zero2_rl_step(torch, args) -> dict:
                                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
         vocab = args.vocab
     model.gradient_checkpointing_enable()
+    if lora_rank:  # as the learner does (learner/worker.py)
+        from sonar.cluster.wire.policy import with_lora
+
+        model = with_lora(model, cfg.learner.lora, seed=0)
+        model.enable_input_require_grads()
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # as the learner sets them (a world of one)
     ds = _import_deepspeed_without_shm_jit()
     if not torch.distributed.is_initialized():
@@ -693,7 +705,8 @@ def check_zero2_rl_step(torch, args) -> dict:
     n_params = sum(p.numel() for p in params)
     expected_freed = 12 * n_params / 2**30  # fp32 master 4N + Adam m, v 8N (ZeRO-2, one rank); gradients beside
     planned = plan.learner.total / 2**30 if plan is not None and getattr(plan, "learner", None) is not None else None
-    out = {"tokens": tokens, "rows": rows, "step_s": step_s, "peak_gib": peak, "plan_learner_gib": planned,
+    out = {"tokens": tokens, "rows": rows, "lora_rank": lora_rank, "trained_params": n_params, "step_s": step_s,
+           "peak_gib": peak, "plan_learner_gib": planned,
            "plan_note": why, "loss": float(metrics.get(K.LEARNER_LOSS, float("nan"))),
            "offload_freed_gib": freed, "offload_expected_at_least_gib": expected_freed, "offload_s": offload_s,
            "reload_s": reload_s}
@@ -706,12 +719,21 @@ def check_zero2_rl_step(torch, args) -> dict:
                       f"(>= {expected_freed:.1f} expected) in {offload_s:.1f} s, back in {reload_s:.1f} s"}
 
 
+def check_zero2_lora_rl_step(torch, args) -> dict:
+    """``zero2_rl_step`` with ``learner.lora.rank=16`` (``configs/lora.yaml``): the LoRA learner's peak against
+    the plan's LoRA rows, and ``offload_states`` moving the adapters' optimizer state only."""
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()  # the full-model check's engine is gone: its cached blocks would count here
+    return check_zero2_rl_step(torch, args, lora_rank=16)
+
+
 # ------------------------------------------------------------------------------------------------ main
 CHECKS = {"nccl_broadcast": check_nccl_broadcast, "learner_step": check_learner_step, "cuda_ipc": check_cuda_ipc,
           "dp_sum_nccl": check_dp_sum_nccl, "push_memory_and_timing": check_push_memory_and_timing,
           "checksum_memory": check_checksum_memory, "nograd_forward_memory": check_nograd_forward_memory,
           "colocated_handover": check_colocated_handover,
-          "zero2_rl_step": check_zero2_rl_step}  # last: it leaves DeepSpeed's process group initialised
+          "zero2_rl_step": check_zero2_rl_step,  # the last two leave DeepSpeed's process group initialised
+          "zero2_lora_rl_step": check_zero2_lora_rl_step}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,9 +49,9 @@ def test_without_cuda_every_check_skips(tmp_path):
     assert r.returncode == 0, r.stderr
     assert set(doc["checks"]) == {"nccl_broadcast", "learner_step", "cuda_ipc", "dp_sum_nccl",
                                   "push_memory_and_timing", "checksum_memory", "nograd_forward_memory",
-                                  "colocated_handover", "zero2_rl_step"}
+                                  "colocated_handover", "zero2_rl_step", "zero2_lora_rl_step"}
     assert all(c["status"] == "SKIP" for c in doc["checks"].values())
-    assert r.stdout.count("SKIP ") == 9
+    assert r.stdout.count("SKIP ") == 10
 
 
 TORCH_ONLY = ["nccl_broadcast", "learner_step", "cuda_ipc", "dp_sum_nccl", "push_memory_and_timing",
@@ -60,12 +60,17 @@ TORCH_ONLY = ["nccl_broadcast", "learner_step", "cuda_ipc", "dp_sum_nccl", "push
 
 @pytest.mark.slow
 def test_cpu_smoke_runs_the_learner_step_check_through_sonar_and_deepspeed(tmp_path):
-    """Check 8 imports Sonar's learner and DeepSpeed by design (carried as wheels to the GPU machine), and
+    """Checks 9 and 10 import Sonar's learner and DeepSpeed by design (carried as wheels to the GPU machine), and
     still not Ray. (Here DeepSpeed's monitor imports MLflow because it is installed; the GPU machine has none.)"""
-    r, doc = run_check(tmp_path, "--cpu-smoke", "--only", "zero2_rl_step", env_extra={"CUDA_VISIBLE_DEVICES": ""},
-                       forbidden=("ray",))
-    assert r.returncode == 0 and doc["checks"]["zero2_rl_step"]["status"] == "PASS", r.stdout + r.stderr
-    assert doc["checks"]["zero2_rl_step"]["tokens"] == 4 * 32
+    r, doc = run_check(tmp_path, "--cpu-smoke", "--only", "zero2_rl_step", "zero2_lora_rl_step",
+                       env_extra={"CUDA_VISIBLE_DEVICES": ""}, forbidden=("ray",))
+    c = doc["checks"]
+    assert r.returncode == 0 and c["zero2_rl_step"]["status"] == c["zero2_lora_rl_step"]["status"] == "PASS", \
+        r.stdout + r.stderr
+    assert c["zero2_rl_step"]["tokens"] == c["zero2_lora_rl_step"]["tokens"] == 4 * 32
+    # the LoRA learner's optimizer holds the adapters alone: rank 16 x (in + out) over the targeted linears
+    assert c["zero2_lora_rl_step"]["lora_rank"] == 16
+    assert 0 < c["zero2_lora_rl_step"]["trained_params"] < c["zero2_rl_step"]["trained_params"]
 
 
 @pytest.mark.slow
