@@ -785,7 +785,8 @@ def engine_plan(cfg: Config, s: ModelShape, capacity: int) -> GpuPlan:
     dtype = engine_dtype(cfg)
     nccl = broadcast_backend(cfg) == "nccl"
     recv = recv_buffer_bytes(push_buckets(s, p, lora_of(cfg))) if nccl else 0
-    held = p * layer_params(s) if nccl else 0
+    lora = lora_of(cfg)[0] > 0  # an adapter push is copied out of the buffers and loaded from a file: no reload
+    held = p * layer_params(s) if nccl and not lora else 0
     rows = (
         Row("vLLM reservation", reserved, how),
         Row(f"  of which weights ({dtype})", weights, f"{e} B x {_fmt_n(s.params)} / TP {tp}", phase="inside"),
@@ -795,8 +796,8 @@ def engine_plan(cfg: Config, s: ModelShape, capacity: int) -> GpuPlan:
         Row("broadcast receive buffers" + _lora_tag(cfg), recv,
             "2 stream buffers, each its largest bucket (a tensor, or "
             f"{DEFAULT_BUCKET_BYTES >> 20} MiB)" if nccl else "0 on the GPU: gloo receives in host memory"),
-        Row("held copies (layerwise reload)", held, f"<= one decoder layer, {p} B x {_fmt_n(layer_params(s))}"
-            if nccl else "0 on the GPU (gloo)"),
+        Row("held copies (layerwise reload)", held, "0: LoRA loads the adapter from a file (no layer reload)"
+            if lora else f"<= one decoder layer, {p} B x {_fmt_n(layer_params(s))}" if nccl else "0 on the GPU (gloo)"),
         Row("checksum chunk (float64)", CHECKSUM_CHUNK_BYTES, "weights.CHECKSUM_CHUNK_BYTES"),
         Row("CUDA context + NCCL", CUDA_OVERHEAD_BYTES, "constant"),
     )
@@ -871,7 +872,7 @@ def _engine_side(cfg: Config, s: ModelShape, capacity: int) -> dict:
     return dict(e=e, tp=tp, weights=weights, act=act, util_bytes=util_bytes, reserved=reserved, how=how, kv=kv,
                 per_tok=per_tok, tokens=max(kv, 0) // per_tok,
                 recv=recv_buffer_bytes(push_buckets(s, p, lora_of(cfg))),
-                held=p * layer_params(s), p=p)
+                held=0 if lora_of(cfg)[0] else p * layer_params(s), p=p)  # LoRA: no layer reload
 
 
 def colocated_plan(cfg: Config, s: ModelShape, capacity: int, check: bool = True) -> SharedGpuPlan:

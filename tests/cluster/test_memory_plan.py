@@ -361,6 +361,15 @@ def test_7b_lora_fits_8_gpus_of_40_gb_where_full_fine_tuning_is_refused_and_need
     assert 2 * lora80.learner.total < full80.learner.total  # under half the full fine-tune's learner memory
 
 
+def test_a_vllm_engine_serving_lora_holds_no_reload_copies_and_receives_adapter_sized_buckets():
+    """An adapter push is copied out of the receive buffers and loaded from a file (actors/vllm_extension.py):
+    no layerwise reload holds a decoder layer's tensors, and the buckets are the adapters'."""
+    cfg = _cfg({"rollout.num_gpus_per_worker": 1.0})
+    full, lora = M.plan(cfg, M.shape_from_dir(D7), 80.0).engine, M.plan(_lora(cfg), M.shape_from_dir(D7), 80.0).engine
+    assert _row(full, "held copies (layerwise reload)") == 2 * LAYER7 and _row(lora, "held copies (layerwise reload)") == 0
+    assert 0 < _row(lora, "broadcast receive buffers (LoRA)") < _row(full, "broadcast receive buffers")
+
+
 # ------------------------------------------------------------------------------------- vLLM, by hand
 
 def test_7b_vllm_gpu_by_hand():
