@@ -658,7 +658,6 @@ def check_zero2_rl_step(torch, args, lora_rank: int = 0) -> dict:
         from sonar.cluster.wire.policy import with_lora
 
         model = with_lora(model, cfg.learner.lora, seed=0)
-        model.enable_input_require_grads()
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # as the learner sets them (a world of one)
     ds = _import_deepspeed_without_shm_jit()
     if not torch.distributed.is_initialized():

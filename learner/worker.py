@@ -165,11 +165,9 @@ class Learner:
             from sonar.cluster.wire.policy import with_lora
 
             kl = any(st.kind == "rl" and st.algo.kl_coef > 0 for st in cfg.stages)
+            # (checkpointing is transformers' non-reentrant kind, which needs no input that requires a gradient
+            # to carry one to the adapters behind the frozen embeddings)
             model = with_lora(model, self.lora, cfg.run.seed, reference=kl)
-            if cfg.learner.gradient_checkpointing:
-                # reentrant checkpointing gives a segment no gradient when none of its inputs needs one, and
-                # behind frozen embeddings none does: the adapters would silently never train
-                model.enable_input_require_grads()
         params = [p for p in model.parameters() if p.requires_grad]
         # lr=0.0 is a placeholder: every step sets the stage's scheduled lr first (``_set_lr``). With optimizer
         # offload DeepSpeed builds its own AdamW from the config (it refuses a client torch optimizer).

@@ -159,3 +159,18 @@ def test_an_engine_holding_the_pushed_adapters_has_the_learners_checksum(policy)
     with lrn._gathered(lrn._pushed()) as views:
         eng.load_weights([(n, t.clone()) for n, t in views.items()], version=lrn.version)
     assert engine_sum() == pytest.approx(lrn.checksum()["checksum"], rel=1e-12)
+
+
+def test_with_gradient_checkpointing_the_adapters_still_train(policy):  # noqa: F811
+    """Every adapter gets a gradient through checkpointed layers behind the frozen embeddings (transformers'
+    checkpointing is the non-reentrant kind; the reentrant kind would pass none through a segment whose inputs
+    need none)."""
+    cfg, lrn = lora_learner(policy, "learner.gradient_checkpointing=true")
+    assert lrn.engine.module.is_gradient_checkpointing
+    stage = cfg.stages[0]
+    lrn.begin_stage(0, stage)
+    before = snapshot(lrn)
+    _steps(lrn, stage, (0,))
+    after = snapshot(lrn)
+    moved = [n for n in after if ".lora_B.default." in n and not torch.equal(after[n], before[n])]
+    assert len(moved) == len([n for n in after if ".lora_B.default." in n])  # every adapter got a gradient
