@@ -729,6 +729,9 @@ def _learner_problem(cfg: Config, s: ModelShape, capacity: int, total: int) -> s
         g = lt({"learner.offload_optimizer": True, "learner.zero_stage": z})
         options.append((f"learner.offload_optimizer=true{'' if z == L.zero_stage else f' with learner.zero_stage={z}'}"
                         f" ({g:.1f} GiB; the optimizer state then needs host memory)", g))
+    if not L.lora.rank:  # the base frozen: its optimizer state and gradients gone (configs/lora.yaml's rank)
+        g = lt({"learner.lora": dataclasses.replace(L.lora, rank=16)})
+        options.append((f"train LoRA adapters, learner.lora.rank=16 or --config lora ({g:.1f} GiB)", g))
     if not L.gradient_checkpointing:
         g = lt({"learner.gradient_checkpointing": True})
         options.append((f"learner.gradient_checkpointing=true ({g:.1f} GiB)", g))

@@ -350,6 +350,7 @@ def test_7b_lora_fits_8_gpus_of_40_gb_where_full_fine_tuning_is_refused_and_need
     with pytest.raises(M.MemoryPlanError) as e:
         load_config(["gpu"], over + ["cluster.gpu_memory_gib=40"], notes=[])
     assert "learner rank 0 needs 48.8 GiB per GPU (8 ranks of ZeRO-2), more than the GPU's 40.0 GiB" in str(e.value)
+    assert "or train LoRA adapters, learner.lora.rank=16 or --config lora (22.5 GiB)" in str(e.value)  # a way out
     lora40 = load_config(["gpu"], over + ["cluster.gpu_memory_gib=40", "learner.lora.rank=16"], notes=[])
     p40, _ = M.plan_for(lora40, {})
     assert p40.fits and _gib(p40.learner.total) == 22.5
