@@ -63,6 +63,18 @@ def preset_path(config: str) -> Path:
     return find_config(config)
 
 
+def run_settings(args, quick: dict, full: dict) -> dict:
+    """The benchmark's QUICK or FULL settings with ``--config``, ``--seeds`` and the KEY=VALUE overrides applied
+    (the options of a benchmark that runs ``sonar train`` per seed: this one and ``lora``)."""
+    bcfg = bench_settings(args, quick, full)
+    if args.config:
+        bcfg["config"] = args.config
+    if args.seeds:
+        bcfg["seeds"] = list(args.seeds)
+    bcfg["overrides"] += args.overrides
+    return bcfg
+
+
 def command(config: str, seed: int, root: Path, overrides: list[str]) -> list[str]:
     """The README's command (``sonar train run.seed=S model.seed=S``) with its run root and extra overrides."""
     return [sys.executable, "-m", "sonar", "train", "--config", config, f"run.seed={seed}", f"model.seed={seed}",
@@ -332,12 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme is not None:
         write_readme(Path(args.readme) if args.readme else newest_result(Path(args.out)))
         return 0
-    bcfg = bench_settings(args, QUICK, FULL)
-    if args.config:
-        bcfg["config"] = args.config
-    if args.seeds:
-        bcfg["seeds"] = list(args.seeds)
-    bcfg["overrides"] += args.overrides
+    bcfg = run_settings(args, QUICK, FULL)
     preset = preset_path(bcfg["config"])
     from sonar.bench.driver_harness import load_cfg
     from sonar.cluster.wire.config import to_dict

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sonar.bench.common import bench_settings, driver_bench_parser, summarise, write_result
+from sonar.bench.common import driver_bench_parser, summarise, write_result
 
 NAME = "lora"
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -253,14 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", help="training seeds of each variant (default 0 1; quick: 0)")
     p.add_argument("--run-root", help="keep each run under DIR/<variant>-seed<S> (default: a temporary folder)")
     args = p.parse_args(argv)
-    bcfg = bench_settings(args, QUICK, FULL)
-    if args.config:
-        bcfg["config"] = args.config
-    if args.seeds:
-        bcfg["seeds"] = list(args.seeds)
-    bcfg["overrides"] += args.overrides
+    from sonar.bench.default_run import preset_path, run_settings
+
+    bcfg = run_settings(args, QUICK, FULL)
     bcfg["quick"] = args.quick
-    from sonar.bench.default_run import preset_path
     from sonar.bench.driver_harness import load_cfg
     from sonar.cluster.wire.config import to_dict
 
