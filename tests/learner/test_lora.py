@@ -174,3 +174,20 @@ def test_with_gradient_checkpointing_the_adapters_still_train(policy):  # noqa: 
     after = snapshot(lrn)
     moved = [n for n in after if ".lora_B.default." in n and not torch.equal(after[n], before[n])]
     assert len(moved) == len([n for n in after if ".lora_B.default." in n])  # every adapter got a gradient
+
+
+@pytest.mark.parametrize("mode", ["separate", "head"])
+def test_ppo_with_a_critic_trains_the_adapters_and_the_critic(policy, mode):  # noqa: F811
+    """RAG-R1's algorithm on LoRA: the critic stays a whole model (``separate``: its own trunk from the policy
+    directory; ``head``: a value head on the policy's trunk, found under the peft wrapper)."""
+    ppo = ("stages=[{kind: rl, steps: 8, lr: 0.001, algo: {name: ppo, kl_coef: 0.1, kl_mode: reward, "
+           "kl_estimator: k1}}]")
+    cfg, lrn = lora_learner(policy, ppo, f"critic.mode={mode}", "critic.warmup_steps=0")
+    stage = cfg.stages[0]
+    lrn.begin_stage(0, stage)
+    before, head = snapshot(lrn), {k: v.clone() for k, v in lrn.critic.head.state_dict().items()}
+    _steps(lrn, stage, (0, 1))
+    after = snapshot(lrn)
+    changed = {n for n in after if not torch.equal(after[n], before[n])}
+    assert changed and all(".lora_" in n and ".default." in n for n in changed)
+    assert any(not torch.equal(v, head[k]) for k, v in lrn.critic.head.state_dict().items())  # the critic learned
