@@ -1578,6 +1578,14 @@ def _check_learner(cfg: Config) -> None:
             raise ValueError(f"learner.lora.target_modules={list(L.lora.target_modules)!r}: name the modules that get "
                              "adapters by their last name component (q_proj, up_proj, ...)"
                              + (f"; not a module name: {bad[0]!r}" if bad else ""))
+        if L.zero_stage == 3 and L.logits_chunk_tokens > 0:
+            raise ValueError(
+                f"learner.lora.rank={L.lora.rank} with learner.zero_stage=3 and learner.logits_chunk_tokens="
+                f"{L.logits_chunk_tokens}: once DeepSpeed 0.19.8's zero3_linear_wrap has replaced F.linear in the "
+                "learner's process (a ZeRO-3 engine over modules built outside zero.Init does it, the PPO critic's "
+                "among them), the frozen output head is not gathered again for a chunk's recomputation and the "
+                "step fails; use learner.zero_stage 0-2 (a 7B's LoRA learner fits 40 GB GPUs at ZeRO-2, the memory "
+                "plan says), or learner.logits_chunk_tokens=0")
         if cfg.rollout.engine == "vllm" and L.lora.rank > 512:
             raise ValueError(f"learner.lora.rank={L.lora.rank} with rollout.engine='vllm': vLLM serves adapters of rank "
                              "<= 512 (its max_lora_rank)")

@@ -729,7 +729,8 @@ def _learner_problem(cfg: Config, s: ModelShape, capacity: int, total: int) -> s
         g = lt({"learner.offload_optimizer": True, "learner.zero_stage": z})
         options.append((f"learner.offload_optimizer=true{'' if z == L.zero_stage else f' with learner.zero_stage={z}'}"
                         f" ({g:.1f} GiB; the optimizer state then needs host memory)", g))
-    if not L.lora.rank:  # the base frozen: its optimizer state and gradients gone (configs/lora.yaml's rank)
+    if not L.lora.rank and not (L.zero_stage == 3 and L.logits_chunk_tokens):  # (config.py refuses that mix)
+        # the base frozen: its optimizer state and gradients gone (configs/lora.yaml's rank)
         g = lt({"learner.lora": dataclasses.replace(L.lora, rank=16)})
         options.append((f"train LoRA adapters, learner.lora.rank=16 or --config lora ({g:.1f} GiB)", g))
     if not L.gradient_checkpointing:

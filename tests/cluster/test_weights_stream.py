@@ -395,11 +395,13 @@ def test_push_timing_covers_completion_and_leaves_out_the_wait_for_receivers(mon
     g2 = BroadcastGroup.over(TimedPG(clock), 0, 2, "cpu")
 
     @contextmanager
-    def gathered():
+    def gathered(params):
+        assert params == list(src.items())  # what a push moves (``_pushed``)
         yield src
 
     fake = types.SimpleNamespace(_peers=[], _fanning=False, rank=0, version=7, _group=g2, _buckets=buckets,
-                                 _gathered=gathered, cfg=types.SimpleNamespace(learner=types.SimpleNamespace(zero_stage=0)))
+                                 _gathered=gathered, _pushed=lambda: list(src.items()),
+                                 cfg=types.SimpleNamespace(learner=types.SimpleNamespace(zero_stage=0)))
     out = LW.Learner.broadcast(fake)
     assert (out["seconds"], out["wait_s"], out["wall_s"], out["bytes"]) == (5.0, 10.0, 15.0, 4000)
 

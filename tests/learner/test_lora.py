@@ -56,8 +56,9 @@ IDS = torch.tensor([[5, 9, 11, 7, 20, 13, 4, 8]])
 @pytest.mark.parametrize("zero", [0, 3])
 def test_lora_trains_and_pushes_only_the_adapters_and_the_reference_is_the_stage_start(policy, zero):  # noqa: F811
     """ZeRO-3 too: the adapters peft adds after the partitioned load are partitioned by DeepSpeed, and the
-    reference adapter is written through the gathers (``set_reference``)."""
-    cfg, lrn = lora_learner(policy, f"learner.zero_stage={zero}")
+    reference adapter is written through the gathers (``set_reference``); unchunked logits there, as the
+    config requires (``_check_learner``: chunked logits under ZeRO-3 fail for a frozen head)."""
+    cfg, lrn = lora_learner(policy, f"learner.zero_stage={zero}", f"learner.logits_chunk_tokens={0 if zero == 3 else 8}")
     stage = cfg.stages[0]
     module = lrn.engine.module
     specs = lrn.param_specs()
@@ -176,13 +177,15 @@ def test_with_gradient_checkpointing_the_adapters_still_train(policy):  # noqa: 
     assert len(moved) == len([n for n in after if ".lora_B.default." in n])  # every adapter got a gradient
 
 
+@pytest.mark.parametrize("zero", [0, 3])
 @pytest.mark.parametrize("mode", ["separate", "head"])
-def test_ppo_with_a_critic_trains_the_adapters_and_the_critic(policy, mode):  # noqa: F811
+def test_ppo_with_a_critic_trains_the_adapters_and_the_critic(policy, mode, zero):  # noqa: F811
     """RAG-R1's algorithm on LoRA: the critic stays a whole model (``separate``: its own trunk from the policy
     directory; ``head``: a value head on the policy's trunk, found under the peft wrapper)."""
     ppo = ("stages=[{kind: rl, steps: 8, lr: 0.001, algo: {name: ppo, kl_coef: 0.1, kl_mode: reward, "
            "kl_estimator: k1}}]")
-    cfg, lrn = lora_learner(policy, ppo, f"critic.mode={mode}", "critic.warmup_steps=0")
+    cfg, lrn = lora_learner(policy, ppo, f"critic.mode={mode}", "critic.warmup_steps=0", f"learner.zero_stage={zero}",
+                            f"learner.logits_chunk_tokens={0 if zero == 3 else 8}")
     stage = cfg.stages[0]
     lrn.begin_stage(0, stage)
     before, head = snapshot(lrn), {k: v.clone() for k, v in lrn.critic.head.state_dict().items()}
@@ -191,3 +194,10 @@ def test_ppo_with_a_critic_trains_the_adapters_and_the_critic(policy, mode):  # 
     changed = {n for n in after if not torch.equal(after[n], before[n])}
     assert changed and all(".lora_" in n and ".default." in n for n in changed)
     assert any(not torch.equal(v, head[k]) for k, v in lrn.critic.head.state_dict().items())  # the critic learned
+
+
+def test_lora_under_zero3_with_chunked_logits_is_refused_naming_the_fields():
+    with pytest.raises(ValueError, match=r"learner\.lora\.rank=16 with learner\.zero_stage=3 and "
+                                         r"learner\.logits_chunk_tokens=1024.*learner\.logits_chunk_tokens=0"):
+        load_config(["lora"], ["learner.zero_stage=3"])
+    assert load_config(["lora"], ["learner.zero_stage=3", "learner.logits_chunk_tokens=0"]).learner.zero_stage == 3
