@@ -92,17 +92,8 @@ class Env:
         self.next_version = 1
 
     def join(self) -> None:
-        """Rank 0 here, rank 1 in vLLM's worker: both must join concurrently."""
-        if self.group is not None:
-            return
-        store = open_store("127.0.0.1", 2)
-        box = {}
-        th = threading.Thread(target=lambda: box.setdefault(
-            "g", BroadcastGroup("127.0.0.1", store.port, 0, 2, "gloo", prefix="test", store=store)))
-        th.start()
-        self.engine.setup_broadcast("127.0.0.1", store.port, 1, 2, "gloo", "test")
-        th.join(DEADLINE_S)
-        self.group = box["g"]
+        if self.group is None:
+            self.group = join_engine(self.engine, "test")
 
     def push(self, weights: dict[str, torch.Tensor]) -> dict:
         """The learner's send_weights and the engine's receive, concurrently; the HF twin follows."""
@@ -117,6 +108,19 @@ class Env:
             for n, p in self.model.named_parameters():
                 p.copy_(weights[n])
         return out
+
+
+def join_engine(engine, prefix: str) -> BroadcastGroup:
+    """A two-rank gloo group: rank 0 here (the learner's end), rank 1 in the engine's vLLM worker. Both must
+    join concurrently, so this end joins from a thread while the engine joins."""
+    store = open_store("127.0.0.1", 2)
+    box = {}
+    th = threading.Thread(target=lambda: box.setdefault(
+        "g", BroadcastGroup("127.0.0.1", store.port, 0, 2, "gloo", prefix=prefix, store=store)))
+    th.start()
+    engine.setup_broadcast("127.0.0.1", store.port, 1, 2, "gloo", prefix)
+    th.join(DEADLINE_S)
+    return box["g"]
 
 
 @pytest.fixture(scope="module")

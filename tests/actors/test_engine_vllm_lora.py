@@ -19,8 +19,9 @@ pytestmark = pytest.mark.vllm
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; without it vLLM reserves 92 % of RAM on CPU
 
 from sonar.actors.engine import ParamSpec, SamplingParams  # noqa: E402
-from sonar.cluster.transport.weights import BroadcastGroup, TensorSpec, checksum, open_store, plan_buckets  # noqa: E402
-from tests.actors.test_engine_vllm import LOGPROB_ATOL, PROMPTS, hf_greedy, sharpen, teacher_forced  # noqa: E402
+from sonar.cluster.transport.weights import TensorSpec, checksum, plan_buckets  # noqa: E402
+from tests.actors.test_engine_vllm import (LOGPROB_ATOL, PROMPTS, hf_greedy, join_engine, sharpen,  # noqa: E402
+                                           teacher_forced)
 from tests.waiting import wait_until  # noqa: E402
 
 DEADLINE_S = 300.0
@@ -52,14 +53,7 @@ class Env:
         self.engine = VLLMEngine(self.dir, self.specs, eos_token_ids=[tok.eos_token_id], dtype="float32",
                                  max_model_len=384, max_num_seqs=64, seed=0, kv_cache_gib=0.25, enforce_eager=True,
                                  lora=LORA)
-        store = open_store("127.0.0.1", 2)
-        box = {}
-        th = threading.Thread(target=lambda: box.setdefault(
-            "g", BroadcastGroup("127.0.0.1", store.port, 0, 2, "gloo", prefix="lora", store=store)))
-        th.start()
-        self.engine.setup_broadcast("127.0.0.1", store.port, 1, 2, "gloo", "lora")
-        th.join(DEADLINE_S)
-        self.group = box["g"]
+        self.group = join_engine(self.engine, "lora")
         self.version = 0
 
     def push(self, seed: int) -> dict:
