@@ -114,10 +114,9 @@ def with_lora(model, lora, seed: int, reference: bool = False):
     in the base's dtype (no fp32 upcast), as the engines hold them. ``reference``: add the frozen
     ``REFERENCE_ADAPTER`` beside the trained one (the learner, when a stage has a KL term)."""
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    pc = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                    target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+    pc = _peft_config(vars(lora))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = get_peft_model(model, pc, autocast_adapter_dtype=False)
@@ -127,6 +126,16 @@ def with_lora(model, lora, seed: int, reference: bool = False):
         if f".{REFERENCE_ADAPTER}." in name:
             p.requires_grad_(False)  # peft leaves only the active adapter trainable; say so for the frozen one
     return model
+
+
+def _peft_config(lora: dict, base: str | None = None):
+    """peft's ``LoraConfig`` of ``learner.lora``'s fields (a dict): what ``with_lora`` wraps with and what
+    ``write_adapter`` writes beside the tensors, so the engines load the adapter the learner trained."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=int(lora["rank"]), lora_alpha=float(lora["alpha"]), lora_dropout=float(lora["dropout"]),
+                      target_modules=list(lora["target_modules"]), task_type="CAUSAL_LM",
+                      base_model_name_or_path=None if base is None else str(base))
 
 
 def base_model(module):
@@ -145,7 +154,6 @@ def write_adapter(tensors, lora: dict, path: str | Path, base: str | None = None
     import shutil
     import tempfile
 
-    from peft import LoraConfig
     from safetensors.torch import save_file
 
     out = {n.replace(".default.", "."): t.detach().to("cpu").contiguous()
@@ -155,9 +163,7 @@ def write_adapter(tensors, lora: dict, path: str | Path, base: str | None = None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    LoraConfig(r=int(lora["rank"]), lora_alpha=float(lora["alpha"]), lora_dropout=float(lora["dropout"]),
-               target_modules=list(lora["target_modules"]), task_type="CAUSAL_LM",
-               base_model_name_or_path=None if base is None else str(base)).save_pretrained(str(tmp))
+    _peft_config(lora, base).save_pretrained(str(tmp))
     save_file(out, str(tmp / "adapter_model.safetensors"))
     old = path.with_name(f".{path.name}.old")
     if path.exists():
