@@ -29,9 +29,11 @@ What is simulated, and how (``Workload`` holds the figures; ``bench/sim/workload
 - **The claim** (``ReplayQueue.claim``): a lane registers in ``core.waiting`` (least-loaded first, when on),
   asks ``may_claim(n, version, worker_id, now)`` (as its two halves, ``pool_refusal`` and ``worker_refusal``,
   so that one wake asks a version's pool-wide verdict once) and otherwise waits for a put, a take or a push (the
-  queue's ``notify_all``), or for its just-in-time start (``jit_wait_s``); a lane refused for its version
-  (``version_blocked``) retries when one of those happens. Waiters wake in the order they started waiting;
-  each gives up after ``claim_wait_s`` and asks again 0.05 s later, at the back (the production loop).
+  queue's ``notify_all``), for the push's ``set_engine_version`` (a claim refused for its version), or for
+  its just-in-time start (``jit_wait_s``). Waiters wake in the order they started waiting; each gives up
+  after ``claim_wait_s`` and asks again 0.05 s later, at the back (the production loop). A push reaches
+  every engine at once, so every lane asks at one version: a wake whose pool-wide verdict refuses it
+  refuses every lane, and costs nothing per lane.
 - **The learner**: ``take(B, version, whole=True, now)``; a step costs ``(6 + 2 x extra forwards) x N``
   FLOP per trained token at ``mfu`` of 989.4 TFLOPS per GPU (``reference.learner_step_s``), its tokens
   each trajectory's final context (or ``learner_tokens_per_traj``); groups of ``zero_signal_share`` are
@@ -42,8 +44,7 @@ What is simulated, and how (``Workload`` holds the figures; ``bench/sim/workload
 
 Simplified away: the driver's and Ray's per-call overheads, the CPU work of parsing and rewards, retrieval
 batching (each call is one request), prefix caching, preemption and chunked prefill, a learner's
-data-parallel inefficiency at large GPU counts, and the 0.05 s polling of a version-blocked claim (it retries
-on the next put, take or push instead).
+and a learner's data-parallel inefficiency at large GPU counts.
 
 Pure module: numpy, the standard library and ``sonar.cluster.replay.queue``.
 """
@@ -351,8 +352,16 @@ class Simulator:
         self.learner_busy = False
         self.learner_busy_s = 0.0
         self.steps: list[dict] = []
-        self.waiters: list[tuple[int, float, int]] = []   # (worker, since, lane), in the order they waited
-        self.waiting_since: dict[int, list[float]] = {}  # worker -> the ``since`` of its waiting lanes (``_reask``)
+        self.waiting: dict[int, list[tuple[float, int, int]]] = {}
+        """Each worker's lanes waiting in ``claim``: (since, arrival number, lane), in the order they waited."""
+        self.n_waiting = 0
+        self._arrivals = 0
+        self.candidates: set[int] = set()
+        """Waiting workers a wake must ask: all but those whose engine refused them (``"engine"``) and whose
+        claimed groups and off-engine rows have not changed since (``_touch``). That refusal reads only the
+        worker's own claims and report, so asked again it would refuse again, and the ask would report the
+        same rows: leaving them out changes no decision, and a wake costs the workers that may move, not
+        every waiting one (at 1,024 GPUs, thousands of lanes a wake)."""
         self.blocked_puts: deque = deque()
         self.servers: list[float] = []
         self.done = False
@@ -461,12 +470,14 @@ class Simulator:
 
     def _tool_back(self, t: Traj, tokens: int) -> None:
         self.off_rows[t.group.worker] -= 1
+        self._touch(t.group.worker)
         t.ctx = min(self.w.max_context, t.ctx + tokens)
         self._start_turn(t)
 
     def _left_engine(self, worker: int) -> None:
         self.off_rows[worker] += 1
-        if self.s.decoding_rows and self.s.worker_capacity and self.waiters:
+        self._touch(worker)
+        if self.s.decoding_rows and self.s.worker_capacity and self.n_waiting:
             self._reask(worker)
 
     def _traj_done(self, t: Traj) -> None:
@@ -492,6 +503,7 @@ class Simulator:
     def _put(self, g: Group) -> None:
         """``ReplayQueue.put``: waits while the queue is full (backpressure), then ``core.add``."""
         self.off_rows[g.worker] -= len(g.trajs)  # handed on: the worker's report with the put leaves it out
+        self._touch(g.worker)
         if self.s.decoding_rows:
             self.core.set_off_engine(g.worker, self.off_rows[g.worker])
         if self.core.full():
@@ -501,6 +513,7 @@ class Simulator:
 
     def _add(self, g: Group) -> None:
         self.core.add(QueuedGroup(g, g.min_version, len(g.trajs), g.prompt, g.worker), self.now)
+        self._touch(g.worker)  # its claim is released
         c = g.claim
         c.unput -= 1
         if self.s.mode == "async":
@@ -525,7 +538,7 @@ class Simulator:
         s, core = self.s, self.core
         if s.decoding_rows:  # the claim call reports the rows waiting on a tool now
             core.set_off_engine(worker, self.off_rows[worker])
-        v = self.engines[worker].next_version
+        v = core.claim_version(self.engines[worker].next_version)
         why = pool[v] if v in pool else pool.setdefault(v, core.pool_refusal(self._n(), v, self.now))
         if why is None and (s.least_loaded or s.worker_capacity):
             why = core.worker_refusal(worker, self._n())
@@ -533,6 +546,7 @@ class Simulator:
 
     def _claim(self, worker: int, lane: int) -> None:
         idx = self.core.claim(worker, self._n(), self.now)
+        self._touch(worker)
         self._new_claim(worker, lane, idx, self.engines[worker].next_version)
 
     def _register(self, worker: int, d: int) -> None:
@@ -544,6 +558,11 @@ class Simulator:
         else:
             self.core.waiting.pop(worker, None)
 
+    def _touch(self, worker: int) -> None:
+        """``worker``'s claimed groups or off-engine rows changed: its engine's verdict may change."""
+        if worker in self.waiting:
+            self.candidates.add(worker)
+
     def _lane_try(self, worker: int, lane: int) -> None:
         """A lane calls ``ReplayQueue.claim``: it registers as waiting, and is granted now or waits."""
         if self.done:
@@ -554,8 +573,10 @@ class Simulator:
             self._claim(worker, lane)
             self._notify()  # the loads changed: a waiting lane may now go first
             return
-        self.waiters.append((worker, self.now, lane))
-        self.waiting_since.setdefault(worker, []).append(self.now)
+        self._arrivals += 1
+        self.waiting.setdefault(worker, []).append((self.now, self._arrivals, lane))
+        self.n_waiting += 1
+        self.candidates.add(worker)
         self._jit_timer()
 
     def _reask(self, worker: int) -> None:
@@ -564,7 +585,7 @@ class Simulator:
         reads the count at that moment, not the one of the ask: optimistic by the rows that move between."""
         period = self.s.claim_wait_s + 0.05
         asks = [since + (math.floor((self.now - since) / period) + 1) * period
-                for since in self.waiting_since.get(worker, ())]
+                for since, _, _ in self.waiting.get(worker, ())]
         if not asks:
             return
         t = min(asks) + 1e-6  # inside the ask, not at its boundary (float rounding)
@@ -575,7 +596,7 @@ class Simulator:
 
     def _jit_timer(self) -> None:
         """A claim held back just in time wakes when its start comes, not only on a put or take."""
-        if self.core.jit is None or not self.waiters:
+        if self.core.jit is None or not self.n_waiting:
             return
         wait = self.core.jit_wait_s(self._n(), self.now)
         if wait > 0:
@@ -586,32 +607,36 @@ class Simulator:
 
     def _notify(self) -> None:
         """``cond.notify_all()``: the waiting lanes re-check (once per instant, however many notifies)."""
-        if self.waiters and self._wake_at != self.now:
+        if self.n_waiting and self._wake_at != self.now:
             self._wake_at = self.now
             self.at(self.now, self._wake)
 
     def _wake(self) -> None:
-        if not self.waiters or self.done:
+        if not self.n_waiting or self.done:
             return
         period, wait_s = self.s.claim_wait_s + 0.05, self.s.claim_wait_s
         now = self.now
         core, n = self.core, self._n()
         inflight = core.inflight()  # read once, then kept by the claims made here
 
-        def shut() -> bool:  # refused for every lane alike: the budget is full, or a just-in-time start is due
-            return bool(core.max_inflight and inflight > 0 and inflight + n > core.max_inflight) or \
-                (core.jit is not None and core.jit_wait_s(n, now) > 0)
+        version = core.claim_version(self.engines[0].next_version)  # every lane's (the push reached all at once)
+
+        def shut() -> bool:  # refused for every lane alike: the stage, the version, the budget or just in time
+            return core.pool_refusal(n, version, now) is not None
 
         if shut():  # no lane may claim now: their order is not read (the next wake sorts them again)
             self._jit_timer()
             return
         # A lane gives up after claim_wait_s and asks again 0.05 s later, at the back: it queues since the
-        # start of its current ask, and between giving up and asking again it is not asked. (numpy: the same
-        # IEEE arithmetic as the scalar form, and a stable sort as list.sort, over thousands of lanes a wake.)
-        since = np.fromiter((wt[1] for wt in self.waiters), float, len(self.waiters))
-        order = np.argsort(since + np.floor((now - since) / period) * period, kind="stable")
-        self.waiters = [self.waiters[j] for j in order]
-        asking = (((now - since[order]) % period) <= wait_s).tolist()
+        # start of its current ask (two lanes tie only when their waits began a whole number of periods
+        # apart, and then always did: the one that waited first goes first), and between giving up and
+        # asking again it is not asked. Only the candidates' lanes: the others would be refused again.
+        lanes = []
+        for worker in self.candidates:
+            for since, seq, lane in self.waiting[worker]:
+                if (now - since) % period <= wait_s:
+                    lanes.append((since + math.floor((now - since) / period) * period, seq, worker, since, lane))
+        lanes.sort()
         # Between two claims nothing a verdict reads changes (the clock stands, the core is pure and the
         # off-engine report a worker gives is its current one), so each version's pool-wide verdict and each
         # worker's own are asked once however many lanes wait. A claim lifts no ``LASTING`` verdict, so the
@@ -619,19 +644,22 @@ class Simulator:
         pool: dict[int, str | None] = {}  # policy version -> core.pool_refusal
         verdict: dict[int, str | None] = {}  # worker -> its refusal (None: granted)
         i, closed, reopen = 0, False, None
-        while i < len(self.waiters) and not closed:
-            if not asking[i]:
-                i += 1  # between giving up and asking again
-                continue
-            worker, since_i, lane = self.waiters[i]
+        while i < len(lanes) and not closed:
+            _, seq, worker, since_i, lane = lanes[i]
             if worker in verdict:
                 why = verdict[worker]
             else:
                 why = verdict[worker] = self._why(worker, pool)
+                if why == "engine":
+                    self.candidates.discard(worker)  # until its claims or report change (``_touch``)
             if why is None:
-                self.waiters.pop(i)
-                asking.pop(i)
-                self.waiting_since[worker].remove(since_i)
+                lanes.pop(i)
+                mine = self.waiting[worker]
+                mine.remove((since_i, seq, lane))
+                if not mine:
+                    del self.waiting[worker]
+                    self.candidates.discard(worker)
+                self.n_waiting -= 1
                 self._register(worker, -1)
                 self._claim(worker, lane)
                 inflight += n
@@ -700,6 +728,7 @@ class Simulator:
         for e in self.engines:
             e.stage(self.version, self.now)
         if self.s.mode == "async":
+            self.core.set_engine_version(self.version)  # the pool tells the queue: the push reached every engine
             self._notify()
             self._learner_try()
         else:

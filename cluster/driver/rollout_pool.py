@@ -449,6 +449,8 @@ class RolloutPool:
         if errors:
             raise errors[0]
         self.push_bytes = int(s["bytes"])
+        if self.replay is not None:  # waits: claims refused for their version pass with these weights (replay.py)
+            answer(self.cfg, self.replay.set_engine_version.remote(version), "replay queue", "set_engine_version")
         return {K.WEIGHTS_SYNC_S: s["seconds"], K.WEIGHTS_GBPS: s["bytes"] / max(s["seconds"], 1e-9) / 1e9,
                 K.WEIGHTS_BYTES: s["bytes"]}
 

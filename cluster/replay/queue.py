@@ -34,6 +34,14 @@ times many go stale (measured: ~30 % of generated trajectories at L = 1 and 2, s
 costs). Hand-out is oldest policy version first (FIFO among equals), so a late group is trained
 while it is still fresh instead of behind newer ones.
 
+A claim refused for its version waits in the queue like any other (registered, so least loaded first
+still orders the claims once it lifts) until newer weights reach the workers: the rollout pool tells the
+queue after every push (``set_engine_version``: every worker's engine holds that version at least), and a
+claim's version is read as at least that one. Returning at once instead, so the worker asked again with
+its new weights, made the claims race when the block lifted: whichever worker polled first took the slots
+(simulated on an ASearcher-shaped job: one engine got a version's four claims while three idled, and the
+rollout GPUs were idle 55 % of the run against 30 %; bench README, schedule-sim).
+
 Scheduling (async runs with a budget; every decision here is pure, so ``bench/sim/scheduler_sim.py``
 drives this same code with simulated engines and learner):
 
@@ -254,6 +262,8 @@ class ReplayCore:
         self._claimed = 0  # sum of len(v) for v in claims.values(), kept as they change: admission asks
         # inflight() for every claim, and summing over 1,000 engines' claims each time dominated the DES
         self.learner_version = 0
+        self.engine_version = -1
+        """The policy version every worker's engine holds at least (``set_engine_version``; -1: unknown)."""
         self.counts = {"produced": 0, "consumed": 0, "dropped_stale": 0, "requeued": 0, "requeued_prompts": 0,
                        "produced_groups": 0, "consumed_groups": 0, "dropped_groups": 0}
         self.dropped_prompts: list[int] = []
@@ -313,6 +323,15 @@ class ReplayCore:
         if n < 0:
             raise ValueError(f"workers={n} must be >= 0 (0: unknown)")
         self.workers = n
+
+    def set_engine_version(self, version: int) -> None:
+        """Every worker's engine now holds policy ``version`` at least (the pool's push reached them all)."""
+        self.engine_version = max(self.engine_version, version)
+
+    def claim_version(self, version: int) -> int:
+        """The policy version a claim made with ``version`` samples from at least (-1 stays unknown: a claim
+        that names no version is admitted on the flat budget alone)."""
+        return version if version < 0 else max(version, self.engine_version)
 
     def set_off_engine(self, worker_id: int, rows: int) -> None:
         """``worker_id`` has ``rows`` trajectories of its claimed groups off its engine (module doc)."""
@@ -403,13 +422,6 @@ class ReplayCore:
             return 0.0
         t = self.jit.earliest(self.inflight() + n, self.groups_per_step)
         return 0.0 if t is None else max(0.0, t - now)
-
-    def version_blocked(self, n: int, version: int) -> bool:
-        """Refused for the claim's policy version: only newer weights open the way, since a take
-        frees one pipeline slot and uses one of ``fresh_slots`` (their difference never changes at
-        one version), so waiting on the learner would not help."""
-        slots, inflight = self.fresh_slots(version), self.inflight()
-        return slots is not None and (slots <= 0 or (inflight > 0 and inflight + n > slots))
 
     def claim(self, worker_id: int, n: int, now: float | None = None) -> list[int]:
         """Claim up to ``n`` prompts for ``worker_id`` (``grant_size``: fewer when the stage needs fewer)."""
@@ -622,9 +634,10 @@ class ReplayQueue:
 
     async def claim(self, worker_id: int, n: int, wait_s: float = 0.0, version: int = -1,
                     off_engine_rows: int | None = None) -> list[int]:
-        """n prompt indices, or [] if the admission budget stayed full for ``wait_s`` seconds or the
-        queue is closed (the caller retries, so a stopping worker is never stuck in here).
-        ``version``: the policy version the worker samples with (-1: unknown, flat budget only).
+        """n prompt indices, or [] if admission refused it for ``wait_s`` seconds or the queue is closed (the
+        caller retries, so a stopping worker is never stuck in here).
+        ``version``: the policy version the worker samples with (-1: unknown, flat budget only); read as at
+        least the pushed ``engine_version``.
         ``off_engine_rows``: its claimed trajectories off its engine now (None: not reported; module doc)."""
         cond = self._c()
         core = self.core
@@ -635,9 +648,10 @@ class ReplayQueue:
                 cond.notify_all()  # its engine may have room now: its other waiting claims re-check
             core.waiting[worker_id] = core.waiting.get(worker_id, 0) + 1  # least loaded first: others yield to it
             try:
-                while not core.may_claim(n, version, worker_id, time.monotonic()) and not self._closed:
-                    if core.version_blocked(n, version):
-                        return []  # the worker asks again with the weights it holds then
+                # Refused for its version too, it waits here (module doc): a push's ``set_engine_version``
+                # wakes it with newer weights, a claim_version the worker's engine holds by then.
+                while not core.may_claim(n, core.claim_version(version), worker_id, time.monotonic()) \
+                        and not self._closed:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return []
@@ -647,7 +661,7 @@ class ReplayQueue:
                         await asyncio.wait_for(cond.wait(), timeout=min(remaining, jit) if jit > 0 else remaining)
                     except asyncio.TimeoutError:
                         pass
-                if self._closed and not core.may_claim(n, version):
+                if self._closed and not core.may_claim(n, core.claim_version(version)):
                     return []
                 return core.claim(worker_id, n, time.monotonic())
             finally:
@@ -762,6 +776,13 @@ class ReplayQueue:
 
     async def set_learner_version(self, version: int) -> None:
         self.core.advance(version)
+
+    async def set_engine_version(self, version: int) -> None:
+        """``ReplayCore.set_engine_version``: the rollout pool calls it after every push that reached every worker."""
+        self.core.set_engine_version(version)
+        cond = self._c()
+        async with cond:
+            cond.notify_all()  # a claim refused for its version may pass with the new one
 
     async def stats(self) -> dict:
         return {**self.core.stats(), "outage": self.core.outage_report(time.monotonic())}

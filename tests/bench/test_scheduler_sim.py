@@ -10,8 +10,8 @@ import pytest
 
 from sonar.bench.sim import gpu_cost
 from sonar.bench.sim.reference import PEAK_BF16_FLOPS
-from sonar.bench.sim.scheduler_sim import Sim, Tool, Workload, simulate
-from sonar.bench.sim.workloads import SHORT, lognormal_pmf
+from sonar.bench.sim.scheduler_sim import Sim, Simulator, Tool, Workload, simulate
+from sonar.bench.sim.workloads import LONG, SHORT, lognormal_pmf
 from sonar.cluster.replay.queue import ReplayCore
 
 # Deterministic: one turn of exactly 100 tokens (sigma 0), no tools, prompt 100 tokens.
@@ -239,3 +239,32 @@ def test_runs_in_several_processes_equal_the_serial_ones():
     assert list(forked) == ["async", "sync"] and [len(v) for v in forked.values()] == [2, 1]
     assert forked == serial
     assert serial["async"][0] != serial["async"][1]  # two seeds, two runs: the order is kept, not merely the set
+
+
+@pytest.mark.parametrize("w,sim", [
+    (SHORT, Sim(rollout_gpus=6, learner_gpus=2, groups_per_step=32, versions=4)),
+    (LONG, Sim(rollout_gpus=6, learner_gpus=2, groups_per_step=64, versions=3)),
+    (LONG, Sim(rollout_gpus=6, learner_gpus=2, groups_per_step=64, versions=3, lag=1, weight_update="interrupt", seed=1)),
+], ids=["short", "long", "long-lag1-interrupt"])
+def test_a_wake_that_asks_only_the_candidates_decides_as_one_that_asks_every_lane(w, sim):
+    """A wake leaves out the waiting workers their engine refused whose claims and report have not changed
+    since (``Simulator.candidates``): asked, they would be refused again and report the same rows. Asking
+    every waiting worker on every wake gives the very same run, and the pruning did leave some out."""
+    pruned = []
+
+    class AskEveryone(Simulator):
+        @property
+        def candidates(self):
+            return set(self.waiting)  # a fresh set each time: additions and removals change nothing
+
+        @candidates.setter
+        def candidates(self, value):
+            pass
+
+    class Counting(Simulator):
+        def _wake(self):
+            pruned.append(len(self.waiting) - len(self.candidates))
+            super()._wake()
+
+    assert AskEveryone(w, sim).run() == Counting(w, sim).run()
+    assert max(pruned) > 0

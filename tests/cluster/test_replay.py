@@ -529,7 +529,7 @@ def test_fresh_slots_closed_form():
     assert core.fresh_slots(0) == 8 - 3 and core.inflight() == 5
     core.take(1, learner_version=0)
     # the learner holds its batch at version 0 and trains; weights 0 are fresh only for the take at 1
-    assert core.fresh_slots(0) == 4 and not core.may_claim(1, version=0) and core.version_blocked(1, 0)
+    assert core.fresh_slots(0) == 4 and core.pool_refusal(1, version=0) == "version"
     # the flat budget alone would admit it (4 + 1 <= 8): that group would go stale behind the 4 ahead
     assert core.may_claim(1) and core.may_claim(4, version=-1)
     core.advance(1)  # the learner is at version 1; the push of weights 1 has not reached the worker
@@ -538,8 +538,11 @@ def test_fresh_slots_closed_form():
     core.take(4, learner_version=1)
     assert core.inflight() == 0 and core.fresh_slots(0) == 0
     # an empty pipeline admits an oversized request, but never one that is stale before any take
-    assert not core.may_claim(1, version=0) and core.version_blocked(1, 0)
-    assert core.may_claim(9, version=1) and not core.version_blocked(9, 1)
+    assert core.pool_refusal(1, version=0) == "version"
+    assert core.may_claim(9, version=1) and core.pool_refusal(9, version=1) is None
+    # once the pool's push reached every worker, a claim naming the old version is read at the new one
+    core.set_engine_version(1)
+    assert core.claim_version(0) == 1 and core.claim_version(2) == 2 and core.claim_version(-1) == -1
 
 
 def test_hand_out_is_oldest_version_first_fifo_among_equals():
@@ -551,15 +554,49 @@ def test_hand_out_is_oldest_version_first_fifo_among_equals():
     assert [lag for _, lag, _ in out] == [3, 2, 2, 1, 1]
 
 
-def test_version_blocked_claim_returns_at_once():
+async def _registered(q: ReplayQueue, worker: int, claim) -> None:
+    """Until ``worker``'s claim waits in the queue (the event loop runs it to its wait); fails if the claim
+    ended instead (it returned rather than wait)."""
+    while q.core.waiting.get(worker) != 1:
+        assert not claim.done(), f"worker {worker}'s claim returned {claim.result()} instead of waiting"
+        await asyncio.sleep(0)
+
+
+def test_a_version_blocked_claim_waits_for_the_push_that_lifts_it():
+    """A claim refused for its version waits in the queue (it does not return for the worker to poll): the
+    pool's ``set_engine_version`` wakes it and it is granted at the pushed version, well before ``wait_s``."""
     async def scenario():
         q = ReplayQueue(100, 1, "drop", 100, 0, max_inflight_groups=8, groups_per_step=4)
         assert len(await q.claim(0, 4, 0.0, version=0)) == 4
         await q.get(4, learner_version=1, timeout_s=0.0)  # hands nothing (none put), the learner is at 1
-        t0 = time.monotonic()
-        assert await q.claim(1, 1, 60.0, version=0) == []  # weights 0: no fresh take left for it
-        assert time.monotonic() - t0 < 30.0  # it did not wait out wait_s (newer weights, not time, help)
-        assert len(await q.claim(1, 4, 0.0, version=1)) == 4
+        assert await q.claim(1, 1, 0.0, version=0) == []  # weights 0: no fresh take left for it
+        waiting = asyncio.ensure_future(q.claim(1, 1, 600.0, version=0))
+        await _registered(q, 1, waiting)  # registered: least loaded first counts it
+        await q.set_engine_version(1)
+        assert len(await asyncio.wait_for(waiting, 60.0)) == 1  # woken by the push, not by its 600 s timeout
+        assert 1 not in q.core.waiting
+
+    asyncio.run(scenario())
+
+
+def test_least_loaded_first_holds_when_a_version_block_lifts():
+    """Two workers wait, both refused for their version; when the push lifts the block, the one whose engine
+    holds fewer groups is granted first, whichever asked first (returning at once made them race: the first
+    to poll took the slots)."""
+    async def scenario():
+        q = ReplayQueue(100, 1, "drop", 100, 0, max_inflight_groups=8, groups_per_step=4, worker_capacity=8)
+        assert len(await q.claim(0, 3, 0.0, version=0)) == 3  # worker 0's engine holds 3 groups
+        assert len(await q.claim(1, 1, 0.0, version=0)) == 1  # worker 1's, 1
+        await q.get(4, learner_version=1, timeout_s=0.0)
+        busy = asyncio.ensure_future(q.claim(0, 4, 600.0, version=0))  # asks first
+        await _registered(q, 0, busy)
+        idle = asyncio.ensure_future(q.claim(1, 4, 600.0, version=0))
+        await _registered(q, 1, idle)
+        await q.set_engine_version(1)  # slots(1) = 8 - 4 in flight: room for one claim of 4
+        assert len(await asyncio.wait_for(idle, 60.0)) == 4
+        assert not busy.done() and q.core.waiting == {0: 1}
+        await q.close()
+        assert await asyncio.wait_for(busy, 60.0) == []
 
     asyncio.run(scenario())
 

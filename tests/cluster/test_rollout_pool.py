@@ -168,6 +168,13 @@ class Replay:
 
     def __init__(self):
         self.log = []
+        self.pushed = []  # set_engine_version's versions (not in the log either)
+
+    def set_engine_version(self, version: int) -> None:
+        self.pushed.append(version)
+
+    def engine_versions(self) -> list[int]:
+        return list(self.pushed)
 
     def release_worker(self, i: int) -> int:
         self.log.append(("release_worker", i))
@@ -334,6 +341,9 @@ def test_a_worker_killed_mid_push_is_replaced_and_the_next_push_reaches_every_wo
         assert m == {K.WEIGHTS_SYNC_S: 0.5, K.WEIGHTS_GBPS: pytest.approx(1000 / 0.5 / 1e9),  # 1000 B in 0.5 s
                      K.WEIGHTS_BYTES: 1000}
         assert [s["version"] for s in states(ray, pool)] == [2, 2]
+        # the replay hears of a version once every worker holds it: the formation's 0, the regroup's push of 1,
+        # then 2, never the broken push (a claim read at a version its worker lacks would get the wrong slots)
+        assert ray.get(replay.engine_versions.remote()) == [0, 1, 2]
     finally:
         teardown(ray, pool, learner, replay, group)
 
