@@ -63,12 +63,12 @@ VALIDATION_SETTINGS = {
     "colocated": dict(mode="colocated", rollout_gpus=5, learner_gpus=1, groups_per_step=48, versions=2),
     "async_lag2": dict(mode="async", rollout_gpus=4, learner_gpus=2, groups_per_step=8, versions=8, lag=2,
                        capacity_groups=16, lanes=8, groups_per_request=2, weight_update="interrupt",
-                       decoding_rows=False),
+                       decoding_rows=False, version_wait=False),
 }
 """The validation run's settings (its overrides: 4 rollout workers, learner 2 GPUs, 8 groups of 8 per step,
 8 steps; sync_full 32 groups x 2 steps; colocated on all 6 GPUs at the full batch, 48 groups x 2 steps;
 async lag 2, replay capacity 16, 8 lanes of 2 groups, ``weight_update=auto`` = interrupt, the production
-scheduler of that run: engine capacity in claimed groups' rows)."""
+scheduler of that run: engine capacity in claimed groups' rows, a claim refused for its version returning)."""
 REALISED_KEYS = ("searches_per_traj", "model_tokens_per_traj", "decode_row_steps_per_trained_traj",
                  "ctx_admitted_mean", "zero_signal_share")
 
@@ -176,25 +176,35 @@ def compare(w, cfg: dict) -> dict:
 
 
 def ablation(w, cfg: dict, best: dict) -> dict:
-    """The scheduler's options one by one at the best async setting (``best``: its ``params``), lag 2."""
+    """The scheduler's options one by one at the best async split (``best``: its ``params``), lag 2, at each
+    batch (``batches``): at the full batch the engines have little room left, so the options show at the
+    default one."""
     G, gr = cfg["gpus"], best["rollout_gpus"]
-    base = Sim(rollout_gpus=gr, learner_gpus=G - gr, groups_per_step=best["groups_per_step"],
-               versions=cfg["versions"], lag=2)
-    pre = base.pre_change()
-    variants = {"pre-change": pre, "+ engine capacity, claimed rows": replace(pre, worker_capacity=True),
-                "+ engine capacity, rows on the engine": replace(pre, worker_capacity=True, decoding_rows=True),
-                "+ least loaded first": replace(pre, least_loaded=True),
-                "+ just in time": replace(pre, just_in_time=True), "+ per-group put": replace(pre, per_group_put=True),
-                "production, capacity in claimed rows": replace(base, decoding_rows=False),
-                "production (all on)": base}
-    out = {}
-    done = run_batches(w, {k: [replace(s, seed=x) for x in cfg["seeds"]] for k, s in variants.items()}, cfg.get("jobs", 1))
-    for k, rs in done.items():
+    plan, where = {}, {}
+    for suf, B in batches(w, G).items():
+        base = Sim(rollout_gpus=gr, learner_gpus=G - gr, groups_per_step=B, versions=cfg["versions"], lag=2)
+        pre = base.pre_change()
+        variants = {"pre-change": pre, "+ engine capacity, claimed rows": replace(pre, worker_capacity=True),
+                    "+ engine capacity, rows on the engine": replace(pre, worker_capacity=True, decoding_rows=True),
+                    "+ least loaded first": replace(pre, least_loaded=True),
+                    "+ just in time": replace(pre, just_in_time=True),
+                    "+ per-group put": replace(pre, per_group_put=True),
+                    "+ version-blocked claims wait": replace(pre, version_wait=True),
+                    "production, capacity in claimed rows": replace(base, decoding_rows=False),
+                    "production, version-blocked claims return": replace(base, version_wait=False),
+                    "production (all on)": base}
+        for k, v in variants.items():
+            plan[(suf, k)], where[(suf, k)] = [replace(v, seed=x) for x in cfg["seeds"]], B
+    done = run_batches(w, plan, cfg.get("jobs", 1))
+    out: dict[str, dict] = {}
+    for (suf, k), rs in done.items():
         spread = [max(r["group_load"]) / max(1e-9, statistics.mean(r["group_load"])) for r in rs]
-        out[k] = {"trained_traj_per_s": ci(rs, "trained_traj_per_s"), "stale_share": ci(rs, "stale_share"),
-                  "max_over_mean_worker_groups": mean_ci(spread), "learner_idle_share": ci(rs, "learner_idle_share"),
-                  "rollout_idle_share": ci(rs, "rollout_idle_share")}
-    return {"split": _split(gr, G), "groups_per_step": best["groups_per_step"], "lag": 2, "variants": out}
+        at = out.setdefault(suf or "default", {"groups_per_step": where[(suf, k)], "variants": {}})
+        at["variants"][k] = {"trained_traj_per_s": ci(rs, "trained_traj_per_s"), "stale_share": ci(rs, "stale_share"),
+                             "max_over_mean_worker_groups": mean_ci(spread),
+                             "learner_idle_share": ci(rs, "learner_idle_share"),
+                             "rollout_idle_share": ci(rs, "rollout_idle_share")}
+    return {"split": _split(gr, G), "lag": 2, "batches": out}
 
 
 def projection(w, cfg: dict, progress=lambda what: None) -> dict:
@@ -310,17 +320,27 @@ def render_table(doc: dict, json_name: str) -> str:
                      f"{100 * c['async_share_of_bound']:.0f} % | {100 * c['learner_gpu_share']:.0f} % | "
                      f"{wl['turns_mean']:.1f} / {wl['turns_p90']:.0f} / {wl['turns_max']} | {wl['tool_calls_mean']:.1f} | "
                      f"{wl['decode_context_mean']:,.0f} | {wl['learner_tokens_per_traj']:,.0f} |")
-    lines += ["", f"Ablation at 8 GPUs (async, lag 2, the best async split{'' if legacy else ' and batch'}), "
-              "steady-state trained traj/s and the busiest worker's groups over the mean:", "",
-              "| variant | " + " | ".join(f"{wn} traj/s | {wn} busiest/mean" for wn in e["ablation"]) + " |",
-              "|---|" + "---|---|" * len(e["ablation"])]
-    names = list(next(iter(e["ablation"].values()))["variants"])
-    for k in names:
-        cells = []
-        for wn, ab in e["ablation"].items():
-            v = ab["variants"][k]
-            cells += [_ci(v["trained_traj_per_s"], "{:.3g}"), f"{v['max_over_mean_worker_groups']['mean']:.2f}"]
-        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    # per batch (a result before the per-batch ablation has one, at the best async setting's batch)
+    abl = {wn: ab.get("batches") or {"best": {"groups_per_step": ab["groups_per_step"], "variants": ab["variants"]}}
+           for wn, ab in e["ablation"].items()}
+    for at in dict.fromkeys(k for per in abl.values() for k in per):
+        gps = ", ".join(f"{wn} {per[at]['groups_per_step']}" for wn, per in abl.items() if at in per)
+        split = ", ".join(f"{wn} {ab['split']}" for wn, ab in e["ablation"].items())
+        lines += ["", f"Ablation at 8 GPUs (async, lag 2, the best async split: {split}; "
+                  f"{'the best async batch' if at == 'best' else 'the default batch' if at == 'default' else 'the full batch'}"
+                  f", groups per version: {gps}), steady-state trained traj/s, the rollout GPUs' idle share and the "
+                  "busiest worker's groups over the mean:", "",
+                  "| variant | " + " | ".join(f"{wn} traj/s | {wn} rollout idle | {wn} busiest/mean" for wn in abl) + " |",
+                  "|---|" + "---|---|---|" * len(abl)]
+        names = list(dict.fromkeys(k for per in abl.values() if at in per for k in per[at]["variants"]))
+        for k in names:
+            cells = []
+            for per in abl.values():
+                v = per.get(at, {"variants": {}})["variants"].get(k)
+                cells += ["—"] * 3 if v is None else [
+                    _ci(v["trained_traj_per_s"], "{:.3g}"), f"{100 * v['rollout_idle_share']['mean']:.0f} %",
+                    f"{v['max_over_mean_worker_groups']['mean']:.2f}"]
+            lines.append(f"| {k} | " + " | ".join(cells) + " |")
     lines += ["", "Projection (best of a coarse split sweep per size; compute seconds for the same steady-state "
               "trajectories, async → best sync):", "",
               "| GPUs | " + " | ".join(f"{wn} async / best sync | {wn} seconds" for wn in e["projection"]) + " |",

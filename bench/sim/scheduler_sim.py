@@ -29,8 +29,9 @@ What is simulated, and how (``Workload`` holds the figures; ``bench/sim/workload
 - **The claim** (``ReplayQueue.claim``): a lane registers in ``core.waiting`` (least-loaded first, when on),
   asks ``may_claim(n, version, worker_id, now)`` (as its two halves, ``pool_refusal`` and ``worker_refusal``,
   so that one wake asks a version's pool-wide verdict once) and otherwise waits for a put, a take or a push (the
-  queue's ``notify_all``), for the push's ``set_engine_version`` (a claim refused for its version), or for
-  its just-in-time start (``jit_wait_s``). Waiters wake in the order they started waiting; each gives up
+  queue's ``notify_all``), for the push's ``set_engine_version`` (a claim refused for its version; with
+  ``version_wait`` off, the rule before, it leaves the queue and asks again after the take or push that lifts
+  the block), or for its just-in-time start (``jit_wait_s``). Waiters wake in the order they started waiting; each gives up
   after ``claim_wait_s`` and asks again 0.05 s later, at the back (the production loop). A push reaches
   every engine at once, so every lane asks at one version: a wake whose pool-wide verdict refuses it
   refuses every lane, and costs nothing per lane.
@@ -135,6 +136,10 @@ class Sim:
     just_in_time: bool = True
     per_group_put: bool = True
     weight_update: str = "pause"
+    version_wait: bool = True
+    """A claim refused for its version waits in the queue for the push (``ReplayCore.set_engine_version``);
+    False: it returns at once, so its worker leaves the ``waiting`` registry, and asks again after the take or
+    push that lifts the block (the rule before; its 0.05 s polling left out)."""
     claim_wait_s: float = 1.0
     engine_time_scale: float = 1.0
     """Every engine second (decode and prefill) times this: 1 everywhere but the validation, which charges
@@ -143,9 +148,10 @@ class Sim:
     seed: int = 0
 
     def pre_change(self) -> "Sim":
-        """The scheduler before engine capacity, least-loaded first, just in time and per-group puts."""
+        """The scheduler before engine capacity, least-loaded first, just in time, per-group puts and
+        version-blocked claims that wait."""
         return replace(self, worker_capacity=False, decoding_rows=False, least_loaded=False, just_in_time=False,
-                       per_group_put=False)
+                       per_group_put=False, version_wait=False)
 
 
 # ------------------------------------------------------------------------------------------- entities
@@ -355,6 +361,9 @@ class Simulator:
         self.waiting: dict[int, list[tuple[float, int, int]]] = {}
         """Each worker's lanes waiting in ``claim``: (since, arrival number, lane), in the order they waited."""
         self.n_waiting = 0
+        self.blocked: list[tuple[int, int, int]] = []
+        """``version_wait`` off: lanes out of the queue until a take or push lifts their version's block
+        (arrival, worker, lane)."""
         self._arrivals = 0
         self.candidates: set[int] = set()
         """Waiting workers a wake must ask: all but those whose engine refused them (``"engine"``) and whose
@@ -574,6 +583,10 @@ class Simulator:
             self._notify()  # the loads changed: a waiting lane may now go first
             return
         self._arrivals += 1
+        if not self.s.version_wait and self._version_blocked():
+            self._register(worker, -1)  # it returns at once: registered only inside the queue's lock
+            self.blocked.append((self._arrivals, worker, lane))
+            return
         self.waiting.setdefault(worker, []).append((self.now, self._arrivals, lane))
         self.n_waiting += 1
         self.candidates.add(worker)
@@ -611,14 +624,39 @@ class Simulator:
             self._wake_at = self.now
             self.at(self.now, self._wake)
 
+    def _version_blocked(self) -> bool:
+        """``version_wait`` off: the rule before, refused for the claim's version (only a take or newer weights
+        lift it). Every engine holds one next version (a push stages it on all), so the block is pool-wide."""
+        slots, inflight = self.core.fresh_slots(self.engines[0].next_version), self.core.inflight()
+        return slots is not None and (slots <= 0 or (inflight > 0 and inflight + self._n() > slots))
+
+    def _block_all(self) -> bool:
+        """``version_wait`` off: when the version is blocked, every waiting claim re-checks on the notify and
+        returns, its lane out of the queue until ``_unblock``."""
+        if self.s.version_wait or not self._version_blocked():
+            return False
+        for worker, mine in self.waiting.items():
+            self.blocked += [(seq, worker, lane) for _, seq, lane in mine]
+            self._register(worker, -len(mine))
+        self.blocked.sort()
+        self.waiting.clear()
+        self.candidates.clear()
+        self.n_waiting = 0
+        return True
+
+    def _unblock(self) -> None:
+        """After a take or a push: blocked lanes ask again, in the order they first asked."""
+        if self.blocked and not self._version_blocked():
+            for _, worker, lane in self.blocked:
+                self.at(self.now, self._lane_try, worker, lane)
+            self.blocked = []
+
     def _wake(self) -> None:
-        if not self.n_waiting or self.done:
+        if not self.n_waiting or self.done or self._block_all():
             return
         period, wait_s = self.s.claim_wait_s + 0.05, self.s.claim_wait_s
         now = self.now
         core, n = self.core, self._n()
-        inflight = core.inflight()  # read once, then kept by the claims made here
-
         version = core.claim_version(self.engines[0].next_version)  # every lane's (the push reached all at once)
 
         def shut() -> bool:  # refused for every lane alike: the stage, the version, the budget or just in time
@@ -662,10 +700,9 @@ class Simulator:
                 self.n_waiting -= 1
                 self._register(worker, -1)
                 self._claim(worker, lane)
-                inflight += n
                 verdict = {w: r for w, r in verdict.items() if r in LASTING}
                 pool = {v: r for v, r in pool.items() if r is not None}
-                closed = shut()
+                closed = shut() or self._block_all()
                 if self.s.least_loaded and reopen is not None:
                     i = reopen  # the loads changed: a lane before it that deferred may go now
                 reopen = None
@@ -690,6 +727,7 @@ class Simulator:
         while self.blocked_puts and not self.core.full():
             self._add(self.blocked_puts.popleft())
         self._notify()
+        self._unblock()
         self._train([p for p, _, _ in got], [lag for _, lag, _ in got])
 
     def _train(self, groups: list[Group], lags: list[int]) -> None:
@@ -728,8 +766,10 @@ class Simulator:
         for e in self.engines:
             e.stage(self.version, self.now)
         if self.s.mode == "async":
-            self.core.set_engine_version(self.version)  # the pool tells the queue: the push reached every engine
+            if self.s.version_wait:
+                self.core.set_engine_version(self.version)  # the pool tells the queue: the push reached every engine
             self._notify()
+            self._unblock()
             self._learner_try()
         else:
             self.at(self.now, self._sync_step)

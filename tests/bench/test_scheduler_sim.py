@@ -268,3 +268,15 @@ def test_a_wake_that_asks_only_the_candidates_decides_as_one_that_asks_every_lan
 
     assert AskEveryone(w, sim).run() == Counting(w, sim).run()
     assert max(pruned) > 0
+
+
+def test_version_blocked_claims_that_wait_keep_the_engines_busy_where_returning_ones_race():
+    """The long workload at the default batch (8 groups a version on 6 + 2 GPUs): each push lifts a version
+    block. Claims that waited in the queue are granted least loaded first; claims that returned (the rule
+    before, ``version_wait=False``) are granted to whichever lane asks first, so one engine takes the
+    version's groups while others idle: about half the throughput, the rollout GPUs idle over half the run."""
+    s = Sim(rollout_gpus=6, learner_gpus=2, groups_per_step=8, versions=6)
+    wait, ret = simulate(LONG, s), simulate(LONG, replace(s, version_wait=False))
+    assert wait["balance"]["balanced"] and ret["balance"]["balanced"]
+    assert wait["trained_traj_per_s"] > 1.5 * ret["trained_traj_per_s"], (wait, ret)
+    assert wait["rollout_idle_share"] < ret["rollout_idle_share"] - 0.15, (wait, ret)
