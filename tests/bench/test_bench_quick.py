@@ -135,6 +135,24 @@ def test_retrieval_quick(tmp_path):
     assert 0 < m["bm25/single/cache/hit_rate"]["median"] < 1  # the stream repeats queries, not all of them
 
 
+@pytest.mark.slow
+def test_schedule_sim_quick(tmp_path):
+    """``sonar bench schedule-sim --quick`` (no Ray): validation, the 8-GPU comparison, the ablation at both
+    batches and the projection for both workloads, and its README block renders from the JSON it wrote."""
+    from sonar.bench import schedule_sim
+
+    assert run.main(["schedule-sim", "--quick", "--jobs", "1", "--out", str(tmp_path)]) == 0
+    doc = load_result(tmp_path, "schedule-sim")
+    e = doc["extra"]
+    assert set(e["compare"]) == set(e["ablation"]) == set(e["projection"]) == {"short", "long"}
+    for ab in e["ablation"].values():
+        assert set(ab["batches"]) == {"default", "_full"}
+        for at in ab["batches"].values():
+            assert {"pre-change", "production (all on)", "+ version-blocked claims wait"} <= set(at["variants"])
+    block = schedule_sim.render_table(doc, "x.json")
+    assert "Ablation at 8 GPUs" in block and "the default batch" in block and "the full batch" in block
+
+
 # ------------------------------------------------------------------------------------ slow: real Ray
 @pytest.fixture(scope="module")
 def ray_local(shared_ray):
