@@ -39,8 +39,8 @@ still orders the claims once it lifts) until newer weights reach the workers: th
 queue after every push (``set_engine_version``: every worker's engine holds that version at least), and a
 claim's version is read as at least that one. Returning at once instead, so the worker asked again with
 its new weights, made the claims race when the block lifted: whichever worker polled first took the slots
-(simulated on an ASearcher-shaped job: one engine got a version's four claims while three idled, and the
-rollout GPUs were idle 55 % of the run against 30 %; bench README, schedule-sim).
+while other engines idled (about half the throughput on an ASearcher-shaped job at its default batch:
+bench README, schedule-sim's ablation, "version-blocked claims return").
 
 Scheduling (async runs with a budget; every decision here is pure, so ``bench/sim/scheduler_sim.py``
 drives this same code with simulated engines and learner):
