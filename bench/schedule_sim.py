@@ -11,7 +11,8 @@ each of the scheduler's options buy? And does the simulator agree with the real 
   would size it), ``--seeds`` seeds each; best async against the best synchronous layout, steady-state trained
   trajectories/s (the first version and the final drain left out, reported apart), 95 % intervals over
   seeds (``bench/stats.py: mean_ci``), the stale share, and the pipeline bound ``G / (g + l)`` (``g``, ``l``:
-  rollout and learner GPU-seconds per trajectory at the run's loads).
+  rollout and learner GPU-seconds per trajectory at the run's loads: the best sync layout's, and async's own
+  with the split in whole GPUs, ``max_r min(r / g, (G - r) / l)``).
 - **Projection**: 8, 64, 512 and 1,024 GPUs, prompts per version scaled with the GPUs, the best of a
   coarse split sweep per size (at 512 and 1,024 the split fraction that was best at 64, one seed); colocated
   at both batches, the better one the baseline.
@@ -129,6 +130,12 @@ def _split(gr: int, G: int) -> str:
 
 
 # ------------------------------------------------------------------------------------ the 8-GPU comparison
+def whole_gpu_bound(G: int, g: float, l: float) -> float:
+    """Trajectories/s of ``G`` GPUs split in whole GPUs between rollout (``g`` GPU-seconds per trajectory) and
+    learner (``l``), every GPU busy: ``max_r min(r / g, (G - r) / l)``, at most the overlap bound ``G / (g + l)``."""
+    return max(min(r / g, (G - r) / l) for r in range(1, G))
+
+
 def compare(w, cfg: dict) -> dict:
     """Every layout at every batch: async at each split and lag, sync_split at each split, colocated on all
     GPUs; the best async against the best of the rest, paired per seed."""
@@ -168,10 +175,18 @@ def compare(w, cfg: dict) -> dict:
     g = statistics.mean(r["rollout_gpu_s_per_traj"] for r in ref)
     l_ = statistics.mean(r["learner_gpu_s_per_traj"] for r in ref)
     bound = G / (g + l_)
+    # Async's own bound: its GPU-seconds per trajectory (engines as full as it kept them), every GPU busy, the
+    # split in whole GPUs (r rollout GPUs train at most r / g_a trajectories/s, G - r learner GPUs (G - r) / l_a).
+    ga = statistics.mean(r["rollout_gpu_s_per_traj"] for r in settings[best_async])
+    la = statistics.mean(r["learner_gpu_s_per_traj"] for r in settings[best_async])
+    whole = whole_gpu_bound(G, ga, la)
+    sync_rate, async_rate = table[best_sync]["trained_traj_per_s"]["mean"], table[best_async]["trained_traj_per_s"]["mean"]
     return {"groups_per_step": batches(w, G), "table": table, "best_async": best_async, "best_sync": best_sync,
             "ratio": ratio, "bound_traj_per_s": bound,
-            "bound_ratio": bound / table[best_sync]["trained_traj_per_s"]["mean"],
-            "async_share_of_bound": table[best_async]["trained_traj_per_s"]["mean"] / bound,
+            "bound_ratio": bound / sync_rate,
+            "async_share_of_bound": async_rate / bound,
+            "async_bound_ratio": G / (ga + la) / sync_rate, "async_whole_gpu_bound_ratio": whole / sync_rate,
+            "async_share_of_whole_gpu_bound": async_rate / whole,
             "learner_gpu_share": l_ / (g + l_), "runs": {k: [light(r) for r in v] for k, v in settings.items()}}
 
 
@@ -309,15 +324,17 @@ def render_table(doc: dict, json_name: str) -> str:
                      f"{v['measured_rows_per_step']:.1f} → {v['des_rows_per_step']:.1f} |")
     lines += ["", "8 GPUs, steady-state trained traj/s (mean ± 95 % half-width over seeds; split = rollout + learner GPUs):",
               "", "| workload | best async | best sync | async / sync | stale | overlap bound | async of bound | "
-                  "learner share | turns mean / p90 / max | tool calls | decode ctx | learner tokens/traj |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "async's own bound, whole GPUs | async of it | learner share | turns mean / p90 / max | tool calls | "
+                  "decode ctx | learner tokens/traj |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for wn, c in e["compare"].items():
         a, s = c["table"][c["best_async"]], c["table"][c["best_sync"]]
         wl = a["workload"]
         lines.append(f"| {wn} | `{c['best_async']}` {_ci(a['trained_traj_per_s'], '{:.3g}')} | `{c['best_sync']}` "
                      f"{_ci(s['trained_traj_per_s'], '{:.3g}')} | {_ci(c['ratio'])}× | "
                      f"{100 * a['stale_share']['mean']:.1f} % | {c['bound_ratio']:.2f}× | "
-                     f"{100 * c['async_share_of_bound']:.0f} % | {100 * c['learner_gpu_share']:.0f} % | "
+                     f"{100 * c['async_share_of_bound']:.0f} % | {c['async_whole_gpu_bound_ratio']:.2f}× | "
+                     f"{100 * c['async_share_of_whole_gpu_bound']:.0f} % | {100 * c['learner_gpu_share']:.0f} % | "
                      f"{wl['turns_mean']:.1f} / {wl['turns_p90']:.0f} / {wl['turns_max']} | {wl['tool_calls_mean']:.1f} | "
                      f"{wl['decode_context_mean']:,.0f} | {wl['learner_tokens_per_traj']:,.0f} |")
     # per batch (a result before the per-batch ablation has one, at the best async setting's batch)

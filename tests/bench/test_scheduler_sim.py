@@ -280,3 +280,14 @@ def test_version_blocked_claims_that_wait_keep_the_engines_busy_where_returning_
     assert wait["balance"]["balanced"] and ret["balance"]["balanced"]
     assert wait["trained_traj_per_s"] > 1.5 * ret["trained_traj_per_s"], (wait, ret)
     assert wait["rollout_idle_share"] < ret["rollout_idle_share"] - 0.15, (wait, ret)
+
+
+def test_the_whole_gpu_bound_is_the_best_integer_split_and_never_passes_the_overlap_bound():
+    from sonar.bench.schedule_sim import whole_gpu_bound
+
+    assert whole_gpu_bound(8, 1.0, 1.0) == 4.0 == 8 / (1.0 + 1.0)  # an even split loses nothing
+    assert whole_gpu_bound(8, 3.0, 1.0) == 2.0 == 8 / (3.0 + 1.0)  # 6 + 2: both sides at 2 traj/s
+    # g = 1.1 l: the ideal split is 4.19 + 3.81; 4 + 4 leaves the rollout side the bottleneck at 4 / 1.1
+    assert whole_gpu_bound(8, 1.1, 1.0) == pytest.approx(4 / 1.1) and 4 / 1.1 < 8 / 2.1
+    for g in (0.2, 0.7, 1.3, 5.0):
+        assert whole_gpu_bound(16, g, 1.0) <= 16 / (g + 1.0) + 1e-12
