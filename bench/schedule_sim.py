@@ -305,21 +305,13 @@ def render_table(doc: dict, json_name: str) -> str:
     """bench/README.md's schedule-sim block: validation, the 8-GPU comparison per workload, the ablation and
     the projection (pure: no runs; `sonar bench readme`, tests/bench/test_readme_blocks.py)."""
     e = doc["extra"]
-    legacy = "validation_result" not in e  # a result written before the engines' overrun was charged
-    if legacy:
-        lines = ["Validation against the real system (`async-vs-sync-vm-9e6c75151e.json`, trained traj/s over the "
-                 "8-step run, mean ± 95 % half-width over seeds):", "",
-                 "| setting | measured | simulated | error | rows per decode step, measured → simulated |",
-                 "|---|---|---|---|---|"]
-    else:
-        lines = ["Validation against the real system (`" + e["validation_result"] + "`, trained traj/s over the whole "
-                 "run, mean ± 95 % half-width over seeds):", "",
-                 "| setting | measured | simulated | error | engines' measured overrun | error without it | "
-                 "rows per decode step, measured → simulated |",
-                 "|---|---|---|---|---|---|---|"]
+    lines = ["Validation against the real system (`" + e["validation_result"] + "`, trained traj/s over the whole "
+             "run, mean ± 95 % half-width over seeds):", "",
+             "| setting | measured | simulated | error | engines' measured overrun | error without it | "
+             "rows per decode step, measured → simulated |",
+             "|---|---|---|---|---|---|---|"]
     for k, v in e["validation"].items():
-        overrun = "" if legacy else (f"{100 * v['engine_overrun_share']:.1f} % | "
-                                     f"{100 * v['rel_error_at_cost_model']:+.1f} % | ")
+        overrun = f"{100 * v['engine_overrun_share']:.1f} % | {100 * v['rel_error_at_cost_model']:+.1f} % | "
         lines.append(f"| {k} | {_ci(v['measured'])} | {_ci(v['des'])} | {100 * v['rel_error']:+.1f} % | {overrun}"
                      f"{v['measured_rows_per_step']:.1f} → {v['des_rows_per_step']:.1f} |")
     lines += ["", "8 GPUs, steady-state trained traj/s (mean ± 95 % half-width over seeds; split = rollout + learner GPUs):",
@@ -337,14 +329,12 @@ def render_table(doc: dict, json_name: str) -> str:
                      f"{100 * c['async_share_of_whole_gpu_bound']:.0f} % | {100 * c['learner_gpu_share']:.0f} % | "
                      f"{wl['turns_mean']:.1f} / {wl['turns_p90']:.0f} / {wl['turns_max']} | {wl['tool_calls_mean']:.1f} | "
                      f"{wl['decode_context_mean']:,.0f} | {wl['learner_tokens_per_traj']:,.0f} |")
-    # per batch (a result before the per-batch ablation has one, at the best async setting's batch)
-    abl = {wn: ab.get("batches") or {"best": {"groups_per_step": ab["groups_per_step"], "variants": ab["variants"]}}
-           for wn, ab in e["ablation"].items()}
+    abl = {wn: ab["batches"] for wn, ab in e["ablation"].items()}  # per batch: "default" and "_full"
     for at in dict.fromkeys(k for per in abl.values() for k in per):
         gps = ", ".join(f"{wn} {per[at]['groups_per_step']}" for wn, per in abl.items() if at in per)
         split = ", ".join(f"{wn} {ab['split']}" for wn, ab in e["ablation"].items())
         lines += ["", f"Ablation at 8 GPUs (async, lag 2, the best async split: {split}; "
-                  f"{'the best async batch' if at == 'best' else 'the default batch' if at == 'default' else 'the full batch'}"
+                  f"{'the default batch' if at == 'default' else 'the full batch'}"
                   f", groups per version: {gps}), steady-state trained traj/s, the rollout GPUs' idle share and the "
                   "busiest worker's groups over the mean:", "",
                   "| variant | " + " | ".join(f"{wn} traj/s | {wn} rollout idle | {wn} busiest/mean" for wn in abl) + " |",
